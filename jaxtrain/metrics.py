@@ -1,0 +1,148 @@
+"""What people see: process 0 logs to the terminal, train.log, metrics.jsonl and wandb.
+
+Other processes write only warnings and errors, each to logs/process_<i>.log.
+
+MFU = flops_per_token * tokens_per_sec / (devices * peak_flops_per_device), with
+flops_per_token = 6 * n_params + 12 * n_layer * d_model * seq_len (model.flops_per_token),
+and the peak the device's dense bfloat16 matmul rate from the table below.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from jaxtrain import config as config_lib
+from jaxtrain.config import Config
+
+log = logging.getLogger("jaxtrain")
+
+# Dense bfloat16 peak FLOP/s per device, by a substring of jax's device_kind.
+PEAK_FLOPS = (
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+    ("A10", 125e12),
+    ("V100", 125e12),
+    ("TPU v6", 918e12),
+    ("TPU v5p", 459e12),
+    ("TPU v5", 197e12),
+    ("TPU v4", 275e12),
+)
+
+
+def peak_flops(device_kind: str) -> float | None:
+    """The device's peak, or None when unknown (CPUs): then no MFU is shown."""
+    return next((peak for key, peak in PEAK_FLOPS if key in device_kind), None)
+
+
+class _TqdmHandler(logging.StreamHandler):
+    """Console lines that do not break the progress bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        tqdm.write(self.format(record), file=sys.stdout)
+
+
+def setup_logging(run_dir: Path, process_index: int) -> None:
+    """Process 0: INFO to the terminal and train.log. Others: WARNING to their own file."""
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
+    root = logging.getLogger("jaxtrain")
+    root.handlers.clear()
+    root.propagate = False
+    if process_index == 0:
+        handlers: list[logging.Handler] = [_TqdmHandler(), logging.FileHandler(run_dir / "train.log")]
+        root.setLevel(logging.INFO)
+    else:
+        (run_dir / "logs").mkdir(exist_ok=True)
+        handlers = [logging.FileHandler(run_dir / "logs" / f"process_{process_index}.log")]
+        handlers.append(logging.StreamHandler(sys.stderr))
+        root.setLevel(logging.WARNING)
+    for h in handlers:
+        h.setFormatter(fmt)
+        root.addHandler(h)
+
+
+class Reporter:
+    """Progress bar, metric lines, metrics.jsonl and wandb; inert on processes other than 0."""
+
+    def __init__(self, cfg: Config, run_dir: Path, is_main: bool, start_step: int, mfu_denominator: float | None):
+        self.is_main = is_main
+        self.mfu_denominator = mfu_denominator  # flops_per_token / (devices * peak), or None
+        self.wandb: Any = None
+        if not is_main:
+            return
+        self.metrics_file = open(run_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
+        os.chmod(run_dir / "metrics.jsonl", 0o644)
+        self.bar = tqdm(
+            total=cfg.total_steps, initial=start_step, disable=not cfg.progress_bar, dynamic_ncols=True,
+            desc="train", file=sys.stdout,
+        )  # fmt: skip
+        if cfg.use_wandb:
+            self.wandb = _start_wandb(cfg, run_dir)
+
+    def step_done(self) -> None:
+        if self.is_main:
+            self.bar.update(1)
+
+    def train(self, record: dict[str, float]) -> None:
+        """A training record: step, loss, lr, grad_norm, tokens_per_sec, step_time_s, ..."""
+        if not self.is_main:
+            return
+        if self.mfu_denominator:
+            record["mfu"] = record["tokens_per_sec"] * self.mfu_denominator
+        line = (
+            f"step {record['step']:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+            f"grad_norm {record['grad_norm']:.3f} | {record['tokens_per_sec']:,.0f} tok/s | "
+            f"step {record['step_time_s'] * 1000:.1f} ms"
+        )
+        if "mfu" in record:
+            line += f" | MFU {record['mfu'] * 100:.1f}%"
+        if record.get("skipped_steps"):
+            line += f" | skipped {record['skipped_steps']}"
+        self._emit(record, line)
+
+    def eval(self, step: int, val_loss: float) -> None:
+        if self.is_main:
+            self._emit({"step": step, "val_loss": val_loss}, f"step {step:>6} | val_loss {val_loss:.4f}")
+
+    def _emit(self, record: dict[str, Any], line: str) -> None:
+        log.info(line)
+        self.metrics_file.write(json.dumps(record) + "\n")
+        self.metrics_file.flush()
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def close(self) -> None:
+        if not self.is_main:
+            return
+        self.bar.close()
+        self.metrics_file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _start_wandb(cfg: Config, run_dir: Path) -> Any:
+    """One wandb run per run dir: a resumed run continues the same wandb run id."""
+    import wandb  # imported only when asked for: it is slow to import
+
+    id_file = run_dir / "wandb_id"
+    run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+    id_file.write_text(run_id)
+    return wandb.init(
+        project=cfg.wandb_project,
+        name=cfg.wandb_run_name or cfg.name,
+        id=run_id,
+        resume="allow",
+        dir=str(run_dir),
+        mode=cfg.wandb_mode,
+        config=config_lib.to_dict(cfg),
+    )

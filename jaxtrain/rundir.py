@@ -1,0 +1,99 @@
+"""The run directory: config.yaml, metrics.jsonl, train.log, logs/, checkpoints/.
+
+A run dir belongs to one run. Relaunching the same command resumes it; launching an
+incompatible config into it is refused unless --overwrite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from jaxtrain import config as config_lib
+from jaxtrain.config import Config
+from jaxtrain.errors import UserError
+
+# Keys that must match to continue a run: they fix the model shapes and the data stream.
+RESUME_KEYS = ("model", "batch_size", "seed", "train_data_path", "token_dtype")
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def resume_fingerprint(cfg_dict: dict[str, Any]) -> dict[str, Any]:
+    """The part of a config that must be equal for a checkpoint to be continued."""
+    return {k: v for k, v in _flat(cfg_dict).items() if k.split(".")[0] in RESUME_KEYS}
+
+
+def incompatibilities(saved: dict[str, Any], cfg: Config) -> list[str]:
+    """`key: saved -> now` for each resume key that differs."""
+    old, new = resume_fingerprint(saved), resume_fingerprint(config_lib.to_dict(cfg))
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+
+
+def check(cfg: Config) -> None:
+    """Refuse a run dir holding an incompatible run (every process runs this, before init)."""
+    run_dir = cfg.resolved_run_dir
+    saved_path = run_dir / "config.yaml"
+    if cfg.overwrite or not saved_path.exists():
+        return
+    try:
+        saved = yaml.safe_load(saved_path.read_text()) or {}
+    except yaml.YAMLError:
+        raise UserError(f"{saved_path} is not valid YAML; fix it or pass --overwrite to start afresh") from None
+    diff = incompatibilities(saved, cfg)
+    if diff:
+        raise UserError(
+            f"run dir {run_dir} holds a run with a different config ({'; '.join(diff[:3])}); "
+            "use another --run_dir, or --overwrite to discard it"
+        )
+
+
+def prepare(cfg: Config) -> Path:
+    """Create the run dir (process 0 only); with --overwrite, discard the old run's outputs."""
+    run_dir = cfg.resolved_run_dir
+    if cfg.overwrite:
+        for name in ("checkpoints", "metrics.jsonl", "train.log", "logs", "wandb"):
+            p = run_dir / name
+            if p.is_dir():
+                shutil.rmtree(p)
+            elif p.exists():
+                p.unlink()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(run_dir, 0o755)  # never world-writable, whatever the umask
+    write_text(run_dir / "config.yaml", config_lib.to_yaml(cfg))
+    return run_dir
+
+
+def write_text(path: Path, text: str) -> None:
+    """Atomic write (temp + rename), mode 0644."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop records logged after `step`, so a resumed run does not log a step twice."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill
+    write_text(path, "".join(f"{line}\n" for line in kept))
