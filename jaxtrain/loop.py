@@ -1,0 +1,202 @@
+"""The training run, start to end: build, restore or init, train, evaluate, save, sample."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxtrain import checkpoint as ckpt_lib
+from jaxtrain import config as config_lib
+from jaxtrain import data, distributed, metrics, rundir
+from jaxtrain import mesh as mesh_lib
+from jaxtrain.config import Config
+from jaxtrain.errors import UserError
+from jaxtrain.model import GPT, flops_per_token, generate, param_count
+from jaxtrain.optim import make_optimizer
+from jaxtrain.state import TrainState, abstract_state, create_state, state_sharding
+from jaxtrain.step import compute_dtype, jit_steps
+
+log = logging.getLogger("jaxtrain")
+
+
+@dataclasses.dataclass
+class RunResult:
+    final_step: int
+    last_loss: float | None
+    val_loss: float | None
+    run_dir: Path
+
+
+def _data_paths(cfg: Config) -> tuple[str, str]:
+    """The user's token files, or the embedded stdlib byte dataset when none are given."""
+    if cfg.train_data_path:
+        return cfg.train_data_path, cfg.valid_data_path or cfg.train_data_path
+    if cfg.model.vocab_size < 256:
+        raise UserError(
+            f"the embedded byte dataset needs model.vocab_size >= 256, got {cfg.model.vocab_size}; "
+            "raise it or pass --train_data_path"
+        )
+    train, val = data.default_dataset()
+    return str(train), cfg.valid_data_path or str(val)
+
+
+def _restore_or_init(
+    cfg: Config, model: GPT, tx: Any, mesh: Any, ckpt: ckpt_lib.Checkpointer
+) -> tuple[TrainState, int]:
+    """The latest complete checkpoint of this run (or --resume_from), else a fresh state."""
+    abstract = abstract_state(cfg, model, tx)
+    shardings = state_sharding(mesh, abstract)
+    source, step = ckpt, ckpt.latest_step()
+    if cfg.resume_from and step is None:
+        directory, step = ckpt_lib.locate(cfg.resume_from)
+        source = ckpt_lib.Checkpointer(directory, cfg.keep_checkpoints, read_only=True)
+        step = step if step is not None else source.latest_step()
+        if step is None:
+            raise UserError(f"--resume_from {cfg.resume_from} holds no complete checkpoint")
+    if step is None:
+        return create_state(cfg, model, tx, mesh), 0
+    try:
+        meta = source.read_meta(step)
+    except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is the same user problem
+        raise UserError(
+            f"checkpoint {source.directory}/{step} is unreadable ({type(e).__name__}); "
+            "delete that step dir or pass --resume_from another checkpoint"
+        ) from None
+    diff = rundir.incompatibilities(meta.get("config", {}), cfg)
+    if diff:
+        raise UserError(
+            f"checkpoint {source.directory}/{step} was written by a different config ({'; '.join(diff[:3])}); "
+            "resume with the same model/batch/seed/data, or start a new --run_dir"
+        )
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    state = source.restore(step, target)
+    log.info(f"resumed from {source.directory}/{step}")
+    return state, step
+
+
+def _sample(cfg: Config, state: TrainState) -> None:
+    """Print a short generation from the final model (process 0, local replica only)."""
+    if cfg.model.vocab_size < 256 or cfg.train_data_path:
+        return  # only the byte-level embedded dataset decodes without a tokenizer
+    params = mesh_lib.local_copy(state.params)
+    prompt = np.frombuffer(cfg.sample_prompt.encode(), np.uint8).astype(np.int32)
+    out = generate(params, cfg.model, prompt, cfg.sample_tokens, jax.random.key(cfg.seed))
+    text = bytes(np.concatenate([prompt, out]).clip(0, 255).astype(np.uint8)).decode("utf-8", "replace")
+    log.info("sample from the trained model:\n" + "-" * 60 + f"\n{text}\n" + "-" * 60)
+
+
+def train(cfg: Config) -> RunResult:
+    """Run (or resume) the training job described by cfg on every device of every process."""
+    rundir.check(cfg)  # every process, before any connection: same error everywhere
+    distributed.initialize(cfg.dist)
+    pid, nproc = jax.process_index(), jax.process_count()
+    is_main = pid == 0
+    mesh = mesh_lib.make_mesh()
+    mesh_lib.check_mesh(mesh)
+    cfg = config_lib.with_topology(cfg, jax.device_count(), nproc)
+    train_path, val_path = _data_paths(cfg)
+    seq = cfg.model.seq_len
+    train_tokens = data.open_tokens(train_path, cfg.model.vocab_size, cfg.token_dtype, min_tokens=seq + 1)
+    val_tokens = data.open_tokens(val_path, cfg.model.vocab_size, cfg.token_dtype, min_tokens=seq + 1)
+
+    run_dir = cfg.resolved_run_dir
+    if is_main:
+        rundir.prepare(cfg)
+    _barrier("run_dir")
+    metrics.setup_logging(run_dir, pid)
+    log.info(f"config:\n{config_lib.to_yaml(cfg)}")
+    log.info(
+        f"{nproc} process(es) x {jax.local_device_count()} {jax.devices()[0].device_kind} device(s); "
+        f"global batch {cfg.batch_size} x {seq} tokens, {cfg.gradient_accumulation_steps} microbatch(es), "
+        f"{cfg.batch_size // nproc} rows per process; data {train_path}"
+    )
+
+    model = GPT(cfg.model, dtype=compute_dtype(cfg))
+    tx = make_optimizer(cfg)
+    ckpt = ckpt_lib.Checkpointer(run_dir / "checkpoints", cfg.keep_checkpoints)
+    state, start_step = _restore_or_init(cfg, model, tx, mesh, ckpt)
+    if is_main:
+        rundir.truncate_metrics(run_dir / "metrics.jsonl", start_step)
+    n_params = param_count(state.params)
+    fpt = flops_per_token(cfg.model, n_params)
+    peak = metrics.peak_flops(jax.devices()[0].device_kind)
+    log.info(f"model: {n_params:,} parameters, {fpt / 1e6:.1f} MFLOPs per token (6N + 12*L*d*T)")
+
+    train_step, eval_step = jit_steps(cfg, model, tx, mesh, state_sharding(mesh, state))
+    reporter = metrics.Reporter(
+        cfg, run_dir, is_main, start_step, fpt / (jax.device_count() * peak) if peak else None
+    )
+    loader = data.train_loader(
+        train_tokens, seq, cfg.batch_size, cfg.seed, start_step, cfg.total_steps, pid, nproc,
+        cfg.data_threads, cfg.prefetch,
+    )  # fmt: skip
+    val_sets = (
+        data.eval_batches(val_tokens, seq, cfg.batch_size, cfg.eval_batches, pid, nproc) if cfg.eval_interval else []
+    )
+
+    def meta(step: int) -> dict[str, Any]:
+        return {"step": step, "data_position": step, "config": config_lib.to_dict(cfg)}
+
+    def evaluate(step: int) -> float:
+        losses = [eval_step(state.params, mesh_lib.global_batch(b, mesh, cfg.batch_size)) for b in val_sets]
+        val = float(np.mean(jax.device_get(losses)))
+        reporter.eval(step, val)
+        return val
+
+    last_loss = val_loss = None
+    pending: list[dict[str, jax.Array]] = []
+    t_last, data_wait = time.perf_counter(), 0.0
+    step = start_step
+    it = iter(loader)
+    while step < cfg.total_steps:
+        t0 = time.perf_counter()
+        local_rows = next(it)
+        data_wait += time.perf_counter() - t0
+        state, m = train_step(state, mesh_lib.global_batch(local_rows, mesh, cfg.batch_size))
+        pending.append(m)
+        step += 1
+        reporter.step_done()
+        if step % cfg.log_interval == 0 or step == cfg.total_steps:
+            fetched = jax.device_get(pending)
+            now = time.perf_counter()
+            dt = now - t_last
+            last_loss = float(fetched[-1]["loss"])
+            record = {
+                "step": step,
+                "loss": last_loss,
+                "lr": float(fetched[-1]["lr"]),
+                "grad_norm": float(fetched[-1]["grad_norm"]),
+                "tokens_per_sec": len(pending) * cfg.batch_size * seq / dt,
+                "step_time_s": dt / len(pending),
+                "data_wait_frac": data_wait / dt,
+                "skipped_steps": int(fetched[-1]["skipped_steps"]),
+            }
+            if cfg.dtype == "float16":
+                record["loss_scale"] = float(fetched[-1]["loss_scale"])
+            reporter.train(record)
+            pending, t_last, data_wait = [], time.perf_counter(), 0.0
+        if cfg.eval_interval and (step % cfg.eval_interval == 0 or step == cfg.total_steps):
+            val_loss = evaluate(step)
+            t_last = time.perf_counter()  # keep eval time out of tokens/s
+        if step % cfg.checkpoint_interval == 0 or step == cfg.total_steps:
+            ckpt.save(step, state, meta(step))
+    ckpt.wait()
+    ckpt.close()
+    reporter.close()
+    if is_main and cfg.sample_tokens:
+        _sample(cfg, state)
+    log.info(f"done: step {step}, run dir {run_dir}")
+    return RunResult(step, last_loss, val_loss, run_dir)
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)

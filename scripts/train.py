@@ -1,0 +1,29 @@
+"""Train a GPT language model with jaxtrain.
+
+One process, every local device (CPU, one GPU, or a GPU box):
+    python scripts/train.py --config configs/default.yaml
+    python scripts/train.py --config configs/tiny.yaml --batch_size 64 --optim.lr=3e-4
+Your own data (see scripts/prepare_data.py):
+    python scripts/train.py --config configs/gpt2_124m.yaml --train_data_path data/train.bin \
+        --valid_data_path data/val.bin
+Several local processes, many hosts, SLURM (same script, unchanged):
+    python scripts/run_distributed.py --mode manual --world-size 4 -- --config configs/tiny.yaml
+    scripts/launch_multi_node.sh 10.0.0.1 2 8 -- --config configs/gpt2_124m.yaml
+    python scripts/run_distributed.py --mode slurm --nodes 2 -- --config configs/gpt2_124m.yaml
+Relaunching the same command resumes from the run dir's latest complete checkpoint.
+"""
+
+import sys
+
+from jaxtrain.config import load_config
+from jaxtrain.errors import exit_on_user_error
+from jaxtrain.loop import train
+
+
+@exit_on_user_error
+def main(argv: list[str] | None = None) -> None:
+    train(load_config(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    main()
