@@ -1,0 +1,392 @@
+"""Start JAX's multi-process runtime from whatever the launcher or cluster provides.
+
+Sources, first match wins:
+  1. flags      --dist.coordinator_address HOST:PORT --dist.num_processes N --dist.process_id R
+  2. jax_env    JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID (JAX_LOCAL_DEVICE_IDS)
+  3. torchrun   MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK (LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK)
+  4. slurm      a task started by srun: SLURM_JOB_ID, SLURM_NTASKS, SLURM_PROCID, SLURM_LOCALID, ...
+  5. single     one process, no coordinator
+Under SLURM a coordinator given alone (flag, JAX_COORDINATOR_ADDRESS or MASTER_ADDR+MASTER_PORT)
+replaces the derived one; anywhere else a partial set is an error. `--dist.local_device_ids`
+overrides the local devices of any source.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import socket
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from jaxtrain.config import DistConfig
+from jaxtrain.errors import EXIT_USAGE, UserError
+
+_JAX_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+_TORCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
+_SLURM_VARS = ("SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+# JAX's own SLURM convention, so a job started by either picks the same port.
+_SLURM_PORT_BASE, _SLURM_PORT_SPAN = 65535 - 2**12 + 1, 2**12
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    source: str  # "flags" | "jax_env" | "torchrun_env" | "slurm" | "single"
+    coordinator_address: str | None
+    num_processes: int
+    process_id: int
+    local_device_ids: tuple[int, ...] | None
+    details: dict[str, str]  # the raw values that were used (env names -> values), for logging
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """HOST:PORT (or [IPv6]:PORT) -> (host, port); UserError if malformed."""
+    host, sep, port = address.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(f"coordinator address '{address}' is not HOST:PORT; write e.g. 10.0.0.1:29500")
+    return host, int(port)
+
+
+def _int(name: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise UserError(f"{name}={value!r} is not an integer; set it to a whole number") from None
+
+
+def _device_ids(name: str, value: str) -> tuple[int, ...]:
+    parts = [v.strip() for v in value.split(",") if v.strip()]
+    if not parts or not all(p.isdigit() for p in parts) or len(set(map(int, parts))) != len(parts):
+        raise UserError(f"{name}={value!r} must be distinct non-negative device ids, e.g. 0,1")
+    return tuple(map(int, parts))
+
+
+def _check(source: str, spec: dict, names: tuple[str, str, str]) -> None:
+    """Raise before any connection attempt if the numbers cannot describe a job."""
+    coord, n, pid = names
+    if spec["num_processes"] < 1:
+        raise UserError(f"{n}={spec['num_processes']} must be >= 1 ({source})")
+    if not 0 <= spec["process_id"] < spec["num_processes"]:
+        raise UserError(
+            f"{pid}={spec['process_id']} is out of range for {n}={spec['num_processes']}; "
+            f"process ids run 0..{spec['num_processes'] - 1} ({source})"
+        )
+    if spec["num_processes"] > 1:
+        if not spec["coordinator_address"]:
+            raise UserError(f"{n}={spec['num_processes']} needs {coord} HOST:PORT ({source})")
+        split_address(spec["coordinator_address"])
+
+
+def _partial(source: str, given: list[str], needed: tuple[str, ...]) -> UserError:
+    missing = [n for n in needed if n not in given]
+    return UserError(
+        f"{', '.join(given)} set but {', '.join(missing)} not ({source}): set all of "
+        f"{', '.join(needed)}, or none of them"
+    )
+
+
+def _in_slurm_task(environ: Mapping[str, str]) -> bool:
+    return "SLURM_JOB_ID" in environ and "SLURM_PROCID" in environ
+
+
+def _from_flags(dist: DistConfig, environ: Mapping[str, str]) -> dict | None:
+    given = {
+        "--dist.coordinator_address": dist.coordinator_address,
+        "--dist.num_processes": str(dist.num_processes) if dist.num_processes else "",
+        "--dist.process_id": str(dist.process_id) if dist.process_id >= 0 else "",
+    }
+    set_names = [k for k, v in given.items() if v]
+    if not set_names or set_names == ["--dist.coordinator_address"] and _in_slurm_task(environ):
+        return None  # nothing, or only a coordinator for SLURM to use
+    if dist.num_processes == 1 and not dist.coordinator_address:
+        return {"coordinator_address": None, "num_processes": 1, "process_id": max(dist.process_id, 0)}
+    if len(set_names) < 3:
+        raise _partial("flags", set_names, tuple(given))
+    return {
+        "coordinator_address": dist.coordinator_address,
+        "num_processes": dist.num_processes,
+        "process_id": dist.process_id,
+        "details": {k: v for k, v in given.items()},
+    }
+
+
+def _from_jax_env(environ: Mapping[str, str]) -> dict | None:
+    set_names = [n for n in _JAX_VARS if environ.get(n)]
+    if not set_names or set_names == ["JAX_COORDINATOR_ADDRESS"] and _in_slurm_task(environ):
+        return None  # nothing, or only a coordinator for SLURM to use
+    if len(set_names) < 3:
+        raise _partial("jax_env", set_names, _JAX_VARS)
+    out = {
+        "coordinator_address": environ["JAX_COORDINATOR_ADDRESS"],
+        "num_processes": _int("JAX_NUM_PROCESSES", environ["JAX_NUM_PROCESSES"]),
+        "process_id": _int("JAX_PROCESS_ID", environ["JAX_PROCESS_ID"]),
+        "details": {n: environ[n] for n in _JAX_VARS},
+    }
+    if environ.get("JAX_LOCAL_DEVICE_IDS"):
+        out["local_device_ids"] = _device_ids("JAX_LOCAL_DEVICE_IDS", environ["JAX_LOCAL_DEVICE_IDS"])
+        out["details"]["JAX_LOCAL_DEVICE_IDS"] = environ["JAX_LOCAL_DEVICE_IDS"]
+    return out
+
+
+def _from_torchrun_env(environ: Mapping[str, str]) -> dict | None:
+    extra = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK")
+    set_names = [n for n in _TORCH_VARS + extra if environ.get(n)]
+    if not set_names or _in_slurm_task(environ) and not {"WORLD_SIZE", "RANK"} & set(set_names):
+        return None  # nothing, or only MASTER_ADDR/PORT for SLURM to use
+    if any(n not in set_names for n in _TORCH_VARS):
+        raise _partial("torchrun_env", [n for n in set_names if n in _TORCH_VARS] or set_names, _TORCH_VARS)
+    out = {
+        "coordinator_address": f"{environ['MASTER_ADDR']}:{environ['MASTER_PORT']}",
+        "num_processes": _int("WORLD_SIZE", environ["WORLD_SIZE"]),
+        "process_id": _int("RANK", environ["RANK"]),
+        "details": {n: environ[n] for n in set_names},
+    }
+    _int("MASTER_PORT", environ["MASTER_PORT"])
+    # torchrun starts one process per GPU and LOCAL_RANK names its GPU.
+    if environ.get("LOCAL_RANK") and _int("LOCAL_WORLD_SIZE", environ.get("LOCAL_WORLD_SIZE", "2")) > 1:
+        out["local_device_ids"] = (_int("LOCAL_RANK", environ["LOCAL_RANK"]),)
+    return out
+
+
+def _first_host(nodelist: str) -> str:
+    """First host of a SLURM node list: 'n[003-005,9],m' -> 'n003'."""
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    if not m:
+        raise UserError(f"cannot read SLURM node list {nodelist!r}")
+    prefix, ranges = m.groups()
+    return prefix + re.split(r"[,-]", ranges)[0] if ranges else prefix
+
+
+def _tasks_on_node(environ: Mapping[str, str]) -> int:
+    """Tasks of this step on this node, from SLURM's compressed 'N(xM),K' per-node counts."""
+    counts = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE", "")
+    per_node: list[int] = []
+    for part in filter(None, counts.split(",")):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part)
+        if not m:
+            return 1
+        per_node += [int(m[1])] * int(m[2] or 1)
+    node = _int("SLURM_NODEID", environ.get("SLURM_NODEID", "0"))
+    return per_node[node] if node < len(per_node) else 1
+
+
+def _slurm_devices(environ: Mapping[str, str], local_id: int) -> tuple[int, ...] | None:
+    """One task per node keeps every GPU; several tasks on a node split them."""
+    tasks = _tasks_on_node(environ)
+    if tasks <= 1 or environ.get("SLURM_GPUS_PER_TASK"):
+        return None  # all local devices, or SLURM already bound each task's GPUs
+    visible = [v for v in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if len(visible) <= 1 and "CUDA_VISIBLE_DEVICES" in environ:
+        return None
+    if not visible:
+        return (local_id,)  # JAX's own SLURM default: GPU number = local task id
+    if len(visible) % tasks:
+        raise UserError(
+            f"{len(visible)} GPUs (CUDA_VISIBLE_DEVICES) cannot be split between {tasks} tasks on this "
+            "node; use a task count that divides the GPUs, or --gpus-per-task"
+        )
+    per = len(visible) // tasks
+    return tuple(range(local_id * per, (local_id + 1) * per))
+
+
+def _coordinator_override(dist: DistConfig, environ: Mapping[str, str]) -> tuple[str, str] | None:
+    if dist.coordinator_address:
+        return "--dist.coordinator_address", dist.coordinator_address
+    if environ.get("JAX_COORDINATOR_ADDRESS"):
+        return "JAX_COORDINATOR_ADDRESS", environ["JAX_COORDINATOR_ADDRESS"]
+    if environ.get("MASTER_ADDR") or environ.get("MASTER_PORT"):
+        if not (environ.get("MASTER_ADDR") and environ.get("MASTER_PORT")):
+            raise UserError("set both MASTER_ADDR and MASTER_PORT, or neither (slurm)")
+        return "MASTER_ADDR:MASTER_PORT", f"{environ['MASTER_ADDR']}:{environ['MASTER_PORT']}"
+    return None
+
+
+def _from_slurm(dist: DistConfig, environ: Mapping[str, str]) -> dict | None:
+    if not _in_slurm_task(environ):
+        return None  # outside a job, or in an salloc shell: not a task srun started
+    missing = [n for n in _SLURM_VARS if n not in environ]
+    nodelist_var = next((n for n in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST") if environ.get(n)), None)
+    if missing or not nodelist_var:
+        raise _partial(
+            "slurm", ["SLURM_JOB_ID", "SLURM_PROCID"], ("SLURM_JOB_ID", *_SLURM_VARS, "SLURM_STEP_NODELIST")
+        )
+    details = {n: environ[n] for n in ("SLURM_JOB_ID", *_SLURM_VARS, nodelist_var)}
+    num = _int("SLURM_NTASKS", environ["SLURM_NTASKS"])
+    if "SLURM_STEP_ID" not in environ and num > 1:
+        raise UserError(
+            f"this is the batch script of a SLURM job with SLURM_NTASKS={num}, not one of its tasks; "
+            "start training with srun (or scripts/run_distributed.py --mode slurm)"
+        )
+    override = _coordinator_override(dist, environ)
+    if override:
+        details[override[0]] = override[1]
+        coordinator = override[1]
+    else:
+        port = _int("SLURM_JOB_ID", environ["SLURM_JOB_ID"]) % _SLURM_PORT_SPAN + _SLURM_PORT_BASE
+        coordinator = f"{_first_host(environ[nodelist_var])}:{port}"
+    local_id = _int("SLURM_LOCALID", environ["SLURM_LOCALID"])
+    return {
+        "coordinator_address": coordinator,
+        "num_processes": num,
+        "process_id": _int("SLURM_PROCID", environ["SLURM_PROCID"]),
+        "local_device_ids": _slurm_devices(environ, local_id),
+        "details": details,
+    }
+
+
+def detect(dist: DistConfig, environ: Mapping[str, str] = os.environ) -> LaunchSpec:
+    """Work out this process's place in the job; pure, raises UserError on inconsistent values."""
+    names = {
+        "flags": ("--dist.coordinator_address", "--dist.num_processes", "--dist.process_id"),
+        "jax_env": _JAX_VARS,
+        "torchrun_env": ("MASTER_ADDR:MASTER_PORT", "WORLD_SIZE", "RANK"),
+        "slurm": ("the coordinator", "SLURM_NTASKS", "SLURM_PROCID"),
+    }
+    found = None
+    for source, get in (
+        ("flags", lambda: _from_flags(dist, environ)),
+        ("jax_env", lambda: _from_jax_env(environ)),
+        ("torchrun_env", lambda: _from_torchrun_env(environ)),
+        ("slurm", lambda: _from_slurm(dist, environ)),
+    ):
+        found = get()
+        if found is not None:
+            _check(source, found, names[source])
+            break
+    else:
+        source, found = "single", {"coordinator_address": None, "num_processes": 1, "process_id": 0}
+    details = dict(found.get("details", {}))
+    local_ids = found.get("local_device_ids")
+    if dist.local_device_ids:
+        local_ids = _device_ids("--dist.local_device_ids", dist.local_device_ids)
+        details["--dist.local_device_ids"] = dist.local_device_ids
+    return LaunchSpec(
+        source=source,
+        coordinator_address=found["coordinator_address"] if found["num_processes"] > 1 else None,
+        num_processes=found["num_processes"],
+        process_id=found["process_id"],
+        local_device_ids=local_ids,
+        details=details,
+    )
+
+
+def coordinator_reachable(address: str, timeout: float) -> bool:
+    """True if a TCP connection to HOST:PORT opens within `timeout` seconds (one attempt)."""
+    host, port = split_address(address)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _port_in_use(port: int) -> bool:
+    """True if something already listens on `port` on this host (any address)."""
+    for family, addr in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                # SO_REUSEADDR mirrors the coordinator's own bind: lingering TIME_WAIT is no conflict.
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind((addr, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return True
+            # no IPv6 on this host: the IPv4 attempt decides
+    return False
+
+
+def _fail(spec: LaunchSpec, what: str) -> UserError:
+    return UserError(
+        f"process {spec.process_id} of {spec.num_processes} (coordinator {spec.coordinator_address}, "
+        f"source {spec.source}) {what}"
+    )
+
+
+def _wait_for_coordinator(spec: LaunchSpec, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not coordinator_reachable(spec.coordinator_address, min(5.0, timeout)):
+        if time.monotonic() >= deadline:
+            raise _fail(
+                spec,
+                f"could not reach the coordinator within {timeout:.0f} s; check that process 0 is "
+                f"running and that {spec.coordinator_address} is reachable from this host (firewall?)",
+            )
+        time.sleep(0.5)
+
+
+def _watchdog(spec: LaunchSpec, timeout: float) -> threading.Event:
+    """JAX aborts the whole process when joining times out; exit first with a readable line."""
+    done = threading.Event()
+
+    def watch() -> None:
+        if not done.wait(timeout):
+            err = _fail(
+                spec,
+                f"timed out after {timeout:.0f} s waiting for all processes to join; start every "
+                "process, check they agree on the coordinator, or raise --dist.init_timeout",
+            )
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            os._exit(EXIT_USAGE)
+
+    threading.Thread(target=watch, name="jaxtrain-init-watchdog", daemon=True).start()
+    return done
+
+
+def describe(spec: LaunchSpec) -> str:
+    """One line saying where this process sits, for the start-up log."""
+    devices = ",".join(map(str, spec.local_device_ids)) if spec.local_device_ids else "all"
+    raw = " ".join(f"{k}={v}" for k, v in spec.details.items())
+    return (
+        f"distributed: source={spec.source} process {spec.process_id}/{spec.num_processes} "
+        f"local_devices={devices} coordinator={spec.coordinator_address or '-'}"
+        + (f" [{raw}]" if raw else "")
+    )
+
+
+def initialize(dist: DistConfig, environ: Mapping[str, str] = os.environ) -> LaunchSpec:
+    """detect(), then join the other processes (gloo collectives on CPU) within dist.init_timeout."""
+    import jax
+
+    spec = detect(dist, environ)
+    if spec.num_processes == 1:
+        if spec.local_device_ids:
+            jax.config.update("jax_cuda_visible_devices", ",".join(map(str, spec.local_device_ids)))
+        print(describe(spec), flush=True)
+        return spec
+    # Without this a CPU-only job has no cross-process collectives; GPUs ignore the setting.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    start, timeout = time.monotonic(), float(dist.init_timeout)
+    if spec.process_id == 0:
+        _, port = split_address(spec.coordinator_address)
+        if _port_in_use(port):
+            raise _fail(
+                spec,
+                f"cannot start the coordinator: port {port} is already in use on this host; pick a free "
+                "port (e.g. --dist.coordinator_address HOST:29501) or stop what holds it",
+            )
+    else:
+        _wait_for_coordinator(spec, timeout)
+    remaining = max(1.0, timeout - (time.monotonic() - start))
+    done = _watchdog(spec, remaining)
+    try:
+        jax.distributed.initialize(
+            coordinator_address=spec.coordinator_address,
+            num_processes=spec.num_processes,
+            process_id=spec.process_id,
+            local_device_ids=list(spec.local_device_ids) if spec.local_device_ids else None,
+            # JAX's own limit sits just past the watchdog so the readable error wins the race.
+            initialization_timeout=int(remaining) + 5,
+        )
+    except Exception as e:  # JAX raises several types here; all mean this process cannot join
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise _fail(spec, f"failed to join the job: {first_line}") from e
+    finally:
+        done.set()
+    if spec.process_id == 0:
+        print(describe(spec), flush=True)
+    return spec
