@@ -314,3 +314,33 @@ def test_prepare_data_bpe_round_trip(tmp_path: Path) -> None:
     tok = load_tokenizer(out / "train.bin")
     assert isinstance(tok, BPETokenizer) and tok.vocab_size == result.vocab_size
     assert tok.decode(train) + tok.decode(val) == text
+
+
+def test_bpe_without_tokenizers_package_is_a_user_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from jaxtrain.tokenizer import prepare_corpus
+
+    _corpus(tmp_path / "in")
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # makes `import tokenizers` fail
+    with pytest.raises(UserError, match=r"pip install -e '.\[bpe\]'"):
+        prepare_corpus([tmp_path / "in"], tmp_path / "out", tokenizer="bpe", vocab_size=300)
+    with pytest.raises(UserError, match="needs --tokenizer bpe"):
+        prepare_corpus([tmp_path / "in"], tmp_path / "out", vocab_size=1000)
+    assert not (tmp_path / "out" / "train.bin").exists()
+
+
+def test_text_chunks_never_cut_a_character(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from jaxtrain import tokenizer
+
+    monkeypatch.setattr(tokenizer, "_READ_CHUNK", 7)  # tiny reads: lines longer than a read
+    text = "ab✓ü" * 50 + "\nshort\n" + "é" * 41
+    (tmp_path / "t.txt").write_text(text)
+    chunks = list(tokenizer._line_chunks([tmp_path / "t.txt"]))
+    assert len(chunks) > 10 and b"".join(chunks) == text.encode()
+    assert "".join(c.decode("utf-8") for c in chunks) == text  # every chunk is whole characters
+    for split_at in (1, 5, 100, 203, 250):
+        parts = list(tokenizer._split_chunks(chunks, split_at))
+        train = b"".join(c for is_val, c in parts if not is_val)
+        val = b"".join(c for is_val, c in parts if is_val)
+        assert train + val == text.encode() and train.decode() and val.decode()
