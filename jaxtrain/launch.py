@@ -1,0 +1,477 @@
+"""Start a training script as several processes: locally, one rank of a multi-host job, or SLURM.
+
+The logic behind scripts/run_distributed.py; the children find their place in the job through
+JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (see jaxtrain/distributed.py)
+or, under SLURM, through srun's own variables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from jaxtrain.distributed import split_address
+from jaxtrain.errors import UserError
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_SCRIPT = "scripts/train.py"
+DEFAULT_SBATCH = "slurm_scripts/run_slurm.sh"
+DEFAULT_SLURM_OUTPUT = "slurm_scripts/logs/%x-%j.out"
+
+
+class _ArgumentError(UserError):
+    """A launcher flag that cannot be used."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line and exit 2, like every other bad input
+        raise _ArgumentError(f"{message}; see {self.prog} --help")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The run_distributed.py command line; everything after `--` goes to the script."""
+    p = _Parser(prog="scripts/run_distributed.py", description=__doc__)
+    p.add_argument("--mode", choices=("manual", "slurm", "create_slurm"), required=True)
+    p.add_argument("--script", default=DEFAULT_SCRIPT, help="script to run (default scripts/train.py)")
+    p.add_argument("--python", default=sys.executable, help="interpreter for the script")
+    m = p.add_argument_group("manual")
+    m.add_argument("--world-size", type=int, help="total processes in the job")
+    m.add_argument("--rank", type=int, help="run only this rank (multi-host, one process here)")
+    m.add_argument("--node-rank", type=int, help="run ranks node_rank*P .. node_rank*P+P-1 here")
+    m.add_argument("--nproc-per-node", type=int, help="P: processes on this machine")
+    m.add_argument("--coordinator", help="HOST:PORT of rank 0 (default 127.0.0.1:<free port>)")
+    m.add_argument("--port", type=int, help="coordinator port on 127.0.0.1 when every rank is local")
+    m.add_argument("--log-dir", help="write rank>0 output to DIR/rank_<r>.log instead of the terminal")
+    m.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    s = p.add_argument_group("slurm, create_slurm")
+    s.add_argument("--nodes", type=int, help="nodes (default 1, or the allocation's)")
+    s.add_argument("--ntasks-per-node", type=int, help="processes per node (default 1: all its GPUs)")
+    s.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (0: CPU job)")
+    s.add_argument("--task-per-gpu", action="store_true", help="one process per GPU instead of per node")
+    s.add_argument("--cpus-per-task", type=int, help="CPUs for each process")
+    s.add_argument("--time", default="01:00:00", help="time limit, HH:MM:SS")
+    s.add_argument("--partition", help="SLURM partition")
+    s.add_argument("--account", help="SLURM account")
+    s.add_argument("--job-name", default="jaxtrain")
+    s.add_argument("--output", default=DEFAULT_SLURM_OUTPUT, help="job log (%%x name, %%j job id)")
+    s.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="export in the job")
+    s.add_argument("--signal-seconds", type=int, default=90, help="requeue this long before the limit")
+    s.add_argument("--workdir", default=str(REPO), help="directory the job runs in")
+    s.add_argument("--sbatch-script", default=DEFAULT_SBATCH, help="file create_slurm writes")
+    s.add_argument("--follow", action="store_true", help="after sbatch, print the job log until it ends")
+    return p
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """Split launcher flags from the script's arguments at the first `--`."""
+    cut = argv.index("--") if "--" in argv else len(argv)
+    return build_parser().parse_args(argv[:cut]), argv[cut + 1 :]
+
+
+# ---------------------------------------------------------------- manual: local processes
+
+
+@dataclass(frozen=True)
+class LocalPlan:
+    world_size: int
+    ranks: tuple[int, ...]
+    coordinator: str
+    gpu_sets: tuple[str, ...] | None  # CUDA_VISIBLE_DEVICES per local process, None: leave as is
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def local_gpus(environ: dict[str, str]) -> list[str]:
+    """GPU ids this machine offers: CUDA_VISIBLE_DEVICES, else nvidia-smi; [] on CPU."""
+    if environ.get("JAX_PLATFORMS", "").strip() == "cpu":
+        return []
+    if "CUDA_VISIBLE_DEVICES" in environ:
+        return [g.strip() for g in environ["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
+    if not shutil.which("nvidia-smi"):
+        return []
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True
+    )
+    return out.stdout.split() if out.returncode == 0 else []
+
+
+def plan_manual(args: argparse.Namespace, environ: dict[str, str]) -> LocalPlan:
+    """Which ranks run here, the coordinator, and each process's GPUs; UserError if inconsistent."""
+    n = args.world_size
+    if n is None:
+        raise _ArgumentError("--mode manual needs --world-size N (total processes in the job)")
+    if n < 1:
+        raise _ArgumentError(f"--world-size must be >= 1, got {n}")
+    if args.rank is not None and args.node_rank is not None:
+        raise _ArgumentError("give --rank R (one process) or --node-rank K (P processes), not both")
+    if args.rank is not None:
+        if not 0 <= args.rank < n:
+            raise _ArgumentError(f"--rank {args.rank} is out of range for --world-size {n}; use 0..{n - 1}")
+        ranks = (args.rank,)
+    else:
+        per_node = args.nproc_per_node or (n if args.node_rank is None else 1)
+        node = args.node_rank or 0
+        if per_node < 1 or node < 0:
+            raise _ArgumentError("--nproc-per-node must be >= 1 and --node-rank >= 0")
+        if (node + 1) * per_node > n:
+            raise _ArgumentError(
+                f"--node-rank {node} x --nproc-per-node {per_node} needs ranks up to "
+                f"{(node + 1) * per_node - 1}, beyond --world-size {n}"
+            )
+        ranks = tuple(range(node * per_node, (node + 1) * per_node))
+    everything_here = len(ranks) == n
+    if args.coordinator:
+        split_address(args.coordinator)
+        coordinator = args.coordinator
+    elif everything_here:
+        coordinator = f"127.0.0.1:{args.port or free_port()}"
+    else:
+        raise _ArgumentError(
+            f"this machine runs ranks {ranks[0]}..{ranks[-1]} of {n}: give --coordinator HOST:PORT "
+            "(rank 0's address, reachable from every host)"
+        )
+    gpus = local_gpus(environ)
+    gpu_sets = None
+    if gpus and len(ranks) > 1:
+        if len(gpus) % len(ranks):
+            raise _ArgumentError(
+                f"{len(gpus)} GPUs ({','.join(gpus)}) cannot be split evenly between {len(ranks)} local "
+                "processes; use a process count that divides the GPU count"
+            )
+        k = len(gpus) // len(ranks)
+        gpu_sets = tuple(",".join(gpus[i * k : (i + 1) * k]) for i in range(len(ranks)))
+    return LocalPlan(n, ranks, coordinator, gpu_sets)
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+def _pump(stream: IO[bytes], prefix: bytes, sink: IO[bytes]) -> None:
+    """Copy a child's output to `sink`, each line tagged with its rank."""
+    for line in iter(stream.readline, b""):
+        sink.write(prefix + line)
+        sink.flush()
+
+
+class _Stop(Exception):
+    """The launcher itself was asked to stop (Ctrl-C, SIGTERM, SIGHUP)."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+
+
+def _raise_stop(signum: int, _frame: object) -> None:
+    raise _Stop(signum)
+
+
+def _stop_all(procs: dict[int, subprocess.Popen], grace: float) -> None:
+    """SIGTERM every child's process group, then SIGKILL whatever is left after `grace` seconds."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in procs.values():
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, sig)  # the group: also the child's own helpers
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace
+        while any(p.poll() is None for p in procs.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    for p in procs.values():
+        p.wait()
+
+
+def run_local(plan: LocalPlan, command: list[str], log_dir: str | None, grace: float) -> int:
+    """Start one child per local rank and supervise them; returns the launcher's exit code."""
+    if log_dir:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+    procs: dict[int, subprocess.Popen] = {}
+    pumps: list[threading.Thread] = []
+    files: list[IO[bytes]] = []
+    handlers = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        for i, rank in enumerate(plan.ranks):
+            env = dict(os.environ)
+            env.update(
+                JAX_COORDINATOR_ADDRESS=plan.coordinator,
+                JAX_NUM_PROCESSES=str(plan.world_size),
+                JAX_PROCESS_ID=str(rank),
+                PYTHONUNBUFFERED="1",
+            )
+            if plan.gpu_sets:
+                env["CUDA_VISIBLE_DEVICES"] = plan.gpu_sets[i]
+            out: IO[bytes] | int | None = None  # the first local process talks to the terminal
+            if i > 0 and log_dir:
+                out = open(Path(log_dir) / f"rank_{rank}.log", "wb")  # noqa: SIM115 (closed below)
+                files.append(out)
+            elif i > 0:
+                out = subprocess.PIPE
+            # Own session: Ctrl-C reaches only the launcher, which stops the children in order.
+            p = subprocess.Popen(
+                command, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+            procs[rank] = p
+            if out is subprocess.PIPE:
+                t = threading.Thread(
+                    target=_pump, args=(p.stdout, f"[rank {rank}] ".encode(), sys.stderr.buffer)
+                )
+                t.start()
+                pumps.append(t)
+        print(
+            f"jaxtrain launch: ranks {plan.ranks[0]}..{plan.ranks[-1]} of {plan.world_size}, coordinator "
+            f"{plan.coordinator}" + (f", rank logs in {log_dir}" if log_dir and len(plan.ranks) > 1 else ""),
+            file=sys.stderr,
+            flush=True,
+        )
+        while True:
+            failed = [(r, p.returncode) for r, p in procs.items() if p.poll() not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                where = (
+                    f" (log {Path(log_dir) / f'rank_{rank}.log'})"
+                    if log_dir and rank != plan.ranks[0]
+                    else ""
+                )
+                print(
+                    f"error: rank {rank} (pid {procs[rank].pid}) {_describe_exit(code)}{where}; "
+                    f"stopping the other {sum(p.poll() is None for p in procs.values())} process(es)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                _stop_all(procs, grace)
+                return code if code > 0 else 128 - code
+            if all(p.poll() == 0 for p in procs.values()):
+                return 0
+            time.sleep(0.2)
+    except _Stop as stop:
+        print(f"jaxtrain launch: got {signal.Signals(stop.signum).name}, stopping all ranks", file=sys.stderr)
+        _stop_all(procs, grace)
+        return 128 + stop.signum
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+        for t in pumps:
+            t.join(timeout=5)
+        for f in files:
+            f.close()
+
+
+# ---------------------------------------------------------------- SLURM
+
+
+def _slurm_layout(args: argparse.Namespace) -> dict[str, str]:
+    """sbatch/srun layout options (name -> value) from the launcher flags."""
+    layout: dict[str, str] = {}
+    if args.nodes is not None:
+        if args.nodes < 1:
+            raise _ArgumentError(f"--nodes must be >= 1, got {args.nodes}")
+        layout["nodes"] = str(args.nodes)
+    if args.gpus_per_node < 0:
+        raise _ArgumentError(f"--gpus-per-node must be >= 0, got {args.gpus_per_node}")
+    if args.task_per_gpu:
+        if args.gpus_per_node < 1:
+            raise _ArgumentError("--task-per-gpu needs --gpus-per-node G (G >= 1)")
+        if args.ntasks_per_node not in (None, args.gpus_per_node):
+            raise _ArgumentError("--task-per-gpu sets --ntasks-per-node to --gpus-per-node; give one of them")
+        # SLURM binds one GPU to each task, so each process sees only its own.
+        layout["ntasks-per-node"] = str(args.gpus_per_node)
+        layout["gpus-per-task"] = "1"
+    else:
+        if args.ntasks_per_node is not None:
+            if args.ntasks_per_node < 1:
+                raise _ArgumentError(f"--ntasks-per-node must be >= 1, got {args.ntasks_per_node}")
+            layout["ntasks-per-node"] = str(args.ntasks_per_node)
+        if args.gpus_per_node:
+            layout["gpus-per-node"] = str(args.gpus_per_node)
+    if args.cpus_per_task is not None:
+        layout["cpus-per-task"] = str(args.cpus_per_task)
+    return layout
+
+
+def _script_path(args: argparse.Namespace, workdir: Path) -> str:
+    script = Path(args.script)
+    if not (script if script.is_absolute() else workdir / script).is_file():
+        raise _ArgumentError(f"--script {args.script} not found under {workdir}; pass an existing script")
+    return args.script
+
+
+def _env_pairs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    pairs = []
+    for item in args.env:
+        key, eq, value = item.partition("=")
+        if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            raise _ArgumentError(f"--env {item!r} is not KEY=VALUE")
+        pairs.append((key, value))
+    return pairs
+
+
+def _relative_to(path: str, base: Path) -> str:
+    """`path` relative to `base` when inside it, so the script keeps working if the tree moves."""
+    p = Path(path)
+    if p.is_absolute():
+        try:
+            return str(p.relative_to(base.resolve()))
+        except ValueError:
+            return path
+    return path
+
+
+def sbatch_script(args: argparse.Namespace, script_args: list[str], invocation: str) -> str:
+    """The text of an sbatch file that runs the script through srun, with requeue near the limit."""
+    if not re.fullmatch(r"(\d+-)?\d{1,3}(:\d{2}){0,2}", args.time):
+        raise _ArgumentError(f"--time {args.time!r} is not a SLURM time; write e.g. 04:00:00 or 1-00:00:00")
+    workdir = Path(args.workdir)
+    script = _script_path(args, workdir)
+    python = _relative_to(args.python, workdir)
+    sbatch = {"job-name": args.job_name, "nodes": "1", **_slurm_layout(args), "time": args.time}
+    for key in ("partition", "account"):
+        if getattr(args, key):
+            sbatch[key] = getattr(args, key)
+    sbatch.update({"chdir": args.workdir, "output": args.output, "open-mode": "append"})
+    lines = [
+        "#!/bin/bash",
+        "# Train jaxtrain under SLURM, every process started by srun. Submit with:",
+        f"#     sbatch {args.sbatch_script}",
+        f"# Made by: {invocation}",
+        *(f"#SBATCH --{k}={v}" for k, v in sbatch.items()),
+    ]
+    if args.signal_seconds:
+        lines += [f"#SBATCH --signal=B:USR1@{args.signal_seconds}", "#SBATCH --requeue"]
+    lines += ["set -euo pipefail", ""]
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in _env_pairs(args)]
+    lines += [
+        f'if [[ ! -f {shlex.quote(script)} ]]; then echo "error: {script} not found in $PWD" >&2; exit 2; fi',
+        'echo "jaxtrain: job ${SLURM_JOB_ID} on ${SLURM_JOB_NODELIST}, $(date)"',
+    ]
+    command = shlex.join(["srun", "--kill-on-bad-exit=1", python, script, *script_args])
+    if not args.signal_seconds:
+        return "\n".join(lines + [command, ""])
+    return "\n".join(
+        lines
+        + [
+            "",
+            f"# SLURM sends USR1 {args.signal_seconds} s before the time limit: requeue, which stops the",
+            "# tasks (SIGTERM) and runs the job again; training resumes from its latest checkpoint.",
+            'trap \'echo "jaxtrain: time limit near, requeueing job ${SLURM_JOB_ID}"; '
+            'scontrol requeue "${SLURM_JOB_ID}"\' USR1',
+            f"{command} &",
+            "srun_pid=$!",
+            "# A trapped signal ends `wait` early; keep waiting until srun itself has finished.",
+            "while true; do",
+            '    rc=0; wait "$srun_pid" || rc=$?',
+            '    kill -0 "$srun_pid" 2>/dev/null || exit "$rc"',
+            "done",
+            "",
+        ]
+    )
+
+
+def write_sbatch(args: argparse.Namespace, script_args: list[str], path: Path, invocation: str) -> Path:
+    """Write the sbatch file (and make its log directory, which SLURM will not create)."""
+    text = sbatch_script(args, script_args, invocation)
+    log_dir = (Path(args.workdir) / args.output).parent
+    log_dir.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+def run_srun(args: argparse.Namespace, script_args: list[str], environ: dict[str, str]) -> int:
+    """Inside an allocation: run the script with srun, one task per node or per GPU."""
+    if not shutil.which("srun"):
+        raise UserError("srun not found although SLURM_JOB_ID is set; put SLURM's bin directory on PATH")
+    layout = _slurm_layout(args)
+    if args.task_per_gpu and "gpus-per-task" in layout and environ.get("SLURM_GPUS_ON_NODE"):
+        layout["ntasks-per-node"] = environ["SLURM_GPUS_ON_NODE"]
+    script = _script_path(args, Path.cwd())
+    command = ["srun", "--kill-on-bad-exit=1", *(f"--{k}={v}" for k, v in layout.items())]
+    command += [args.python, script, *script_args]
+    print(f"jaxtrain launch: {shlex.join(command)}", file=sys.stderr, flush=True)
+    return subprocess.run(command).returncode  # srun forwards Ctrl-C to its tasks itself
+
+
+def _job_state(job_id: str) -> tuple[str, str]:
+    """(state, exit code) of a job from scontrol, ('', '') once SLURM has forgotten it."""
+    out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+    state = re.search(r"JobState=(\S+)", out)
+    code = re.search(r"\bExitCode=(\d+):(\d+)", out)
+    return (state[1] if state else "", code[1] if code else "")
+
+
+def follow(job_id: str, log: Path) -> int:
+    """Print the job's log as it grows until the job ends; returns the job's exit code."""
+    printed = 0
+    while True:
+        state, code = _job_state(job_id)
+        if log.exists():
+            data = log.read_bytes()
+            sys.stdout.buffer.write(data[printed:])
+            sys.stdout.flush()
+            printed = len(data)
+        if state and state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED"):
+            print(f"jaxtrain launch: job {job_id} {state}", file=sys.stderr, flush=True)
+            if state == "COMPLETED":
+                return 0
+            return int(code) if code and int(code) else 1
+        if not state:
+            return 0 if printed else 1
+        time.sleep(1)
+
+
+def submit(args: argparse.Namespace, script_args: list[str], invocation: str) -> int:
+    """Outside an allocation: write an sbatch file, submit it, print the job id."""
+    if not shutil.which("sbatch"):
+        raise UserError(
+            "sbatch not found: --mode slurm needs a SLURM cluster; on one machine use "
+            "--mode manual --world-size N"
+        )
+    path = (
+        Path(args.workdir) / "slurm_scripts" / "logs" / f"{args.job_name}-{time.strftime('%Y%m%d-%H%M%S')}.sh"
+    )
+    write_sbatch(args, script_args, path, invocation)
+    done = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
+    if done.returncode:
+        raise UserError(f"sbatch refused {path}: {done.stderr.strip() or done.stdout.strip()}")
+    job_id = done.stdout.strip().split(";")[0]
+    log = Path(args.workdir) / args.output.replace("%x", args.job_name).replace("%j", job_id)
+    print(f"submitted batch job {job_id} ({path}); log {log}", flush=True)
+    return follow(job_id, log) if args.follow else 0
+
+
+def main(argv: list[str]) -> int:
+    """run_distributed.py: parse, plan, launch; returns the exit code."""
+    args, script_args = parse_args(argv)
+    invocation = shlex.join(["python", "scripts/run_distributed.py", *argv])
+    if args.mode == "create_slurm":
+        path = write_sbatch(args, script_args, Path(args.sbatch_script), invocation)
+        print(f"wrote {path}; submit it with: sbatch {path}")
+        return 0
+    if args.mode == "slurm":
+        if "SLURM_JOB_ID" in os.environ:
+            return run_srun(args, script_args, dict(os.environ))
+        return submit(args, script_args, invocation)
+    plan = plan_manual(args, dict(os.environ))
+    if not Path(args.script).is_file():
+        raise _ArgumentError(f"--script {args.script} not found; pass an existing script")
+    return run_local(plan, [args.python, args.script, *script_args], args.log_dir, args.grace)

@@ -1,0 +1,25 @@
+"""Run a script (default scripts/train.py) as many processes: locally, per host, or under SLURM.
+
+Everything after `--` goes to the script unchanged.
+One machine, 4 processes (GPUs split between them; on CPU set XLA_FLAGS yourself):
+    python scripts/run_distributed.py --mode manual --world-size 4 -- --config configs/tiny.yaml
+Many hosts by hand, one process per host (run on every host with its own --rank):
+    python scripts/run_distributed.py --mode manual --rank 0 --world-size 2 \
+        --coordinator 10.0.0.1:29500 -- --config configs/gpt2_124m.yaml
+Many hosts, 8 processes per host (one per GPU): --node-rank K --nproc-per-node 8 --world-size 16
+SLURM: inside salloc/sbatch runs srun; outside, writes an sbatch file and submits it:
+    python scripts/run_distributed.py --mode slurm --nodes 2 --gpus-per-node 8 --follow -- \
+        --config configs/gpt2_124m.yaml
+    python scripts/run_distributed.py --mode create_slurm --nodes 2 --gpus-per-node 8 \
+        --partition gpu --time 04:00:00 -- --config configs/gpt2_124m.yaml
+    sbatch slurm_scripts/run_slurm.sh
+Health check of a cluster: add --script scripts/test_distributed.py.
+"""
+
+import sys
+
+from jaxtrain.errors import exit_on_user_error
+from jaxtrain.launch import main
+
+if __name__ == "__main__":
+    sys.exit(exit_on_user_error(main)(sys.argv[1:]))
