@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain import checkpoint as ckpt_lib
@@ -21,6 +22,7 @@ from jaxtrain.model import GPT, flops_per_token, generate, param_count
 from jaxtrain.optim import make_optimizer
 from jaxtrain.state import TrainState, abstract_state, create_state, state_sharding
 from jaxtrain.step import compute_dtype, jit_steps
+from jaxtrain.tokenizer import load_tokenizer
 
 log = logging.getLogger("jaxtrain")
 
@@ -80,14 +82,16 @@ def _restore_or_init(
     return state, step
 
 
-def _sample(cfg: Config, state: TrainState) -> None:
+def _sample(cfg: Config, state: TrainState, train_path: str) -> None:
     """Print a short generation from the final model (process 0, local replica only)."""
-    if cfg.model.vocab_size < 256 or cfg.train_data_path:
-        return  # only the byte-level embedded dataset decodes without a tokenizer
+    if cfg.model.vocab_size != 256 and not Path(train_path).with_name("tokenizer.json").exists():
+        log.info("no tokenizer.json next to the training data: no sample printed")
+        return
+    tokenizer = load_tokenizer(train_path)
     params = mesh_lib.local_copy(state.params)
-    prompt = np.frombuffer(cfg.sample_prompt.encode(), np.uint8).astype(np.int32)
+    prompt = tokenizer.encode(cfg.sample_prompt).astype(np.int32)
     out = generate(params, cfg.model, prompt, cfg.sample_tokens, jax.random.key(cfg.seed))
-    text = bytes(np.concatenate([prompt, out]).clip(0, 255).astype(np.uint8)).decode("utf-8", "replace")
+    text = tokenizer.decode(np.concatenate([prompt, out]))
     log.info("sample from the trained model:\n" + "-" * 60 + f"\n{text}\n" + "-" * 60)
 
 
@@ -100,6 +104,7 @@ def train(cfg: Config) -> RunResult:
     mesh = mesh_lib.make_mesh()
     mesh_lib.check_mesh(mesh)
     cfg = config_lib.with_topology(cfg, jax.device_count(), nproc)
+    check_platform(cfg, jax.devices()[0].platform)
     train_path, val_path = _data_paths(cfg)
     seq = cfg.model.seq_len
     train_tokens = data.open_tokens(train_path, cfg.model.vocab_size, cfg.token_dtype, min_tokens=seq + 1)
@@ -129,6 +134,10 @@ def train(cfg: Config) -> RunResult:
     log.info(f"model: {n_params:,} parameters, {fpt / 1e6:.1f} MFLOPs per token (6N + 12*L*d*T)")
 
     train_step, eval_step = jit_steps(cfg, model, tx, mesh, state_sharding(mesh, state))
+    t0 = time.perf_counter()
+    batch_shape = jax.ShapeDtypeStruct((cfg.batch_size, seq + 1), jnp.int32, sharding=mesh_lib.batch_sharding(mesh))
+    train_step = train_step.lower(state, batch_shape).compile()  # ahead of time: no stall in step 1
+    log.info(f"train step compiled in {time.perf_counter() - t0:.1f} s")
     reporter = metrics.Reporter(
         cfg, run_dir, is_main, start_step, fpt / (jax.device_count() * peak) if peak else None
     )
@@ -190,9 +199,18 @@ def train(cfg: Config) -> RunResult:
     ckpt.close()
     reporter.close()
     if is_main and cfg.sample_tokens:
-        _sample(cfg, state)
+        _sample(cfg, state, train_path)
     log.info(f"done: step {step}, run dir {run_dir}")
     return RunResult(step, last_loss, val_loss, run_dir)
+
+
+def check_platform(cfg: Config, platform: str) -> None:
+    """Settings the device cannot run, refused before any compile."""
+    if cfg.dtype == "float16" and platform == "cpu":
+        raise UserError(
+            "dtype float16 needs a GPU (XLA:CPU has no float16 matmul with float32 accumulation); "
+            "use --dtype bfloat16 on CPU"
+        )
 
 
 def _barrier(name: str) -> None:

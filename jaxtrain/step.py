@@ -88,7 +88,7 @@ def make_train_step(cfg: Config, model: GPT, tx: optax.GradientTransformation, m
     def train_step(state: TrainState, batch: jax.Array) -> tuple[TrainState, Metrics]:
         grads, loss = sharded_grads(state.params, batch, state.loss_scale)
         grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
