@@ -1,0 +1,415 @@
+"""Cluster health check: find the broken host before a training job does.
+
+Steps, in order, each under a deadline; a fatal failure stops the run with its verdict:
+  environment  launch source and its values (distributed.detect); half-set variables
+  network      process 0: the coordinator address is on this host; others: it accepts TCP
+  init         jax.distributed joins every process within --init_timeout
+  software     python, jax, jaxlib, plugin, flax, optax, orbax, grain: equal everywhere
+  devices      count, kind, memory per process; expected counts per process or host
+  collectives  all-reduce and all-gather of known values over every device
+  bandwidth    all-reduce sweep, nccl-tests algbw/busbw, slowest process per size
+  storage      every process sees every other's file in the checkpoint directory
+Software and devices are judged after init because touching devices first makes
+jax.distributed.initialize fail. Before init each process judges, and names, itself. After
+init every process posts its facts to the coordinator's key-value store, never a device
+collective, so the verdict still travels when collectives are broken; process 0 judges and
+tells the others whether to go on, so every process exits with the same code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from jaxtrain import distributed
+from jaxtrain import health_checks as hc
+from jaxtrain.config import DistConfig
+from jaxtrain.errors import UserError
+from jaxtrain.mesh import make_mesh
+
+EXIT_HEALTHY, EXIT_FAILED = 0, 1
+_KEY_PREFIX = "jaxtrain_health"
+# NFS may show another host's new file a little late (attribute caching): keep looking this long.
+_STORAGE_GRACE_S = 5.0
+# jax.distributed gets this much longer than our init deadline, so our verdict comes first.
+_INIT_MARGIN_S = 10
+# A report written after a timeout may itself wait on a dead coordinator; give up after this.
+_REPORT_GRACE_S = 10.0
+
+
+@dataclass(frozen=True)
+class HealthOptions:
+    """What to check and how long to wait; every wait is bounded."""
+
+    checkpoint_dir: str = "runs/health_check"  # must be shared by every host
+    json_path: str = ""  # "" = no JSON report
+    max_bytes: int = 4 << 20  # largest all-reduce message per device
+    iters: int = 10  # timed all-reduces per size; the median counts
+    expected_devices_per_process: int = 0  # 0 = the majority decides
+    expected_devices_per_host: int = 0  # 0 = not checked
+    min_busbw_gbps: float = 0.0  # fail below this busbw at the largest size; 0 = report only
+    network_timeout: float = 30.0  # seconds to reach the coordinator
+    step_timeout: float = 120.0  # seconds for each later step (each message size for bandwidth)
+
+
+def check_options(opts: HealthOptions, dist: DistConfig) -> None:
+    """Raise UserError naming the first unusable option."""
+    if opts.max_bytes < hc.MIN_BYTES:
+        raise UserError(f"--max_bytes must be at least {hc.MIN_BYTES} (1 KiB), got {opts.max_bytes}")
+    if opts.iters < 1:
+        raise UserError(f"--iters must be >= 1, got {opts.iters}")
+    for name, value in (
+        ("network_timeout", opts.network_timeout),
+        ("step_timeout", opts.step_timeout),
+        ("init_timeout", dist.init_timeout),
+    ):
+        if value <= 0:
+            raise UserError(f"--{name} must be > 0 seconds, got {value}")
+    for name in ("expected_devices_per_process", "expected_devices_per_host", "min_busbw_gbps"):
+        if getattr(opts, name) < 0:
+            raise UserError(f"--{name} must be >= 0, got {getattr(opts, name)}")
+
+
+class Exchange:
+    """Small JSON messages through the coordinator's key-value store; a loopback for one process.
+
+    Never a device collective, so messages travel when collectives are broken, and every wait
+    has a timeout.
+    """
+
+    def __init__(self, process_id: int, num_processes: int):
+        self.process_id, self.num_processes = process_id, num_processes
+        self._client = None
+        if num_processes > 1:
+            # JAX has no public key-value API; orbax reaches the same client this way.
+            from jax._src.distributed import global_state
+
+            self._client = global_state.client
+
+    def post(self, key: str, value: Any) -> None:
+        """Publish this process's `value` under `key`."""
+        if self._client:
+            self._client.key_value_set(f"{_KEY_PREFIX}/{key}/{self.process_id}", json.dumps(value))
+
+    def gather(self, key: str, value: Any, timeout: float) -> list[Any]:
+        """Everyone posts `value`; process 0 gets all of them (None from a process silent past
+        `timeout`), the others get []."""
+        if not self._client:
+            return [value]
+        from jax.errors import JaxRuntimeError
+
+        self.post(key, value)
+        if self.process_id != 0:
+            return []
+        deadline, values = time.monotonic() + timeout, []
+        for q in range(self.num_processes):
+            wait_ms = max(1, int((deadline - time.monotonic()) * 1000))
+            try:
+                values.append(
+                    json.loads(self._client.blocking_key_value_get(f"{_KEY_PREFIX}/{key}/{q}", wait_ms))
+                )
+            except JaxRuntimeError:
+                values.append(None)
+        return values
+
+    def share(self, key: str, value: Any, timeout: float) -> Any:
+        """Process 0's `value` on every process; TimeoutError if it does not come in time."""
+        if not self._client:
+            return value
+        from jax.errors import JaxRuntimeError
+
+        if self.process_id == 0:
+            self._client.key_value_set(f"{_KEY_PREFIX}/{key}", json.dumps(value))
+            return value
+        try:
+            return json.loads(
+                self._client.blocking_key_value_get(f"{_KEY_PREFIX}/{key}", int(timeout * 1000))
+            )
+        except JaxRuntimeError:
+            raise TimeoutError(f"no word from process 0 about '{key}' within {timeout:g} s") from None
+
+    def barrier(self, key: str, timeout: float) -> bool:
+        """Wait until every process gets here; False if someone did not within `timeout`."""
+        if not self._client:
+            return True
+        from jax.errors import JaxRuntimeError
+
+        try:
+            self._client.wait_at_barrier(f"{_KEY_PREFIX}/{key}", int(timeout * 1000))
+            return True
+        except JaxRuntimeError:
+            return False
+
+    def missing(self, key: str) -> list[int]:
+        """Processes that have not posted under `key` yet."""
+        if not self._client:
+            return []
+        posted = {
+            int(k.rsplit("/", 1)[1]) for k, _ in self._client.key_value_dir_get(f"{_KEY_PREFIX}/{key}/")
+        }
+        return [q for q in range(self.num_processes) if q not in posted]
+
+
+class Watchdog:
+    """Ends this process when a step overruns: a hung collective cannot be interrupted from Python."""
+
+    def __init__(self, on_expiry: Callable[[str, float], None]):
+        self._on_expiry = on_expiry
+
+    @contextlib.contextmanager
+    def deadline(self, step: str, seconds: float) -> Iterator[None]:
+        timer = threading.Timer(seconds, self._expire, (step, seconds))
+        timer.daemon = True
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
+
+    def _expire(self, step: str, seconds: float) -> None:
+        reporter = threading.Thread(target=self._on_expiry, args=(step, seconds), daemon=True)
+        reporter.start()
+        reporter.join(_REPORT_GRACE_S)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_FAILED)
+
+
+def storage_probe(folder: Path, process_id: int, exchange: Exchange, timeout: float) -> dict[str, Any]:
+    """Write this process's file in `folder`, wait for everyone, list whose files are visible here."""
+    nonce = folder.name
+    mine = folder / f"host-{process_id}.txt"
+    created = [p for p in (folder, *folder.parents) if not p.exists()]  # deepest first
+    error = ""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        mine.write_text(json.dumps({"process_id": process_id, "host": socket.gethostname(), "nonce": nonce}))
+    except OSError as e:
+        error = f"cannot write {mine}: {e.strerror}"
+    exchange.barrier("storage-written", timeout)
+    seen: set[int] = set()
+    deadline = time.monotonic() + _STORAGE_GRACE_S
+    while True:
+        for q in set(range(exchange.num_processes)) - seen:
+            try:
+                # The nonce proves the file is from this run, not left over from an earlier one.
+                if json.loads((folder / f"host-{q}.txt").read_text())["nonce"] == nonce:
+                    seen.add(q)
+            except (OSError, ValueError, KeyError):
+                pass
+        if len(seen) == exchange.num_processes or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    exchange.barrier("storage-read", timeout)
+    mine.unlink(missing_ok=True)
+    exchange.barrier("storage-cleaned", timeout)
+    for path in created:
+        with contextlib.suppress(OSError):  # removed by another process, or not empty: leave it
+            path.rmdir()
+    return {"error": error, "seen": sorted(seen)}
+
+
+class HealthCheck:
+    """One run of every step on this process; `run()` returns the exit code."""
+
+    def __init__(self, opts: HealthOptions, dist: DistConfig, environ: Mapping[str, str]):
+        self.opts, self.dist, self.environ = opts, dist, environ
+        self.host = socket.gethostname()
+        self.process_id = -1
+        self.report = hc.Report(hosts={-1: self.host})
+        self.exchange: Exchange | None = None
+        self.watchdog = Watchdog(self._on_timeout)
+        self.spec: distributed.LaunchSpec | None = None
+        self.mesh: jax.sharding.Mesh | None = None
+
+    def run(self) -> int:
+        """Every step in order; 0 healthy, 1 failed, the same on every process that gets a verdict."""
+        try:
+            spec = distributed.detect(self.dist, self.environ)
+        except UserError as e:
+            return self._alone(hc.Check("environment", False, str(e), {-1: str(e)}))
+        self.spec, self.process_id = spec, spec.process_id
+        self.report.hosts[spec.process_id] = self.host
+        self.report.environment = {
+            "source": spec.source,
+            "coordinator_address": spec.coordinator_address,
+            "num_processes": spec.num_processes,
+            "details": spec.details,
+        }
+        raw = " ".join(f"{k}={v}" for k, v in spec.details.items()) or "no launcher variables set"
+        self.report.add(hc.Check("environment", True, f"{spec.source}: {raw}"))
+        network = self.report.add(hc.check_network(spec, self.opts.network_timeout))
+        if not network.ok or not self._init():
+            return self._alone()
+        self.exchange = Exchange(spec.process_id, spec.num_processes)
+        try:
+            for step in (self._devices, self._collectives, self._bandwidth, self._storage):
+                if not step():
+                    break
+            code = EXIT_HEALTHY if self.report.healthy else EXIT_FAILED
+            verdict = self.exchange.share(
+                "verdict", {"code": code, "bad": self.report.bad_processes()}, self.opts.step_timeout
+            )
+        except TimeoutError as e:  # process 0 went silent: no shared verdict will come
+            self.report.add(hc.Check("verdict", False, str(e), {self.process_id: str(e)}))
+            return self._leave(self._alone())
+        self._publish(verdict["bad"], alone=False)
+        code = verdict["code"]
+        return self._leave(code)
+
+    def _init(self) -> bool:
+        spec = self.spec
+        dist = dataclasses.replace(self.dist, init_timeout=self.dist.init_timeout + _INIT_MARGIN_S)
+        start = time.monotonic()
+        with self.watchdog.deadline("init", self.dist.init_timeout):
+            try:
+                distributed.initialize(dist, self.environ)
+            except UserError as e:
+                return self.report.add(hc.Check("init", False, str(e), {spec.process_id: str(e)})).ok
+        took = time.monotonic() - start
+        joined = f"{spec.num_processes} processes joined" if spec.num_processes > 1 else "single process"
+        return self.report.add(hc.Check("init", True, f"{joined} in {took:.1f} s")).ok
+
+    @contextlib.contextmanager
+    def _step(self, name: str, timeout: float) -> Iterator[None]:
+        """Run a step that may hang under a deadline; tell process 0 this process got there."""
+        self.exchange.post(f"enter/{name}", 1)
+        with self.watchdog.deadline(name, timeout):
+            yield
+
+    def _shared(self, name: str, value: Any, judge: Callable[[dict], list[hc.Check]], fatal: bool) -> bool:
+        """Gather every process's `value`, let process 0 judge, share whether to go on."""
+        values = self.exchange.gather(name, value, self.opts.step_timeout)
+        stop = False
+        if self.process_id == 0:
+            late = f"sent nothing within {self.opts.step_timeout:g} s"
+            silent = {p: late for p, v in enumerate(values) if v is None}
+            if silent:
+                checks = [hc.Check(name, False, "some processes went silent", silent)]
+            else:
+                checks = judge(dict(enumerate(values)))
+            for check in checks:
+                self.report.add(check)
+            stop = bool(silent) or fatal and not all(c.ok for c in checks)
+        return not self.exchange.share(f"stop/{name}", stop, self.opts.step_timeout)
+
+    def _devices(self) -> bool:
+        opts = self.opts
+
+        def judge(records: dict[int, dict]) -> list[hc.Check]:
+            self.report.set_processes(records)
+            devices = hc.judge_devices(
+                records, opts.expected_devices_per_process, opts.expected_devices_per_host
+            )
+            return [hc.judge_software(records), devices]
+
+        return self._shared("devices", hc.local_record(self.spec), judge, fatal=False)
+
+    def _collectives(self) -> bool:
+        self.mesh = make_mesh()
+        with self._step("collectives", self.opts.step_timeout):
+            errors = hc.check_collectives(self.mesh)
+        n = self.mesh.devices.size
+        return self._shared("collectives", errors, lambda r: [hc.judge_collectives(r, n)], fatal=True)
+
+    def _bandwidth(self) -> bool:
+        sizes, times = hc.sweep_sizes(self.opts.max_bytes), []
+        for nbytes in sizes:
+            with self._step(f"bandwidth-{nbytes}", self.opts.step_timeout):
+                times.append(hc.time_all_reduce(self.mesh, nbytes, self.opts.iters))
+        n = self.mesh.devices.size
+
+        def judge(results: dict[int, list[float]]) -> list[hc.Check]:
+            self.report.bandwidth = hc.bandwidth_rows(results, sizes, n)
+            return [hc.judge_bandwidth(self.report.bandwidth, n, self.opts.min_busbw_gbps)]
+
+        return self._shared("bandwidth", times, judge, fatal=False)
+
+    def _storage(self) -> bool:
+        nonce = self.exchange.share("nonce", f".health-{uuid.uuid4().hex[:12]}", self.opts.step_timeout)
+        folder = Path(self.opts.checkpoint_dir) / nonce
+        with self._step("storage", 3 * self.opts.step_timeout + _STORAGE_GRACE_S):  # three barriers
+            seen = storage_probe(folder, self.process_id, self.exchange, self.opts.step_timeout)
+        return self._shared(
+            "storage", seen, lambda r: [hc.judge_storage(r, self.opts.checkpoint_dir)], fatal=True
+        )
+
+    def _on_timeout(self, step: str, seconds: float) -> None:
+        """Name the step that hung and, on process 0, the processes that never entered it."""
+        if step == "init":
+            env = self.report.environment
+            detail = (
+                f"not all {env['num_processes']} processes joined coordinator {env['coordinator_address']} "
+                f"within {seconds:g} s; a process that failed before init named itself on its stderr, "
+                "one that printed nothing never started"
+            )
+            late = []
+        else:
+            late = self.exchange.missing(f"enter/{step}") if self.exchange and self.process_id == 0 else []
+            names = ", ".join(hc.who(p, self.report.hosts) for p in late)
+            detail = f"did not finish within {seconds:g} s" + (f"; never started on {names}" if late else "")
+        # Process 0 blames only those it can name; any other process reports itself.
+        blamed = late if self.process_id <= 0 else [self.process_id]
+        self.report.add(hc.Check(step, False, detail, dict.fromkeys(blamed, f"{step} did not finish")))
+        self._alone()
+
+    def _alone(self, check: hc.Check | None = None) -> int:
+        """A failure no shared verdict will cover: this process reports for itself."""
+        if check:
+            self.report.add(check)
+        self._publish(self.report.bad_processes(), alone=True)
+        return EXIT_FAILED
+
+    def _publish(self, bad: list[dict], alone: bool) -> None:
+        """Process 0 prints the table and writes the JSON; every process names its own failures.
+
+        A process other than 0 that fails alone writes FILE.process-N.json next to --json FILE:
+        process 0 cannot know about it, and sharing one path would overwrite its report.
+        """
+        if self.process_id <= 0:
+            print(self.report.table(), flush=True)
+        if self.opts.json_path and (self.process_id <= 0 or alone):
+            path = Path(self.opts.json_path)
+            if self.process_id > 0:
+                path = path.with_name(f"{path.stem}.process-{self.process_id}{path.suffix}")
+            self.report.write_json(str(path))
+        where = hc.who(self.process_id, self.report.hosts)
+        for b in bad:
+            if b["process_id"] == self.process_id:
+                print(
+                    f"health check FAILED on {where}: {b['check']}: {b['reason']}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+    def _leave(self, code: int) -> int:
+        """Leave together: process 0 hosts the coordinator, so nobody may go before all are done."""
+        if self.exchange.num_processes == 1:
+            return code
+        if not self.exchange.barrier("done", self.opts.step_timeout):
+            # A process is gone; jax's exit-time shutdown would wait minutes for it.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        with self.watchdog.deadline("shutdown", self.opts.step_timeout):
+            jax.distributed.shutdown()
+        return code
+
+
+def run(opts: HealthOptions, dist: DistConfig, environ: Mapping[str, str] = os.environ) -> int:
+    """Run the health check on this process: 0 when healthy, 1 when a check failed."""
+    check_options(opts, dist)
+    return HealthCheck(opts, dist, environ).run()

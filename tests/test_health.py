@@ -1,0 +1,277 @@
+"""Health check: the verdicts on made-up facts, then the real script on 1, 2 and 4 CPU processes.
+
+pytest tests/test_health.py                            # all (about 40 s on 2 busy cores)
+pytest tests/test_health.py -m "not multiprocess"      # verdicts only, a few seconds
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jaxtrain import health_checks as hc
+from jaxtrain.config import DistConfig
+from jaxtrain.distributed import LaunchSpec
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "scripts" / "test_distributed.py"
+FAST = ["--max_bytes", "8K", "--iters", "3"]  # the check itself, not the figures, is under test
+LAUNCH_VARS = (
+    "JAX_",
+    "SLURM_",
+    "MASTER_",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+)
+
+
+def record(pid, host="h0", count=2, **changes):
+    versions = {"python": "3.11.7", "jax": "0.10.2", "jaxlib": "0.10.2", "plugin": "none"}
+    r = {"process_id": pid, "host": host, "device_count": count, "platform": "cpu", "device_kind": "cpu"}
+    r |= {"memory_bytes": None, "jax_platforms": "cpu", "versions": versions}
+    return r | changes
+
+
+def test_outliers_expected_majority_and_tie():
+    assert hc.outliers({0: 2, 1: 4, 2: 2}) == (2, [1])
+    assert hc.outliers({0: 2, 1: 4, 2: 2}, expected=4) == (4, [0, 2])
+    assert hc.outliers({0: 2, 1: 4}) == (None, [0, 1])  # nobody can say which side is wrong
+
+
+def test_devices_name_the_odd_process_and_host():
+    records = {0: record(0), 1: record(1, count=4), 2: record(2)}
+    check = hc.judge_devices(records)
+    assert not check.ok and list(check.bad) == [1] and "device count 4, expected 2" in check.bad[1]
+    check = hc.judge_devices({0: record(0), 1: record(1, count=4)}, per_process=2)
+    assert list(check.bad) == [1]
+    check = hc.judge_devices({0: record(0, "a"), 1: record(1, "a"), 2: record(2, "b")}, per_host=4)
+    assert list(check.bad) == [2] and "host has 2 devices, expected 4" in check.bad[2]
+    assert hc.judge_devices({0: record(0), 1: record(1)}, per_process=2, per_host=4).ok
+
+
+def test_gpu_wheel_on_cpu_devices_is_named():
+    r = record(0, jax_platforms="")
+    r["versions"] = r["versions"] | {"plugin": "jax-cuda12-plugin 0.10.2"}
+    check = hc.judge_devices({0: r})
+    assert not check.ok and "found no accelerator" in check.bad[0]
+
+
+def test_software_mismatch_names_the_host():
+    old = record(2, host="node2")
+    old["versions"] = old["versions"] | {"jax": "0.9.0"}
+    check = hc.judge_software({0: record(0), 1: record(1), 2: old})
+    assert not check.ok and check.bad == {2: "jax 0.9.0, expected 0.10.2"}
+    report = hc.Report()
+    report.set_processes({0: record(0), 1: record(1), 2: old})
+    report.add(check)
+    assert report.bad_hosts() == ["node2"] and not report.to_json()["healthy"]
+
+
+def test_storage_groups_processes_by_what_they_see():
+    shared = {"error": "", "seen": [0, 1, 2]}
+    results = {0: shared, 1: shared, 2: shared, 3: {"error": "", "seen": [3]}}
+    assert not (check := hc.judge_storage(results, "ckpt")).ok
+    assert list(check.bad) == [3] and "processes [0, 1, 2]" in check.bad[3]
+    assert hc.judge_storage({p: {"error": "", "seen": [0, 1]} for p in (0, 1)}, "ckpt").ok
+    denied = hc.judge_storage({0: {"error": "cannot write x: Permission denied", "seen": [0]}}, "ckpt")
+    assert denied.bad == {0: "cannot write x: Permission denied"}
+
+
+def test_bandwidth_uses_nccl_tests_definitions():
+    assert hc.sweep_sizes(4 << 20)[0] == 1024 and hc.sweep_sizes(4 << 20)[-1] == 4 << 20
+    assert hc.sweep_sizes(5000) == [1024, 2048, 4096]
+    rows = hc.bandwidth_rows({0: [1e-3, 2e-3], 1: [4e-3, 1e-3]}, [1000, 8000], n_devices=4)
+    assert rows[0]["slowest_process"] == 1 and rows[1]["slowest_process"] == 0
+    assert rows[0]["algbw_GBps"] == pytest.approx(1000 / 4e-3 / 1e9)
+    assert rows[1]["busbw_GBps"] == pytest.approx(8000 / 2e-3 / 1e9 * 2 * 3 / 4)
+    assert hc.judge_bandwidth(rows, 4, 0).ok
+    slow = hc.judge_bandwidth(rows, 4, min_busbw_gbps=1.0)
+    assert not slow.ok and list(slow.bad) == [0]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_network_names_who_cannot_reach_the_coordinator():
+    spec = LaunchSpec("jax_env", f"127.0.0.1:{_free_port()}", 2, 1, None, {})
+    start = time.monotonic()
+    check = hc.check_network(spec, timeout=1.0)
+    assert time.monotonic() - start < 5 and not check.ok and list(check.bad) == [1]
+    assert "cannot reach coordinator" in check.bad[1]
+    # Process 0 starts the coordinator: an address of another machine is the wrong host.
+    check = hc.check_network(LaunchSpec("jax_env", "192.0.2.1:29500", 2, 0, None, {}), timeout=1.0)
+    assert not check.ok and "must run on the host" in check.bad[0]
+
+
+def test_bad_arguments_exit_2(capsys):
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import test_distributed as script
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    for argv in (["--max_bytes", "12X"], ["--iters", "0"], ["--no_such_flag"]):
+        with pytest.raises(SystemExit) as e:
+            script.main(argv)
+        assert e.value.code == 2
+        assert capsys.readouterr().err.count("\n") == 1
+    opts, dist = script.parse_args(["--max_bytes", "64K", "--init_timeout", "9", "--process_id", "1"])
+    assert opts.max_bytes == 65536 and dist == DistConfig(init_timeout=9, process_id=1)
+
+
+def test_watchdog_ends_a_hung_step_naming_it():
+    code = (
+        "import time; from jaxtrain.health import Watchdog\n"
+        "w = Watchdog(lambda step, s: print(f'{step} hung after {s} s', flush=True))\n"
+        "with w.deadline('collectives', 0.3):\n"
+        "    time.sleep(30)\n"
+    )
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "collectives hung after 0.3 s" in done.stdout
+    assert time.monotonic() - start < 20
+
+
+# ---------------------------------------------------------------- real processes (gloo on CPU)
+
+
+def _env(devices, **extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_VARS)}
+    env |= {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    return env | extra
+
+
+def _by_hand(tmp_path, devices, args, extra_args=None, ports=None):
+    """Start one process per entry of `devices`, as a launcher would; [(code, stdout, stderr)]."""
+    n, port = len(devices), _free_port()
+    procs = []
+    for i, d in enumerate(devices):
+        coordinator = f"127.0.0.1:{(ports or {}).get(i, port)}"
+        env = _env(d, JAX_COORDINATOR_ADDRESS=coordinator, JAX_NUM_PROCESSES=str(n), JAX_PROCESS_ID=str(i))
+        cmd = [sys.executable, str(SCRIPT), *args, *(extra_args or {}).get(i, [])]
+        procs.append(
+            subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        )
+    outs = [p.communicate(timeout=120) for p in procs]
+    return [(p.returncode, o.decode(), e.decode()) for p, (o, e) in zip(procs, outs, strict=True)]
+
+
+def _healthy_report(path, n_processes, n_devices):
+    report = json.loads(path.read_text())
+    assert report["healthy"] and report["bad_hosts"] == [] and all(c["ok"] for c in report["checks"])
+    names = [c["name"] for c in report["checks"]]
+    assert names == [
+        "environment",
+        "network",
+        "init",
+        "software",
+        "devices",
+        "collectives",
+        "bandwidth",
+        "storage",
+    ]
+    assert [r["process_id"] for r in report["processes"]] == list(range(n_processes))
+    assert sum(r["device_count"] for r in report["processes"]) == n_devices
+    rows = report["bandwidth"]
+    assert [r["bytes"] for r in rows] == [1024, 2048, 4096, 8192]
+    factor = 2 * (n_devices - 1) / n_devices
+    for r in rows:
+        assert r["algbw_GBps"] == pytest.approx(r["bytes"] / r["time_us"] / 1e3, rel=1e-2)
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * factor, rel=1e-2, abs=1e-4)
+        assert 0 <= r["slowest_process"] < n_processes and len(r["time_us_per_process"]) == n_processes
+    return report
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_one_process(tmp_path):
+    out = tmp_path / "health.json"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *FAST, "--json", str(out)],
+        env=_env(4), cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "verdict: HEALTHY" in done.stdout and "busbw_GB/s" in done.stdout
+    assert _healthy_report(out, 1, 4)["environment"]["source"] == "single"
+    assert list(tmp_path.iterdir()) == [out]  # the storage probe cleaned up after itself
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("n", [2, 4])
+def test_processes_through_the_launcher(tmp_path, n):
+    out = tmp_path / "health.json"
+    launcher = [sys.executable, str(REPO / "scripts" / "run_distributed.py"), "--mode", "manual"]
+    args = [*FAST, "--json", str(out), "--checkpoint_dir", str(tmp_path / "ckpt")]
+    done = subprocess.run(
+        [*launcher, "--world-size", str(n), "--script", str(SCRIPT), "--", *args],
+        env=_env(2), cwd=tmp_path, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = _healthy_report(out, n, 2 * n)
+    assert report["environment"]["source"] == "jax_env"
+    assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_process_with_other_devices_is_named(tmp_path):
+    out = tmp_path / "health.json"
+    args = [*FAST, "--json", str(out), "--expected_devices_per_process", "2"]
+    results = _by_hand(tmp_path, [2, 4], args)
+    assert [code for code, _, _ in results] == [1, 1], results
+    report = json.loads(out.read_text())
+    assert report["bad_processes"] == [
+        {
+            "process_id": 1,
+            "host": socket.gethostname(),
+            "check": "devices",
+            "reason": "device count 4, expected 2",
+        }
+    ]
+    assert "health check FAILED on process 1" in results[1][2]
+    # Not fatal: collectives over 6 devices still ran, so the report says what else works.
+    assert {c["name"]: c["ok"] for c in report["checks"]}["collectives"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_directory_that_is_not_shared_is_named(tmp_path):
+    # Two hosts with a local directory each, played by two paths on one host.
+    out = tmp_path / "health.json"
+    args = [*FAST, "--json", str(out), "--checkpoint_dir", str(tmp_path / "a")]
+    results = _by_hand(tmp_path, [1, 1], args, extra_args={1: ["--checkpoint_dir", str(tmp_path / "b")]})
+    assert [code for code, _, _ in results] == [1, 1], results
+    report = json.loads(out.read_text())
+    storage = report["checks"][-1]
+    assert storage["name"] == "storage" and not storage["ok"]
+    assert [b["process_id"] for b in storage["bad_processes"]] == [0, 1]
+    assert "cannot see the files of processes [1]" in storage["bad_processes"][0]["reason"]
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_unreachable_coordinator_is_named_fast(tmp_path):
+    # Process 1 is given a closed port: it names itself, process 0 times out in init; no hang.
+    out = tmp_path / "health.json"
+    args = [*FAST, "--json", str(out), "--network_timeout", "2", "--init_timeout", "6"]
+    start = time.monotonic()
+    results = _by_hand(tmp_path, [1, 1], args, ports={1: _free_port()})
+    assert [code for code, _, _ in results] == [1, 1], results
+    assert time.monotonic() - start < 60
+    assert "FAILED on process 1" in results[1][2] and "cannot reach coordinator" in results[1][2]
+    mine = json.loads((tmp_path / "health.process-1.json").read_text())
+    assert mine["bad_processes"][0]["process_id"] == 1 and mine["bad_hosts"] == [socket.gethostname()]
+    init = json.loads(out.read_text())["checks"][-1]
+    assert init["name"] == "init" and not init["ok"] and "not all 2 processes joined" in init["detail"]
