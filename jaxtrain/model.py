@@ -1,0 +1,230 @@
+"""GPT decoder in flax.linen: pre-norm blocks, rotary or learned positions, tied output.
+
+Params are always float32; `dtype` is the compute dtype of activations and matmuls.
+Norms and rotary angles run in float32 and logits come back as float32.
+
+    model = GPT(cfg.model, dtype=jnp.bfloat16)
+    params = model.init(rng, tokens)["params"]   # tokens: int32 [B, T], T <= seq_len
+    logits = model.apply({"params": params}, tokens)   # float32 [B, T, vocab]
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtrain.config import ModelConfig
+
+
+def _dense(features: int, std: float, dtype: Any, name: str) -> nn.Dense:
+    return nn.Dense(
+        features,
+        use_bias=False,
+        dtype=dtype,
+        param_dtype=jnp.float32,
+        kernel_init=nn.initializers.normal(std),
+        name=name,
+    )
+
+
+def _residual_std(cfg: ModelConfig) -> float:
+    # GPT-2: each block adds two residual branches, so scale their output init to keep the
+    # residual stream's variance independent of depth.
+    return cfg.init_std / math.sqrt(2 * cfg.n_layer)
+
+
+def _norm(x: jax.Array, eps: float, name: str) -> jax.Array:
+    """RMSNorm in float32 (a low-precision mean of squares is noisy), output in x's dtype."""
+    y = nn.RMSNorm(epsilon=eps, dtype=jnp.float32, param_dtype=jnp.float32, name=name)(x.astype(jnp.float32))
+    return y.astype(x.dtype)
+
+
+def _rope(x: jax.Array, theta: float) -> jax.Array:
+    """Rotate [B, T, N, H] by position (rotate-half layout), in float32."""
+    t, h = x.shape[1], x.shape[3]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    angles = jnp.arange(t, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
+    cos = jnp.cos(angles)[None, :, None, :]
+    sin = jnp.sin(angles)[None, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., : h // 2], xf[..., h // 2 :]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention through jax.nn.dot_product_attention."""
+
+    cfg: ModelConfig
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        b, t, d = x.shape
+        head_dim = d // cfg.n_head
+        qkv = _dense(3 * d, cfg.init_std, self.dtype, "qkv")(x)
+        q, k, v = jnp.split(qkv.reshape(b, t, 3 * cfg.n_head, head_dim), 3, axis=2)  # [B, T, N, H]
+        if cfg.pos_embedding == "rope":
+            q, k = _rope(q, cfg.rope_theta), _rope(k, cfg.rope_theta)
+        # [B, T, N, H] with implementation=None lets XLA pick the cuDNN fused kernel on GPU.
+        y = jax.nn.dot_product_attention(
+            q,
+            k,
+            v,
+            is_causal=True,
+            implementation=None if cfg.attention_impl == "auto" else cfg.attention_impl,
+        )
+        return _dense(d, _residual_std(cfg), self.dtype, "out")(y.reshape(b, t, d))
+
+
+class Mlp(nn.Module):
+    """Two-layer GELU feed-forward."""
+
+    cfg: ModelConfig
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = nn.gelu(_dense(self.cfg.ff_dim, self.cfg.init_std, self.dtype, "fc")(x))
+        return _dense(x.shape[-1], _residual_std(self.cfg), self.dtype, "out")(h)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block."""
+
+    cfg: ModelConfig
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _: None = None) -> tuple[jax.Array, None]:
+        # (carry, per-layer input) -> (carry, per-layer output): the signature nn.scan needs.
+        eps = self.cfg.norm_eps
+        x = x + Attention(self.cfg, self.dtype, name="attn")(_norm(x, eps, "ln_1"))
+        x = x + Mlp(self.cfg, self.dtype, name="mlp")(_norm(x, eps, "ln_2"))
+        return x, None
+
+
+def _block_class(cfg: ModelConfig) -> type[Block]:
+    """Block, wrapped in nn.remat as cfg.remat asks."""
+    if cfg.remat == "none":
+        return Block
+    policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if cfg.remat == "dots" else None
+    # Under scan the loop body already stops CSE across the recomputation; outside it,
+    # prevent_cse keeps XLA from merging the recomputed forward into the saved one.
+    return nn.remat(Block, policy=policy, prevent_cse=not cfg.scan_layers)
+
+
+class GPT(nn.Module):
+    """Decoder-only language model: int32 tokens [B, T] -> float32 logits [B, T, vocab]."""
+
+    cfg: ModelConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        embed = functools.partial(
+            nn.Embed,
+            features=cfg.d_model,
+            dtype=self.dtype,
+            param_dtype=jnp.float32,
+            embedding_init=nn.initializers.normal(cfg.init_std),
+        )
+        wte = embed(cfg.vocab_size, name="wte")
+        x = wte(tokens)
+        if cfg.pos_embedding == "learned":
+            x = x + embed(cfg.seq_len, name="wpe")(jnp.arange(tokens.shape[1]))[None]
+        block = _block_class(cfg)
+        if cfg.scan_layers:
+            # One traced body for all layers: compile time stays flat in depth.
+            stack = nn.scan(
+                block,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                length=cfg.n_layer,
+            )
+            x, _ = stack(cfg, self.dtype, name="blocks")(x, None)
+        else:
+            for i in range(cfg.n_layer):
+                x, _ = block(cfg, self.dtype, name=f"block_{i}")(x)
+        x = _norm(x, cfg.norm_eps, "ln_f")
+        return wte.attend(x).astype(jnp.float32)
+
+
+def param_count(params: Any) -> int:
+    """Number of scalars in a param tree (arrays or jax.eval_shape structs)."""
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
+
+
+def flops_per_token(cfg: ModelConfig, n_params: int) -> float:
+    """Training FLOPs per token: 6 * n_params + 12 * n_layer * d_model * seq_len.
+
+    6N counts the forward (2N) and backward (4N) multiply-adds of every weight matmul,
+    with the tied embedding counted once as the output projection; 12 * L * d * T adds the
+    attention scores and weighted sum (QK^T and AV, forward and backward), as in PaLM
+    (Chowdhery et al. 2022, appendix B) and nanoGPT's estimate_mfu. Causal masking is
+    not discounted, so this slightly overstates attention work.
+    """
+    return 6.0 * n_params + 12.0 * cfg.n_layer * cfg.d_model * cfg.seq_len
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "temperature", "top_k"))
+def _next_token(
+    params: Any,
+    window: jax.Array,
+    pos: jax.Array,
+    rng: jax.Array,
+    cfg: ModelConfig,
+    dtype: Any,
+    temperature: float,
+    top_k: int | None,
+) -> jax.Array:
+    """Sample the token after window[0, pos]; the window has a fixed [1, seq_len] shape."""
+    logits = GPT(cfg, dtype).apply({"params": params}, window)[0, pos] / temperature
+    if top_k is not None:
+        kth = jax.lax.top_k(logits, min(top_k, cfg.vocab_size))[0][-1]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    return jax.random.categorical(rng, logits).astype(jnp.int32)
+
+
+def generate(
+    params: Any,
+    cfg: ModelConfig,
+    prompt: np.ndarray,
+    max_new_tokens: int,
+    rng: jax.Array,
+    temperature: float = 0.8,
+    top_k: int | None = 40,
+    dtype: Any = jnp.float32,
+) -> np.ndarray:
+    """Sample max_new_tokens after a 1-D prompt; returns only the new tokens, int32."""
+    if len(prompt) == 0:
+        raise ValueError("generate needs a prompt of at least one token")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    tokens = [int(t) for t in prompt]
+    for i in range(max_new_tokens):
+        # Right padding is invisible to the current position because attention is causal,
+        # so one compiled shape serves every step.
+        context = tokens[-cfg.seq_len :]
+        window = np.zeros((1, cfg.seq_len), np.int32)
+        window[0, : len(context)] = context
+        token = _next_token(
+            params,
+            window,
+            np.int32(len(context) - 1),
+            jax.random.fold_in(rng, i),
+            cfg=cfg,
+            dtype=dtype,
+            temperature=float(temperature),
+            top_k=top_k,
+        )
+        tokens.append(int(token))
+    return np.asarray(tokens[len(prompt) :], np.int32)
