@@ -50,8 +50,8 @@ class Checkpointer:
         out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         return dict(out["meta"])
 
-    def restore(self, step: int, target: Any) -> Any:
-        """Restore `state` into the shapes and shardings of `target` (abstract arrays)."""
+    def restore(self, step: int, target: Any = None) -> Any:
+        """Restore `state` into the shapes and shardings of `target` (abstract arrays), or as saved."""
         out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
         return out["state"]
 
@@ -66,7 +66,9 @@ def locate(path: str) -> tuple[Path, int | None]:
     """Split a --resume_from path into (checkpoints dir, step or None for the latest)."""
     p = Path(path)
     if not p.exists():
-        raise UserError(f"--resume_from {path} does not exist; give a run's checkpoints/ dir or one step dir in it")
+        raise UserError(
+            f"--resume_from {path} does not exist; give a run's checkpoints/ dir or one step dir in it"
+        )
     if p.is_dir() and p.name.isdigit() and (p / "state").exists():
         return p.parent, int(p.name)
     if p.is_dir() and (p / "checkpoints").is_dir():

@@ -315,7 +315,9 @@ def check(cfg: Config) -> None:
     """Value checks that need no devices; topology checks happen once the mesh exists."""
     for path, choices in _CHOICES.items():
         if _get(cfg, path) not in choices:
-            raise ConfigError(f"config key '{path}' must be one of {'|'.join(choices)}, got {_get(cfg, path)!r}")
+            raise ConfigError(
+                f"config key '{path}' must be one of {'|'.join(choices)}, got {_get(cfg, path)!r}"
+            )
     for path in _POSITIVE:
         if _get(cfg, path) <= 0:
             raise ConfigError(f"config key '{path}' must be > 0, got {_get(cfg, path)}")

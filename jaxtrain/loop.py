@@ -73,10 +73,13 @@ def _restore_or_init(
     diff = rundir.incompatibilities(meta.get("config", {}), cfg)
     if diff:
         raise UserError(
-            f"checkpoint {source.directory}/{step} was written by a different config ({'; '.join(diff[:3])}); "
+            f"checkpoint {source.directory}/{step} was written by a different config "
+            f"({'; '.join(diff[:3])}); "
             "resume with the same model/batch/seed/data, or start a new --run_dir"
         )
-    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    target = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+    )
     state = source.restore(step, target)
     log.info(f"resumed from {source.directory}/{step}")
     return state, step
@@ -135,7 +138,9 @@ def train(cfg: Config) -> RunResult:
 
     train_step, eval_step = jit_steps(cfg, model, tx, mesh, state_sharding(mesh, state))
     t0 = time.perf_counter()
-    batch_shape = jax.ShapeDtypeStruct((cfg.batch_size, seq + 1), jnp.int32, sharding=mesh_lib.batch_sharding(mesh))
+    batch_shape = jax.ShapeDtypeStruct(
+        (cfg.batch_size, seq + 1), jnp.int32, sharding=mesh_lib.batch_sharding(mesh)
+    )
     train_step = train_step.lower(state, batch_shape).compile()  # ahead of time: no stall in step 1
     log.info(f"train step compiled in {time.perf_counter() - t0:.1f} s")
     reporter = metrics.Reporter(
@@ -146,7 +151,9 @@ def train(cfg: Config) -> RunResult:
         cfg.data_threads, cfg.prefetch,
     )  # fmt: skip
     val_sets = (
-        data.eval_batches(val_tokens, seq, cfg.batch_size, cfg.eval_batches, pid, nproc) if cfg.eval_interval else []
+        data.eval_batches(val_tokens, seq, cfg.batch_size, cfg.eval_batches, pid, nproc)
+        if cfg.eval_interval
+        else []
     )
 
     def meta(step: int) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import sys
 from pathlib import Path
 from typing import Any
@@ -74,7 +75,9 @@ def setup_logging(run_dir: Path, process_index: int) -> None:
 class Reporter:
     """Progress bar, metric lines, metrics.jsonl and wandb; inert on processes other than 0."""
 
-    def __init__(self, cfg: Config, run_dir: Path, is_main: bool, start_step: int, mfu_denominator: float | None):
+    def __init__(
+        self, cfg: Config, run_dir: Path, is_main: bool, start_step: int, mfu_denominator: float | None
+    ):
         self.is_main = is_main
         self.mfu_denominator = mfu_denominator  # flops_per_token / (devices * peak), or None
         self.wandb: Any = None
@@ -135,7 +138,7 @@ def _start_wandb(cfg: Config, run_dir: Path) -> Any:
     import wandb  # imported only when asked for: it is slow to import
 
     id_file = run_dir / "wandb_id"
-    run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+    run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
     id_file.write_text(run_id)
     return wandb.init(
         project=cfg.wandb_project,

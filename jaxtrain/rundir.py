@@ -40,7 +40,11 @@ def resume_fingerprint(cfg_dict: dict[str, Any]) -> dict[str, Any]:
 def incompatibilities(saved: dict[str, Any], cfg: Config) -> list[str]:
     """`key: saved -> now` for each resume key that differs."""
     old, new = resume_fingerprint(saved), resume_fingerprint(config_lib.to_dict(cfg))
-    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    return [
+        f"{k}: {old.get(k)!r} -> {new.get(k)!r}"
+        for k in sorted(set(old) | set(new))
+        if old.get(k) != new.get(k)
+    ]
 
 
 def check(cfg: Config) -> None:
@@ -52,7 +56,9 @@ def check(cfg: Config) -> None:
     try:
         saved = yaml.safe_load(saved_path.read_text()) or {}
     except yaml.YAMLError:
-        raise UserError(f"{saved_path} is not valid YAML; fix it or pass --overwrite to start afresh") from None
+        raise UserError(
+            f"{saved_path} is not valid YAML; fix it or pass --overwrite to start afresh"
+        ) from None
     diff = incompatibilities(saved, cfg)
     if diff:
         raise UserError(

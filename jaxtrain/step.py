@@ -40,7 +40,9 @@ def _token_loss(model: GPT, params: Any, rows: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, rows[:, 1:]).mean()
 
 
-def _local_grads(model: GPT, accum: int, params: Any, rows: jax.Array, scale: jax.Array) -> tuple[Any, jax.Array]:
+def _local_grads(
+    model: GPT, accum: int, params: Any, rows: jax.Array, scale: jax.Array
+) -> tuple[Any, jax.Array]:
     """Gradient and loss of this device's rows, averaged over `accum` microbatches."""
 
     def scaled_loss(p: Any, mb: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -40,7 +40,10 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
         (["--dtype", "fp8"], "'dtype' must be one of float32|bfloat16|float16"),
         (["--use_wandb", "maybe"], "'use_wandb' must be bool"),
         (["--n_head", "5"], "d_model 256 is not divisible by model.n_head 5"),
-        (["--batch_size", "10", "--gradient_accumulation_steps", "4"], "not divisible by gradient_accumulation_steps"),
+        (
+            ["--batch_size", "10", "--gradient_accumulation_steps", "4"],
+            "not divisible by gradient_accumulation_steps",
+        ),
         (["--total_batch_size", "1000", "--device_batch_size", "2"], "not a multiple of seq_len 256"),
         (["--lr"], "flag --lr needs a value"),
         (["positional"], "unexpected argument 'positional'"),
@@ -78,10 +81,12 @@ def test_topology_errors_give_the_numbers():
 
 def test_train_script_exits_2_with_one_line(tmp_path):
     out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts/train.py"), "--batch_sise", "3", "--run_dir", str(tmp_path / "r")],
+        [sys.executable, str(ROOT / "scripts/train.py"), "--batch_sise", "3", "--run_dir", str(tmp_path)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 2
-    assert out.stderr.strip() == "error: unknown config key 'batch_sise' (did you mean 'batch_size'?); " \
+    assert (
+        out.stderr.strip() == "error: unknown config key 'batch_sise' (did you mean 'batch_size'?); "
         "see jaxtrain/config.py for all keys"
-    assert not (tmp_path / "r").exists()
+    )
+    assert not list(tmp_path.iterdir())
