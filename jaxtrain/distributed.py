@@ -337,6 +337,23 @@ def _watchdog(spec: LaunchSpec, timeout: float) -> threading.Event:
     return done
 
 
+def _exit_at_once_on_crash() -> None:
+    """An uncaught exception ends this process now, after printing it.
+
+    Otherwise JAX's exit handler waits up to 5 minutes in a shutdown barrier for peers that are
+    themselves stuck in a collective with this process, and the launcher cannot stop the job.
+    """
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb) -> None:  # noqa: ANN001 (sys.excepthook signature)
+        previous(exc_type, exc, tb)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+    sys.excepthook = hook
+
+
 def describe(spec: LaunchSpec) -> str:
     """One line saying where this process sits, for the start-up log."""
     devices = ",".join(map(str, spec.local_device_ids)) if spec.local_device_ids else "all"
@@ -387,6 +404,7 @@ def initialize(dist: DistConfig, environ: Mapping[str, str] = os.environ) -> Lau
         raise _fail(spec, f"failed to join the job: {first_line}") from e
     finally:
         done.set()
+    _exit_at_once_on_crash()
     if spec.process_id == 0:
         print(describe(spec), flush=True)
     return spec
