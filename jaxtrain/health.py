@@ -7,7 +7,7 @@ Steps, in order, each under a deadline; a fatal failure stops the run with its v
   software     python, jax, jaxlib, plugin, flax, optax, orbax, grain: equal everywhere
   devices      count, kind, memory per process; expected counts per process or host
   collectives  all-reduce and all-gather of known values over every device
-  bandwidth    all-reduce sweep, nccl-tests algbw/busbw, slowest process per size
+  bandwidth    all-reduce sweep (nccl-tests algbw/busbw), then neighbouring pairs of hosts
   storage      every process sees every other's file in the checkpoint directory
 Software and devices are judged after init because touching devices first makes
 jax.distributed.initialize fail. Before init each process judges, and names, itself. After
@@ -23,16 +23,20 @@ import dataclasses
 import json
 import os
 import socket
+import statistics
 import sys
 import threading
 import time
+import traceback
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jax
+from jax.errors import JaxRuntimeError
 
 from jaxtrain import distributed
 from jaxtrain import health_checks as hc
@@ -48,6 +52,7 @@ _STORAGE_GRACE_S = 5.0
 _INIT_MARGIN_S = 10
 # A report written after a timeout may itself wait on a dead coordinator; give up after this.
 _REPORT_GRACE_S = 10.0
+Judge = Callable[[dict[int, Any]], list[hc.Check]]  # every process's result -> checks
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,7 @@ class HealthOptions:
     expected_devices_per_process: int = 0  # 0 = the majority decides
     expected_devices_per_host: int = 0  # 0 = not checked
     min_busbw_gbps: float = 0.0  # fail below this busbw at the largest size; 0 = report only
+    slow_host_factor: float = 0.5  # fail a host whose best pair is under this x the median; 0 = off
     network_timeout: float = 30.0  # seconds to reach the coordinator
     step_timeout: float = 120.0  # seconds for each later step (each message size for bandwidth)
 
@@ -78,7 +84,12 @@ def check_options(opts: HealthOptions, dist: DistConfig) -> None:
     ):
         if value <= 0:
             raise UserError(f"--{name} must be > 0 seconds, got {value}")
-    for name in ("expected_devices_per_process", "expected_devices_per_host", "min_busbw_gbps"):
+    for name in (
+        "expected_devices_per_process",
+        "expected_devices_per_host",
+        "min_busbw_gbps",
+        "slow_host_factor",
+    ):
         if getattr(opts, name) < 0:
             raise UserError(f"--{name} must be >= 0, got {getattr(opts, name)}")
 
@@ -109,8 +120,6 @@ class Exchange:
         `timeout`), the others get []."""
         if not self._client:
             return [value]
-        from jax.errors import JaxRuntimeError
-
         self.post(key, value)
         if self.process_id != 0:
             return []
@@ -129,8 +138,6 @@ class Exchange:
         """Process 0's `value` on every process; TimeoutError if it does not come in time."""
         if not self._client:
             return value
-        from jax.errors import JaxRuntimeError
-
         if self.process_id == 0:
             self._client.key_value_set(f"{_KEY_PREFIX}/{key}", json.dumps(value))
             return value
@@ -145,8 +152,6 @@ class Exchange:
         """Wait until every process gets here; False if someone did not within `timeout`."""
         if not self._client:
             return True
-        from jax.errors import JaxRuntimeError
-
         try:
             self._client.wait_at_barrier(f"{_KEY_PREFIX}/{key}", int(timeout * 1000))
             return True
@@ -234,6 +239,7 @@ class HealthCheck:
         self.watchdog = Watchdog(self._on_timeout)
         self.spec: distributed.LaunchSpec | None = None
         self.mesh: jax.sharding.Mesh | None = None
+        self._among: dict[str, tuple[int, ...]] = {}  # step -> the processes it involves (all if empty)
 
     def run(self) -> int:
         """Every step in order; 0 healthy, 1 failed, the same on every process that gets a verdict."""
@@ -284,26 +290,32 @@ class HealthCheck:
         return self.report.add(hc.Check("init", True, f"{joined} in {took:.1f} s")).ok
 
     @contextlib.contextmanager
-    def _step(self, name: str, timeout: float) -> Iterator[None]:
+    def _step(self, name: str, timeout: float, among: tuple[int, ...] = ()) -> Iterator[None]:
         """Run a step that may hang under a deadline; tell process 0 this process got there."""
+        self._among[name] = among
         self.exchange.post(f"enter/{name}", 1)
         with self.watchdog.deadline(name, timeout):
             yield
 
-    def _shared(self, name: str, value: Any, judge: Callable[[dict], list[hc.Check]], fatal: bool) -> bool:
-        """Gather every process's `value`, let process 0 judge, share whether to go on."""
+    def _shared(self, name: str, measure: Callable[[], Any], judge: Judge, fatal: bool) -> bool:
+        """Measure here, gather every process's result, let process 0 judge, share whether to go on."""
+        try:
+            value = {"result": measure()}
+        except Exception as e:  # a failure to measure is a finding about this host: report it, go on
+            traceback.print_exc()
+            value = {"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"}
         values = self.exchange.gather(name, value, self.opts.step_timeout)
         stop = False
         if self.process_id == 0:
-            late = f"sent nothing within {self.opts.step_timeout:g} s"
-            silent = {p: late for p, v in enumerate(values) if v is None}
-            if silent:
-                checks = [hc.Check(name, False, "some processes went silent", silent)]
+            silent = f"sent nothing within {self.opts.step_timeout:g} s"
+            bad = {p: v["error"] if v else silent for p, v in enumerate(values) if not v or "error" in v}
+            if bad:
+                checks = [hc.Check(name, False, "could not be measured everywhere", bad)]
             else:
-                checks = judge(dict(enumerate(values)))
+                checks = judge({p: v["result"] for p, v in enumerate(values)})
             for check in checks:
                 self.report.add(check)
-            stop = bool(silent) or fatal and not all(c.ok for c in checks)
+            stop = bool(bad) or fatal and not all(c.ok for c in checks)
         return not self.exchange.share(f"stop/{name}", stop, self.opts.step_timeout)
 
     def _devices(self) -> bool:
@@ -311,41 +323,66 @@ class HealthCheck:
 
         def judge(records: dict[int, dict]) -> list[hc.Check]:
             self.report.set_processes(records)
-            devices = hc.judge_devices(
-                records, opts.expected_devices_per_process, opts.expected_devices_per_host
-            )
-            return [hc.judge_software(records), devices]
+            per_process, per_host = opts.expected_devices_per_process, opts.expected_devices_per_host
+            return [hc.judge_software(records), hc.judge_devices(records, per_process, per_host)]
 
-        return self._shared("devices", hc.local_record(self.spec), judge, fatal=False)
+        return self._shared("devices", lambda: hc.local_record(self.spec), judge, fatal=False)
 
     def _collectives(self) -> bool:
-        self.mesh = make_mesh()
-        with self._step("collectives", self.opts.step_timeout):
-            errors = hc.check_collectives(self.mesh)
-        n = self.mesh.devices.size
-        return self._shared("collectives", errors, lambda r: [hc.judge_collectives(r, n)], fatal=True)
+        def measure() -> list[str]:
+            self.mesh = make_mesh()
+            with self._step("collectives", self.opts.step_timeout):
+                return hc.check_collectives(self.mesh)
+
+        n = jax.device_count()
+        return self._shared("collectives", measure, lambda r: [hc.judge_collectives(r, n)], fatal=True)
 
     def _bandwidth(self) -> bool:
-        sizes, times = hc.sweep_sizes(self.opts.max_bytes), []
-        for nbytes in sizes:
-            with self._step(f"bandwidth-{nbytes}", self.opts.step_timeout):
-                times.append(hc.time_all_reduce(self.mesh, nbytes, self.opts.iters))
-        n = self.mesh.devices.size
+        opts, n = self.opts, jax.device_count()
+        sizes = hc.sweep_sizes(opts.max_bytes)
+        hosts = self.exchange.share("hosts", self.report.process_hosts(), opts.step_timeout)
+        order = list(dict.fromkeys(hosts))
 
-        def judge(results: dict[int, list[float]]) -> list[hc.Check]:
-            self.report.bandwidth = hc.bandwidth_rows(results, sizes, n)
-            return [hc.judge_bandwidth(self.report.bandwidth, n, self.opts.min_busbw_gbps)]
+        def measure() -> dict[str, list]:
+            sweep, pairs = [], []
+            for nbytes in sizes:
+                with self._step(f"bandwidth-{nbytes}", opts.step_timeout):
+                    sweep.append(statistics.median(hc.time_all_reduce(self.mesh, nbytes, opts.iters)))
+            # In lock-step every process waits as long as the slowest, so sweep times look alike
+            # everywhere; all-reduces between neighbouring pairs of hosts single out a slow host.
+            for r, round_pairs in enumerate(hc.ring_pairs(len(order))):
+                self.exchange.barrier(f"pairs-{r}", opts.step_timeout)  # one round at a time
+                for a, b in round_pairs:
+                    members = tuple(p for p, host in enumerate(hosts) if host in (order[a], order[b]))
+                    if self.process_id in members:
+                        mesh = make_mesh([d for d in jax.devices() if d.process_index in members])
+                        with self._step(f"pair-{a}-{b}", opts.step_timeout, among=members):
+                            # The best run: noise slows some runs, a bad link slows them all.
+                            pairs.append([a, b, min(hc.time_all_reduce(mesh, sizes[-1], opts.iters))])
+            return {"sweep": sweep, "pairs": pairs}
 
-        return self._shared("bandwidth", times, judge, fatal=False)
+        def judge(results: dict[int, dict]) -> list[hc.Check]:
+            devices = Counter(hosts[d.process_index] for d in jax.devices())
+            rows = hc.bandwidth_rows({p: r["sweep"] for p, r in results.items()}, sizes, n)
+            pairs = hc.pair_rows({p: r["pairs"] for p, r in results.items()}, order, sizes[-1], devices)
+            self.report.bandwidth, self.report.pairs = rows, pairs
+            return [hc.judge_bandwidth(rows, pairs, hosts, opts.min_busbw_gbps, opts.slow_host_factor)]
+
+        return self._shared("bandwidth", measure, judge, fatal=False)
 
     def _storage(self) -> bool:
-        nonce = self.exchange.share("nonce", f".health-{uuid.uuid4().hex[:12]}", self.opts.step_timeout)
+        timeout = self.opts.step_timeout
+        nonce = self.exchange.share("nonce", f".health-{uuid.uuid4().hex[:12]}", timeout)
         folder = Path(self.opts.checkpoint_dir) / nonce
-        with self._step("storage", 3 * self.opts.step_timeout + _STORAGE_GRACE_S):  # three barriers
-            seen = storage_probe(folder, self.process_id, self.exchange, self.opts.step_timeout)
-        return self._shared(
-            "storage", seen, lambda r: [hc.judge_storage(r, self.opts.checkpoint_dir)], fatal=True
-        )
+
+        def measure() -> dict[str, Any]:
+            with self._step("storage", 3 * timeout + _STORAGE_GRACE_S):  # three barriers
+                return storage_probe(folder, self.process_id, self.exchange, timeout)
+
+        def judge(results: dict[int, dict]) -> list[hc.Check]:
+            return [hc.judge_storage(results, self.opts.checkpoint_dir)]
+
+        return self._shared("storage", measure, judge, fatal=True)
 
     def _on_timeout(self, step: str, seconds: float) -> None:
         """Name the step that hung and, on process 0, the processes that never entered it."""
@@ -359,6 +396,7 @@ class HealthCheck:
             late = []
         else:
             late = self.exchange.missing(f"enter/{step}") if self.exchange and self.process_id == 0 else []
+            late = [p for p in late if p in (self._among.get(step) or late)]
             names = ", ".join(hc.who(p, self.report.hosts) for p in late)
             detail = f"did not finish within {seconds:g} s" + (f"; never started on {names}" if late else "")
         # Process 0 blames only those it can name; any other process reports itself.

@@ -97,6 +97,14 @@ def check_network(spec: distributed.LaunchSpec, timeout: float) -> Check:
         return Check("network", True, "single process: no coordinator")
     address = spec.coordinator_address
     host, _ = distributed.split_address(address)
+    me = socket.gethostname()
+    try:
+        socket.getaddrinfo(me, None)
+    except OSError:
+        # Gloo, JAX's CPU collectives, binds to the address its host name resolves to.
+        if os.environ.get("JAX_PLATFORMS") == "cpu" or software_versions()["plugin"] == "none":
+            reason = f"this host's name {me} does not resolve (CPU collectives need it): add it to /etc/hosts"
+            return Check("network", False, reason, {spec.process_id: reason})
     if spec.process_id == 0:
         try:
             with socket.create_server((host, 0)):
@@ -164,8 +172,8 @@ def sweep_sizes(max_bytes: int) -> list[int]:
     return sizes
 
 
-def time_all_reduce(mesh: Mesh, nbytes: int, iters: int) -> float:
-    """Median seconds this process waits for one all-reduce of `nbytes` float32 bytes per device."""
+def time_all_reduce(mesh: Mesh, nbytes: int, iters: int) -> list[float]:
+    """Seconds this process waits for each of `iters` all-reduces of `nbytes` bytes per device."""
     x = _rows(mesh, nbytes // 4, lambda i: 1.0)
     all_reduce = _per_device(mesh, lambda a: jax.lax.psum(a, DATA_AXIS))
     all_reduce(x).block_until_ready()  # compile and warm up outside the timed runs
@@ -174,7 +182,7 @@ def time_all_reduce(mesh: Mesh, nbytes: int, iters: int) -> float:
         start = time.perf_counter()
         all_reduce(x).block_until_ready()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
 
 
 def outliers(values: Mapping[int, Hashable], expected: Hashable | None = None) -> tuple[Any, list[int]]:
@@ -279,14 +287,61 @@ def bandwidth_rows(times: Mapping[int, list[float]], sizes: list[int], n_devices
     return rows
 
 
-def judge_bandwidth(rows: list[dict], n_devices: int, min_busbw_gbps: float) -> Check:
-    """Report busbw at the largest size; fail only below a threshold the user gave."""
+def ring_pairs(n: int) -> list[list[tuple[int, int]]]:
+    """Neighbours (i, i+1) around a ring of n hosts, in rounds where no host is twice."""
+    if n < 3:
+        return [[(0, 1)]] if n == 2 else []
+    edges = [(i, (i + 1) % n) for i in range(n)]
+    last = n - n % 2  # with an odd count the closing edge (n-1, 0) needs a round of its own
+    return [edges[0:last:2], edges[1:last:2]] + ([[edges[-1]]] if n % 2 else [])
+
+
+def pair_rows(times: Mapping[int, list[list]], hosts: list[str], nbytes: int, devices: Counter) -> list[dict]:
+    """One row per pair of hosts [a, b, seconds] (indices into `hosts`); the slowest report counts."""
+    worst: dict[tuple[int, int], float] = {}
+    for entries in times.values():
+        for a, b, seconds in entries:
+            worst[a, b] = max(worst.get((a, b), 0.0), seconds)
+    rows = []
+    for (a, b), seconds in sorted(worst.items()):
+        busbw = nbytes / seconds / 1e9 * bus_factor(devices[hosts[a]] + devices[hosts[b]])
+        time_us = round(seconds * 1e6, 1)
+        rows.append({"hosts": [hosts[a], hosts[b]], "bytes": nbytes, "time_us": time_us, "busbw_GBps": busbw})
+    return rows
+
+
+def slow_hosts(pairs: list[dict], factor: float) -> dict[str, str]:
+    """Hosts whose best pair is under `factor` x the median host's best pair.
+
+    A slow host drags down both pairs it is in, while each of its neighbours keeps one good
+    pair, so only the slow host's best is low. Needs three or more hosts to compare.
+    """
+    best: dict[str, float] = {}
+    for row in pairs:
+        for host in row["hosts"]:
+            best[host] = max(best.get(host, 0.0), row["busbw_GBps"])
+    if len(best) < 3 or not factor:
+        return {}
+    median = statistics.median(best.values())
+    why = "host's best neighbour pair reaches {:.3g} GB/s busbw, under {:g} x the median {:.3g}"
+    return {host: why.format(b, factor, median) for host, b in best.items() if b < factor * median}
+
+
+def judge_bandwidth(
+    rows: list[dict], pairs: list[dict], hosts: list[str], min_busbw_gbps: float, slow_factor: float
+) -> Check:
+    """busbw at the largest size; fails below --min_busbw_gbps or when a slow host stands out."""
     top = rows[-1]
-    detail = f"busbw {top['busbw_GBps']:.3f} GB/s at {top['bytes']} bytes over {n_devices} devices"
-    if min_busbw_gbps and top["busbw_GBps"] < min_busbw_gbps:
-        slow = {top["slowest_process"]: f"slowest at {top['bytes']} bytes ({top['time_us']:.0f} us)"}
-        return Check("bandwidth", False, f"{detail}, below --min_busbw_gbps {min_busbw_gbps:g}", slow)
-    return Check("bandwidth", True, detail)
+    detail = f"busbw {top['busbw_GBps']:.3g} GB/s at {top['bytes']} bytes"
+    if pairs:
+        low, high = min(r["busbw_GBps"] for r in pairs), max(r["busbw_GBps"] for r in pairs)
+        detail += f"; host pairs {low:.3g}..{high:.3g} GB/s"
+    below = bool(min_busbw_gbps) and top["busbw_GBps"] < min_busbw_gbps
+    if below:
+        detail += f"; below --min_busbw_gbps {min_busbw_gbps:g}"
+    slow = slow_hosts(pairs, slow_factor)
+    bad = {p: slow[host] for p, host in enumerate(hosts) if host in slow}
+    return Check("bandwidth", not (below or slow), detail, bad)
 
 
 def judge_storage(results: Mapping[int, dict], folder: str) -> Check:
@@ -316,6 +371,7 @@ class Report:
     checks: list[Check] = field(default_factory=list)
     processes: list[dict] = field(default_factory=list)
     bandwidth: list[dict] = field(default_factory=list)
+    pairs: list[dict] = field(default_factory=list)
 
     def add(self, check: Check) -> Check:
         self.checks.append(check)
@@ -324,6 +380,10 @@ class Report:
     def set_processes(self, records: Mapping[int, dict]) -> None:
         self.processes = [records[p] for p in sorted(records)]
         self.hosts.update({p: r["host"] for p, r in records.items()})
+
+    def process_hosts(self) -> list[str]:
+        """Host name of each process, by process id (empty until the records are in)."""
+        return [r["host"] for r in self.processes]
 
     @property
     def healthy(self) -> bool:
@@ -352,6 +412,7 @@ class Report:
             "bad_processes": self.bad_processes(),
             "environment": self.environment,
             "bandwidth": self.bandwidth,
+            "pairs": self.pairs,
             "processes": self.processes,
         }
 
@@ -385,9 +446,19 @@ class Report:
                 f"  {'bytes':>10} {'time_us':>10} {'algbw_GB/s':>11} {'busbw_GB/s':>11} {'slowest':>8}",
             ]
             lines += [
-                f"  {r['bytes']:>10} {r['time_us']:>10.1f} {r['algbw_GBps']:>11.4f} "
-                f"{r['busbw_GBps']:>11.4f} {r['slowest_process']:>8}"
+                f"  {r['bytes']:>10} {r['time_us']:>10.1f} {r['algbw_GBps']:>11.4g} "
+                f"{r['busbw_GBps']:>11.4g} {r['slowest_process']:>8}"
                 for r in self.bandwidth
+            ]
+        if self.pairs:
+            lines += [
+                "",
+                f"neighbouring hosts, all-reduce of {self.pairs[0]['bytes']} bytes over both hosts' devices",
+                f"  {'hosts':<30} {'time_us':>10} {'busbw_GB/s':>11}",
+            ]
+            lines += [
+                f"  {' - '.join(r['hosts']):<30} {r['time_us']:>10.1f} {r['busbw_GBps']:>11.4g}"
+                for r in self.pairs
             ]
         if self.healthy:
             lines.append("verdict: HEALTHY")

@@ -59,6 +59,9 @@ def parse_args(argv: list[str]) -> tuple[health.HealthOptions, DistConfig]:
     p.add_argument("--expected_devices_per_process", type=int, default=h.expected_devices_per_process)
     p.add_argument("--expected_devices_per_host", type=int, default=h.expected_devices_per_host)
     p.add_argument("--min_busbw_gbps", type=float, default=h.min_busbw_gbps, help="fail below this")
+    p.add_argument(
+        "--slow_host_factor", type=float, default=h.slow_host_factor, help="0.5: fail a host at half speed"
+    )
     p.add_argument("--network_timeout", type=float, default=h.network_timeout, help="seconds")
     p.add_argument("--step_timeout", type=float, default=h.step_timeout, help="seconds per later step")
     p.add_argument("--init_timeout", type=int, default=d.init_timeout, help="seconds for all to join")

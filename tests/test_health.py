@@ -4,12 +4,15 @@ pytest tests/test_health.py                            # all (about 40 s on 2 bu
 pytest tests/test_health.py -m "not multiprocess"      # verdicts only, a few seconds
 """
 
+import functools
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,7 @@ import pytest
 from jaxtrain import health_checks as hc
 from jaxtrain.config import DistConfig
 from jaxtrain.distributed import LaunchSpec
+from jaxtrain.health import Exchange, HealthCheck, HealthOptions
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "test_distributed.py"
@@ -92,9 +96,43 @@ def test_bandwidth_uses_nccl_tests_definitions():
     assert rows[0]["slowest_process"] == 1 and rows[1]["slowest_process"] == 0
     assert rows[0]["algbw_GBps"] == pytest.approx(1000 / 4e-3 / 1e9)
     assert rows[1]["busbw_GBps"] == pytest.approx(8000 / 2e-3 / 1e9 * 2 * 3 / 4)
-    assert hc.judge_bandwidth(rows, 4, 0).ok
-    slow = hc.judge_bandwidth(rows, 4, min_busbw_gbps=1.0)
-    assert not slow.ok and list(slow.bad) == [0]
+    assert hc.judge_bandwidth(rows, [], ["h0", "h0"], 0, 0.5).ok
+    below = hc.judge_bandwidth(rows, [], ["h0", "h0"], min_busbw_gbps=1.0, slow_factor=0.5)
+    assert not below.ok and below.bad == {}  # the whole fabric is slow, no one host
+
+
+@pytest.mark.parametrize("n", range(2, 8))
+def test_ring_pairs_cover_each_neighbour_once_without_overlap(n):
+    rounds = hc.ring_pairs(n)
+    edges = sorted(tuple(sorted(e)) for r in rounds for e in r)
+    assert edges == sorted({tuple(sorted((i, (i + 1) % n))) for i in range(n)})
+    assert all(len({h for e in r for h in e}) == 2 * len(r) for r in rounds)
+    assert len(rounds) == (1 if n == 2 else 2 + n % 2)
+
+
+def test_a_slow_host_stands_out_from_its_neighbour_pairs():
+    hosts = ["a", "a", "b", "c", "d"]  # process -> host; host d has the slow link
+    times = {0: [[0, 1, 1e-3], [3, 0, 4e-3]], 2: [[1, 2, 1e-3]], 3: [[2, 3, 4e-3]]}
+    pairs = hc.pair_rows(times, ["a", "b", "c", "d"], 8000, Counter(a=2, b=1, c=1, d=1))
+    assert [p["hosts"] for p in pairs] == [["a", "b"], ["b", "c"], ["c", "d"], ["d", "a"]]
+    assert pairs[0]["busbw_GBps"] == pytest.approx(8000 / 1e-3 / 1e9 * 2 * 2 / 3)
+    check = hc.judge_bandwidth([{"bytes": 8000, "busbw_GBps": 1.0}], pairs, hosts, 0, 0.5)
+    assert not check.ok and list(check.bad) == [4] and "host's best neighbour pair" in check.bad[4]
+    assert hc.judge_bandwidth([{"bytes": 8000, "busbw_GBps": 1.0}], pairs, hosts, 0, 0).ok  # off
+    assert hc.slow_hosts(pairs[:1], 0.5) == {}  # two hosts: nothing to compare with
+
+
+def test_a_step_that_fails_to_measure_names_the_process():
+    check = HealthCheck(HealthOptions(), DistConfig(), {})
+    check.process_id, check.exchange = 0, Exchange(0, 1)
+    check.report.hosts[0] = "node0"
+
+    def measure():
+        raise RuntimeError("Unable to initialize backend 'cuda': no GPU\nmore detail")
+
+    assert not check._shared("devices", measure, lambda r: [], fatal=False)
+    failed = check.report.checks[-1]
+    assert failed.bad == {0: "RuntimeError: Unable to initialize backend 'cuda': no GPU"}
 
 
 def _free_port():
@@ -151,14 +189,34 @@ def _env(devices, **extra):
     return env | extra
 
 
-def _by_hand(tmp_path, devices, args, extra_args=None, ports=None):
+@functools.cache
+def _can_fake_hosts() -> bool:
+    """Root with unshare: each process can get a host name (and /etc/hosts) of its own."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        return False
+    return subprocess.run(["unshare", "--uts", "--mount", "true"], capture_output=True).returncode == 0
+
+
+def _as_host(name: str, tmp_path: Path, resolvable: bool = True) -> list[str]:
+    """Command prefix running a process as host `name`: UTS + mount namespaces, private /etc/hosts."""
+    hosts = tmp_path / f"hosts-{name}"
+    hosts.write_text(Path("/etc/hosts").read_text() + (f"127.0.0.1 {name}\n" if resolvable else ""))
+    script = 'mount --bind "$0" /etc/hosts && hostname "$1" && shift && exec "$@"'
+    return ["unshare", "--uts", "--mount", "sh", "-c", script, str(hosts), name]
+
+
+fake_hosts = pytest.mark.skipif(not _can_fake_hosts(), reason="needs root and unshare")
+
+
+def _by_hand(tmp_path, devices, args, extra_args=None, ports=None, hosts=None):
     """Start one process per entry of `devices`, as a launcher would; [(code, stdout, stderr)]."""
     n, port = len(devices), _free_port()
     procs = []
     for i, d in enumerate(devices):
         coordinator = f"127.0.0.1:{(ports or {}).get(i, port)}"
         env = _env(d, JAX_COORDINATOR_ADDRESS=coordinator, JAX_NUM_PROCESSES=str(n), JAX_PROCESS_ID=str(i))
-        cmd = [sys.executable, str(SCRIPT), *args, *(extra_args or {}).get(i, [])]
+        prefix = _as_host(hosts[i], tmp_path) if hosts else []
+        cmd = [*prefix, sys.executable, str(SCRIPT), *args, *(extra_args or {}).get(i, [])]
         procs.append(
             subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         )
@@ -275,3 +333,32 @@ def test_unreachable_coordinator_is_named_fast(tmp_path):
     assert mine["bad_processes"][0]["process_id"] == 1 and mine["bad_hosts"] == [socket.gethostname()]
     init = json.loads(out.read_text())["checks"][-1]
     assert init["name"] == "init" and not init["ok"] and "not all 2 processes joined" in init["detail"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@fake_hosts
+def test_three_hosts_pairs_and_a_host_short_of_devices(tmp_path):
+    out = tmp_path / "health.json"
+    # Noise on two shared cores exceeds what a slow host would show: pairs are judged in unit tests.
+    args = [*FAST, "--json", str(out), "--slow_host_factor", "0", "--expected_devices_per_host", "2"]
+    results = _by_hand(tmp_path, [2, 2, 1], args, hosts=["node-a", "node-b", "node-c"])
+    assert [code for code, _, _ in results] == [1, 1, 1], results
+    report = json.loads(out.read_text())
+    assert report["bad_hosts"] == ["node-c"]
+    assert report["bad_processes"][0]["reason"].endswith("its host has 1 devices, expected 2")
+    ring = [["node-a", "node-b"], ["node-b", "node-c"], ["node-c", "node-a"]]
+    assert [p["hosts"] for p in report["pairs"]] == ring
+    assert all(p["busbw_GBps"] > 0 for p in report["pairs"]) and "neighbouring hosts" in results[0][1]
+
+
+@pytest.mark.multiprocess
+@fake_hosts
+def test_a_host_name_that_does_not_resolve_is_named(tmp_path):
+    coordinator = f"127.0.0.1:{_free_port()}"
+    env = _env(1, JAX_COORDINATOR_ADDRESS=coordinator, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="1")
+    script = [sys.executable, str(SCRIPT), "--network_timeout", "1"]
+    host = _as_host("nowhere7", tmp_path, resolvable=False)
+    done = subprocess.run([*host, *script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert "FAILED on process 1 on nowhere7: network: this host's name nowhere7 does not" in done.stderr
