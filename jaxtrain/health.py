@@ -52,6 +52,7 @@ _STORAGE_GRACE_S = 5.0
 _INIT_MARGIN_S = 10
 # A report written after a timeout may itself wait on a dead coordinator; give up after this.
 _REPORT_GRACE_S = 10.0
+_HEARTBEAT_S = 1.0  # a process whose count stands still for 3 beats is frozen
 Judge = Callable[[dict[int, Any]], list[hc.Check]]  # every process's result -> checks
 
 
@@ -67,7 +68,7 @@ class HealthOptions:
     expected_devices_per_host: int = 0  # 0 = not checked
     min_busbw_gbps: float = 0.0  # fail below this busbw at the largest size; 0 = report only
     slow_host_factor: float = 0.5  # fail a host whose best pair is under this x the median; 0 = off
-    network_timeout: float = 30.0  # seconds to reach the coordinator
+    network_timeout: float = 60.0  # seconds to reach the coordinator (hosts started by hand lag)
     step_timeout: float = 120.0  # seconds for each later step (each message size for bandwidth)
 
 
@@ -158,14 +159,41 @@ class Exchange:
         except JaxRuntimeError:
             return False
 
-    def missing(self, key: str) -> list[int]:
-        """Processes that have not posted under `key` yet."""
+    def start_heartbeat(self, period: float) -> threading.Event:
+        """Count up under alive/ every `period` s until the returned event is set, so process 0
+        can tell a frozen process (stopped, swapped out, stuck in the kernel) from a waiting one."""
+        stop = threading.Event()
+
+        def beat() -> None:
+            count = 0
+            while self._client and not stop.wait(period):
+                count += 1
+                try:
+                    self._client.key_value_set(f"{_KEY_PREFIX}/alive/{self.process_id}", str(count), True)
+                except JaxRuntimeError:
+                    return  # the coordinator is gone; its absence is reported elsewhere
+
+        threading.Thread(target=beat, name="jaxtrain-health-heartbeat", daemon=True).start()
+        return stop
+
+    def frozen(self, period: float) -> list[int]:
+        """Processes whose heartbeat did not move over three periods."""
         if not self._client:
             return []
-        posted = {
-            int(k.rsplit("/", 1)[1]) for k, _ in self._client.key_value_dir_get(f"{_KEY_PREFIX}/{key}/")
-        }
-        return [q for q in range(self.num_processes) if q not in posted]
+        before = self.posted("alive")
+        time.sleep(3 * period)
+        after = self.posted("alive")
+        return [q for q in range(self.num_processes) if after.get(q) in (None, before.get(q))]
+
+    def posted(self, key: str) -> dict[int, Any]:
+        """What each process has posted under `key` so far, without waiting."""
+        if not self._client:
+            return {}
+        try:
+            entries = self._client.key_value_dir_get(f"{_KEY_PREFIX}/{key}/")
+        except JaxRuntimeError:
+            return {}  # the coordinator is gone: nothing more can be learned
+        return {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in entries}
 
 
 class Watchdog:
@@ -261,6 +289,8 @@ class HealthCheck:
         if not network.ok or not self._init():
             return self._alone()
         self.exchange = Exchange(spec.process_id, spec.num_processes)
+        self.exchange.post("host", self.host)  # so process 0 can name a host that fails later
+        self._heartbeat = self.exchange.start_heartbeat(_HEARTBEAT_S)
         try:
             for step in (self._devices, self._collectives, self._bandwidth, self._storage):
                 if not step():
@@ -310,6 +340,7 @@ class HealthCheck:
             silent = f"sent nothing within {self.opts.step_timeout:g} s"
             bad = {p: v["error"] if v else silent for p, v in enumerate(values) if not v or "error" in v}
             if bad:
+                self._learn_hosts()
                 checks = [hc.Check(name, False, "could not be measured everywhere", bad)]
             else:
                 checks = judge({p: v["result"] for p, v in enumerate(values)})
@@ -326,7 +357,12 @@ class HealthCheck:
             per_process, per_host = opts.expected_devices_per_process, opts.expected_devices_per_host
             return [hc.judge_software(records), hc.judge_devices(records, per_process, per_host)]
 
-        return self._shared("devices", lambda: hc.local_record(self.spec), judge, fatal=False)
+        def measure() -> dict[str, Any]:
+            # The first device query starts the backend, which waits for every other process.
+            with self._step("devices", opts.step_timeout):
+                return hc.local_record(self.spec)
+
+        return self._shared("devices", measure, judge, fatal=False)
 
     def _collectives(self) -> bool:
         def measure() -> list[str]:
@@ -384,8 +420,14 @@ class HealthCheck:
 
         return self._shared("storage", measure, judge, fatal=True)
 
+    def _learn_hosts(self) -> None:
+        """Host names posted right after init, for processes whose records never came."""
+        if self.exchange:
+            self.report.hosts = self.exchange.posted("host") | self.report.hosts
+
     def _on_timeout(self, step: str, seconds: float) -> None:
         """Name the step that hung and, on process 0, the processes that never entered it."""
+        self._learn_hosts()
         if step == "init":
             env = self.report.environment
             detail = (
@@ -395,10 +437,17 @@ class HealthCheck:
             )
             late = []
         else:
-            late = self.exchange.missing(f"enter/{step}") if self.exchange and self.process_id == 0 else []
-            late = [p for p in late if p in (self._among.get(step) or late)]
-            names = ", ".join(hc.who(p, self.report.hosts) for p in late)
-            detail = f"did not finish within {seconds:g} s" + (f"; never started on {names}" if late else "")
+            late, frozen = [], []
+            if self.exchange and self.process_id == 0:
+                among = self._among.get(step) or range(self.exchange.num_processes)
+                entered = self.exchange.posted(f"enter/{step}")
+                late = [p for p in among if p not in entered]
+                frozen = [p for p in self.exchange.frozen(_HEARTBEAT_S) if p in among and p not in late]
+            detail = f"did not finish within {seconds:g} s"
+            for label, procs in (("never started on", late), ("stopped responding on", frozen)):
+                if procs:
+                    detail += f"; {label} " + ", ".join(hc.who(p, self.report.hosts) for p in procs)
+            late += frozen
         # Process 0 blames only those it can name; any other process reports itself.
         blamed = late if self.process_id <= 0 else [self.process_id]
         self.report.add(hc.Check(step, False, detail, dict.fromkeys(blamed, f"{step} did not finish")))
@@ -437,6 +486,7 @@ class HealthCheck:
         """Leave together: process 0 hosts the coordinator, so nobody may go before all are done."""
         if self.exchange.num_processes == 1:
             return code
+        self._heartbeat.set()
         if not self.exchange.barrier("done", self.opts.step_timeout):
             # A process is gone; jax's exit-time shutdown would wait minutes for it.
             sys.stdout.flush()

@@ -1,25 +1,30 @@
 """Cluster health check: can this allocation train, and if not, which host is broken and why.
 
 Checks environment, network, jax.distributed init, software, devices, collectives, all-reduce
-bandwidth (nccl-tests algbw/busbw) and shared storage; see jaxtrain/health.py. Process 0 prints
-a table; --json FILE writes every figure and the bad hosts. Exit 0 healthy, 1 a check failed,
-2 bad arguments. Every step has a timeout, so it never hangs.
+bandwidth (nccl-tests algbw/busbw, then neighbouring pairs of hosts) and shared storage; see
+jaxtrain/health.py. Process 0 prints a table; --json FILE writes every figure, `bad_hosts` and
+`bad_processes` (a process that fails before it can reach process 0 writes FILE.process-N.json
+instead). Exit 0 healthy, 1 a check failed, 2 bad arguments. Every wait is bounded
+(--network_timeout 60, --init_timeout 120, --step_timeout 120 seconds), so it never hangs.
 
 One process (this machine's devices):
     python scripts/test_distributed.py --json health.json
-One host, N processes (CPU: add XLA_FLAGS=--xla_force_host_platform_device_count=2):
+One host, N processes (on CPU also set XLA_FLAGS=--xla_force_host_platform_device_count=2):
     python scripts/run_distributed.py --mode manual --world-size 4 \
         --script scripts/test_distributed.py -- --json health.json
-Many hosts, by hand (one line per host; process 0 runs on the coordinator host):
+Many hosts, by hand, one line per host (process 0 on the host the coordinator address names):
     JAX_COORDINATOR_ADDRESS=node0:29500 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=0 \
         python scripts/test_distributed.py --checkpoint_dir /shared/ckpt --json health.json
     JAX_COORDINATOR_ADDRESS=node0:29500 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=1 \
-        python scripts/test_distributed.py --checkpoint_dir /shared/ckpt
-  or scripts/launch_multi_node.sh, giving it this script.
-SLURM (one task per node, or one per GPU):
+        python scripts/test_distributed.py --checkpoint_dir /shared/ckpt --json health.json
+  or per host: python scripts/run_distributed.py --mode manual --rank R --world-size 2 \
+        --coordinator node0:29500 --script scripts/test_distributed.py -- --checkpoint_dir /shared/ckpt
+SLURM (inside an allocation; one task per node, or one per GPU):
     srun --nodes 8 --ntasks-per-node 1 python scripts/test_distributed.py \
         --checkpoint_dir /shared/ckpt --expected_devices_per_host 8 --max_bytes 1G --json health.json
-    sbatch --exclude "$(jq -r '.bad_hosts | join(",")' health.json)" ...   # skip the bad nodes
+    python scripts/run_distributed.py --mode slurm --nodes 8 --gpus-per-node 8 \
+        --script scripts/test_distributed.py -- --checkpoint_dir /shared/ckpt --json health.json
+    sbatch --exclude "$(jq -r '.bad_hosts | join(",")' health.json)" ...   # then skip the bad nodes
 """
 
 from __future__ import annotations
@@ -64,7 +69,8 @@ def parse_args(argv: list[str]) -> tuple[health.HealthOptions, DistConfig]:
     )
     p.add_argument("--network_timeout", type=float, default=h.network_timeout, help="seconds")
     p.add_argument("--step_timeout", type=float, default=h.step_timeout, help="seconds per later step")
-    p.add_argument("--init_timeout", type=int, default=d.init_timeout, help="seconds for all to join")
+    # Shorter than training's default: a health check should say soon who never joined.
+    p.add_argument("--init_timeout", type=int, default=120, help="seconds for all to join")
     p.add_argument("--coordinator_address", default=d.coordinator_address, help="HOST:PORT")
     p.add_argument("--num_processes", type=int, default=d.num_processes)
     p.add_argument("--process_id", type=int, default=d.process_id)

@@ -8,6 +8,7 @@ import functools
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -362,3 +363,29 @@ def test_a_host_name_that_does_not_resolve_is_named(tmp_path):
     done = subprocess.run([*host, *script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
     assert "FAILED on process 1 on nowhere7: network: this host's name nowhere7 does not" in done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_frozen_process_is_named_and_nothing_hangs(tmp_path):
+    out, port = tmp_path / "health.json", _free_port()
+    args = [str(SCRIPT), "--max_bytes", "4M", "--iters", "100", "--step_timeout", "4", "--json", str(out)]
+    procs = []
+    for i in range(2):
+        env = _env(
+            1, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)
+        )
+        procs.append(subprocess.Popen([sys.executable, *args], env=env, cwd=tmp_path, stdout=subprocess.PIPE))
+    try:
+        for line in procs[0].stdout:  # process 0 prints this once every process has joined
+            if line.startswith(b"distributed:"):
+                break
+        procs[1].send_signal(signal.SIGSTOP)  # frozen, as a process stuck on a dead mount would be
+        start = time.monotonic()
+        procs[0].communicate(timeout=60)
+        assert procs[0].returncode == 1 and time.monotonic() - start < 30
+    finally:
+        procs[1].kill()
+        procs[1].communicate()
+    report = json.loads(out.read_text())
+    assert [b["process_id"] for b in report["bad_processes"]] == [1], report["bad_processes"]
