@@ -268,6 +268,7 @@ class HealthCheck:
         self.spec: distributed.LaunchSpec | None = None
         self.mesh: jax.sharding.Mesh | None = None
         self._among: dict[str, tuple[int, ...]] = {}  # step -> the processes it involves (all if empty)
+        self._heartbeat = threading.Event()  # set to stop this process's heartbeat
 
     def run(self) -> int:
         """Every step in order; 0 healthy, 1 failed, the same on every process that gets a verdict."""
