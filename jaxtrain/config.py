@@ -88,6 +88,7 @@ class Config:
     total_steps: int = 1000
     dtype: str = "float32"  # compute dtype: float32 | bfloat16 | float16 (params stay float32)
     gradient_clip_val: float = 1.0  # global-norm clip; 0 disables
+    max_bad_steps: int = 10  # stop after this many non-finite (skipped) steps in a row
     seed: int = 0
     # checkpoints
     resume_from: str = ""  # a checkpoint step dir, or a run's checkpoints/ dir
@@ -104,6 +105,7 @@ class Config:
     progress_bar: bool = True
     sample_tokens: int = 0  # tokens generated from the final model; 0 disables
     sample_prompt: str = "def "
+    debug_nan_step: int = -1  # test-only fault: poison one device's gradient at this step
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     dist: DistConfig = field(default_factory=DistConfig)
@@ -125,7 +127,7 @@ _POSITIVE = (
     "batch_size", "total_steps", "gradient_accumulation_steps", "log_interval",
     "checkpoint_interval", "keep_checkpoints", "eval_batches", "data_threads", "prefetch",
     "model.vocab_size", "model.seq_len", "model.n_layer", "model.n_head", "model.d_model",
-    "optim.lr", "dist.init_timeout",
+    "optim.lr", "dist.init_timeout", "max_bad_steps",
 )  # fmt: skip
 _NON_NEGATIVE = (
     "total_batch_size", "device_batch_size", "eval_interval", "gradient_clip_val",

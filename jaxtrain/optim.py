@@ -1,4 +1,4 @@
-"""AdamW with linear warmup, cosine decay, global-norm clipping, decay on matrices only."""
+"""AdamW with linear warmup, cosine decay, and weight decay on matrices only."""
 
 from __future__ import annotations
 
@@ -37,11 +37,8 @@ def decay_mask(params: Any) -> Any:
 
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
-    """The optimizer; clipping first so the logged grad norm is the pre-clip one."""
+    """AdamW. Global-norm clipping happens in the train step, which computes the norm anyway."""
     o = cfg.optim
-    adamw = optax.adamw(
+    return optax.adamw(
         lr_schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask
     )
-    if cfg.gradient_clip_val > 0:
-        return optax.chain(optax.clip_by_global_norm(cfg.gradient_clip_val), adamw)
-    return adamw

@@ -73,8 +73,15 @@ def make_train_step(cfg: Config, model: GPT, tx: optax.GradientTransformation, m
     accum = cfg.gradient_accumulation_steps
     schedule = lr_schedule(cfg)
     fp16 = cfg.dtype == "float16"
+    clip = cfg.gradient_clip_val
+    nan_step = cfg.debug_nan_step
 
-    def device_grads(params: Any, rows: jax.Array, scale: jax.Array) -> tuple[Any, jax.Array]:
+    def device_grads(
+        params: Any, rows: jax.Array, scale: jax.Array, step: jax.Array
+    ) -> tuple[Any, jax.Array]:
+        if nan_step >= 0:  # test-only fault: poison the first device's gradient at one step
+            first = jax.lax.axis_index(mesh_lib.BATCH_AXES) == 0
+            scale = jnp.where(first & (step == nan_step), jnp.nan, scale)
         grads, loss = _local_grads(model, accum, params, rows, scale)
         return _reduce(grads), _reduce(loss)
 
@@ -82,22 +89,29 @@ def make_train_step(cfg: Config, model: GPT, tx: optax.GradientTransformation, m
     sharded_grads = jax.shard_map(
         device_grads,
         mesh=mesh,
-        in_specs=(P(), mesh_lib.batch_spec(), P()),
+        in_specs=(P(), mesh_lib.batch_spec(), P(), P()),
         out_specs=(P(), P()),
         check_vma=False,
     )
 
+    def apply(state: TrainState, grads: Any, grad_norm: jax.Array) -> tuple[Any, Any]:
+        if clip > 0:  # global-norm clipping here, reusing the norm we log anyway
+            factor = jnp.minimum(1.0, clip / (grad_norm + 1e-6))
+            grads = jax.tree.map(lambda g: g * factor, grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        return optax.apply_updates(state.params, updates), opt_state
+
+    def skip(state: TrainState, grads: Any, grad_norm: jax.Array) -> tuple[Any, Any]:
+        return state.params, state.opt_state
+
     def train_step(state: TrainState, batch: jax.Array) -> tuple[TrainState, Metrics]:
-        grads, loss = sharded_grads(state.params, batch, state.loss_scale)
-        grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
+        grads, loss = sharded_grads(state.params, batch, state.loss_scale, state.step)
+        if fp16:
+            grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-
-        def keep_if_finite(new: Any, old: Any) -> Any:
-            return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-
+        # A branch, not a select: a good step pays nothing for the ability to skip a bad one.
+        params, opt_state = jax.lax.cond(finite, apply, skip, state, grads, grad_norm)
         good = jnp.where(finite, state.good_steps + 1, 0)
         scale = state.loss_scale
         if fp16:
@@ -106,8 +120,8 @@ def make_train_step(cfg: Config, model: GPT, tx: optax.GradientTransformation, m
             good = jnp.where(grow, 0, good)
         new_state = state.replace(
             step=state.step + 1,
-            params=keep_if_finite(params, state.params),
-            opt_state=keep_if_finite(opt_state, state.opt_state),
+            params=params,
+            opt_state=opt_state,
             loss_scale=scale,
             good_steps=good,
             bad_steps=jnp.where(finite, 0, state.bad_steps + 1),
