@@ -185,7 +185,14 @@ def _raise_stop(signum: int, _frame: object) -> None:
 
 
 def _stop_all(procs: dict[int, subprocess.Popen], grace: float) -> None:
-    """SIGTERM every child's process group, then SIGKILL whatever is left after `grace` seconds."""
+    """SIGTERM every child's process group, then SIGKILL what is left after `grace` seconds.
+
+    JAX processes ignore SIGTERM (its preemption notifier takes it), so the SIGKILL is what
+    usually ends them; a second Ctrl-C skips the rest of the grace period.
+    """
+    hurry = threading.Event()
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, lambda *_: hurry.set())
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for p in procs.values():
             if p.poll() is None:
@@ -195,7 +202,8 @@ def _stop_all(procs: dict[int, subprocess.Popen], grace: float) -> None:
                     pass
         deadline = time.monotonic() + grace
         while any(p.poll() is None for p in procs.values()) and time.monotonic() < deadline:
-            time.sleep(0.1)
+            if hurry.wait(0.1):
+                break
     for p in procs.values():
         p.wait()
 
@@ -246,14 +254,17 @@ def run_local(plan: LocalPlan, command: list[str], log_dir: str | None, grace: f
         while True:
             failed = [(r, p.returncode) for r, p in procs.items() if p.poll() not in (None, 0)]
             if failed:
+                # Peers of a killed process fail right after it; a signal death is the likelier cause.
+                failed.sort(key=lambda f: (f[1] > 0, f[0]))
                 rank, code = failed[0]
                 where = (
                     f" (log {Path(log_dir) / f'rank_{rank}.log'})"
                     if log_dir and rank != plan.ranks[0]
                     else ""
                 )
+                also = "".join(f"; rank {r} {_describe_exit(c)}" for r, c in failed[1:])
                 print(
-                    f"error: rank {rank} (pid {procs[rank].pid}) {_describe_exit(code)}{where}; "
+                    f"error: rank {rank} (pid {procs[rank].pid}) {_describe_exit(code)}{where}{also}; "
                     f"stopping the other {sum(p.poll() is None for p in procs.values())} process(es)",
                     file=sys.stderr,
                     flush=True,

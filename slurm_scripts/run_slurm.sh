@@ -1,0 +1,29 @@
+#!/bin/bash
+# Train jaxtrain under SLURM, every process started by srun. Submit with:
+#     sbatch slurm_scripts/run_slurm.sh
+# Made by: python scripts/run_distributed.py --mode create_slurm --nodes 2 --gpus-per-node 8 --cpus-per-task 16 --time 04:00:00 --workdir . --sbatch-script slurm_scripts/run_slurm.sh -- --config configs/gpt2_124m.yaml --run_dir runs/gpt2_124m
+#SBATCH --job-name=jaxtrain
+#SBATCH --nodes=2
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=16
+#SBATCH --time=04:00:00
+#SBATCH --chdir=.
+#SBATCH --output=slurm_scripts/logs/%x-%j.out
+#SBATCH --open-mode=append
+#SBATCH --signal=B:USR1@90
+#SBATCH --requeue
+set -euo pipefail
+
+if [[ ! -f scripts/train.py ]]; then echo "error: scripts/train.py not found in $PWD" >&2; exit 2; fi
+echo "jaxtrain: job ${SLURM_JOB_ID} on ${SLURM_JOB_NODELIST}, $(date)"
+
+# SLURM sends USR1 90 s before the time limit: requeue, which stops the
+# tasks (SIGTERM) and runs the job again; training resumes from its latest checkpoint.
+trap 'echo "jaxtrain: time limit near, requeueing job ${SLURM_JOB_ID}"; scontrol requeue "${SLURM_JOB_ID}"' USR1
+srun --kill-on-bad-exit=1 .venv/bin/python scripts/train.py --config configs/gpt2_124m.yaml --run_dir runs/gpt2_124m &
+srun_pid=$!
+# A trapped signal ends `wait` early; keep waiting until srun itself has finished.
+while true; do
+    rc=0; wait "$srun_pid" || rc=$?
+    kill -0 "$srun_pid" 2>/dev/null || exit "$rc"
+done

@@ -1,0 +1,263 @@
+"""scripts/run_distributed.py: real local multi-process training on CPU (gloo), supervision, bad flags.
+
+pytest tests/test_launch.py       # about 2.5 minutes on 2 cores
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+LAUNCHER = [sys.executable, "scripts/run_distributed.py"]
+LAUNCH_VARS = (
+    "JAX_",
+    "SLURM_",
+    "MASTER_",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+)
+TINY = ["--config", "configs/tiny.yaml", "--total_steps", "10", "--eval_interval", "0"]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without launcher variables: CPU, one device per process, plus `extra`."""
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_VARS) and k != "CUDA_VISIBLE_DEVICES"
+    }
+    env.update(
+        JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1", WANDB_MODE="offline"
+    )
+    env.update(extra)
+    return env
+
+
+def launch(
+    args: list[str], env: dict[str, str] | None = None, timeout: float = 240
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        LAUNCHER + args, cwd=REPO, env=env or clean_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in lines if "loss" in r]
+    assert len({r["step"] for r in train}) == len(train), "a step logged twice: more than one writer"
+    return {r["step"]: r["loss"] for r in train}
+
+
+def processes_marked(marker: str) -> list[int]:
+    """Live processes whose environment holds `marker` (every descendant of the launcher)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                if marker.encode() in (d / "environ").read_bytes():
+                    found.append(int(d.name))
+            except OSError:
+                continue  # exited meanwhile, or a zombie
+    return found
+
+
+def env_of(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode(errors="replace").partition("=")[::2] for item in raw if b"=" in item)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> dict[int, float]:
+    run_dir = tmp_path_factory.mktemp("p1") / "run"
+    done = launch(["--mode", "manual", "--world-size", "1", "--", *TINY, "--run_dir", str(run_dir)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    return losses(run_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_processes_match_one(one_process, tmp_path):
+    run_dir = tmp_path / "run"
+    done = launch(["--mode", "manual", "--world-size", "2", "--", *TINY, "--run_dir", str(run_dir)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert losses(run_dir) == pytest.approx(one_process, abs=1e-4)
+    # rank 1 speaks through its prefix only (warnings), never the metric lines
+    rank1 = [x for x in done.stderr.splitlines() if x.startswith("[rank 1] ")]
+    assert not any("| loss" in x for x in rank1)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_four_processes_match_one_and_only_process_0_reports(one_process, tmp_path):
+    run_dir, logs = tmp_path / "run", tmp_path / "logs"
+    done = launch(
+        ["--mode", "manual", "--world-size", "4", "--log-dir", str(logs), "--"]
+        + [
+            *TINY,
+            "--run_dir",
+            str(run_dir),
+            "--progress_bar",
+            "true",
+            "--use_wandb",
+            "--wandb_mode",
+            "offline",
+        ]
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert losses(run_dir) == pytest.approx(one_process, abs=1e-4)
+    terminal = done.stdout + done.stderr
+    assert "10/10" in terminal and "| loss" in terminal  # progress bar and metric lines from rank 0
+    assert sorted(p.name for p in logs.iterdir()) == ["rank_1.log", "rank_2.log", "rank_3.log"]
+    for log in logs.iterdir():
+        text = log.read_text()
+        assert "it/s" not in text and "| loss" not in text and "distributed:" not in text, log
+    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("how", ["kill -9 a worker", "Ctrl-C the launcher"])
+def test_a_failure_stops_every_process(how, tmp_path):
+    marker = f"JAXTRAIN_TEST_MARK={uuid.uuid4().hex}"
+    key, value = marker.split("=")
+    run_dir = tmp_path / "run"
+    args = ["--mode", "manual", "--world-size", "2", "--log-dir", str(tmp_path / "logs"), "--"]
+    args += [*TINY, "--total_steps", "100000", "--log_interval", "1", "--run_dir", str(run_dir)]
+    launcher = subprocess.Popen(
+        LAUNCHER + args,
+        cwd=REPO,
+        env=clean_env(**{key: value}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text():
+            assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "training never started"
+            time.sleep(0.5)
+        workers = [p for p in processes_marked(marker) if env_of(p).get("JAX_PROCESS_ID") == "1"]
+        assert len(workers) == 1
+        t0 = time.monotonic()
+        if how == "kill -9 a worker":
+            os.kill(workers[0], signal.SIGKILL)
+        else:
+            launcher.send_signal(signal.SIGINT)
+        _, err = launcher.communicate(timeout=30)
+        assert time.monotonic() - t0 < 30
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for pid in processes_marked(marker):  # never leave strays behind, even on failure
+            os.kill(pid, signal.SIGKILL)
+    if how == "kill -9 a worker":
+        assert launcher.returncode == 128 + signal.SIGKILL, err.decode()[-3000:]
+        assert f"error: rank 1 (pid {workers[0]}) was killed by SIGKILL" in err.decode()
+    else:
+        assert launcher.returncode == 128 + signal.SIGINT
+    time.sleep(0.5)
+    assert processes_marked(marker) == [], "processes left behind"
+
+
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        (["--mode", "manual"], {}, "--mode manual needs --world-size N"),
+        (["--mode", "manual", "--world-size", "0"], {}, "--world-size must be >= 1, got 0"),
+        (
+            ["--mode", "manual", "--world-size", "2", "--rank", "2", "--coordinator", "h:1"],
+            {},
+            "out of range",
+        ),
+        (["--mode", "manual", "--world-size", "2", "--rank", "1"], {}, "give --coordinator HOST:PORT"),
+        (["--mode", "manual", "--world-size", "2", "--coordinator", "h"], {}, "'h' is not HOST:PORT"),
+        (["--mode", "manual", "--world-size", "2", "--coordinator", "h:0"], {}, "'h:0' is not HOST:PORT"),
+        (
+            ["--mode", "manual", "--world-size", "2", "--node-rank", "1", "--nproc-per-node", "2"],
+            {},
+            "beyond",
+        ),
+        (["--mode", "manual", "--world-size", "2", "--script", "nope.py"], {}, "--script nope.py not found"),
+        (["--mode", "manual", "--world-size", "x"], {}, "invalid int value: 'x'"),
+        (["--mode", "bogus"], {}, "invalid choice: 'bogus'"),
+        (
+            ["--mode", "manual", "--world-size", "2"],
+            {"JAX_PLATFORMS": "", "CUDA_VISIBLE_DEVICES": "0,1,2"},
+            "3 GPUs",
+        ),
+        (["--mode", "slurm"], {"PATH": "/nonexistent"}, "sbatch not found"),
+        (["--mode", "create_slurm", "--time", "forever"], {}, "--time 'forever' is not a SLURM time"),
+        (["--mode", "create_slurm", "--task-per-gpu"], {}, "--task-per-gpu needs --gpus-per-node"),
+        (["--mode", "create_slurm", "--env", "NOVALUE"], {}, "--env 'NOVALUE' is not KEY=VALUE"),
+    ],
+)
+def test_bad_arguments_are_one_line_exit_2(args, env, message, tmp_path):
+    args = [*args, "--sbatch-script", str(tmp_path / "job.sh")] if "create_slurm" in args else args
+    done = launch(args, clean_env(**env), timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: "), done.stderr
+    assert message in done.stderr
+
+
+def test_create_slurm_writes_a_runnable_sbatch_file(tmp_path):
+    path = tmp_path / "job.sh"
+    done = launch(
+        [
+            "--mode",
+            "create_slurm",
+            "--nodes",
+            "2",
+            "--gpus-per-node",
+            "8",
+            "--task-per-gpu",
+            "--cpus-per-task",
+            "4",
+        ]
+        + ["--partition", "gpu", "--account", "lm", "--time", "04:00:00", "--env", "NCCL_DEBUG=WARN"]
+        + ["--output", str(tmp_path / "logs/%x-%j.out"), "--sbatch-script", str(path), "--"]
+        + ["--config", "configs/tiny.yaml", "--run_dir", "runs/a b"],
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    text = path.read_text()
+    for line in [
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=8",
+        "#SBATCH --gpus-per-task=1",
+        "#SBATCH --cpus-per-task=4",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --account=lm",
+        "#SBATCH --time=04:00:00",
+        f"#SBATCH --chdir={REPO}",
+        f"#SBATCH --output={tmp_path}/logs/%x-%j.out",
+        "#SBATCH --signal=B:USR1@90",
+        "#SBATCH --requeue",
+        "export NCCL_DEBUG=WARN",
+        "srun --kill-on-bad-exit=1 .venv/bin/python scripts/train.py --config configs/tiny.yaml "
+        "--run_dir 'runs/a b' &",
+    ]:
+        assert line in text.splitlines(), line
+    assert (tmp_path / "logs").is_dir()  # SLURM does not create the log directory itself
+    assert os.access(path, os.X_OK)
+    assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
+
+
+def test_committed_example_is_what_create_slurm_makes(tmp_path):
+    example = REPO / "slurm_scripts/run_slurm.sh"
+    invocation = next(x for x in example.read_text().splitlines() if x.startswith("# Made by: "))
+    argv = invocation.removeprefix("# Made by: python scripts/run_distributed.py ").split()
+    i = argv.index("--sbatch-script")
+    argv[i + 1] = str(tmp_path / "again.sh")
+    assert launch(argv, timeout=60).returncode == 0
+    again = (
+        (tmp_path / "again.sh").read_text().replace(str(tmp_path / "again.sh"), "slurm_scripts/run_slurm.sh")
+    )
+    assert again == example.read_text()
