@@ -89,6 +89,10 @@ class Config:
     dtype: str = "float32"  # compute dtype: float32 | bfloat16 | float16 (params stay float32)
     gradient_clip_val: float = 1.0  # global-norm clip; 0 disables
     max_bad_steps: int = 10  # stop after this many non-finite (skipped) steps in a row
+    # fault tolerance
+    watchdog_factor: float = 20.0  # a step over this many typical step times is a hang
+    watchdog_timeout: float = 1800.0  # seconds any step, eval, save or restore may take; 0 disables
+    preemption_check_interval: int = 10  # steps between multi-process checks for a stop signal
     seed: int = 0
     # checkpoints
     resume_from: str = ""  # a checkpoint step dir, or a run's checkpoints/ dir
@@ -105,7 +109,13 @@ class Config:
     progress_bar: bool = True
     sample_tokens: int = 0  # tokens generated from the final model; 0 disables
     sample_prompt: str = "def "
-    debug_nan_step: int = -1  # test-only fault: poison one device's gradient at this step
+    # test-only faults
+    debug_nan_step: int = 0  # poison the first device's gradient from this step (1-based) on...
+    debug_nan_count: int = 1  # ...for this many steps
+    debug_stall_step: int = -1  # sleep before this step...
+    debug_stall_process: int = 0  # ...on this process...
+    debug_stall_seconds: float = 3600.0  # ...this long
+    debug_kill_during_save: int = -1  # SIGKILL this process while the checkpoint of this step is written
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     dist: DistConfig = field(default_factory=DistConfig)
@@ -127,12 +137,12 @@ _POSITIVE = (
     "batch_size", "total_steps", "gradient_accumulation_steps", "log_interval",
     "checkpoint_interval", "keep_checkpoints", "eval_batches", "data_threads", "prefetch",
     "model.vocab_size", "model.seq_len", "model.n_layer", "model.n_head", "model.d_model",
-    "optim.lr", "dist.init_timeout", "max_bad_steps",
+    "optim.lr", "dist.init_timeout", "max_bad_steps", "preemption_check_interval",
 )  # fmt: skip
 _NON_NEGATIVE = (
     "total_batch_size", "device_batch_size", "eval_interval", "gradient_clip_val",
     "sample_tokens", "model.d_ff", "optim.warmup_steps", "optim.weight_decay",
-    "optim.min_lr_ratio", "dist.num_processes",
+    "optim.min_lr_ratio", "dist.num_processes", "watchdog_factor", "watchdog_timeout",
 )  # fmt: skip
 
 

@@ -1,28 +1,72 @@
-"""User-facing errors: one line that names the problem and the fix, exit code 2."""
+"""How scripts end on purpose: one line naming the problem and the fix, and a known exit code.
+
+Exit codes of scripts/train.py (also in the README):
+    0   done                      2   bad input, nothing changed     3   hung: the watchdog fired
+    4   too many non-finite steps 75  pre-empted: checkpoint saved, relaunch to resume
+"""
 
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
 EXIT_USAGE = 2
+EXIT_HUNG = 3
+EXIT_NONFINITE = 4
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: try again later
 
 
-class UserError(Exception):
+class StopError(Exception):
+    """Ends a script with its message on one line and `code`, never a traceback."""
+
+    code = 1
+
+
+class UserError(StopError):
     """Bad input from the user (config, data, arguments, environment); never a bug."""
+
+    code = EXIT_USAGE
+
+
+class NonFiniteError(StopError):
+    """Too many non-finite steps in a row."""
+
+    code = EXIT_NONFINITE
+
+
+class Preempted(StopError):
+    """A stop signal arrived; a checkpoint was saved."""
+
+    code = EXIT_PREEMPTED
+
+
+def _joined_to_peers() -> bool:
+    """Whether this process joined a multi-process JAX job (asked without starting a backend)."""
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import distributed  # private, but public APIs would initialise the backend
+
+    return distributed.global_state.client is not None
 
 
 def exit_on_user_error(main: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap a script's main so a UserError prints one line and exits 2, with no traceback."""
+    """Wrap a script's main so a StopError prints one line and exits with its code."""
 
     @functools.wraps(main)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return main(*args, **kwargs)
-        except UserError as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            sys.exit(EXIT_USAGE)
+        except StopError as e:
+            print(f"error: {e}" if isinstance(e, UserError | NonFiniteError) else str(e), file=sys.stderr)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            if _joined_to_peers():
+                # JAX's exit handler would wait minutes in a shutdown barrier for peers that
+                # may never come; the launcher or SLURM tears the rest down.
+                os._exit(e.code)
+            sys.exit(e.code)
 
     return wrapper

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -17,12 +19,14 @@ from jaxtrain import config as config_lib
 from jaxtrain import data, distributed, metrics, rundir
 from jaxtrain import mesh as mesh_lib
 from jaxtrain.config import Config
-from jaxtrain.errors import UserError
+from jaxtrain.errors import NonFiniteError, Preempted, UserError
 from jaxtrain.model import GPT, flops_per_token, generate, param_count
 from jaxtrain.optim import make_optimizer
+from jaxtrain.preemption import StopRequest
 from jaxtrain.state import TrainState, abstract_state, create_state, state_sharding
 from jaxtrain.step import compute_dtype, jit_steps
 from jaxtrain.tokenizer import load_tokenizer
+from jaxtrain.watchdog import Watchdog
 
 log = logging.getLogger("jaxtrain")
 
@@ -125,10 +129,13 @@ def train(cfg: Config) -> RunResult:
         f"{cfg.batch_size // nproc} rows per process; data {train_path}"
     )
 
+    watchdog = Watchdog(cfg.watchdog_factor, cfg.watchdog_timeout, metrics.process_log_path(run_dir, pid))
+    stop = StopRequest()
     model = GPT(cfg.model, dtype=compute_dtype(cfg))
     tx = make_optimizer(cfg)
     ckpt = ckpt_lib.Checkpointer(run_dir / "checkpoints", cfg.keep_checkpoints)
-    state, start_step = _restore_or_init(cfg, model, tx, mesh, ckpt)
+    with watchdog.phase("checkpoint restore"):
+        state, start_step = _restore_or_init(cfg, model, tx, mesh, ckpt)
     if is_main:
         rundir.truncate_metrics(run_dir / "metrics.jsonl", start_step)
     n_params = param_count(state.params)
@@ -137,12 +144,13 @@ def train(cfg: Config) -> RunResult:
     log.info(f"model: {n_params:,} parameters, {fpt / 1e6:.1f} MFLOPs per token (6N + 12*L*d*T)")
 
     train_step, eval_step = jit_steps(cfg, model, tx, mesh, state_sharding(mesh, state))
-    t0 = time.perf_counter()
-    batch_shape = jax.ShapeDtypeStruct(
-        (cfg.batch_size, seq + 1), jnp.int32, sharding=mesh_lib.batch_sharding(mesh)
-    )
-    train_step = train_step.lower(state, batch_shape).compile()  # ahead of time: no stall in step 1
-    log.info(f"train step compiled in {time.perf_counter() - t0:.1f} s")
+    with watchdog.phase("compile"):
+        t0 = time.perf_counter()
+        batch_shape = jax.ShapeDtypeStruct(
+            (cfg.batch_size, seq + 1), jnp.int32, sharding=mesh_lib.batch_sharding(mesh)
+        )
+        train_step = train_step.lower(state, batch_shape).compile()  # ahead of time: no stall in step 1
+        log.info(f"train step compiled in {time.perf_counter() - t0:.1f} s")
     reporter = metrics.Reporter(
         cfg, run_dir, is_main, start_step, fpt / (jax.device_count() * peak) if peak else None
     )
@@ -156,59 +164,123 @@ def train(cfg: Config) -> RunResult:
         else []
     )
 
-    def meta(step: int) -> dict[str, Any]:
-        return {"step": step, "data_position": step, "config": config_lib.to_dict(cfg)}
+    def save(step: int) -> None:
+        with watchdog.phase(f"checkpoint save at step {step}"):
+            ckpt.save(step, state, {"step": step, "data_position": step, "config": config_lib.to_dict(cfg)})
+        if step == cfg.debug_kill_during_save:  # test-only fault: die while the save is being written
+            os.kill(os.getpid(), signal.SIGKILL)
 
-    def evaluate(step: int) -> float:
-        losses = [eval_step(state.params, mesh_lib.global_batch(b, mesh, cfg.batch_size)) for b in val_sets]
-        val = float(np.mean(jax.device_get(losses)))
-        reporter.eval(step, val)
-        return val
-
-    last_loss = val_loss = None
-    pending: list[dict[str, jax.Array]] = []
-    t_last, data_wait = time.perf_counter(), 0.0
+    tracker = _Tracker(cfg, reporter, watchdog, start_step)
+    val_loss = None
     step = start_step
     it = iter(loader)
-    while step < cfg.total_steps:
-        t0 = time.perf_counter()
-        local_rows = next(it)
-        data_wait += time.perf_counter() - t0
-        state, m = train_step(state, mesh_lib.global_batch(local_rows, mesh, cfg.batch_size))
-        pending.append(m)
-        step += 1
-        reporter.step_done()
-        if step % cfg.log_interval == 0 or step == cfg.total_steps:
-            fetched = jax.device_get(pending)
-            now = time.perf_counter()
-            dt = now - t_last
-            last_loss = float(fetched[-1]["loss"])
-            record = {
-                "step": step,
-                "loss": last_loss,
-                "lr": float(fetched[-1]["lr"]),
-                "grad_norm": float(fetched[-1]["grad_norm"]),
-                "tokens_per_sec": len(pending) * cfg.batch_size * seq / dt,
-                "step_time_s": dt / len(pending),
-                "data_wait_frac": data_wait / dt,
-                "skipped_steps": int(fetched[-1]["skipped_steps"]),
-            }
-            if cfg.dtype == "float16":
-                record["loss_scale"] = float(fetched[-1]["loss_scale"])
-            reporter.train(record)
-            pending, t_last, data_wait = [], time.perf_counter(), 0.0
-        if cfg.eval_interval and (step % cfg.eval_interval == 0 or step == cfg.total_steps):
-            val_loss = evaluate(step)
-            t_last = time.perf_counter()  # keep eval time out of tokens/s
-        if step % cfg.checkpoint_interval == 0 or step == cfg.total_steps:
-            ckpt.save(step, state, meta(step))
-    ckpt.wait()
+    try:
+        while step < cfg.total_steps:
+            t0 = time.perf_counter()
+            local_rows = next(it)
+            tracker.data_wait += time.perf_counter() - t0
+            if step == cfg.debug_stall_step and pid == cfg.debug_stall_process:
+                time.sleep(cfg.debug_stall_seconds)  # test-only fault: this process hangs
+            state, m = train_step(state, mesh_lib.global_batch(local_rows, mesh, cfg.batch_size))
+            step += 1
+            # Keep one step in flight: wait for the previous step while this one runs.
+            tracker.finish_pending()
+            tracker.pending = (step, m)
+            last = step == cfg.total_steps
+            if cfg.eval_interval and (step % cfg.eval_interval == 0 or last):
+                tracker.finish_pending()
+                with watchdog.phase(f"eval at step {step}"):
+                    losses = [
+                        eval_step(state.params, mesh_lib.global_batch(b, mesh, cfg.batch_size))
+                        for b in val_sets
+                    ]
+                    val_loss = float(np.mean(jax.device_get(losses)))
+                reporter.eval(step, val_loss)
+                tracker.restart_clock(step)
+            if step % cfg.checkpoint_interval == 0 or last:
+                save(step)
+            if nproc == 1 or step % cfg.preemption_check_interval == 0:
+                if stop.agreed():
+                    tracker.finish_pending()
+                    log.warning(
+                        f"stop signal ({stop.signal_name or 'on another process'}): saving step {step}"
+                    )
+                    if step % cfg.checkpoint_interval and not last:
+                        save(step)
+                    with watchdog.phase("final checkpoint write"):
+                        ckpt.wait()
+                    reporter.close()
+                    saved = run_dir / "checkpoints" / str(step)
+                    raise Preempted(f"pre-empted: checkpoint {saved} saved; relaunch to resume")
+        tracker.finish_pending()
+    except NonFiniteError as e:
+        # Params never take a non-finite update, so every saved checkpoint is a good one.
+        ckpt.wait()
+        good = ckpt.latest_step()
+        where = f"step {good} in {run_dir / 'checkpoints'}" if good is not None else "none yet"
+        raise NonFiniteError(
+            f"{e}; last good checkpoint: {where}; lower the lr or check the data, then relaunch"
+        ) from None
+    with watchdog.phase("final checkpoint write"):
+        ckpt.wait()
     ckpt.close()
     reporter.close()
     if is_main and cfg.sample_tokens:
         _sample(cfg, state, train_path)
+    watchdog.stop()
+    stop.restore()
     log.info(f"done: step {step}, run dir {run_dir}")
-    return RunResult(step, last_loss, val_loss, run_dir)
+    return RunResult(step, tracker.last_loss, val_loss, run_dir)
+
+
+class _Tracker:
+    """Per-step bookkeeping on the host: logging intervals, non-finite steps, the watchdog."""
+
+    def __init__(self, cfg: Config, reporter: metrics.Reporter, watchdog: Watchdog, start_step: int) -> None:
+        self.cfg, self.reporter, self.watchdog = cfg, reporter, watchdog
+        self.pending: tuple[int, dict[str, jax.Array]] | None = None
+        self.last_loss: float | None = None
+        self.restart_clock(start_step)
+
+    def restart_clock(self, step: int) -> None:
+        """Start a timing interval at `step` (after eval too, so eval stays out of tokens/s)."""
+        self.t_last, self.data_wait, self.interval_start = time.perf_counter(), 0.0, step
+
+    def finish_pending(self) -> None:
+        """Wait for the step in flight; log it, judge it, tell the watchdog."""
+        if self.pending is None:
+            return
+        step, m = self.pending
+        self.pending = None
+        m = jax.device_get(m)
+        self.watchdog.beat(step)
+        self.reporter.step_done()
+        cfg = self.cfg
+        if not m["finite"]:
+            log.warning(f"step {step}: loss or gradient not finite; step skipped ({m['bad_steps']} in a row)")
+            if m["bad_steps"] >= cfg.max_bad_steps:
+                raise NonFiniteError(
+                    f"{m['bad_steps']} non-finite steps in a row (last at step {step}, max_bad_steps "
+                    f"{cfg.max_bad_steps})"
+                )
+        self.last_loss = float(m["loss"])
+        if step % cfg.log_interval == 0 or step == cfg.total_steps:
+            dt = time.perf_counter() - self.t_last
+            n = step - self.interval_start
+            record = {
+                "step": step,
+                "loss": self.last_loss,
+                "lr": float(m["lr"]),
+                "grad_norm": float(m["grad_norm"]),
+                "tokens_per_sec": n * cfg.batch_size * cfg.model.seq_len / dt,
+                "step_time_s": dt / n,
+                "data_wait_frac": self.data_wait / dt,
+                "skipped_steps": int(m["skipped_steps"]),
+            }
+            if cfg.dtype == "float16":
+                record["loss_scale"] = float(m["loss_scale"])
+            self.reporter.train(record)
+            self.restart_clock(step)
 
 
 def check_platform(cfg: Config, platform: str) -> None:

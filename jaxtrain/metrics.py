@@ -53,6 +53,11 @@ class _TqdmHandler(logging.StreamHandler):
         tqdm.write(self.format(record), file=sys.stdout)
 
 
+def process_log_path(run_dir: Path, process_index: int) -> Path:
+    """This process's log file: train.log on process 0, logs/process_<i>.log elsewhere."""
+    return run_dir / "train.log" if process_index == 0 else run_dir / "logs" / f"process_{process_index}.log"
+
+
 def setup_logging(run_dir: Path, process_index: int) -> None:
     """Process 0: INFO to the terminal and train.log. Others: WARNING to their own file."""
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
@@ -60,11 +65,11 @@ def setup_logging(run_dir: Path, process_index: int) -> None:
     root.handlers.clear()
     root.propagate = False
     if process_index == 0:
-        handlers: list[logging.Handler] = [_TqdmHandler(), logging.FileHandler(run_dir / "train.log")]
+        handlers: list[logging.Handler] = [_TqdmHandler(), logging.FileHandler(process_log_path(run_dir, 0))]
         root.setLevel(logging.INFO)
     else:
         (run_dir / "logs").mkdir(exist_ok=True)
-        handlers = [logging.FileHandler(run_dir / "logs" / f"process_{process_index}.log")]
+        handlers = [logging.FileHandler(process_log_path(run_dir, process_index))]
         handlers.append(logging.StreamHandler(sys.stderr))
         root.setLevel(logging.WARNING)
     for h in handlers:

@@ -74,14 +74,15 @@ def make_train_step(cfg: Config, model: GPT, tx: optax.GradientTransformation, m
     schedule = lr_schedule(cfg)
     fp16 = cfg.dtype == "float16"
     clip = cfg.gradient_clip_val
-    nan_step = cfg.debug_nan_step
+    nan_first, nan_last = cfg.debug_nan_step, cfg.debug_nan_step + cfg.debug_nan_count - 1
 
     def device_grads(
         params: Any, rows: jax.Array, scale: jax.Array, step: jax.Array
     ) -> tuple[Any, jax.Array]:
-        if nan_step >= 0:  # test-only fault: poison the first device's gradient at one step
+        if nan_first > 0:  # test-only fault: poison the first device's gradient at chosen steps
             first = jax.lax.axis_index(mesh_lib.BATCH_AXES) == 0
-            scale = jnp.where(first & (step == nan_step), jnp.nan, scale)
+            poisoned = first & (step + 1 >= nan_first) & (step + 1 <= nan_last)
+            scale = jnp.where(poisoned, jnp.nan, scale)
         grads, loss = _local_grads(model, accum, params, rows, scale)
         return _reduce(grads), _reduce(loss)
 

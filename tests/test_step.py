@@ -111,3 +111,23 @@ def test_weight_decay_touches_matrices_only():
     assert decayed and kept
     assert all("kernel" in k or "embedding" in k for k in decayed)
     assert all("scale" in k for k in kept)
+
+
+def test_a_non_finite_step_changes_nothing_and_is_counted():
+    cfg = load_config(TINY + ["--debug_nan_step", "2"])
+    mesh = mesh_lib.make_mesh()
+    model, tx = GPT(cfg.model), make_optimizer(cfg)
+    state = create_state(cfg, model, tx, mesh)
+    train_step, _ = jit_steps(cfg, model, tx, mesh, state_sharding(mesh, state))
+    batch = mesh_lib.global_batch(_batches(1)[0], mesh, 16)
+    state, m1 = train_step(state, batch)
+    before = jax.device_get((state.params, state.opt_state))
+    state, m2 = train_step(state, batch)  # step 2: device 0's gradient is NaN, pmean spreads it
+    after = jax.device_get((state.params, state.opt_state))
+    assert bool(m1["finite"]) and not bool(m2["finite"])
+    assert (int(m2["bad_steps"]), int(m2["skipped_steps"]), int(state.step)) == (1, 1, 2)
+    assert all(
+        np.array_equal(x, y) for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True)
+    )
+    state, m3 = train_step(state, batch)
+    assert bool(m3["finite"]) and int(m3["bad_steps"]) == 0 and int(m3["skipped_steps"]) == 1
