@@ -1,0 +1,164 @@
+"""The SLURM launch path on a real one-node cluster on localhost (scripts/dev/local_slurm.sh).
+
+pytest -m slurm tests/test_slurm.py      # root; installs SLURM with apt the first time
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+LAUNCHER = [sys.executable, "scripts/run_distributed.py"]
+LAUNCH_VARS = (
+    "JAX_",
+    "SLURM_",
+    "MASTER_",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+)
+TINY = ["--config", "configs/tiny.yaml", "--total_steps", "10", "--eval_interval", "0"]
+STAND_IN = """
+from jaxtrain.config import DistConfig
+from jaxtrain.distributed import initialize
+spec = initialize(DistConfig(init_timeout=60))
+import jax, jax.numpy as jnp
+from jax.experimental import multihost_utils
+total = multihost_utils.process_allgather(jnp.array([jax.process_index() + 1])).sum()
+print(f"stand-in process {jax.process_index()}/{jax.process_count()} source={spec.source} sum={int(total)}")
+"""
+
+pytestmark = [
+    pytest.mark.slurm,
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root to start slurmctld, slurmd and munged"),
+    pytest.mark.skipif(
+        not shutil.which("sbatch") and not shutil.which("apt-get"),
+        reason="needs SLURM installed, or apt-get to install it",
+    ),
+]
+
+
+def clean_env() -> dict[str, str]:
+    """No launcher variables (the tests may themselves run inside a job); CPU, one device each."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_VARS)}
+    env.update(
+        JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1", WANDB_MODE="offline"
+    )
+    return env
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster() -> None:
+    done = subprocess.run(
+        ["bash", "scripts/dev/local_slurm.sh"], cwd=REPO, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def losses(run_dir: Path) -> list[float]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def job_state(job_id: str) -> tuple[str, str, int]:
+    out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+    state, code, restarts = (
+        re.search(p, out) for p in (r"JobState=(\S+)", r"ExitCode=(\S+)", r"Restarts=(\d+)")
+    )
+    return state[1], code[1], int(restarts[1])
+
+
+def wait_job(job_id: str, timeout: float = 240) -> tuple[str, str, int]:
+    deadline = time.monotonic() + timeout
+    while (found := job_state(job_id))[0] in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED"):
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", job_id])
+            pytest.fail(f"job {job_id} still {found[0]} after {timeout} s")
+        time.sleep(1)
+    return found
+
+
+def test_mode_slurm_inside_salloc_runs_two_tasks(tmp_path):
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        ["salloc", "--ntasks=2", "--ntasks-per-node=2", *LAUNCHER, "--mode", "slurm", "--"]
+        + [*TINY, "--run_dir", str(run_dir)],
+        cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "jaxtrain launch: srun --kill-on-bad-exit=1" in done.stderr
+    assert "distributed: source=slurm process 0/2" in done.stdout
+    assert len(losses(run_dir)) == 2 and losses(run_dir)[-1] < losses(run_dir)[0]
+
+
+def test_create_slurm_script_runs_under_sbatch(tmp_path):
+    run_dir, job = tmp_path / "run", tmp_path / "job.sh"
+    log = tmp_path / "logs" / "%x-%j.out"
+    made = subprocess.run(
+        [*LAUNCHER, "--mode", "create_slurm", "--ntasks-per-node", "2", "--time", "00:10:00"]
+        + ["--job-name", "jaxtrain-test", "--output", str(log), "--sbatch-script", str(job), "--"]
+        + [*TINY, "--run_dir", str(run_dir)],
+        cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", str(job)], cwd=tmp_path, env=clean_env(), capture_output=True, text=True
+    )  # submitted from elsewhere on purpose: the file must not depend on the current directory
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip().split(";")[0]
+    state, code, _ = wait_job(job_id)
+    out = (tmp_path / "logs" / f"jaxtrain-test-{job_id}.out").read_text()
+    assert (state, code) == ("COMPLETED", "0:0"), out[-3000:]
+    assert "distributed: source=slurm process 0/2" in out
+    assert len(losses(run_dir)) == 2
+
+
+def test_mode_slurm_outside_an_allocation_submits_and_follows(tmp_path):
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    done = subprocess.run(
+        [*LAUNCHER, "--mode", "slurm", "--ntasks-per-node", "2", "--script", str(script), "--follow"]
+        + ["--job-name", "jaxtrain-follow", "--output", str(tmp_path / "%x-%j.out")],
+        cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"^submitted batch job \d+ ", done.stdout, re.M)
+    assert "stand-in process 0/2 source=slurm sum=3" in done.stdout  # followed from the job's log
+    assert "jaxtrain launch: job" in done.stderr and "COMPLETED" in done.stderr
+
+
+def test_usr1_before_the_time_limit_requeues_the_job(tmp_path):
+    """The signal SLURM sends near the limit (--signal=B:USR1@90) makes the job requeue itself."""
+    script = tmp_path / "slow.py"
+    script.write_text("import time\nprint('started', flush=True)\ntime.sleep(600)\n")
+    job, log = tmp_path / "job.sh", tmp_path / "job.out"
+    made = subprocess.run(
+        [*LAUNCHER, "--mode", "create_slurm", "--script", str(script), "--output", str(log)]
+        + ["--sbatch-script", str(job)],
+        cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    job_id = subprocess.run(["sbatch", "--parsable", str(job)], capture_output=True, text=True).stdout.strip()
+    try:
+        deadline = time.monotonic() + 60
+        while not (log.exists() and "started" in log.read_text()):
+            assert time.monotonic() < deadline, f"job {job_id} never started: {job_state(job_id)}"
+            time.sleep(0.5)
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)
+        deadline = time.monotonic() + 60
+        while job_state(job_id)[2] < 1:
+            assert time.monotonic() < deadline, f"job {job_id} was not requeued: {job_state(job_id)}"
+            time.sleep(0.5)
+    finally:
+        subprocess.run(["scancel", job_id])
+    assert f"jaxtrain: time limit near, requeueing job {job_id}" in log.read_text()
