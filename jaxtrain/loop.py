@@ -106,8 +106,21 @@ def train(cfg: Config) -> RunResult:
     """Run (or resume) the training job described by cfg on every device of every process."""
     rundir.check(cfg)  # every process, before any connection: same error everywhere
     distributed.initialize(cfg.dist)
+    log_path = metrics.process_log_path(cfg.resolved_run_dir, jax.process_index())
+    # From here on barriers, restore and compile get the absolute limit, steps a tighter one.
+    watchdog = Watchdog(cfg.watchdog_factor, cfg.watchdog_timeout, log_path)
+    stop = StopRequest()
+    try:
+        return _run(cfg, watchdog, stop)
+    finally:
+        watchdog.stop()
+        stop.restore()
+
+
+def _run(cfg: Config, watchdog: Watchdog, stop: StopRequest) -> RunResult:
     pid, nproc = jax.process_index(), jax.process_count()
     is_main = pid == 0
+    run_dir = cfg.resolved_run_dir
     mesh = mesh_lib.make_mesh()
     mesh_lib.check_mesh(mesh)
     cfg = config_lib.with_topology(cfg, jax.device_count(), nproc)
@@ -117,7 +130,6 @@ def train(cfg: Config) -> RunResult:
     train_tokens = data.open_tokens(train_path, cfg.model.vocab_size, cfg.token_dtype, min_tokens=seq + 1)
     val_tokens = data.open_tokens(val_path, cfg.model.vocab_size, cfg.token_dtype, min_tokens=seq + 1)
 
-    run_dir = cfg.resolved_run_dir
     if is_main:
         rundir.prepare(cfg)
     _barrier("run_dir")
@@ -129,8 +141,6 @@ def train(cfg: Config) -> RunResult:
         f"{cfg.batch_size // nproc} rows per process; data {train_path}"
     )
 
-    watchdog = Watchdog(cfg.watchdog_factor, cfg.watchdog_timeout, metrics.process_log_path(run_dir, pid))
-    stop = StopRequest()
     model = GPT(cfg.model, dtype=compute_dtype(cfg))
     tx = make_optimizer(cfg)
     ckpt = ckpt_lib.Checkpointer(run_dir / "checkpoints", cfg.keep_checkpoints)
@@ -227,8 +237,6 @@ def train(cfg: Config) -> RunResult:
     reporter.close()
     if is_main and cfg.sample_tokens:
         _sample(cfg, state, train_path)
-    watchdog.stop()
-    stop.restore()
     log.info(f"done: step {step}, run dir {run_dir}")
     return RunResult(step, tracker.last_loss, val_loss, run_dir)
 

@@ -86,7 +86,7 @@ class Watchdog:
         )
         print(msg, file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        if self.log_path is not None:
+        if self.log_path is not None and self.log_path.parent.is_dir():
             with open(self.log_path, "a") as f:
                 print(msg, file=f, flush=True)
                 faulthandler.dump_traceback(file=f, all_threads=True)
