@@ -52,7 +52,10 @@ class Checkpointer:
 
     def restore(self, step: int, target: Any = None) -> Any:
         """Restore `state` into the shapes and shardings of `target` (abstract arrays), or as saved."""
-        out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+        try:
+            out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+        except Exception as e:  # noqa: BLE001 - missing, truncated or mismatched files: one user problem
+            raise unreadable(self.directory / str(step), e) from None
         return out["state"]
 
     def wait(self) -> None:
@@ -62,6 +65,15 @@ class Checkpointer:
         self.manager.close()
 
 
+def unreadable(step_dir: Path, e: BaseException) -> UserError:
+    """The one-line error for a step dir that cannot be restored; the details go to the log."""
+    log.warning(f"restoring {step_dir} failed: {type(e).__name__}: {e}")
+    return UserError(
+        f"checkpoint {step_dir} is unreadable ({type(e).__name__}): it is incomplete or corrupt; "
+        "delete that step dir to resume from the one before, or pass --resume_from another checkpoint"
+    )
+
+
 def locate(path: str) -> tuple[Path, int | None]:
     """Split a --resume_from path into (checkpoints dir, step or None for the latest)."""
     p = Path(path)
@@ -69,8 +81,12 @@ def locate(path: str) -> tuple[Path, int | None]:
         raise UserError(
             f"--resume_from {path} does not exist; give a run's checkpoints/ dir or one step dir in it"
         )
-    if p.is_dir() and p.name.isdigit() and (p / "state").exists():
+    if not p.is_dir():
+        raise UserError(
+            f"--resume_from {path} is a file; give a run's checkpoints/ dir or one step dir in it"
+        )
+    if p.name.isdigit() and (p / "state").exists():
         return p.parent, int(p.name)
-    if p.is_dir() and (p / "checkpoints").is_dir():
+    if (p / "checkpoints").is_dir():
         return p / "checkpoints", None
     return p, None

@@ -104,20 +104,36 @@ def _sample(cfg: Config, state: TrainState, train_path: str) -> None:
 
 def train(cfg: Config) -> RunResult:
     """Run (or resume) the training job described by cfg on every device of every process."""
-    rundir.check(cfg)  # every process, before any connection: same error everywhere
+    # Every process checks what it can alone before any connection: the same error everywhere.
+    # (A process that fails after joining leaves while its peers may still be starting their
+    # backends, and they die in JAX's own abort instead of saying the same line.)
+    rundir.check(cfg)
+    rundir.restrict_umask()  # nothing it writes into the run dir is world-writable
+    _check_process_count(cfg, distributed.detect(cfg.dist).num_processes)
+    train_path, val_path = _data_paths(cfg)
+    seq = cfg.model.seq_len
+    train_tokens = data.open_tokens(train_path, cfg.model.vocab_size, cfg.token_dtype, min_tokens=seq + 1)
+    val_tokens = data.open_tokens(val_path, cfg.model.vocab_size, cfg.token_dtype, min_tokens=seq + 1)
     distributed.initialize(cfg.dist)
     log_path = metrics.process_log_path(cfg.resolved_run_dir, jax.process_index())
     # From here on barriers, restore and compile get the absolute limit, steps a tighter one.
     watchdog = Watchdog(cfg.watchdog_factor, cfg.watchdog_timeout, log_path)
     stop = StopRequest()
     try:
-        return _run(cfg, watchdog, stop)
+        return _run(cfg, watchdog, stop, train_path, train_tokens, val_tokens)
     finally:
         watchdog.stop()
         stop.restore()
 
 
-def _run(cfg: Config, watchdog: Watchdog, stop: StopRequest) -> RunResult:
+def _run(
+    cfg: Config,
+    watchdog: Watchdog,
+    stop: StopRequest,
+    train_path: str,
+    train_tokens: np.ndarray,
+    val_tokens: np.ndarray,
+) -> RunResult:
     pid, nproc = jax.process_index(), jax.process_count()
     is_main = pid == 0
     run_dir = cfg.resolved_run_dir
@@ -125,10 +141,7 @@ def _run(cfg: Config, watchdog: Watchdog, stop: StopRequest) -> RunResult:
     mesh_lib.check_mesh(mesh)
     cfg = config_lib.with_topology(cfg, jax.device_count(), nproc)
     check_platform(cfg, jax.devices()[0].platform)
-    train_path, val_path = _data_paths(cfg)
     seq = cfg.model.seq_len
-    train_tokens = data.open_tokens(train_path, cfg.model.vocab_size, cfg.token_dtype, min_tokens=seq + 1)
-    val_tokens = data.open_tokens(val_path, cfg.model.vocab_size, cfg.token_dtype, min_tokens=seq + 1)
 
     if is_main:
         rundir.prepare(cfg)
@@ -289,6 +302,16 @@ class _Tracker:
                 record["loss_scale"] = float(m["loss_scale"])
             self.reporter.train(record)
             self.restart_clock(step)
+
+
+def _check_process_count(cfg: Config, n_processes: int) -> None:
+    """The global batch splits evenly between processes (the device checks come after joining)."""
+    rows = cfg.total_batch_size // cfg.model.seq_len if cfg.total_batch_size else cfg.batch_size
+    if rows % n_processes:
+        raise config_lib.ConfigError(
+            f"global batch_size {rows} is not divisible by {n_processes} processes; "
+            f"use a multiple of {n_processes}"
+        )
 
 
 def check_platform(cfg: Config, platform: str) -> None:

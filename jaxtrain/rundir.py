@@ -50,21 +50,44 @@ def incompatibilities(saved: dict[str, Any], cfg: Config) -> list[str]:
 def check(cfg: Config) -> None:
     """Refuse a run dir holding an incompatible run (every process runs this, before init)."""
     run_dir = cfg.resolved_run_dir
+    _check_writable(run_dir)
     saved_path = run_dir / "config.yaml"
     if cfg.overwrite or not saved_path.exists():
         return
     try:
         saved = yaml.safe_load(saved_path.read_text()) or {}
     except yaml.YAMLError:
+        saved = None
+    if not isinstance(saved, dict):
         raise UserError(
-            f"{saved_path} is not valid YAML; fix it or pass --overwrite to start afresh"
-        ) from None
+            f"{saved_path} is not a saved config (bad YAML or not a mapping); fix it, or pass "
+            "--overwrite to start afresh"
+        )
     diff = incompatibilities(saved, cfg)
     if diff:
         raise UserError(
             f"run dir {run_dir} holds a run with a different config ({'; '.join(diff[:3])}); "
             "use another --run_dir, or --overwrite to discard it"
         )
+
+
+def _check_writable(run_dir: Path) -> None:
+    """The run dir is a directory this process can write, or can be created as one."""
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"run dir {run_dir} cannot be made: {existing} is a file; pass another --run_dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(
+            f"run dir {run_dir} cannot be written: {existing} is read-only; pass another --run_dir"
+        )
+
+
+def restrict_umask() -> None:
+    """Make every file this process creates from now on (logs, checkpoints, wandb) not group- or
+    world-writable, whatever umask it was started with; every process calls this before writing."""
+    os.umask(os.umask(0o022) | 0o022)
 
 
 def prepare(cfg: Config) -> Path:

@@ -267,6 +267,13 @@ def prepare_corpus(
         raise UserError(f"--vocab_size {vocab_size} needs --tokenizer bpe (the byte tokenizer has 256)")
     if tokenizer == "bpe" and not vocab_size:
         raise UserError("--tokenizer bpe needs --vocab_size N, e.g. --vocab_size 8192")
+    existing = out_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"--out_dir {out_dir} cannot be made: {existing} is a file; pass a folder path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"--out_dir {out_dir} cannot be written: {existing} is read-only; pass another")
     if (out_dir / "train.bin").exists() and not overwrite:
         raise UserError(f"{out_dir / 'train.bin'} already exists; pass --overwrite or another --out_dir")
     outputs = {(out_dir / name).resolve() for name in ("train.bin", "val.bin", TOKENIZER_FILE)}

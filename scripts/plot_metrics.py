@@ -36,17 +36,25 @@ def read_metrics(run_dir: Path) -> tuple[list[tuple[int, float]], list[tuple[int
     return train, val
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line and exit 2, like every other bad input
+        raise UserError(f"{message}; see {self.prog} --help")
+
+
 @exit_on_user_error
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dirs", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, help="PNG path (default: <first run dir>/loss.png)")
     args = parser.parse_args()
+    runs = [(run_dir, *read_metrics(run_dir)) for run_dir in args.run_dirs]
     fig, ax = plt.subplots(figsize=(8, 5))
-    for run_dir in args.run_dirs:
-        train, val = read_metrics(run_dir)
+    out = args.out or args.run_dirs[0] / "loss.png"
+    if out.suffix and out.suffix[1:].lower() not in fig.canvas.get_supported_filetypes():
+        raise UserError(f"--out {out}: cannot write {out.suffix} files; end the name in .png, .svg or .pdf")
+    if not out.parent.is_dir():
+        raise UserError(f"--out {out}: folder {out.parent} does not exist; create it or pass another --out")
+    for run_dir, train, val in runs:
         if train:
             ax.plot(*zip(*train, strict=True), label=f"{run_dir.name} train")
         if val:
@@ -55,7 +63,6 @@ def main() -> None:
     ax.set_ylabel("loss (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend()
-    out = args.out or args.run_dirs[0] / "loss.png"
     fig.savefig(out, dpi=120, bbox_inches="tight")
     print(f"wrote {out}")
 

@@ -16,12 +16,17 @@ from __future__ import annotations
 
 import argparse
 
-from jaxtrain.errors import exit_on_user_error
+from jaxtrain.errors import UserError, exit_on_user_error
 from jaxtrain.tokenizer import prepare_corpus
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line and exit 2, like every other bad input
+        raise UserError(f"{message}; see {self.prog} --help")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("inputs", nargs="+", help="text files and/or folders (searched recursively)")
     p.add_argument("--out_dir", required=True, help="where train.bin and val.bin are written")
     p.add_argument("--glob", default="*.txt", help="file name pattern inside folders (default: *.txt)")
