@@ -1,0 +1,181 @@
+#!/usr/bin/env bash
+# Start training on many hosts with one command, one process per host using all its GPUs.
+#
+# From the first host, start every host listed in HOSTFILE (one host per line) over ssh:
+#     HOSTFILE=hosts.txt scripts/launch_multi_node.sh 10.0.0.1 2 8 -- --config configs/gpt2_124m.yaml
+# Or start each host by hand (same command everywhere, its own NODE_RANK):
+#     NODE_RANK=0 scripts/launch_multi_node.sh 10.0.0.1 2 8 -- --config configs/gpt2_124m.yaml
+#     NODE_RANK=1 scripts/launch_multi_node.sh 10.0.0.1 2 8 -- --config configs/gpt2_124m.yaml
+# CPU hosts: gpus_per_node 0.  Coordinator port: 10.0.0.1:29600, else JAXTRAIN_PORT (29500).
+#
+# Arguments: <coordinator_ip[:port]> <num_nodes> <gpus_per_node> [-- training arguments]
+# Environment:
+#   HOSTFILE          hosts, one per line (# comments allowed); line i is node i. The same
+#                     repository path must exist on every host (JAXTRAIN_REMOTE_DIR to change it).
+#   JAXTRAIN_RSH      remote shell, called as `$JAXTRAIN_RSH HOST 'COMMAND'` (default: ssh);
+#                     it must run COMMAND with a shell on HOST, like ssh does.
+#   NODE_RANK         run only that node's process, here.
+#   JAXTRAIN_SCRIPT   script to run (default scripts/train.py; scripts/test_distributed.py checks the hosts)
+#   JAXTRAIN_PYTHON   interpreter (default .venv/bin/python when present, else python3)
+#   JAXTRAIN_FORWARD_ENV  more variable names to pass to the hosts (these always are: XLA_FLAGS,
+#                     JAX_PLATFORMS, XLA_PYTHON_CLIENT_PREALLOCATE, XLA_PYTHON_CLIENT_MEM_FRACTION,
+#                     WANDB_MODE, WANDB_PROJECT)
+#   XLA_PYTHON_CLIENT_PREALLOCATE  false unless you set it (JAX then takes GPU memory as needed)
+#
+# Why one process per host: JAX drives all of a host's GPUs from one process, so there are fewer
+# processes to start, watch and connect; use run_distributed.py --node-rank/--nproc-per-node for
+# one process per GPU.
+# If any host fails, the others are stopped (each host stops its processes when the launcher's
+# connection to it closes) and this exits non-zero, naming the host.
+set -euo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+SELF=scripts/launch_multi_node.sh
+FORWARD=(XLA_FLAGS JAX_PLATFORMS XLA_PYTHON_CLIENT_PREALLOCATE XLA_PYTHON_CLIENT_MEM_FRACTION WANDB_MODE
+    WANDB_PROJECT JAXTRAIN_SCRIPT JAXTRAIN_PYTHON JAXTRAIN_PORT)
+STOP_WAIT_S=25 # after asking the hosts to stop: their 10 s SIGTERM grace, plus margin
+
+usage() {
+    echo "error: $1; usage: $SELF <coordinator_ip[:port]> <num_nodes> <gpus_per_node> [-- train args]" >&2
+    exit 2
+}
+
+[[ $# -ge 3 ]] || usage "expected 3 arguments, got $#"
+coordinator=$1 num_nodes=$2 gpus_per_node=$3
+shift 3
+if [[ $# -gt 0 ]]; then
+    [[ $1 == -- ]] || usage "training arguments go after --, got '$1'"
+    shift
+fi
+train_args=("$@")
+
+[[ $num_nodes =~ ^[1-9][0-9]*$ ]] || usage "num_nodes must be a positive integer, got '$num_nodes'"
+[[ $gpus_per_node =~ ^[0-9]+$ ]] || usage "gpus_per_node must be an integer >= 0, got '$gpus_per_node'"
+if [[ $coordinator != *:* ]]; then
+    coordinator=$coordinator:${JAXTRAIN_PORT:-29500}
+fi
+[[ $coordinator =~ ^[A-Za-z0-9._-]+:([0-9]+)$ ]] && ((BASH_REMATCH[1] > 0 && BASH_REMATCH[1] < 65536)) ||
+    usage "coordinator must be HOST or HOST:PORT, got '$coordinator'"
+
+# ------------------------------------------------------------------- one node, here
+run_node() {
+    local rank=$1 python=${JAXTRAIN_PYTHON:-}
+    [[ $rank =~ ^[0-9]+$ ]] && ((rank < num_nodes)) || usage "NODE_RANK must be in 0..$((num_nodes - 1)), got '$rank'"
+    cd "$REPO"
+    if [[ -z $python ]]; then
+        python=python3
+        [[ -x .venv/bin/python ]] && python=.venv/bin/python
+    fi
+    export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-false}
+    if ((gpus_per_node > 0)); then
+        export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((gpus_per_node - 1)))}
+    else
+        export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
+    fi
+    local cmd=("$python" scripts/run_distributed.py --mode manual --rank "$rank" --world-size "$num_nodes"
+        --coordinator "$coordinator" --script "${JAXTRAIN_SCRIPT:-scripts/train.py}" -- "${train_args[@]}")
+    if [[ ${JAXTRAIN_STOP_ON_EOF:-0} != 1 ]]; then
+        exec "${cmd[@]}"
+    fi
+    # Started by the launcher: stop when its connection (our stdin) closes, for any reason.
+    exec 3<&0
+    "${cmd[@]}" </dev/null 3<&- &
+    local child=$!
+    (
+        while read -r -u 3 _; do :; done
+        kill -TERM "$child" 2>/dev/null || true
+    ) &
+    local watcher=$! rc=0
+    trap 'kill -TERM "$child" 2>/dev/null || true' TERM INT HUP
+    while kill -0 "$child" 2>/dev/null; do
+        rc=0
+        wait "$child" || rc=$?
+    done
+    kill "$watcher" 2>/dev/null || true
+    exit "$rc"
+}
+
+if [[ -n ${NODE_RANK:-} ]]; then
+    run_node "$NODE_RANK"
+fi
+if [[ -z ${HOSTFILE:-} ]]; then
+    ((num_nodes == 1)) && run_node 0
+    usage "set HOSTFILE (one host per line) to start $num_nodes nodes, or NODE_RANK to start one here"
+fi
+[[ -r $HOSTFILE ]] || usage "HOSTFILE $HOSTFILE is not a readable file"
+
+# ------------------------------------------------------------------- every node, through JAXTRAIN_RSH
+mapfile -t hosts < <(sed -e 's/#.*//' -e 's/[[:space:]]//g' "$HOSTFILE" | grep -v '^$' || true)
+((${#hosts[@]} >= num_nodes)) || usage "HOSTFILE $HOSTFILE lists ${#hosts[@]} hosts, need $num_nodes"
+read -r -a rsh <<<"${JAXTRAIN_RSH:-ssh}"
+command -v "${rsh[0]}" >/dev/null || usage "remote shell '${rsh[0]}' not found; set JAXTRAIN_RSH"
+
+quote() { printf "'%s'" "${1//\'/\'\\\'\'}"; } # for any POSIX shell on the far side
+
+remote_command() {
+    local rank=$1 out name
+    out="cd $(quote "${JAXTRAIN_REMOTE_DIR:-$REPO}") && exec env"
+    out+=" $(quote "NODE_RANK=$rank") JAXTRAIN_STOP_ON_EOF=1"
+    for name in "${FORWARD[@]}" ${JAXTRAIN_FORWARD_ENV:-}; do
+        [[ -n ${!name+x} ]] && out+=" $(quote "$name=${!name}")"
+    done
+    out+=" bash $SELF $(quote "$coordinator") $num_nodes $gpus_per_node --"
+    for arg in "${train_args[@]}"; do out+=" $(quote "$arg")"; done
+    printf '%s' "$out"
+}
+
+workdir=$(mktemp -d)
+pids=() fds=()
+stopped=0
+
+stop_nodes() { # close every node's stdin: each one stops its own processes
+    local fd pid
+    ((stopped)) && return 0
+    stopped=1
+    for fd in "${fds[@]}"; do exec {fd}>&-; done
+    for _ in $(seq $((STOP_WAIT_S * 5))); do
+        for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && sleep 0.2 && continue 2; done
+        return 0
+    done
+    echo "jaxtrain launch: nodes still running after ${STOP_WAIT_S} s; killing their remote shells" >&2
+    for pid in "${pids[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
+}
+on_signal() {
+    echo "jaxtrain launch: got $1, stopping all nodes" >&2
+    stop_nodes
+    exit $((128 + $(kill -l "$1")))
+}
+trap 'on_signal INT' INT
+trap 'on_signal TERM' TERM
+trap 'on_signal HUP' HUP
+trap 'stop_nodes; rm -rf "$workdir"' EXIT
+
+echo "jaxtrain launch: $num_nodes node(s) ${hosts[*]:0:num_nodes}, coordinator $coordinator" >&2
+for ((i = 0; i < num_nodes; i++)); do
+    mkfifo "$workdir/node$i"
+    if ((i == 0)); then # node 0 talks to the terminal; the others are prefixed
+        "${rsh[@]}" "${hosts[i]}" "$(remote_command "$i")" <"$workdir/node$i" &
+    else
+        "${rsh[@]}" "${hosts[i]}" "$(remote_command "$i")" <"$workdir/node$i" \
+            > >(sed -u "s/^/[node $i] /" >&2) 2>&1 &
+    fi
+    pids+=($!)
+    exec {fd}>"$workdir/node$i" # held open: the node's stdin lasts as long as this launcher
+    fds+=("$fd")
+done
+
+alive=("${pids[@]}")
+while ((${#alive[@]} > 0)); do
+    rc=0
+    wait -n -p done_pid "${alive[@]}" || rc=$?
+    for ((i = 0; i < num_nodes; i++)); do [[ ${pids[i]} == "$done_pid" ]] && break; done
+    if ((rc != 0)); then
+        echo "error: node $i (${hosts[i]}) exited with code $rc; stopping the other nodes" >&2
+        stop_nodes
+        exit "$rc"
+    fi
+    still=()
+    for pid in "${alive[@]}"; do [[ $pid == "$done_pid" ]] || still+=("$pid"); done
+    alive=("${still[@]}")
+done
+echo "jaxtrain launch: all $num_nodes node(s) finished" >&2

@@ -1,0 +1,179 @@
+"""scripts/launch_multi_node.sh across two real "hosts": network namespaces joined by a veth pair.
+
+pytest -m multihost tests/test_multihost.py       # root; about 45 s
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+LAUNCH = ["bash", "scripts/launch_multi_node.sh"]
+FAKE_HOSTS = REPO / "scripts/dev/fake_hosts.sh"
+LAUNCH_VARS = (
+    "JAX_",
+    "SLURM_",
+    "MASTER_",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+)
+TINY = ["--config", "configs/tiny.yaml", "--total_steps", "10", "--eval_interval", "0"]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_VARS) and k != "HOSTFILE"}
+    env.update(
+        JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1", WANDB_MODE="offline"
+    )
+    env.update(extra)
+    return env
+
+
+def _netns_works() -> str | None:
+    """Why namespaces cannot be used here, or None if they can."""
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    if not shutil.which("ip"):
+        return "needs the `ip` command (iproute2)"
+    probe = f"jtprobe{os.getpid()}"
+    if subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode:
+        return "`ip netns add` is not permitted here"
+    subprocess.run(["ip", "netns", "del", probe])
+    return None
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory) -> tuple[list[str], Path]:
+    """Two fake hosts on an unusual private subnet; the hostfile listing them. Removed afterwards."""
+    why = _netns_works()
+    if why:
+        pytest.skip(why)
+    prefix, net = f"jt{os.getpid() % 10000}h", f"10.213.{os.getpid() % 200 + 20}"
+    try:
+        up = subprocess.run([FAKE_HOSTS, "up", prefix, net], capture_output=True, text=True, timeout=60)
+        assert up.returncode == 0, up.stderr
+        addresses = up.stdout.split()
+        hostfile = tmp_path_factory.mktemp("hosts") / "hostfile"
+        hostfile.write_text("# two fake hosts\n" + "\n".join(addresses) + "\n")
+        yield addresses, hostfile
+    finally:
+        subprocess.run([FAKE_HOSTS, "down", prefix], timeout=60)
+        left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert prefix not in left, f"namespaces left behind: {left}"
+        assert not any(Path("/etc/netns").glob(f"{prefix}*"))
+
+
+def processes_marked(marker: str) -> list[int]:
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                if marker.encode() in (d / "environ").read_bytes():
+                    found.append(int(d.name))
+            except OSError:
+                continue
+    return found
+
+
+def env_of(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode(errors="replace").partition("=")[::2] for item in raw if b"=" in item)
+
+
+@pytest.mark.multihost
+@pytest.mark.slow
+def test_two_hosts_train_together(hosts, tmp_path):
+    (host0, host1), hostfile = hosts
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [*LAUNCH, host0, "2", "0", "--", *TINY, "--run_dir", str(run_dir)],
+        cwd=REPO, capture_output=True, text=True, timeout=240,
+        env=clean_env(HOSTFILE=str(hostfile), JAXTRAIN_RSH=f"{FAKE_HOSTS} rsh"),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (
+        f"distributed: source=jax_env process 0/2 local_devices=all coordinator={host0}:29500" in done.stdout
+    )
+    assert f"[node 1] jaxtrain launch: ranks 1..1 of 2, coordinator {host0}:29500" in done.stderr
+    assert "all 2 node(s) finished" in done.stderr
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [5, 10] and rows[1]["loss"] < rows[0]["loss"]
+
+
+@pytest.mark.multihost
+@pytest.mark.slow
+def test_killing_a_worker_on_one_host_stops_every_host(hosts, tmp_path):
+    (host0, _), hostfile = hosts
+    marker = uuid.uuid4().hex
+    run_dir = tmp_path / "run"
+    env = clean_env(
+        HOSTFILE=str(hostfile),
+        JAXTRAIN_RSH=f"{FAKE_HOSTS} rsh",
+        JAXTRAIN_TEST_MARK=marker,
+        JAXTRAIN_FORWARD_ENV="JAXTRAIN_TEST_MARK",  # so the far side's processes carry it too
+    )
+    args = [*TINY, "--total_steps", "100000", "--log_interval", "1", "--run_dir", str(run_dir)]
+    launcher = subprocess.Popen(
+        [*LAUNCH, host0, "2", "0", "--", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text():
+            assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "training never started"
+            time.sleep(0.5)
+        workers = [
+            p
+            for p in processes_marked(marker)
+            if env_of(p).get("JAX_PROCESS_ID") == "1"
+            and b"train.py" in Path(f"/proc/{p}/cmdline").read_bytes()
+        ]
+        assert len(workers) == 1
+        t0 = time.monotonic()
+        os.kill(workers[0], signal.SIGKILL)
+        _, err = launcher.communicate(timeout=30)
+        assert time.monotonic() - t0 < 30
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for pid in processes_marked(marker):
+            os.kill(pid, signal.SIGKILL)
+    assert launcher.returncode != 0
+    assert f"error: node 1 ({hosts[0][1]}) exited with code 137; stopping the other nodes" in err.decode()
+    time.sleep(0.5)
+    assert processes_marked(marker) == [], "processes left behind"
+
+
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        ([], {}, "expected 3 arguments, got 0"),
+        (["10.0.0.1", "0", "8"], {}, "num_nodes must be a positive integer, got '0'"),
+        (["10.0.0.1", "2", "-1"], {}, "gpus_per_node must be an integer >= 0, got '-1'"),
+        (["10.0.0.1:99999", "2", "8"], {}, "coordinator must be HOST or HOST:PORT"),
+        (["10.0.0.1", "2", "8", "--config"], {}, "training arguments go after --"),
+        (["10.0.0.1", "2", "8"], {}, "set HOSTFILE"),
+        (["10.0.0.1", "2", "8"], {"HOSTFILE": "/nonexistent"}, "is not a readable file"),
+        (["10.0.0.1", "2", "8"], {"NODE_RANK": "2"}, "NODE_RANK must be in 0..1, got '2'"),
+        (["10.0.0.1", "2", "8"], {"HOSTFILE": "/dev/null"}, "lists 0 hosts, need 2"),
+        (["10.0.0.1", "1", "8"], {"HOSTFILE": __file__, "JAXTRAIN_RSH": "nope-rsh"}, "'nope-rsh' not found"),
+    ],
+)
+def test_bad_arguments_exit_2(args, env, message):
+    done = subprocess.run([*LAUNCH, *args], cwd=REPO, env=clean_env(**env), capture_output=True, text=True)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: ") and message in done.stderr
