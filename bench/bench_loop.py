@@ -11,6 +11,7 @@ for data.
 
 import argparse
 import json
+import logging
 import statistics
 import sys
 import tempfile
@@ -80,6 +81,7 @@ def jaxtrain_loop(cfg: Config, steps: int, warmup: int, run_dir: Path) -> tuple[
     )  # fmt: skip
     if steps % warmup:
         raise SystemExit("--steps must be a multiple of --warmup")
+    logging.getLogger("jaxtrain").disabled = True  # keep the benchmark's output to its figures
     train(cfg)
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in records if "loss" in r and r["step"] > warmup]
