@@ -261,3 +261,27 @@ def test_committed_example_is_what_create_slurm_makes(tmp_path):
         (tmp_path / "again.sh").read_text().replace(str(tmp_path / "again.sh"), "slurm_scripts/run_slurm.sh")
     )
     assert again == example.read_text()
+
+
+def test_quick_start_menu_prints_commands_that_name_real_files():
+    listed = subprocess.run(
+        ["bash", "scripts/quick_start_examples.sh", "--list"], cwd=REPO, capture_output=True, text=True
+    )
+    assert listed.returncode == 0, listed.stderr
+    commands = [x.strip() for x in listed.stdout.splitlines() if x.startswith("    ")]
+    assert len(commands) == 11
+    for path in {
+        w
+        for c in commands
+        for w in c.replace("'", " ").replace(";", " ").split()
+        if w.startswith(("scripts/", "configs/"))
+    }:
+        assert (REPO / path).exists() or path.endswith("my_job.sh"), path
+    menu = subprocess.run(
+        ["bash", "scripts/quick_start_examples.sh"],
+        cwd=REPO,
+        input="1\nn\nq\n",
+        capture_output=True,
+        text=True,
+    )
+    assert menu.returncode == 0 and "scripts/train.py --config configs/tiny.yaml" in menu.stdout
