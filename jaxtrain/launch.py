@@ -137,6 +137,10 @@ def plan_manual(args: argparse.Namespace, environ: dict[str, str]) -> LocalPlan:
             )
         ranks = tuple(range(node * per_node, (node + 1) * per_node))
     everything_here = len(ranks) == n
+    if args.coordinator and args.port:
+        raise _ArgumentError("give --coordinator HOST:PORT or --port PORT, not both")
+    if args.port is not None and not 0 < args.port < 65536:
+        raise _ArgumentError(f"--port must be in 1..65535, got {args.port}")
     if args.coordinator:
         split_address(args.coordinator)
         coordinator = args.coordinator
@@ -234,10 +238,14 @@ def run_local(plan: LocalPlan, command: list[str], log_dir: str | None, grace: f
             elif i > 0:
                 out = subprocess.PIPE
             # Own session: Ctrl-C reaches only the launcher, which stops the children in order.
-            p = subprocess.Popen(
-                command, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )  # fmt: skip
+            try:
+                p = subprocess.Popen(
+                    command, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )  # fmt: skip
+            except OSError as e:
+                _stop_all(procs, grace)
+                raise UserError(f"cannot start rank {rank}: {shlex.join(command)}: {e.strerror}") from None
             procs[rank] = p
             if out is subprocess.PIPE:
                 t = threading.Thread(

@@ -188,6 +188,12 @@ def test_a_failure_stops_every_process(how, tmp_path):
         (["--mode", "manual", "--world-size", "2", "--script", "nope.py"], {}, "--script nope.py not found"),
         (["--mode", "manual", "--world-size", "x"], {}, "invalid int value: 'x'"),
         (["--mode", "bogus"], {}, "invalid choice: 'bogus'"),
+        (["--mode", "manual", "--world-size", "2", "--port", "70000"], {}, "--port must be in 1..65535"),
+        (
+            ["--mode", "manual", "--world-size", "1", "--python", "/nonexistent/python"],
+            {},
+            "cannot start rank 0",
+        ),
         (
             ["--mode", "manual", "--world-size", "2"],
             {"JAX_PLATFORMS": "", "CUDA_VISIBLE_DEVICES": "0,1,2"},
