@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_SCRIPT = "scripts/train.py"
 DEFAULT_SBATCH = "slurm_scripts/run_slurm.sh"
 DEFAULT_SLURM_OUTPUT = "slurm_scripts/logs/%x-%j.out"
+_SETTLE_S = 1.0  # after a first failure, how long the others get to report theirs
 
 
 class _ArgumentError(UserError):
@@ -260,10 +261,12 @@ def run_local(plan: LocalPlan, command: list[str], log_dir: str | None, grace: f
             flush=True,
         )
         while True:
-            failed = [(r, p.returncode) for r, p in procs.items() if p.poll() not in (None, 0)]
-            if failed:
-                # Peers of a killed process fail right after it; a signal death is the likelier cause.
-                failed.sort(key=lambda f: (f[1] > 0, f[0]))
+            if any(p.poll() not in (None, 0) for p in procs.values()):
+                # Peers of a killed process fail right after it: let them report, then name a
+                # death by signal (kill, OOM, segfault) first, as the likelier cause.
+                time.sleep(_SETTLE_S)
+                failed = [(r, p.returncode) for r, p in procs.items() if p.poll() not in (None, 0)]
+                failed.sort(key=lambda f: (not (f[1] < 0 or f[1] > 128), f[0]))
                 rank, code = failed[0]
                 where = (
                     f" (log {Path(log_dir) / f'rank_{rank}.log'})"

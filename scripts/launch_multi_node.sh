@@ -164,18 +164,42 @@ for ((i = 0; i < num_nodes; i++)); do
     fds+=("$fd")
 done
 
+declare -A codes=() # pid -> exit code, for the nodes that have finished
 alive=("${pids[@]}")
 while ((${#alive[@]} > 0)); do
     rc=0
     wait -n -p done_pid "${alive[@]}" || rc=$?
-    for ((i = 0; i < num_nodes; i++)); do [[ ${pids[i]} == "$done_pid" ]] && break; done
-    if ((rc != 0)); then
-        echo "error: node $i (${hosts[i]}) exited with code $rc; stopping the other nodes" >&2
-        stop_nodes
-        exit "$rc"
-    fi
+    codes[$done_pid]=$rc
     still=()
-    for pid in "${alive[@]}"; do [[ $pid == "$done_pid" ]] || still+=("$pid"); done
+    for pid in "${alive[@]}"; do [[ -v codes[$pid] ]] || still+=("$pid"); done
     alive=("${still[@]}")
+    ((rc == 0)) && continue
+    # Peers of a killed process fail right after it: let them report for a moment, then name a
+    # death by signal (exit code > 128: kill, OOM, segfault) first, as the likelier cause.
+    for _ in 1 2 3 4 5; do
+        sleep 0.2
+        for pid in "${alive[@]}"; do
+            if ! kill -0 "$pid" 2>/dev/null; then
+                codes[$pid]=0
+                wait "$pid" || codes[$pid]=$?
+            fi
+        done
+    done
+    culprit=-1 others=""
+    for ((i = 0; i < num_nodes; i++)); do
+        code=${codes[${pids[i]}]:-0}
+        ((code != 0)) || continue
+        if ((culprit < 0 || (code > 128 && ${codes[${pids[culprit]}]} <= 128))); then
+            culprit=$i
+        fi
+    done
+    for ((i = 0; i < num_nodes; i++)); do
+        code=${codes[${pids[i]}]:-0}
+        ((i != culprit && code != 0)) && others+="; node $i (${hosts[i]}) exited with code $code"
+    done
+    rc=${codes[${pids[culprit]}]}
+    echo "error: node $culprit (${hosts[culprit]}) exited with code $rc$others; stopping the other nodes" >&2
+    stop_nodes
+    exit "$rc"
 done
 echo "jaxtrain launch: all $num_nodes node(s) finished" >&2
