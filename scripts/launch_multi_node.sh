@@ -50,17 +50,20 @@ fi
 train_args=("$@")
 
 [[ $num_nodes =~ ^[1-9][0-9]*$ ]] || usage "num_nodes must be a positive integer, got '$num_nodes'"
-[[ $gpus_per_node =~ ^[0-9]+$ ]] || usage "gpus_per_node must be an integer >= 0, got '$gpus_per_node'"
+[[ $gpus_per_node =~ ^(0|[1-9][0-9]*)$ ]] || usage "gpus_per_node must be an integer >= 0, got '$gpus_per_node'"
 if [[ $coordinator != *:* ]]; then
     coordinator=$coordinator:${JAXTRAIN_PORT:-29500}
 fi
-[[ $coordinator =~ ^[A-Za-z0-9._-]+:([0-9]+)$ ]] && ((BASH_REMATCH[1] > 0 && BASH_REMATCH[1] < 65536)) ||
+if ! [[ $coordinator =~ ^[A-Za-z0-9._-]+:([0-9]{1,5})$ ]] || ! ((10#${BASH_REMATCH[1]} > 0 && 10#${BASH_REMATCH[1]} < 65536)); then
     usage "coordinator must be HOST or HOST:PORT, got '$coordinator'"
+fi
 
 # ------------------------------------------------------------------- one node, here
 run_node() {
     local rank=$1 python=${JAXTRAIN_PYTHON:-}
-    [[ $rank =~ ^[0-9]+$ ]] && ((rank < num_nodes)) || usage "NODE_RANK must be in 0..$((num_nodes - 1)), got '$rank'"
+    if ! [[ $rank =~ ^[0-9]+$ ]] || ((10#$rank >= num_nodes)); then
+        usage "NODE_RANK must be in 0..$((num_nodes - 1)), got '$rank'"
+    fi
     cd "$REPO"
     if [[ -z $python ]]; then
         python=python3
