@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from jaxtrain.launch import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 LAUNCHER = [sys.executable, "scripts/run_distributed.py"]
 LAUNCH_VARS = (
@@ -165,6 +167,43 @@ def test_a_failure_stops_every_process(how, tmp_path):
         assert launcher.returncode == 128 + signal.SIGINT
     time.sleep(0.5)
     assert processes_marked(marker) == [], "processes left behind"
+
+
+STAND_IN = """
+from jaxtrain.config import DistConfig
+from jaxtrain.distributed import initialize
+spec = initialize(DistConfig(init_timeout=60))
+import jax, jax.numpy as jnp
+from jax.experimental import multihost_utils
+total = multihost_utils.process_allgather(jnp.array([jax.process_index() + 1])).sum()
+print(f"stand-in process {jax.process_index()}/{jax.process_count()} sum={int(total)}", flush=True)
+"""
+
+
+@pytest.mark.multiprocess
+def test_node_ranks_split_one_job_between_two_launchers(tmp_path):
+    """Two "hosts" of 2 processes each: --node-rank K --nproc-per-node 2 --world-size 4."""
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    coordinator = f"127.0.0.1:{free_port()}"
+    nodes = [
+        subprocess.Popen(
+            LAUNCHER
+            + ["--mode", "manual", "--world-size", "4", "--node-rank", str(k), "--nproc-per-node", "2"]
+            + ["--coordinator", coordinator, "--script", str(script)],
+            cwd=REPO,
+            env=clean_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for k in (0, 1)
+    ]
+    outs = [n.communicate(timeout=120) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    assert "stand-in process 0/4 sum=10" in outs[0][0]
+    assert "stand-in process 2/4 sum=10" in outs[1][0]  # first local rank talks to the terminal
+    assert "[rank 3] stand-in process 3/4 sum=10" in outs[1][1]
 
 
 @pytest.mark.parametrize(
