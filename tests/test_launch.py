@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxtrain.launch import free_port
+from jaxtrain.launch import build_parser, free_port, plan_manual
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCHER = [sys.executable, "scripts/run_distributed.py"]
@@ -167,6 +167,27 @@ def test_a_failure_stops_every_process(how, tmp_path):
         assert launcher.returncode == 128 + signal.SIGINT
     time.sleep(0.5)
     assert processes_marked(marker) == [], "processes left behind"
+
+
+@pytest.mark.parametrize(
+    "argv, visible, ranks, gpu_sets",
+    [
+        (["--world-size", "2"], "4,5,6,7", (0, 1), ("4,5", "6,7")),
+        (["--world-size", "4"], "0,1,2,3", (0, 1, 2, 3), ("0", "1", "2", "3")),
+        (
+            ["--world-size", "8", "--node-rank", "1", "--nproc-per-node", "4"],
+            "0,1,2,3",
+            (4, 5, 6, 7),
+            ("0", "1", "2", "3"),
+        ),
+        (["--world-size", "2", "--rank", "1"], "0,1", (1,), None),  # one process keeps every GPU
+        (["--world-size", "2"], "", (0, 1), None),  # CPU
+    ],
+)
+def test_local_gpus_are_split_between_local_processes(argv, visible, ranks, gpu_sets):
+    args = build_parser().parse_args(["--mode", "manual", "--coordinator", "h:1", *argv])
+    plan = plan_manual(args, {"CUDA_VISIBLE_DEVICES": visible})
+    assert (plan.ranks, plan.gpu_sets) == (ranks, gpu_sets)
 
 
 STAND_IN = """
