@@ -239,6 +239,11 @@ def _read_yaml(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file {path} not found; pass an existing --config FILE.yaml")
     try:
         data = yaml.safe_load(p.read_text())  # safe: never constructs Python objects
+    except yaml.constructor.ConstructorError as e:
+        raise ConfigError(
+            f"config file {path} uses a YAML tag that would build an object ({e.problem}); "
+            "write plain values only"
+        ) from None
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
         line = f" at line {where.line + 1}" if where else ""

@@ -161,6 +161,7 @@ def _run(
         state, start_step = _restore_or_init(cfg, model, tx, mesh, ckpt)
     if is_main:
         rundir.truncate_metrics(run_dir / "metrics.jsonl", start_step)
+        rundir.save_config(cfg)
     n_params = param_count(state.params)
     fpt = flops_per_token(cfg.model, n_params)
     peak = metrics.peak_flops(jax.devices()[0].device_kind)

@@ -94,7 +94,7 @@ def prepare(cfg: Config) -> Path:
     """Create the run dir (process 0 only); with --overwrite, discard the old run's outputs."""
     run_dir = cfg.resolved_run_dir
     if cfg.overwrite:
-        for name in ("checkpoints", "metrics.jsonl", "train.log", "logs", "wandb"):
+        for name in ("checkpoints", "metrics.jsonl", "train.log", "logs", "wandb", "wandb_id", "config.yaml"):
             p = run_dir / name
             if p.is_dir():
                 shutil.rmtree(p)
@@ -102,8 +102,12 @@ def prepare(cfg: Config) -> Path:
                 p.unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(run_dir, 0o755)  # never world-writable, whatever the umask
-    write_text(run_dir / "config.yaml", config_lib.to_yaml(cfg))
     return run_dir
+
+
+def save_config(cfg: Config) -> None:
+    """Write config.yaml; called once the run has started (or resumed), so a failed launch changes nothing."""
+    write_text(cfg.resolved_run_dir / "config.yaml", config_lib.to_yaml(cfg))
 
 
 def write_text(path: Path, text: str) -> None:
