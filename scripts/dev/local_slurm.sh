@@ -77,11 +77,17 @@ start_munge() {
 }
 
 write_conf() {
-    local host node_line tmp
+    local host node_line tmp overrides=""
     host=$(hostname -s)
     # The node's real CPUs and memory, as slurmd sees them ("NodeName=vm CPUs=2 ... RealMemory=N").
     node_line=$(slurmd -C | grep '^NodeName=')
     [[ -n $node_line ]] || die "slurmd -C printed no NodeName line"
+    if [[ $node_line =~ CPUs=1[[:space:]] ]]; then
+        # The tests run 2 tasks on this node; config_overrides lets a 1-CPU machine claim 2.
+        node_line="NodeName=$host CPUs=2 Boards=1 SocketsPerBoard=1 CoresPerSocket=2 ThreadsPerCore=1 $(
+            grep -o 'RealMemory=[0-9]*' <<<"$node_line")"
+        overrides=SlurmdParameters=config_overrides
+    fi
     mkdir -p "$CONF_DIR" "$LOG_DIR" /var/spool/slurmctld /var/spool/slurmd
     tmp=$(mktemp)
     cat >"$tmp" <<EOF
@@ -107,6 +113,7 @@ SlurmctldPidFile=/run/slurmctld.pid
 SlurmdPidFile=/run/slurmd.pid
 SlurmctldLogFile=$LOG_DIR/slurmctld.log
 SlurmdLogFile=$LOG_DIR/slurmd.log
+$overrides
 $node_line State=UNKNOWN
 PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP
 EOF
