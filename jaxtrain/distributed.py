@@ -111,7 +111,7 @@ def _from_flags(dist: DistConfig, environ: Mapping[str, str]) -> dict | None:
         "coordinator_address": dist.coordinator_address,
         "num_processes": dist.num_processes,
         "process_id": dist.process_id,
-        "details": {k: v for k, v in given.items()},
+        "details": dict(given),
     }
 
 
