@@ -15,6 +15,8 @@ however large the file, and grain's threads can call it freely.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import sys
 import sysconfig
@@ -107,11 +109,34 @@ def open_tokens(
     return tokens
 
 
+def _cache_root() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxtrain"
+
+
+def _scan_record(path: Path) -> Path:
+    """Where the largest id of this exact file (path, size, mtime) is remembered."""
+    st = path.stat()
+    key = hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+    return _cache_root() / "token_scans" / f"{key}.json"
+
+
 def _check_ids(tokens: np.ndarray, vocab_size: int, path: Path, dtype: str) -> None:
-    """Raise on the first id >= vocab_size, scanning in chunks so RAM stays flat."""
+    """Raise on the first id >= vocab_size, scanning in chunks so RAM stays flat.
+
+    A big file takes a while to scan, and every process of every launch would do it again, so
+    the largest id of a file that passed is remembered (keyed by path, size and mtime).
+    """
+    record = _scan_record(path)
+    try:
+        if json.loads(record.read_text())["max_id"] < vocab_size:
+            return
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # no record (or an unreadable one): scan
+    largest = 0
     for lo in range(0, len(tokens), _CHECK_CHUNK):
         chunk = tokens[lo : lo + _CHECK_CHUNK]
-        if int(chunk.max()) >= vocab_size:
+        chunk_max = int(chunk.max())
+        if chunk_max >= vocab_size:
             at = lo + int(np.argmax(chunk >= vocab_size))
             bad = int(tokens[at])
             raise DataError(
@@ -119,6 +144,14 @@ def _check_ids(tokens: np.ndarray, vocab_size: int, path: Path, dtype: str) -> N
                 f"{vocab_size}; set --model.vocab_size to at least {bad + 1}, or --token_dtype if the "
                 f"file is not {dtype}"
             )
+        largest = max(largest, chunk_max)
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        tmp = record.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"path": str(path.resolve()), "max_id": largest}))
+        os.replace(tmp, record)
+    except OSError:
+        pass  # a read-only home only costs a rescan next time
 
 
 # ---------------------------------------------------------------- batch order
@@ -275,7 +308,7 @@ def _stdlib_sources(max_bytes: int) -> list[Path]:
 def default_dataset(cache_dir: str | Path | None = None, max_bytes: int = 32 * 2**20) -> tuple[Path, Path]:
     """(train.bin, val.bin) of the Python standard library's sources as bytes (vocab 256), built once."""
     if cache_dir is None:
-        cache_dir = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxtrain"
+        cache_dir = _cache_root()
     version = f"py{sys.version_info.major}.{sys.version_info.minor}"
     out_dir = Path(cache_dir) / "stdlib_bytes" / f"{version}-max{max_bytes}"
     train, val = out_dir / "train.bin", out_dir / "val.bin"

@@ -344,3 +344,18 @@ def test_text_chunks_never_cut_a_character(tmp_path: Path, monkeypatch: pytest.M
         train = b"".join(c for is_val, c in parts if not is_val)
         val = b"".join(c for is_val, c in parts if is_val)
         assert train + val == text.encode() and train.decode() and val.decode()
+
+
+def test_a_passed_scan_is_remembered_until_the_file_changes(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = tmp_path / "t.bin"
+    np.arange(1000, dtype=np.uint16).clip(0, 255).tofile(path)
+    data.open_tokens(path, vocab_size=256)
+    records = list((tmp_path / "cache" / "jaxtrain" / "token_scans").glob("*.json"))
+    assert len(records) == 1 and '"max_id": 255' in records[0].read_text()
+    bad = np.arange(1000, dtype=np.uint16).clip(0, 255)
+    bad[500] = 999
+    bad.tofile(path)  # same size, new mtime: scanned again, and the bad id is found
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    with pytest.raises(UserError, match="token id 999 at position 500"):
+        data.open_tokens(path, vocab_size=256)
