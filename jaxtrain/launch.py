@@ -394,6 +394,9 @@ def sbatch_script(args: argparse.Namespace, script_args: list[str], invocation: 
             "",
             f"# SLURM sends USR1 {args.signal_seconds} s before the time limit: requeue, which stops the",
             "# tasks (SIGTERM) and runs the job again; training resumes from its latest checkpoint.",
+            "# SLURM pre-emption and `scontrol requeue` do the same. After SIGTERM the tasks have",
+            "# KillWait seconds (scontrol show config | grep KillWait; default 30) to save before",
+            "# SIGKILL: if a checkpoint takes longer to write, the job resumes from the one before.",
             'trap \'echo "jaxtrain: time limit near, requeueing job ${SLURM_JOB_ID}"; '
             'scontrol requeue "${SLURM_JOB_ID}"\' USR1',
             f"{command} &",

@@ -19,6 +19,9 @@ echo "jaxtrain: job ${SLURM_JOB_ID} on ${SLURM_JOB_NODELIST}, $(date)"
 
 # SLURM sends USR1 90 s before the time limit: requeue, which stops the
 # tasks (SIGTERM) and runs the job again; training resumes from its latest checkpoint.
+# SLURM pre-emption and `scontrol requeue` do the same. After SIGTERM the tasks have
+# KillWait seconds (scontrol show config | grep KillWait; default 30) to save before
+# SIGKILL: if a checkpoint takes longer to write, the job resumes from the one before.
 trap 'echo "jaxtrain: time limit near, requeueing job ${SLURM_JOB_ID}"; scontrol requeue "${SLURM_JOB_ID}"' USR1
 srun --kill-on-bad-exit=1 .venv/bin/python scripts/train.py --config configs/gpt2_124m.yaml --run_dir runs/gpt2_124m &
 srun_pid=$!

@@ -137,28 +137,74 @@ def test_mode_slurm_outside_an_allocation_submits_and_follows(tmp_path):
     assert "jaxtrain launch: job" in done.stderr and "COMPLETED" in done.stderr
 
 
-def test_usr1_before_the_time_limit_requeues_the_job(tmp_path):
-    """The signal SLURM sends near the limit (--signal=B:USR1@90) makes the job requeue itself."""
-    script = tmp_path / "slow.py"
-    script.write_text("import time\nprint('started', flush=True)\ntime.sleep(600)\n")
-    job, log = tmp_path / "job.sh", tmp_path / "job.out"
+def _wait_for(what: str, check, job_id: str, timeout: float = 120) -> float:
+    """Poll `check()` until true; the time it became true. Fails naming `what` and the job state."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"{what}: not after {timeout} s; job {job_id} {job_state(job_id)}"
+        time.sleep(0.2)
+    return time.monotonic()
+
+
+def _steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(x)["step"] for x in text.splitlines() if '"loss"' in x]
+
+
+def _saved(log: Path) -> list[int]:
+    """The steps the job log says pre-emption checkpoints were saved at, in order (every rank says it)."""
+    found = re.findall(r"pre-empted: checkpoint \S+/(\d+) saved", log.read_text() if log.exists() else "")
+    return [int(s) for s in dict.fromkeys(found)]
+
+
+def test_preempted_job_saves_requeues_resumes_and_completes(tmp_path):
+    """Both ways SLURM stops a --requeue job, in one job: the time-limit path (USR1 to the batch
+    script, whose trap runs scontrol requeue) and SLURM's own pre-emption (scontrol requeue).
+    Either way SLURM sends SIGTERM to the tasks: they agree on a step, save it and exit 75, and
+    the requeued job resumes from that checkpoint by itself and finishes."""
+    run_dir, job, log = tmp_path / "run", tmp_path / "job.sh", tmp_path / "job.out"
+    total = 150
+    train_args = [*TINY, "--total_steps", str(total), "--checkpoint_interval", "100000"]
     made = subprocess.run(
-        [*LAUNCHER, "--mode", "create_slurm", "--script", str(script), "--output", str(log)]
-        + ["--sbatch-script", str(job)],
+        [*LAUNCHER, "--mode", "create_slurm", "--ntasks-per-node", "2", "--time", "00:10:00"]
+        + ["--job-name", "jaxtrain-preempt", "--output", str(log), "--sbatch-script", str(job), "--"]
+        + [*train_args, "--log_interval", "1", "--run_dir", str(run_dir)],
         cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert made.returncode == 0, made.stderr
-    job_id = subprocess.run(["sbatch", "--parsable", str(job)], capture_output=True, text=True).stdout.strip()
+    job_id = subprocess.run(
+        ["sbatch", "--parsable", str(job)], env=clean_env(), capture_output=True, text=True, check=True
+    ).stdout.strip()
+    ckpts, timings, saved = run_dir / "checkpoints", [], []
     try:
-        deadline = time.monotonic() + 60
-        while not (log.exists() and "started" in log.read_text()):
-            assert time.monotonic() < deadline, f"job {job_id} never started: {job_state(job_id)}"
-            time.sleep(0.5)
-        subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)
-        deadline = time.monotonic() + 60
-        while job_state(job_id)[2] < 1:
-            assert time.monotonic() < deadline, f"job {job_id} was not requeued: {job_state(job_id)}"
-            time.sleep(0.5)
+        t0 = time.monotonic()
+        for stop in (["scancel", "--signal=USR1", "--batch", job_id], ["scontrol", "requeue", job_id]):
+            resumed = saved[-1] if saved else 0
+            # a few steps into this run (the first, or the one that resumed)
+            _wait_for("training", lambda r=resumed: len(_steps(run_dir)) >= r + 3, job_id)
+            signalled = time.monotonic()
+            subprocess.run(stop, check=True)
+            n = len(saved)
+            saved_at = _wait_for("checkpoint saved", lambda n=n: len(_saved(log)) > n, job_id, timeout=60)
+            saved = _saved(log)
+            requeued = _wait_for("requeue", lambda n=n: job_state(job_id)[2] > n, job_id, timeout=60)
+            back = f"resumed from {ckpts}/{saved[-1]}"
+            started = _wait_for("resume", lambda b=back: b in log.read_text(), job_id, timeout=180)
+            timings.append((signalled - t0, saved_at - signalled, requeued - signalled, started - signalled))
+        state, code, restarts = wait_job(job_id)
+        done = time.monotonic()
     finally:
         subprocess.run(["scancel", job_id])
-    assert f"jaxtrain: time limit near, requeueing job {job_id}" in log.read_text()
+    out = log.read_text()
+    assert (state, code, restarts) == ("COMPLETED", "0:0", 2), out[-3000:]
+    assert out.count(f"jaxtrain: time limit near, requeueing job {job_id}") == 1
+    assert len(saved) == 2 and 0 < saved[0] < saved[1] < total, saved
+    for s in saved:
+        assert f"pre-empted: checkpoint {ckpts}/{s} saved; relaunch to resume" in out
+    assert out.index(f"resumed from {ckpts}/{saved[0]}") < out.index(f"checkpoints/{saved[1]} saved")
+    assert _steps(run_dir) == list(range(1, total + 1))  # every step exactly once across 3 runs
+    for (at, save, requeue, resume), how in zip(timings, ("USR1 + trap", "scontrol requeue"), strict=True):
+        print(f"{how}: signal at {at:.1f} s; checkpoint saved +{save:.1f} s, requeued +{requeue:.1f} s, "
+              f"resumed +{resume:.1f} s")  # fmt: skip
+    print(f"completed {done - t0:.1f} s after submission")

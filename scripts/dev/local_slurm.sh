@@ -90,12 +90,17 @@ write_conf() {
     fi
     mkdir -p "$CONF_DIR" "$LOG_DIR" /var/spool/slurmctld /var/spool/slurmd
     tmp=$(mktemp)
+    # KillWait: seconds between SIGTERM and SIGKILL when a job is requeued, pre-empted or hits its
+    # limit; the tiny test runs save their pre-emption checkpoint in about a second (SLURM's
+    # default is 30). cred_expire: a requeued job may start again only this many seconds later
+    # (default 120), short here so the requeue tests run in seconds.
     cat >"$tmp" <<EOF
 # Written by scripts/dev/local_slurm.sh: one-node development cluster on $host.
 ClusterName=jaxtrain-dev
 SlurmctldHost=$host
 SlurmUser=root
 AuthType=auth/munge
+AuthInfo=cred_expire=10
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
