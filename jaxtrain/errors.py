@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +53,20 @@ def _joined_to_peers() -> bool:
     return distributed.global_state.client is not None
 
 
+def _leave_together(timeout_s: float = 10.0) -> None:
+    """Pass JAX's shutdown barrier with every peer (at most `timeout_s`), then return.
+
+    For errors every process raises at the same step (pre-emption, non-finite steps): if process
+    0, which hosts the coordination service, left first, a peer still polling it would abort
+    (SIGABRT) instead of exiting with the same code.
+    """
+    import jax
+
+    leaving = threading.Thread(target=jax.distributed.shutdown, name="jaxtrain-shutdown", daemon=True)
+    leaving.start()
+    leaving.join(timeout_s)
+
+
 def exit_on_user_error(main: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap a script's main so a StopError prints one line and exits with its code."""
 
@@ -64,6 +79,8 @@ def exit_on_user_error(main: Callable[..., Any]) -> Callable[..., Any]:
             sys.stdout.flush()
             sys.stderr.flush()
             if _joined_to_peers():
+                if isinstance(e, Preempted | NonFiniteError):
+                    _leave_together()
                 # JAX's exit handler would wait minutes in a shutdown barrier for peers that
                 # may never come; the launcher or SLURM tears the rest down.
                 os._exit(e.code)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import re
 import shlex
 import shutil
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import IO
 
 from jaxtrain.distributed import split_address
-from jaxtrain.errors import UserError
+from jaxtrain.errors import EXIT_PREEMPTED, UserError
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_SCRIPT = "scripts/train.py"
@@ -171,11 +172,22 @@ def _describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
+def exit_status(code: int) -> int:
+    """A child's return code as a shell exit status: 128+N for death by signal N."""
+    return 128 - code if code < 0 else code
+
+
 def _pump(stream: IO[bytes], prefix: bytes, sink: IO[bytes]) -> None:
     """Copy a child's output to `sink`, each line tagged with its rank."""
     for line in iter(stream.readline, b""):
         sink.write(prefix + line)
         sink.flush()
+
+
+def _reap(rank: int, p: subprocess.Popen, ended: queue.Queue[int]) -> None:
+    """Wait for one child; `ended` receives the ranks in the order their processes ended."""
+    p.wait()
+    ended.put(rank)
 
 
 class _Stop(Exception):
@@ -213,13 +225,43 @@ def _stop_all(procs: dict[int, subprocess.Popen], grace: float) -> None:
         p.wait()
 
 
+def _first_failure(
+    plan: LocalPlan, procs: dict[int, subprocess.Popen], ended: list[int], log_dir: str | None
+) -> int:
+    """Report the first rank that failed (and the others that did), stop the rest; its exit status.
+
+    The first to end is the cause: peers of a killed, crashed or pre-empted process fail right
+    after it, often by signal (JAX aborts a process whose coordinator went away).
+    """
+    failed = [r for r in ended if procs[r].returncode != 0]
+    rank, code = failed[0], procs[failed[0]].returncode
+    what = f"rank {rank} (pid {procs[rank].pid}) {_describe_exit(code)}"
+    if code == EXIT_PREEMPTED:
+        what = f"jaxtrain launch: {what} (pre-empted: checkpoint saved, relaunch to resume)"
+    else:
+        what = f"error: {what}"
+    if log_dir and rank != plan.ranks[0]:
+        what += f" (log {Path(log_dir) / f'rank_{rank}.log'})"
+    what += "".join(f"; rank {r} {_describe_exit(procs[r].returncode)}" for r in failed[1:])
+    running = sum(p.poll() is None for p in procs.values())
+    if running:
+        what += f"; stopping the other {running} process(es)"
+    print(what, file=sys.stderr, flush=True)
+    return exit_status(code)
+
+
 def run_local(plan: LocalPlan, command: list[str], log_dir: str | None, grace: float) -> int:
-    """Start one child per local rank and supervise them; returns the launcher's exit code."""
+    """Start one child per local rank and supervise them; returns the launcher's exit code.
+
+    0 when every rank finished; else the first failing rank's own exit status (75 pre-empted,
+    128+N for death by signal N); 128+N when the launcher itself got signal N.
+    """
     if log_dir:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
     procs: dict[int, subprocess.Popen] = {}
     pumps: list[threading.Thread] = []
     files: list[IO[bytes]] = []
+    ended: queue.Queue[int] = queue.Queue()
     handlers = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         for i, rank in enumerate(plan.ranks):
@@ -232,22 +274,27 @@ def run_local(plan: LocalPlan, command: list[str], log_dir: str | None, grace: f
             )
             if plan.gpu_sets:
                 env["CUDA_VISIBLE_DEVICES"] = plan.gpu_sets[i]
-            out: IO[bytes] | int | None = None  # the first local process talks to the terminal
-            if i > 0 and log_dir:
-                out = open(Path(log_dir) / f"rank_{rank}.log", "wb")  # noqa: SIM115 (closed below)
-                files.append(out)
-            elif i > 0:
-                out = subprocess.PIPE
+            # The first local process talks to the terminal (its stdout and stderr are ours), the
+            # others to a log file each, or prefixed to our stderr.
+            out: IO[bytes] | int | None = None
+            err: int | None = None
+            if i > 0:
+                err = subprocess.STDOUT
+                if log_dir:
+                    out = open(Path(log_dir) / f"rank_{rank}.log", "wb")  # noqa: SIM115 (closed below)
+                    files.append(out)
+                else:
+                    out = subprocess.PIPE
             # Own session: Ctrl-C reaches only the launcher, which stops the children in order.
             try:
                 p = subprocess.Popen(
-                    command, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )  # fmt: skip
+                    command, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True
+                )
             except OSError as e:
                 _stop_all(procs, grace)
                 raise UserError(f"cannot start rank {rank}: {shlex.join(command)}: {e.strerror}") from None
             procs[rank] = p
+            threading.Thread(target=_reap, args=(rank, p, ended), daemon=True).start()
             if out is subprocess.PIPE:
                 t = threading.Thread(
                     target=_pump, args=(p.stdout, f"[rank {rank}] ".encode(), sys.stderr.buffer)
@@ -260,31 +307,23 @@ def run_local(plan: LocalPlan, command: list[str], log_dir: str | None, grace: f
             file=sys.stderr,
             flush=True,
         )
-        while True:
-            if any(p.poll() not in (None, 0) for p in procs.values()):
-                # Peers of a killed process fail right after it: let them report, then name a
-                # death by signal (kill, OOM, segfault) first, as the likelier cause.
-                time.sleep(_SETTLE_S)
-                failed = [(r, p.returncode) for r, p in procs.items() if p.poll() not in (None, 0)]
-                failed.sort(key=lambda f: (not (f[1] < 0 or f[1] > 128), f[0]))
-                rank, code = failed[0]
-                where = (
-                    f" (log {Path(log_dir) / f'rank_{rank}.log'})"
-                    if log_dir and rank != plan.ranks[0]
-                    else ""
-                )
-                also = "".join(f"; rank {r} {_describe_exit(c)}" for r, c in failed[1:])
-                print(
-                    f"error: rank {rank} (pid {procs[rank].pid}) {_describe_exit(code)}{where}{also}; "
-                    f"stopping the other {sum(p.poll() is None for p in procs.values())} process(es)",
-                    file=sys.stderr,
-                    flush=True,
-                )
+        order: list[int] = []
+        while len(order) < len(procs):
+            try:
+                order.append(ended.get(timeout=0.5))
+            except queue.Empty:
+                continue
+            if procs[order[-1]].returncode != 0:
+                deadline = time.monotonic() + _SETTLE_S  # let the others report theirs
+                while len(order) < len(procs) and (left := deadline - time.monotonic()) > 0:
+                    try:
+                        order.append(ended.get(timeout=left))
+                    except queue.Empty:
+                        break
+                code = _first_failure(plan, procs, order, log_dir)
                 _stop_all(procs, grace)
-                return code if code > 0 else 128 - code
-            if all(p.poll() == 0 for p in procs.values()):
-                return 0
-            time.sleep(0.2)
+                return code
+        return 0
     except _Stop as stop:
         print(f"jaxtrain launch: got {signal.Signals(stop.signum).name}, stopping all ranks", file=sys.stderr)
         _stop_all(procs, grace)

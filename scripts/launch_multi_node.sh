@@ -26,7 +26,12 @@
 # processes to start, watch and connect; use run_distributed.py --node-rank/--nproc-per-node for
 # one process per GPU.
 # If any host fails, the others are stopped (each host stops its processes when the launcher's
-# connection to it closes) and this exits non-zero, naming the host.
+# connection to it closes) and this exits with the first failing host's exit code, naming it:
+# 75 when training was pre-empted (a checkpoint is saved: run the same command again to resume),
+# 2 bad input, 128+N when a process was killed by signal N (see scripts/run_distributed.py).
+# Health check of the hosts, the same way:
+#     HOSTFILE=hosts.txt JAXTRAIN_SCRIPT=scripts/test_distributed.py scripts/launch_multi_node.sh \
+#         10.0.0.1 2 8 -- --checkpoint_dir /shared/ckpt --json health.json
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -177,8 +182,8 @@ while ((${#alive[@]} > 0)); do
     for pid in "${alive[@]}"; do [[ -v codes[$pid] ]] || still+=("$pid"); done
     alive=("${still[@]}")
     ((rc == 0)) && continue
-    # Peers of a killed process fail right after it: let them report for a moment, then name a
-    # death by signal (exit code > 128: kill, OOM, segfault) first, as the likelier cause.
+    # The first node to fail is the cause and its exit code is ours: peers of a killed, crashed
+    # or pre-empted process fail right after it. Let them report for a moment.
     for _ in 1 2 3 4 5; do
         sleep 0.2
         for pid in "${alive[@]}"; do
@@ -191,17 +196,18 @@ while ((${#alive[@]} > 0)); do
     culprit=-1 others=""
     for ((i = 0; i < num_nodes; i++)); do
         code=${codes[${pids[i]}]:-0}
-        ((code != 0)) || continue
-        if ((culprit < 0 || (code > 128 && ${codes[${pids[culprit]}]} <= 128))); then
+        if [[ ${pids[i]} == "$done_pid" ]]; then
             culprit=$i
+        elif ((code != 0)); then
+            others+="; node $i (${hosts[i]}) exited with code $code"
         fi
     done
-    for ((i = 0; i < num_nodes; i++)); do
-        code=${codes[${pids[i]}]:-0}
-        ((i != culprit && code != 0)) && others+="; node $i (${hosts[i]}) exited with code $code"
-    done
-    rc=${codes[${pids[culprit]}]}
-    echo "error: node $culprit (${hosts[culprit]}) exited with code $rc$others; stopping the other nodes" >&2
+    if ((rc == 75)); then
+        echo "jaxtrain launch: node $culprit (${hosts[culprit]}) exited with code 75 (pre-empted:" \
+            "checkpoint saved, relaunch to resume)$others" >&2
+    else
+        echo "error: node $culprit (${hosts[culprit]}) exited with code $rc$others; stopping the other nodes" >&2
+    fi
     stop_nodes
     exit "$rc"
 done

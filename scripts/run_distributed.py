@@ -14,6 +14,13 @@ SLURM: inside salloc/sbatch runs srun; outside, writes an sbatch file and submit
         --partition gpu --time 04:00:00 -- --config configs/gpt2_124m.yaml
     sbatch slurm_scripts/run_slurm.sh
 Health check of a cluster: add --script scripts/test_distributed.py.
+
+Output (manual): the first local rank prints to this terminal, stdout to stdout and stderr to
+stderr; the others' lines go to stderr prefixed [rank R], or to --log-dir DIR/rank_R.log.
+Exit code: 0 when every rank finished; else the first failing rank's own code (2 bad input,
+3 hung, 4 non-finite, 75 pre-empted: checkpoint saved, run the same command again to resume),
+or 128+N when it was killed by signal N; 128+N when this launcher itself got signal N (Ctrl-C:
+130). Under SLURM it is srun's or the job's code.
 """
 
 import sys

@@ -458,11 +458,6 @@ def test_a_bad_data_file_is_one_line_on_every_rank(tmp_path: Path) -> None:
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="launch.run_local starts the first local rank with stdout=None, stderr=STDOUT, so its "
-    "stderr lands on the launcher's stdout: `2>err.log` loses rank 0's error line",
-)
 def test_rank_0s_error_reaches_the_launchers_stderr(three_ranks: Ran) -> None:
     assert re.search(r"^error: " + re.escape(_NOT_DIVISIBLE), three_ranks.stderr, re.M), three_ranks.stderr
 

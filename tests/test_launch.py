@@ -5,6 +5,7 @@ pytest tests/test_launch.py       # about 2.5 minutes on 2 cores
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -167,6 +168,48 @@ def test_a_failure_stops_every_process(how, tmp_path):
         assert launcher.returncode == 128 + signal.SIGINT
     time.sleep(0.5)
     assert processes_marked(marker) == [], "processes left behind"
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_preemption_of_one_rank_stops_all_at_one_step_and_exits_75(tmp_path):
+    """SIGUSR1 to one rank: every rank saves the same step and exits 75, and so does the launcher."""
+    marker = f"JAXTRAIN_TEST_MARK={uuid.uuid4().hex}"
+    key, value = marker.split("=")
+    run_dir = tmp_path / "run"
+    args = ["--mode", "manual", "--world-size", "2", "--", *TINY, "--total_steps", "100000"]
+    args += ["--checkpoint_interval", "100000", "--preemption_check_interval", "2", "--log_interval", "1"]
+    launcher = subprocess.Popen(
+        LAUNCHER + [*args, "--run_dir", str(run_dir)],
+        cwd=REPO, env=clean_env(**{key: value}), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text():
+            assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "training never started"
+            time.sleep(0.2)
+        rank1 = [p for p in processes_marked(marker) if env_of(p).get("JAX_PROCESS_ID") == "1"]
+        assert len(rank1) == 1
+        os.kill(rank1[0], signal.SIGUSR1)
+        out, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for pid in processes_marked(marker):
+            os.kill(pid, signal.SIGKILL)
+    assert launcher.returncode == 75, err[-3000:]
+    said = {
+        "0": re.findall(r"^\S+ WARNING stop signal \(on another process\): saving step (\d+)$", out, re.M),
+        "1": re.findall(r"^\[rank 1\] \S+ WARNING stop signal \(SIGUSR1\): saving step (\d+)$", err, re.M),
+    }
+    assert len(said["0"]) == len(said["1"]) == 1 and said["0"] == said["1"], (said, err[-3000:])
+    step = int(said["0"][0])
+    assert step % 2 == 0 and (run_dir / "checkpoints" / str(step)).is_dir()
+    assert f"pre-empted: checkpoint {run_dir}/checkpoints/{step} saved; relaunch to resume" in err  # rank 0
+    both = r"^jaxtrain launch: rank \d \(pid \d+\) exited with code 75 .*; rank \d exited with code 75$"
+    assert re.search(both, err, re.M), err[-3000:]  # no rank aborted when the coordinator left
+    assert max(losses(run_dir)) == step  # logged up to the saved step
 
 
 @pytest.mark.parametrize(

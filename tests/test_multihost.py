@@ -5,6 +5,7 @@ pytest -m multihost tests/test_multihost.py       # root; about 45 s
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -154,6 +155,56 @@ def test_killing_a_worker_on_one_host_stops_every_host(hosts, tmp_path):
             os.kill(pid, signal.SIGKILL)
     assert launcher.returncode == 128 + signal.SIGKILL
     assert f"error: node 1 ({hosts[0][1]}) exited with code 137" in err.decode()  # named first
+    time.sleep(0.5)
+    assert processes_marked(marker) == [], "processes left behind"
+
+
+@pytest.mark.multihost
+@pytest.mark.slow
+def test_preemption_on_one_host_stops_both_at_one_step_and_exits_75(hosts, tmp_path):
+    (host0, _), hostfile = hosts
+    marker = uuid.uuid4().hex
+    run_dir = tmp_path / "run"
+    env = clean_env(
+        HOSTFILE=str(hostfile),
+        JAXTRAIN_RSH=f"{FAKE_HOSTS} rsh",
+        JAXTRAIN_TEST_MARK=marker,
+        JAXTRAIN_FORWARD_ENV="JAXTRAIN_TEST_MARK",
+    )
+    args = [*TINY, "--total_steps", "100000", "--checkpoint_interval", "100000", "--log_interval", "1"]
+    args += ["--preemption_check_interval", "2", "--run_dir", str(run_dir)]
+    launcher = subprocess.Popen(
+        [*LAUNCH, host0, "2", "0", "--", *args],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text():
+            assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "training never started"
+            time.sleep(0.2)
+        rank1 = [
+            p
+            for p in processes_marked(marker)
+            if env_of(p).get("JAX_PROCESS_ID") == "1"
+            and b"train.py" in Path(f"/proc/{p}/cmdline").read_bytes()
+        ]
+        assert len(rank1) == 1
+        os.kill(rank1[0], signal.SIGUSR1)  # as SLURM or a cloud would tell one host
+        out, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for pid in processes_marked(marker):
+            os.kill(pid, signal.SIGKILL)
+    assert launcher.returncode == 75, err[-3000:]
+    said0 = re.findall(r"^\S+ WARNING stop signal \(on another process\): saving step (\d+)$", out, re.M)
+    said1 = re.findall(r"^\[node 1\] \S+ WARNING stop signal \(SIGUSR1\): saving step (\d+)$", err, re.M)
+    assert len(said0) == 1 and said0 == said1, (said0, said1, err[-3000:])
+    step = int(said0[0])
+    assert (run_dir / "checkpoints" / str(step)).is_dir()
+    both = r"^jaxtrain launch: node \d \(\S+\) exited with code 75 .*; node \d \(\S+\) exited with code 75$"
+    assert re.search(both, err, re.M), err[-3000:]
     time.sleep(0.5)
     assert processes_marked(marker) == [], "processes left behind"
 
