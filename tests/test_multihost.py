@@ -1,6 +1,6 @@
 """scripts/launch_multi_node.sh across two real "hosts": network namespaces joined by a veth pair.
 
-pytest -m multihost tests/test_multihost.py       # root; about 45 s
+pytest -m multihost tests/test_multihost.py       # root; about 35 s
 """
 
 import json
@@ -207,6 +207,73 @@ def test_preemption_on_one_host_stops_both_at_one_step_and_exits_75(hosts, tmp_p
     assert re.search(both, err, re.M), err[-3000:]
     time.sleep(0.5)
     assert processes_marked(marker) == [], "processes left behind"
+
+
+def _host_name(address: str) -> str:
+    done = subprocess.run(
+        [FAKE_HOSTS, "rsh", address, "hostname"], capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def _health_check(
+    hosts, tmp_path, rsh: str, checkpoint_dir: Path
+) -> tuple[subprocess.CompletedProcess, dict]:
+    """scripts/test_distributed.py on both hosts through launch_multi_node.sh; (result, JSON report)."""
+    (host0, _), hostfile = hosts
+    out = tmp_path / "health.json"
+    check = ["--max_bytes", "8K", "--iters", "3", "--json", str(out), "--checkpoint_dir", str(checkpoint_dir)]
+    env = clean_env(HOSTFILE=str(hostfile), JAXTRAIN_RSH=rsh, JAXTRAIN_SCRIPT="scripts/test_distributed.py")
+    done = subprocess.run(
+        [*LAUNCH, host0, "2", "0", "--", *check],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
+    return done, json.loads(out.read_text())
+
+
+@pytest.mark.multihost
+@pytest.mark.slow
+def test_health_check_across_two_hosts(hosts, tmp_path):
+    done, report = _health_check(hosts, tmp_path, f"{FAKE_HOSTS} rsh", tmp_path / "shared")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert report["healthy"] and report["bad_hosts"] == [], report["bad_processes"]
+    assert report["environment"]["source"] == "jax_env" and report["environment"]["num_processes"] == 2
+    assert [r["host"] for r in report["processes"]] == [_host_name(a) for a in hosts[0]]
+    assert not (tmp_path / "shared").exists()
+
+
+@pytest.mark.multihost
+@pytest.mark.slow
+def test_health_check_names_a_host_whose_checkpoint_dir_is_not_shared(hosts, tmp_path):
+    """Host 1 sees its own empty tmpfs at the checkpoint dir, as a node-local disk would be."""
+    (_, host1), _ = hosts
+    private = tmp_path / "ckpt"
+    private.mkdir()
+    rsh = tmp_path / "rsh"
+    rsh.write_text(
+        "#!/bin/bash\n"
+        f'if [[ $1 == {host1} ]]; then set -- "$1" "mount -t tmpfs jaxtrain-test {private} && $2"; fi\n'
+        f'exec {FAKE_HOSTS} rsh "$1" "$2"\n'
+    )
+    rsh.chmod(0o755)
+    done, report = _health_check(hosts, tmp_path, str(rsh), private)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "error: node 0" in done.stderr or "error: node 1" in done.stderr
+    storage = {c["name"]: c for c in report["checks"]}["storage"]
+    assert not report["healthy"] and not storage["ok"]
+    names = [_host_name(a) for a in hosts[0]]
+    # Two hosts that each see only their own files: neither is the majority, so both are named.
+    assert report["bad_hosts"] == sorted(names)
+    bad = {b["process_id"]: b for b in storage["bad_processes"]}
+    assert bad[1]["host"] == names[1] and "cannot see the files of processes [0]" in bad[1]["reason"]
+    assert bad[0]["host"] == names[0] and "cannot see the files of processes [1]" in bad[0]["reason"]
+    assert list(private.iterdir()) == []  # probes cleaned up; the tmpfs went with host 1's command
 
 
 @pytest.mark.parametrize(

@@ -137,6 +137,28 @@ def test_mode_slurm_outside_an_allocation_submits_and_follows(tmp_path):
     assert "jaxtrain launch: job" in done.stderr and "COMPLETED" in done.stderr
 
 
+@pytest.mark.parametrize("how", ["srun", "run_distributed --mode slurm"])
+def test_health_check_in_an_allocation(how, tmp_path):
+    """scripts/test_distributed.py as 2 SLURM tasks: srun by hand, or through the launcher."""
+    out = tmp_path / "health.json"
+    check = ["--max_bytes", "8K", "--iters", "3", "--json", str(out), "--checkpoint_dir", str(tmp_path / "c")]
+    if how == "srun":
+        command = ["srun", "--ntasks", "2", sys.executable, "scripts/test_distributed.py", *check]
+    else:
+        command = [*LAUNCHER, "--mode", "slurm", "--script", "scripts/test_distributed.py", "--", *check]
+    done = subprocess.run(
+        ["salloc", "--ntasks=2", "--ntasks-per-node=2", *command],
+        cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["healthy"] and report["bad_hosts"] == [], report["bad_processes"]
+    assert report["environment"]["source"] == "slurm"
+    assert [r["process_id"] for r in report["processes"]] == [0, 1]
+    assert "verdict: HEALTHY" in done.stdout
+    assert not (tmp_path / "c").exists()  # the storage probe cleaned up after itself
+
+
 def _wait_for(what: str, check, job_id: str, timeout: float = 120) -> float:
     """Poll `check()` until true; the time it became true. Fails naming `what` and the job state."""
     deadline = time.monotonic() + timeout

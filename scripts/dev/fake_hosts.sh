@@ -7,9 +7,11 @@
 #         scripts/launch_multi_node.sh 10.213.7.1 2 0 -- --config configs/tiny.yaml
 #     sudo scripts/dev/fake_hosts.sh down jt
 #
-# `rsh ADDRESS COMMAND` runs COMMAND with bash inside the namespace that owns ADDRESS, like ssh.
-# Gloo binds to the address the machine's hostname resolves to, so each namespace gets its own
-# hosts file (/etc/netns/NAME/hosts, which `ip netns exec` mounts over /etc/hosts).
+# `rsh ADDRESS COMMAND` runs COMMAND with bash inside the namespace that owns ADDRESS, like ssh,
+# under a host name of its own (the namespace's name, e.g. jt0), as the health check names hosts.
+# Gloo binds to the address the host name resolves to, so each namespace gets its own hosts file
+# (/etc/netns/NAME/hosts, which `ip netns exec` mounts over /etc/hosts). `ip netns exec` also gives
+# every command a mount namespace of its own: a mount made by COMMAND is seen by it alone.
 set -euo pipefail
 
 MAP_DIR=/run/jaxtrain_fake_hosts # ADDRESS -> namespace, for rsh
@@ -26,7 +28,7 @@ up() {
         ns=$prefix$i addr=$net.$((i + 1))
         ip netns add "$ns"
         mkdir -p "/etc/netns/$ns"
-        printf '127.0.0.1 localhost\n%s %s\n' "$addr" "$(hostname)" >"/etc/netns/$ns/hosts"
+        printf '127.0.0.1 localhost\n%s %s %s\n' "$addr" "$ns" "$(hostname)" >"/etc/netns/$ns/hosts"
         ip link set "${prefix}v$i" netns "$ns"
         ip -n "$ns" addr add "$addr/24" dev "${prefix}v$i"
         ip -n "$ns" link set "${prefix}v$i" up
@@ -53,7 +55,8 @@ rsh() {
     local ns
     [[ -f $MAP_DIR/$1 ]] || die "no fake host has address $1 (run: $0 up PREFIX SUBNET)"
     ns=$(cat "$MAP_DIR/$1")
-    exec ip netns exec "$ns" bash -c "$2"
+    # shellcheck disable=SC2016 # expanded by the inner shell
+    exec ip netns exec "$ns" unshare --uts sh -c 'hostname "$0" && exec bash -c "$1"' "$ns" "$2"
 }
 
 [[ $(id -u) -eq 0 ]] || die "run as root (network namespaces)"
