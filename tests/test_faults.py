@@ -7,6 +7,7 @@ processes are involved), on CPU with gloo.
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -217,7 +218,10 @@ def test_a_stalled_process_is_found_and_the_job_ends(tmp_path):
     assert proc.returncode != 0
     assert time.monotonic() - t0 < 120  # start-up + 40 steps + the 5 s minimum limit + teardown
     stalled = (run_dir / "logs" / "process_1.log").read_text()
-    assert "watchdog: step 41 has taken" in stalled and "last completed step 40" in stalled
+    # The host sees step 40 end only after dispatching 41, so either may be the one named.
+    assert re.search(r"watchdog: step 4[01] has taken .* last completed step (39|40)", stalled), stalled[
+        :2000
+    ]
     assert "time.sleep" in stalled or "in train" in stalled  # its Python stack
     assert not _marked(marker)
 

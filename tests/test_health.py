@@ -5,6 +5,7 @@ pytest tests/test_health.py -m "not multiprocess"      # verdicts only, a few se
 """
 
 import functools
+import importlib.util
 import json
 import os
 import shutil
@@ -154,11 +155,10 @@ def test_network_names_who_cannot_reach_the_coordinator():
 
 
 def test_bad_arguments_exit_2(capsys):
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import test_distributed as script
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    # Loaded by path: tests/test_distributed.py has the same module name.
+    spec = importlib.util.spec_from_file_location("health_script", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
     for argv in (["--max_bytes", "12X"], ["--iters", "0"], ["--no_such_flag"]):
         with pytest.raises(SystemExit) as e:
             script.main(argv)
