@@ -186,7 +186,7 @@ def test_preempted_job_saves_requeues_resumes_and_completes(tmp_path):
     Either way SLURM sends SIGTERM to the tasks: they agree on a step, save it and exit 75, and
     the requeued job resumes from that checkpoint by itself and finishes."""
     run_dir, job, log = tmp_path / "run", tmp_path / "job.sh", tmp_path / "job.out"
-    total = 150
+    total = 100
     train_args = [*TINY, "--total_steps", str(total), "--checkpoint_interval", "100000"]
     made = subprocess.run(
         [*LAUNCHER, "--mode", "create_slurm", "--ntasks-per-node", "2", "--time", "00:10:00"]

@@ -93,7 +93,8 @@ write_conf() {
     # KillWait: seconds between SIGTERM and SIGKILL when a job is requeued, pre-empted or hits its
     # limit; the tiny test runs save their pre-emption checkpoint in about a second (SLURM's
     # default is 30). cred_expire: a requeued job may start again only this many seconds later
-    # (default 120), short here so the requeue tests run in seconds.
+    # (default 120); then it waits for the next scheduling pass (sched_interval, bf_interval:
+    # default 60 and 30 s). All short here so the requeue tests run in seconds.
     cat >"$tmp" <<EOF
 # Written by scripts/dev/local_slurm.sh: one-node development cluster on $host.
 ClusterName=jaxtrain-dev
@@ -106,6 +107,7 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2,bf_interval=2
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 MpiDefault=none
