@@ -32,6 +32,10 @@ class UserError(StopError):
     code = EXIT_USAGE
 
 
+class ArgumentError(UserError):
+    """A command-line flag that cannot be used."""
+
+
 class NonFiniteError(StopError):
     """Too many non-finite steps in a row."""
 

@@ -1,8 +1,9 @@
 """Start a training script as several processes: locally, one rank of a multi-host job, or SLURM.
 
-The logic behind scripts/run_distributed.py; the children find their place in the job through
-JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (see jaxtrain/distributed.py)
-or, under SLURM, through srun's own variables.
+The logic behind scripts/run_distributed.py: its command line, and --mode manual, whose processes
+are started and supervised here (--mode slurm and create_slurm: jaxtrain/slurm.py). The children
+find their place in the job through JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID
+(see jaxtrain/distributed.py) or, under SLURM, through srun's own variables.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import queue
-import re
 import shlex
 import shutil
 import signal
@@ -23,23 +23,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from jaxtrain import slurm
 from jaxtrain.distributed import split_address
-from jaxtrain.errors import EXIT_PREEMPTED, UserError
+from jaxtrain.errors import EXIT_PREEMPTED, ArgumentError, UserError
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_SCRIPT = "scripts/train.py"
-DEFAULT_SBATCH = "slurm_scripts/run_slurm.sh"
-DEFAULT_SLURM_OUTPUT = "slurm_scripts/logs/%x-%j.out"
 _SETTLE_S = 1.0  # after a first failure, how long the others get to report theirs
-
-
-class _ArgumentError(UserError):
-    """A launcher flag that cannot be used."""
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line and exit 2, like every other bad input
-        raise _ArgumentError(f"{message}; see {self.prog} --help")
+        raise ArgumentError(f"{message}; see {self.prog} --help")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,11 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--partition", help="SLURM partition")
     s.add_argument("--account", help="SLURM account")
     s.add_argument("--job-name", default="jaxtrain")
-    s.add_argument("--output", default=DEFAULT_SLURM_OUTPUT, help="job log (%%x name, %%j job id)")
+    s.add_argument("--output", default=slurm.DEFAULT_OUTPUT, help="job log (%%x name, %%j job id)")
     s.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="export in the job")
     s.add_argument("--signal-seconds", type=int, default=90, help="requeue this long before the limit")
     s.add_argument("--workdir", default=str(REPO), help="directory the job runs in")
-    s.add_argument("--sbatch-script", default=DEFAULT_SBATCH, help="file create_slurm writes")
+    s.add_argument("--sbatch-script", default=slurm.DEFAULT_SBATCH, help="file create_slurm writes")
     s.add_argument("--follow", action="store_true", help="after sbatch, print the job log until it ends")
     return p
 
@@ -118,38 +113,38 @@ def plan_manual(args: argparse.Namespace, environ: dict[str, str]) -> LocalPlan:
     """Which ranks run here, the coordinator, and each process's GPUs; UserError if inconsistent."""
     n = args.world_size
     if n is None:
-        raise _ArgumentError("--mode manual needs --world-size N (total processes in the job)")
+        raise ArgumentError("--mode manual needs --world-size N (total processes in the job)")
     if n < 1:
-        raise _ArgumentError(f"--world-size must be >= 1, got {n}")
+        raise ArgumentError(f"--world-size must be >= 1, got {n}")
     if args.rank is not None and args.node_rank is not None:
-        raise _ArgumentError("give --rank R (one process) or --node-rank K (P processes), not both")
+        raise ArgumentError("give --rank R (one process) or --node-rank K (P processes), not both")
     if args.rank is not None:
         if not 0 <= args.rank < n:
-            raise _ArgumentError(f"--rank {args.rank} is out of range for --world-size {n}; use 0..{n - 1}")
+            raise ArgumentError(f"--rank {args.rank} is out of range for --world-size {n}; use 0..{n - 1}")
         ranks = (args.rank,)
     else:
         per_node = args.nproc_per_node or (n if args.node_rank is None else 1)
         node = args.node_rank or 0
         if per_node < 1 or node < 0:
-            raise _ArgumentError("--nproc-per-node must be >= 1 and --node-rank >= 0")
+            raise ArgumentError("--nproc-per-node must be >= 1 and --node-rank >= 0")
         if (node + 1) * per_node > n:
-            raise _ArgumentError(
+            raise ArgumentError(
                 f"--node-rank {node} x --nproc-per-node {per_node} needs ranks up to "
                 f"{(node + 1) * per_node - 1}, beyond --world-size {n}"
             )
         ranks = tuple(range(node * per_node, (node + 1) * per_node))
     everything_here = len(ranks) == n
     if args.coordinator and args.port:
-        raise _ArgumentError("give --coordinator HOST:PORT or --port PORT, not both")
+        raise ArgumentError("give --coordinator HOST:PORT or --port PORT, not both")
     if args.port is not None and not 0 < args.port < 65536:
-        raise _ArgumentError(f"--port must be in 1..65535, got {args.port}")
+        raise ArgumentError(f"--port must be in 1..65535, got {args.port}")
     if args.coordinator:
         split_address(args.coordinator)
         coordinator = args.coordinator
     elif everything_here:
         coordinator = f"127.0.0.1:{args.port or free_port()}"
     else:
-        raise _ArgumentError(
+        raise ArgumentError(
             f"this machine runs ranks {ranks[0]}..{ranks[-1]} of {n}: give --coordinator HOST:PORT "
             "(rank 0's address, reachable from every host)"
         )
@@ -157,7 +152,7 @@ def plan_manual(args: argparse.Namespace, environ: dict[str, str]) -> LocalPlan:
     gpu_sets = None
     if gpus and len(ranks) > 1:
         if len(gpus) % len(ranks):
-            raise _ArgumentError(
+            raise ArgumentError(
                 f"{len(gpus)} GPUs ({','.join(gpus)}) cannot be split evenly between {len(ranks)} local "
                 "processes; use a process count that divides the GPU count"
             )
@@ -337,205 +332,19 @@ def run_local(plan: LocalPlan, command: list[str], log_dir: str | None, grace: f
             f.close()
 
 
-# ---------------------------------------------------------------- SLURM
-
-
-def _slurm_layout(args: argparse.Namespace) -> dict[str, str]:
-    """sbatch/srun layout options (name -> value) from the launcher flags."""
-    layout: dict[str, str] = {}
-    if args.nodes is not None:
-        if args.nodes < 1:
-            raise _ArgumentError(f"--nodes must be >= 1, got {args.nodes}")
-        layout["nodes"] = str(args.nodes)
-    if args.gpus_per_node < 0:
-        raise _ArgumentError(f"--gpus-per-node must be >= 0, got {args.gpus_per_node}")
-    if args.task_per_gpu:
-        if args.gpus_per_node < 1:
-            raise _ArgumentError("--task-per-gpu needs --gpus-per-node G (G >= 1)")
-        if args.ntasks_per_node not in (None, args.gpus_per_node):
-            raise _ArgumentError("--task-per-gpu sets --ntasks-per-node to --gpus-per-node; give one of them")
-        # SLURM binds one GPU to each task, so each process sees only its own.
-        layout["ntasks-per-node"] = str(args.gpus_per_node)
-        layout["gpus-per-task"] = "1"
-    else:
-        if args.ntasks_per_node is not None:
-            if args.ntasks_per_node < 1:
-                raise _ArgumentError(f"--ntasks-per-node must be >= 1, got {args.ntasks_per_node}")
-            layout["ntasks-per-node"] = str(args.ntasks_per_node)
-        if args.gpus_per_node:
-            layout["gpus-per-node"] = str(args.gpus_per_node)
-    if args.cpus_per_task is not None:
-        layout["cpus-per-task"] = str(args.cpus_per_task)
-    return layout
-
-
-def _script_path(args: argparse.Namespace, workdir: Path) -> str:
-    script = Path(args.script)
-    if not (script if script.is_absolute() else workdir / script).is_file():
-        raise _ArgumentError(f"--script {args.script} not found under {workdir}; pass an existing script")
-    return args.script
-
-
-def _env_pairs(args: argparse.Namespace) -> list[tuple[str, str]]:
-    pairs = []
-    for item in args.env:
-        key, eq, value = item.partition("=")
-        if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
-            raise _ArgumentError(f"--env {item!r} is not KEY=VALUE")
-        pairs.append((key, value))
-    return pairs
-
-
-def _relative_to(path: str, base: Path) -> str:
-    """`path` relative to `base` when inside it, so the script keeps working if the tree moves."""
-    p = Path(path)
-    if p.is_absolute():
-        try:
-            return str(p.relative_to(base.resolve()))
-        except ValueError:
-            return path
-    return path
-
-
-def sbatch_script(args: argparse.Namespace, script_args: list[str], invocation: str) -> str:
-    """The text of an sbatch file that runs the script through srun, with requeue near the limit."""
-    if not re.fullmatch(r"(\d+-)?\d{1,3}(:\d{2}){0,2}", args.time):
-        raise _ArgumentError(f"--time {args.time!r} is not a SLURM time; write e.g. 04:00:00 or 1-00:00:00")
-    workdir = Path(args.workdir)
-    script = _script_path(args, workdir)
-    python = _relative_to(args.python, workdir)
-    sbatch = {"job-name": args.job_name, "nodes": "1", **_slurm_layout(args), "time": args.time}
-    for key in ("partition", "account"):
-        if getattr(args, key):
-            sbatch[key] = getattr(args, key)
-    sbatch.update({"chdir": args.workdir, "output": args.output, "open-mode": "append"})
-    lines = [
-        "#!/bin/bash",
-        "# Train jaxtrain under SLURM, every process started by srun. Submit with:",
-        f"#     sbatch {args.sbatch_script}",
-        f"# Made by: {invocation}",
-        *(f"#SBATCH --{k}={v}" for k, v in sbatch.items()),
-    ]
-    if args.signal_seconds:
-        lines += [f"#SBATCH --signal=B:USR1@{args.signal_seconds}", "#SBATCH --requeue"]
-    lines += ["set -euo pipefail", ""]
-    lines += [f"export {k}={shlex.quote(v)}" for k, v in _env_pairs(args)]
-    lines += [
-        f'if [[ ! -f {shlex.quote(script)} ]]; then echo "error: {script} not found in $PWD" >&2; exit 2; fi',
-        'echo "jaxtrain: job ${SLURM_JOB_ID} on ${SLURM_JOB_NODELIST}, $(date)"',
-    ]
-    command = shlex.join(["srun", "--kill-on-bad-exit=1", python, script, *script_args])
-    if not args.signal_seconds:
-        return "\n".join(lines + [command, ""])
-    return "\n".join(
-        lines
-        + [
-            "",
-            f"# SLURM sends USR1 {args.signal_seconds} s before the time limit: requeue, which stops the",
-            "# tasks (SIGTERM) and runs the job again; training resumes from its latest checkpoint.",
-            "# SLURM pre-emption and `scontrol requeue` do the same. After SIGTERM the tasks have",
-            "# KillWait seconds (scontrol show config | grep KillWait; default 30) to save before",
-            "# SIGKILL: if a checkpoint takes longer to write, the job resumes from the one before.",
-            'trap \'echo "jaxtrain: time limit near, requeueing job ${SLURM_JOB_ID}"; '
-            'scontrol requeue "${SLURM_JOB_ID}"\' USR1',
-            f"{command} &",
-            "srun_pid=$!",
-            "# A trapped signal ends `wait` early; keep waiting until srun itself has finished.",
-            "while true; do",
-            '    rc=0; wait "$srun_pid" || rc=$?',
-            '    kill -0 "$srun_pid" 2>/dev/null || exit "$rc"',
-            "done",
-            "",
-        ]
-    )
-
-
-def write_sbatch(args: argparse.Namespace, script_args: list[str], path: Path, invocation: str) -> Path:
-    """Write the sbatch file (and make its log directory, which SLURM will not create)."""
-    text = sbatch_script(args, script_args, invocation)
-    log_dir = (Path(args.workdir) / args.output).parent
-    log_dir.mkdir(parents=True, exist_ok=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    path.chmod(0o755)
-    return path
-
-
-def run_srun(args: argparse.Namespace, script_args: list[str], environ: dict[str, str]) -> int:
-    """Inside an allocation: run the script with srun, one task per node or per GPU."""
-    if not shutil.which("srun"):
-        raise UserError("srun not found although SLURM_JOB_ID is set; put SLURM's bin directory on PATH")
-    layout = _slurm_layout(args)
-    if args.task_per_gpu and "gpus-per-task" in layout and environ.get("SLURM_GPUS_ON_NODE"):
-        layout["ntasks-per-node"] = environ["SLURM_GPUS_ON_NODE"]
-    script = _script_path(args, Path.cwd())
-    command = ["srun", "--kill-on-bad-exit=1", *(f"--{k}={v}" for k, v in layout.items())]
-    command += [args.python, script, *script_args]
-    print(f"jaxtrain launch: {shlex.join(command)}", file=sys.stderr, flush=True)
-    return subprocess.run(command).returncode  # srun forwards Ctrl-C to its tasks itself
-
-
-def _job_state(job_id: str) -> tuple[str, str]:
-    """(state, exit code) of a job from scontrol, ('', '') once SLURM has forgotten it."""
-    out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
-    state = re.search(r"JobState=(\S+)", out)
-    code = re.search(r"\bExitCode=(\d+):(\d+)", out)
-    return (state[1] if state else "", code[1] if code else "")
-
-
-def follow(job_id: str, log: Path) -> int:
-    """Print the job's log as it grows until the job ends; returns the job's exit code."""
-    printed = 0
-    while True:
-        state, code = _job_state(job_id)
-        if log.exists():
-            data = log.read_bytes()
-            sys.stdout.buffer.write(data[printed:])
-            sys.stdout.flush()
-            printed = len(data)
-        if state and state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED"):
-            print(f"jaxtrain launch: job {job_id} {state}", file=sys.stderr, flush=True)
-            if state == "COMPLETED":
-                return 0
-            return int(code) if code and int(code) else 1
-        if not state:
-            return 0 if printed else 1
-        time.sleep(1)
-
-
-def submit(args: argparse.Namespace, script_args: list[str], invocation: str) -> int:
-    """Outside an allocation: write an sbatch file, submit it, print the job id."""
-    if not shutil.which("sbatch"):
-        raise UserError(
-            "sbatch not found: --mode slurm needs a SLURM cluster; on one machine use "
-            "--mode manual --world-size N"
-        )
-    path = (
-        Path(args.workdir) / "slurm_scripts" / "logs" / f"{args.job_name}-{time.strftime('%Y%m%d-%H%M%S')}.sh"
-    )
-    write_sbatch(args, script_args, path, invocation)
-    done = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
-    if done.returncode:
-        raise UserError(f"sbatch refused {path}: {done.stderr.strip() or done.stdout.strip()}")
-    job_id = done.stdout.strip().split(";")[0]
-    log = Path(args.workdir) / args.output.replace("%x", args.job_name).replace("%j", job_id)
-    print(f"submitted batch job {job_id} ({path}); log {log}", flush=True)
-    return follow(job_id, log) if args.follow else 0
-
-
 def main(argv: list[str]) -> int:
     """run_distributed.py: parse, plan, launch; returns the exit code."""
     args, script_args = parse_args(argv)
     invocation = shlex.join(["python", "scripts/run_distributed.py", *argv])
     if args.mode == "create_slurm":
-        path = write_sbatch(args, script_args, Path(args.sbatch_script), invocation)
+        path = slurm.write_sbatch(args, script_args, Path(args.sbatch_script), invocation)
         print(f"wrote {path}; submit it with: sbatch {path}")
         return 0
     if args.mode == "slurm":
         if "SLURM_JOB_ID" in os.environ:
-            return run_srun(args, script_args, dict(os.environ))
-        return submit(args, script_args, invocation)
+            return slurm.run_srun(args, script_args, dict(os.environ))
+        return slurm.submit(args, script_args, invocation)
     plan = plan_manual(args, dict(os.environ))
     if not Path(args.script).is_file():
-        raise _ArgumentError(f"--script {args.script} not found; pass an existing script")
+        raise ArgumentError(f"--script {args.script} not found; pass an existing script")
     return run_local(plan, [args.python, args.script, *script_args], args.log_dir, args.grace)
