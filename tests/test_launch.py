@@ -1,6 +1,6 @@
 """scripts/run_distributed.py: real local multi-process training on CPU (gloo), supervision, bad flags.
 
-pytest tests/test_launch.py       # about 2.5 minutes on 2 cores
+pytest tests/test_launch.py       # about 1.5 minutes on 2 cores
 """
 
 import json

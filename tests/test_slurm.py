@@ -1,6 +1,6 @@
 """The SLURM launch path on a real one-node cluster on localhost (scripts/dev/local_slurm.sh).
 
-pytest -m slurm tests/test_slurm.py      # root; installs SLURM with apt the first time
+pytest -m slurm tests/test_slurm.py      # root; about 80 s (installs SLURM with apt the first time)
 """
 
 import json
