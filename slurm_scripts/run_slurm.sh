@@ -17,16 +17,23 @@ set -euo pipefail
 if [[ ! -f scripts/train.py ]]; then echo "error: scripts/train.py not found in $PWD" >&2; exit 2; fi
 echo "jaxtrain: job ${SLURM_JOB_ID} on ${SLURM_JOB_NODELIST}, $(date)"
 
-# SLURM sends USR1 90 s before the time limit: requeue, which stops the
-# tasks (SIGTERM) and runs the job again; training resumes from its latest checkpoint.
-# SLURM pre-emption and `scontrol requeue` do the same. After SIGTERM the tasks have
-# KillWait seconds (scontrol show config | grep KillWait; default 30) to save before
-# SIGKILL: if a checkpoint takes longer to write, the job resumes from the one before.
-trap 'echo "jaxtrain: time limit near, requeueing job ${SLURM_JOB_ID}"; scontrol requeue "${SLURM_JOB_ID}"' USR1
+# SLURM sends USR1 90 s before the time limit. Pass it to every task: they
+# agree on a step, save a checkpoint there and exit 75; then the job requeues itself and the
+# next start resumes. This gives the save the whole warning time. SLURM pre-emption and
+# `scontrol requeue` send SIGTERM instead, which saves the same way but must finish within
+# KillWait seconds (scontrol show config | grep KillWait; default 30) before SIGKILL.
+asked=0
+trap 'asked=1; echo "jaxtrain: time limit near, asking the tasks to save"; scancel --signal=USR1 "${SLURM_JOB_ID}"' USR1
 srun --kill-on-bad-exit=1 .venv/bin/python scripts/train.py --config configs/gpt2_124m.yaml --run_dir runs/gpt2_124m &
 srun_pid=$!
 # A trapped signal ends `wait` early; keep waiting until srun itself has finished.
 while true; do
     rc=0; wait "$srun_pid" || rc=$?
-    kill -0 "$srun_pid" 2>/dev/null || exit "$rc"
+    kill -0 "$srun_pid" 2>/dev/null || break
 done
+# Requeue after a save (exit 75), or near the limit even if a task died on the way out.
+if [[ $rc -eq 75 || $asked -eq 1 ]]; then
+    echo "jaxtrain: pre-empted, requeueing job ${SLURM_JOB_ID}"
+    scontrol requeue "${SLURM_JOB_ID}" || true  # already requeued when SLURM pre-empted it
+fi
+exit "$rc"

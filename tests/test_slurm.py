@@ -182,9 +182,9 @@ def _saved(log: Path) -> list[int]:
 
 def test_preempted_job_saves_requeues_resumes_and_completes(tmp_path):
     """Both ways SLURM stops a --requeue job, in one job: the time-limit path (USR1 to the batch
-    script, whose trap runs scontrol requeue) and SLURM's own pre-emption (scontrol requeue).
-    Either way SLURM sends SIGTERM to the tasks: they agree on a step, save it and exit 75, and
-    the requeued job resumes from that checkpoint by itself and finishes."""
+    script, whose trap passes USR1 to the tasks and requeues once they have saved) and SLURM's own
+    pre-emption (scontrol requeue: SIGTERM to the tasks). Either way the tasks agree on a step,
+    save it and exit 75, and the requeued job resumes from that checkpoint and finishes."""
     run_dir, job, log = tmp_path / "run", tmp_path / "job.sh", tmp_path / "job.out"
     total = 100
     train_args = [*TINY, "--total_steps", str(total), "--checkpoint_interval", "100000"]
@@ -220,7 +220,8 @@ def test_preempted_job_saves_requeues_resumes_and_completes(tmp_path):
         subprocess.run(["scancel", job_id])
     out = log.read_text()
     assert (state, code, restarts) == ("COMPLETED", "0:0", 2), out[-3000:]
-    assert out.count(f"jaxtrain: time limit near, requeueing job {job_id}") == 1
+    assert out.count("jaxtrain: time limit near, asking the tasks to save") == 1
+    assert out.count(f"jaxtrain: pre-empted, requeueing job {job_id}") >= 1
     assert len(saved) == 2 and 0 < saved[0] < saved[1] < total, saved
     for s in saved:
         assert f"pre-empted: checkpoint {ckpts}/{s} saved; relaunch to resume" in out
