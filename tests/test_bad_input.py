@@ -12,7 +12,6 @@ in the run dir, no world-writable files, no Python objects from YAML, no pickles
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import secrets
 import shutil
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import processes
 import pytest
 import yaml
 
@@ -43,25 +43,11 @@ LAUNCH = [sys.executable, "scripts/run_distributed.py"]
 MULTI = ["bash", "scripts/launch_multi_node.sh"]
 HEALTH = [sys.executable, "scripts/test_distributed.py"]
 PLOT = [sys.executable, "scripts/plot_metrics.py"]
-_LAUNCH_VARS = ("JAX_", "SLURM_", "MASTER_", "JAXTRAIN_", "WANDB_")
-_LAUNCH_NAMES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "HOSTFILE"}
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without launcher or wandb variables: CPU, 2 devices, plus `extra`."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(_LAUNCH_VARS) and k not in _LAUNCH_NAMES and k != "CUDA_VISIBLE_DEVICES"
-    }
-    env.update(
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
-        WANDB_MODE="offline",
-        WANDB_SILENT="true",
-    )
-    env.update(extra)
-    return env
+    """This environment without launcher, JAXTRAIN_ or wandb variables: CPU, 2 devices, plus `extra`."""
+    return processes.clean_env(2, drop=("JAXTRAIN_", "WANDB_"), **{"WANDB_SILENT": "true", **extra})
 
 
 @dataclass

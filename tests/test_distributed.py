@@ -4,7 +4,6 @@ pytest tests/test_distributed.py                  # all (about 30 s on 2 cores)
 pytest tests/test_distributed.py -m "not multiprocess"   # detection only, instant
 """
 
-import os
 import re
 import socket
 import subprocess
@@ -13,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from processes import clean_env
 
 from jaxtrain.config import DistConfig
 from jaxtrain.distributed import LaunchSpec, coordinator_reachable, detect
@@ -180,23 +180,6 @@ total = multihost_utils.process_allgather(jnp.array([jax.process_index() + 1])).
 print(f"OK source={spec.source} process={jax.process_index()}/{jax.process_count()} "
       f"devices={jax.device_count()} sum={int(total)}", flush=True)
 """
-LAUNCH_VARS = (
-    "JAX_",
-    "SLURM_",
-    "MASTER_",
-    "WORLD_SIZE",
-    "RANK",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "NODE_RANK",
-)
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without any launcher variables, CPU only, plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_VARS)}
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2", **extra)
-    return env
 
 
 def start(env: dict[str, str], timeout: int = 60) -> subprocess.Popen:
@@ -220,10 +203,13 @@ def test_two_processes_join_over_gloo(source):
     for rank in (0, 1):
         if source == "jax_env":
             env = clean_env(
-                JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(rank)
+                2,
+                JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                JAX_NUM_PROCESSES="2",
+                JAX_PROCESS_ID=str(rank),
             )
         else:
-            env = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
+            env = clean_env(2, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
         procs.append(start(env))
     outs = [p.communicate(timeout=120) for p in procs]
     for rank, (p, (out, err)) in enumerate(zip(procs, outs, strict=True)):
@@ -237,7 +223,7 @@ def test_two_processes_join_over_gloo(source):
 @pytest.mark.multiprocess
 def test_unreachable_coordinator_fails_within_the_timeout():
     port = free_port()  # nobody listens here
-    env = clean_env(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="1")
+    env = clean_env(2, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="1")
     t0 = time.monotonic()
     p = start(env, timeout=3)
     _, err = p.communicate(timeout=60)
@@ -257,7 +243,7 @@ def test_unreachable_coordinator_fails_within_the_timeout():
 def test_missing_peers_time_out_with_a_readable_error():
     """Process 0 starts the coordinator, but process 1 never comes: exit 2, not an abort or a hang."""
     port = free_port()
-    env = clean_env(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="0")
+    env = clean_env(2, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="0")
     t0 = time.monotonic()
     p = start(env, timeout=3)
     _, err = p.communicate(timeout=60)
@@ -275,7 +261,7 @@ def test_coordinator_port_in_use():
     with _listener() as s:
         port = s.getsockname()[1]
         env = clean_env(
-            JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="0"
+            2, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="0"
         )
         p = start(env, timeout=10)
         _, err = p.communicate(timeout=60)

@@ -19,6 +19,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from processes import clean_env, processes_marked, rank_pid
 
 from jaxtrain.checkpoint import Checkpointer
 from jaxtrain.config import load_config
@@ -28,16 +29,12 @@ from jaxtrain.state import abstract_state
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--config", "configs/tiny.yaml", "--log_interval", "1", "--eval_interval", "0"]
-LAUNCH_VARS = ("JAX_", "SLURM_", "MASTER_", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
 
 pytestmark = pytest.mark.slow
 
 
 def _env(devices: int, marker: str = "") -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_VARS)}
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    env["JAXTRAIN_TEST_MARKER"] = marker or uuid.uuid4().hex
-    return env
+    return clean_env(devices, JAXTRAIN_TEST_MARKER=marker or uuid.uuid4().hex)
 
 
 def _cmd(run_dir: Path, procs: int, *extra: str) -> list[str]:
@@ -90,31 +87,6 @@ def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: fl
     raise AssertionError(f"step {step} never logged")
 
 
-def _marked(marker: str) -> list[int]:
-    """Live processes started by this test (they inherit the marker in their environment)."""
-    found = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if (
-                    marker.encode() in (d / "environ").read_bytes()
-                    and (d / "stat").read_text().split()[2] != "Z"
-                ):
-                    found.append(int(d.name))
-            except OSError:
-                continue
-    return found
-
-
-def _rank_pid(marker: str, rank: int) -> int:
-    for pid in _marked(marker):
-        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        if f"JAX_PROCESS_ID={rank}".encode() in env and b"train.py" in cmdline:
-            return pid
-    raise AssertionError(f"no rank {rank} process")
-
-
 def _final_state(run_dir: Path, step: int) -> list[np.ndarray]:
     """The saved train state of `step`, restored onto this test process's first device."""
     cfg = load_config(["--config", str(run_dir / "config.yaml")])
@@ -144,11 +116,11 @@ def test_kill_9_a_worker_then_relaunch_is_bitwise_identical(reference, tmp_path)
     run_dir, marker = tmp_path / "run", uuid.uuid4().hex
     proc = _start(run_dir, 2, 4, marker, "--debug_stall_step", "15", "--debug_stall_process", "1")
     _wait_for_step(run_dir, 15, proc)
-    os.kill(_rank_pid(marker, 1), signal.SIGKILL)
+    os.kill(rank_pid(marker, 1), signal.SIGKILL)
     t0 = time.monotonic()
     proc.communicate(timeout=60)
     assert proc.returncode != 0 and time.monotonic() - t0 < 30
-    assert not _marked(marker), "processes left behind"
+    assert not processes_marked(marker), "processes left behind"
     out = _ok(_run(run_dir, 2, 4))
     assert "checkpoints/10" in out.stdout + out.stderr
     _bitwise_same_end(reference, run_dir, 11, 20)
@@ -200,13 +172,13 @@ def test_stop_signal_on_one_process_stops_all_at_the_same_step(tmp_path):
     extra = ["--total_steps", "100000", "--checkpoint_interval", "1000", "--preemption_check_interval", "2"]
     proc = _start(run_dir, 2, 2, marker, *extra)
     _wait_for_step(run_dir, 5, proc)
-    os.kill(_rank_pid(marker, 1), signal.SIGUSR1)
+    os.kill(rank_pid(marker, 1), signal.SIGUSR1)
     out, err = proc.communicate(timeout=90)
     assert proc.returncode != 0
     saved = Checkpointer(run_dir / "checkpoints", keep=2, read_only=True).latest_step()
     assert saved is not None and saved % 2 == 0, err[-3000:]
     assert f"checkpoints/{saved} saved" in out + err and "75" in err
-    assert not _marked(marker)
+    assert not processes_marked(marker)
 
 
 def test_a_stalled_process_is_found_and_the_job_ends(tmp_path):
@@ -223,7 +195,7 @@ def test_a_stalled_process_is_found_and_the_job_ends(tmp_path):
         :2000
     ]
     assert "time.sleep" in stalled or "in train" in stalled  # its Python stack
-    assert not _marked(marker)
+    assert not processes_marked(marker)
 
 
 def test_repeated_nan_steps_stop_the_run_naming_the_step(tmp_path):

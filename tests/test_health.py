@@ -18,6 +18,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from processes import clean_env
 
 from jaxtrain import health_checks as hc
 from jaxtrain.config import DistConfig
@@ -27,16 +28,6 @@ from jaxtrain.health import Exchange, HealthCheck, HealthOptions
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "test_distributed.py"
 FAST = ["--max_bytes", "8K", "--iters", "3"]  # the check itself, not the figures, is under test
-LAUNCH_VARS = (
-    "JAX_",
-    "SLURM_",
-    "MASTER_",
-    "WORLD_SIZE",
-    "RANK",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "NODE_RANK",
-)
 
 
 def record(pid, host="h0", count=2, **changes):
@@ -184,12 +175,6 @@ def test_watchdog_ends_a_hung_step_naming_it():
 # ---------------------------------------------------------------- real processes (gloo on CPU)
 
 
-def _env(devices, **extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_VARS)}
-    env |= {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-    return env | extra
-
-
 @functools.cache
 def _can_fake_hosts() -> bool:
     """Root with unshare: each process can get a host name (and /etc/hosts) of its own."""
@@ -215,7 +200,9 @@ def _by_hand(tmp_path, devices, args, extra_args=None, ports=None, hosts=None):
     procs = []
     for i, d in enumerate(devices):
         coordinator = f"127.0.0.1:{(ports or {}).get(i, port)}"
-        env = _env(d, JAX_COORDINATOR_ADDRESS=coordinator, JAX_NUM_PROCESSES=str(n), JAX_PROCESS_ID=str(i))
+        env = clean_env(
+            d, JAX_COORDINATOR_ADDRESS=coordinator, JAX_NUM_PROCESSES=str(n), JAX_PROCESS_ID=str(i)
+        )
         prefix = _as_host(hosts[i], tmp_path) if hosts else []
         cmd = [*prefix, sys.executable, str(SCRIPT), *args, *(extra_args or {}).get(i, [])]
         procs.append(
@@ -257,7 +244,7 @@ def test_one_process(tmp_path):
     out = tmp_path / "health.json"
     done = subprocess.run(
         [sys.executable, str(SCRIPT), *FAST, "--json", str(out)],
-        env=_env(4), cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env=clean_env(4), cwd=tmp_path, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "verdict: HEALTHY" in done.stdout and "busbw_GB/s" in done.stdout
@@ -274,7 +261,7 @@ def test_processes_through_the_launcher(tmp_path, n):
     args = [*FAST, "--json", str(out), "--checkpoint_dir", str(tmp_path / "ckpt")]
     done = subprocess.run(
         [*launcher, "--world-size", str(n), "--script", str(SCRIPT), "--", *args],
-        env=_env(2), cwd=tmp_path, capture_output=True, text=True, timeout=180,
+        env=clean_env(2), cwd=tmp_path, capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     report = _healthy_report(out, n, 2 * n)
@@ -357,7 +344,7 @@ def test_three_hosts_pairs_and_a_host_short_of_devices(tmp_path):
 @fake_hosts
 def test_a_host_name_that_does_not_resolve_is_named(tmp_path):
     coordinator = f"127.0.0.1:{_free_port()}"
-    env = _env(1, JAX_COORDINATOR_ADDRESS=coordinator, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="1")
+    env = clean_env(1, JAX_COORDINATOR_ADDRESS=coordinator, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="1")
     script = [sys.executable, str(SCRIPT), "--network_timeout", "1"]
     host = _as_host("nowhere7", tmp_path, resolvable=False)
     done = subprocess.run([*host, *script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
@@ -372,7 +359,7 @@ def test_a_frozen_process_is_named_and_nothing_hangs(tmp_path):
     args = [str(SCRIPT), "--max_bytes", "4M", "--iters", "100", "--step_timeout", "4", "--json", str(out)]
     procs = []
     for i in range(2):
-        env = _env(
+        env = clean_env(
             1, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)
         )
         procs.append(subprocess.Popen([sys.executable, *args], env=env, cwd=tmp_path, stdout=subprocess.PIPE))

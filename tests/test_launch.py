@@ -14,34 +14,13 @@ import uuid
 from pathlib import Path
 
 import pytest
+from processes import clean_env, env_of, processes_marked
 
 from jaxtrain.launch import build_parser, free_port, plan_manual
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCHER = [sys.executable, "scripts/run_distributed.py"]
-LAUNCH_VARS = (
-    "JAX_",
-    "SLURM_",
-    "MASTER_",
-    "WORLD_SIZE",
-    "RANK",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "NODE_RANK",
-)
 TINY = ["--config", "configs/tiny.yaml", "--total_steps", "10", "--eval_interval", "0"]
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without launcher variables: CPU, one device per process, plus `extra`."""
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_VARS) and k != "CUDA_VISIBLE_DEVICES"
-    }
-    env.update(
-        JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1", WANDB_MODE="offline"
-    )
-    env.update(extra)
-    return env
 
 
 def launch(
@@ -57,24 +36,6 @@ def losses(run_dir: Path) -> dict[int, float]:
     train = [r for r in lines if "loss" in r]
     assert len({r["step"] for r in train}) == len(train), "a step logged twice: more than one writer"
     return {r["step"]: r["loss"] for r in train}
-
-
-def processes_marked(marker: str) -> list[int]:
-    """Live processes whose environment holds `marker` (every descendant of the launcher)."""
-    found = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit() and int(d.name) != os.getpid():
-            try:
-                if marker.encode() in (d / "environ").read_bytes():
-                    found.append(int(d.name))
-            except OSError:
-                continue  # exited meanwhile, or a zombie
-    return found
-
-
-def env_of(pid: int) -> dict[str, str]:
-    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return dict(item.decode(errors="replace").partition("=")[::2] for item in raw if b"=" in item)
 
 
 @pytest.fixture(scope="module")

@@ -14,30 +14,12 @@ import uuid
 from pathlib import Path
 
 import pytest
+from processes import clean_env, processes_marked, rank_pid
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCH = ["bash", "scripts/launch_multi_node.sh"]
 FAKE_HOSTS = REPO / "scripts/dev/fake_hosts.sh"
-LAUNCH_VARS = (
-    "JAX_",
-    "SLURM_",
-    "MASTER_",
-    "WORLD_SIZE",
-    "RANK",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "NODE_RANK",
-)
 TINY = ["--config", "configs/tiny.yaml", "--total_steps", "10", "--eval_interval", "0"]
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_VARS) and k != "HOSTFILE"}
-    env.update(
-        JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1", WANDB_MODE="offline"
-    )
-    env.update(extra)
-    return env
 
 
 def _netns_works() -> str | None:
@@ -72,23 +54,6 @@ def hosts(tmp_path_factory) -> tuple[list[str], Path]:
         left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         assert prefix not in left, f"namespaces left behind: {left}"
         assert not any(Path("/etc/netns").glob(f"{prefix}*"))
-
-
-def processes_marked(marker: str) -> list[int]:
-    found = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit() and int(d.name) != os.getpid():
-            try:
-                if marker.encode() in (d / "environ").read_bytes():
-                    found.append(int(d.name))
-            except OSError:
-                continue
-    return found
-
-
-def env_of(pid: int) -> dict[str, str]:
-    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return dict(item.decode(errors="replace").partition("=")[::2] for item in raw if b"=" in item)
 
 
 @pytest.mark.multihost
@@ -137,15 +102,9 @@ def test_killing_a_worker_on_one_host_stops_every_host(hosts, tmp_path):
             assert launcher.poll() is None, launcher.communicate()[1][-3000:]
             assert time.monotonic() < deadline, "training never started"
             time.sleep(0.5)
-        workers = [
-            p
-            for p in processes_marked(marker)
-            if env_of(p).get("JAX_PROCESS_ID") == "1"
-            and b"train.py" in Path(f"/proc/{p}/cmdline").read_bytes()
-        ]
-        assert len(workers) == 1
+        worker = rank_pid(marker, 1)
         t0 = time.monotonic()
-        os.kill(workers[0], signal.SIGKILL)
+        os.kill(worker, signal.SIGKILL)
         _, err = launcher.communicate(timeout=30)
         assert time.monotonic() - t0 < 30
     finally:
@@ -183,14 +142,7 @@ def test_preemption_on_one_host_stops_both_at_one_step_and_exits_75(hosts, tmp_p
             assert launcher.poll() is None, launcher.communicate()[1][-3000:]
             assert time.monotonic() < deadline, "training never started"
             time.sleep(0.2)
-        rank1 = [
-            p
-            for p in processes_marked(marker)
-            if env_of(p).get("JAX_PROCESS_ID") == "1"
-            and b"train.py" in Path(f"/proc/{p}/cmdline").read_bytes()
-        ]
-        assert len(rank1) == 1
-        os.kill(rank1[0], signal.SIGUSR1)  # as SLURM or a cloud would tell one host
+        os.kill(rank_pid(marker, 1), signal.SIGUSR1)  # as SLURM or a cloud would tell one host
         out, err = launcher.communicate(timeout=60)
     finally:
         if launcher.poll() is None:

@@ -13,19 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
+from processes import clean_env
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCHER = [sys.executable, "scripts/run_distributed.py"]
-LAUNCH_VARS = (
-    "JAX_",
-    "SLURM_",
-    "MASTER_",
-    "WORLD_SIZE",
-    "RANK",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "NODE_RANK",
-)
 TINY = ["--config", "configs/tiny.yaml", "--total_steps", "10", "--eval_interval", "0"]
 STAND_IN = """
 from jaxtrain.config import DistConfig
@@ -46,15 +37,6 @@ pytestmark = [
         reason="needs SLURM installed, or apt-get to install it",
     ),
 ]
-
-
-def clean_env() -> dict[str, str]:
-    """No launcher variables (the tests may themselves run inside a job); CPU, one device each."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_VARS)}
-    env.update(
-        JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1", WANDB_MODE="offline"
-    )
-    return env
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,0 +1,76 @@
+"""Environments and process lookup for tests that start real processes.
+
+    from processes import clean_env, processes_marked, env_of, rank_pid
+
+(pytest puts tests/ on sys.path, so the test files import this module by its bare name.)
+"""
+
+import os
+from pathlib import Path
+
+# What a launcher (SLURM, torchrun, run_distributed.py, launch_multi_node.sh) reads or sets: a child
+# must not inherit ours (the tests may themselves run inside a job).
+LAUNCH_VARS = (
+    "JAX_",
+    "SLURM_",
+    "MASTER_",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "CUDA_VISIBLE_DEVICES",
+    "HOSTFILE",
+)
+
+
+def clean_env(devices: int = 1, *, drop: tuple[str, ...] = (), **extra: str) -> dict[str, str]:
+    """This environment without launcher variables (nor any starting with one of `drop`): CPU with
+    `devices` devices per process, wandb offline, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_VARS + drop)}
+    env.update(
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        WANDB_MODE="offline",
+    )
+    env.update(extra)
+    return env
+
+
+def processes_marked(marker: str) -> list[int]:
+    """Live processes (not zombies, not this one) whose environment holds `marker`: a test puts a
+    unique marker in the environment of what it starts, and every descendant inherits it."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            # The state follows the command name, which is in parentheses and may hold spaces.
+            if (
+                marker.encode() in (d / "environ").read_bytes()
+                and (d / "stat").read_text().rpartition(")")[2].split()[0] != "Z"
+            ):
+                found.append(int(d.name))
+        except OSError:
+            continue  # exited meanwhile
+    return found
+
+
+def env_of(pid: int) -> dict[str, str]:
+    """The environment process `pid` started with."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode(errors="replace").partition("=")[::2] for item in raw if b"=" in item)
+
+
+def rank_pid(marker: str, rank: int, script: str = "train.py") -> int:
+    """The one marked process running `script` as rank `rank` (JAX_PROCESS_ID); fails unless exactly one."""
+    pids = []
+    for pid in processes_marked(marker):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if env_of(pid).get("JAX_PROCESS_ID") == str(rank) and script.encode() in cmdline:
+                pids.append(pid)
+        except OSError:
+            continue  # exited meanwhile
+    assert len(pids) == 1, f"rank {rank} processes running {script}: {pids}"
+    return pids[0]
