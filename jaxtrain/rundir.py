@@ -50,7 +50,7 @@ def incompatibilities(saved: dict[str, Any], cfg: Config) -> list[str]:
 def check(cfg: Config) -> None:
     """Refuse a run dir holding an incompatible run (every process runs this, before init)."""
     run_dir = cfg.resolved_run_dir
-    _check_writable(run_dir)
+    require_writable(run_dir, "run dir")
     saved_path = run_dir / "config.yaml"
     if cfg.overwrite or not saved_path.exists():
         return
@@ -71,17 +71,15 @@ def check(cfg: Config) -> None:
         )
 
 
-def _check_writable(run_dir: Path) -> None:
-    """The run dir is a directory this process can write, or can be created as one."""
-    existing = run_dir
+def require_writable(path: Path, what: str) -> None:
+    """`path` is a directory this process can write, or can be created as one; `what` names it."""
+    existing = path
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise UserError(f"run dir {run_dir} cannot be made: {existing} is a file; pass another --run_dir")
+        raise UserError(f"{what} {path} cannot be made: {existing} is a file; pass another one")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(
-            f"run dir {run_dir} cannot be written: {existing} is read-only; pass another --run_dir"
-        )
+        raise UserError(f"{what} {path} cannot be written: {existing} is read-only; pass another one")
 
 
 def restrict_umask() -> None:

@@ -23,6 +23,7 @@ from typing import Any, BinaryIO, Protocol
 import numpy as np
 
 from jaxtrain.errors import UserError
+from jaxtrain.rundir import require_writable
 
 TOKENIZER_FILE = "tokenizer.json"
 _READ_CHUNK = 2**20  # bytes per read when tokenizing text
@@ -267,13 +268,7 @@ def prepare_corpus(
         raise UserError(f"--vocab_size {vocab_size} needs --tokenizer bpe (the byte tokenizer has 256)")
     if tokenizer == "bpe" and not vocab_size:
         raise UserError("--tokenizer bpe needs --vocab_size N, e.g. --vocab_size 8192")
-    existing = out_dir
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise UserError(f"--out_dir {out_dir} cannot be made: {existing} is a file; pass a folder path")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"--out_dir {out_dir} cannot be written: {existing} is read-only; pass another")
+    require_writable(out_dir, "--out_dir")
     if (out_dir / "train.bin").exists() and not overwrite:
         raise UserError(f"{out_dir / 'train.bin'} already exists; pass --overwrite or another --out_dir")
     outputs = {(out_dir / name).resolve() for name in ("train.bin", "val.bin", TOKENIZER_FILE)}

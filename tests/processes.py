@@ -1,11 +1,16 @@
 """Environments and process lookup for tests that start real processes.
 
-    from processes import clean_env, processes_marked, env_of, rank_pid
+    from processes import clean_env, processes_marked, env_of, rank_pid, reaped, wait_for_training
 
 (pytest puts tests/ on sys.path, so the test files import this module by its bare name.)
 """
 
 import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 # What a launcher (SLURM, torchrun, run_distributed.py, launch_multi_node.sh) reads or sets: a child
@@ -74,3 +79,24 @@ def rank_pid(marker: str, rank: int, script: str = "train.py") -> int:
             continue  # exited meanwhile
     assert len(pids) == 1, f"rank {rank} processes running {script}: {pids}"
     return pids[0]
+
+
+def wait_for_training(run_dir: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Return once run_dir/metrics.jsonl holds a record; fail if `proc` ends first or time runs out."""
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + timeout
+    while not metrics.exists() or not metrics.read_text():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "training never started"
+        time.sleep(0.2)
+
+
+@contextmanager
+def reaped(proc: subprocess.Popen, marker: str) -> Iterator[subprocess.Popen]:
+    """Yield `proc`; afterwards kill it and every process carrying `marker`, even when a test fails."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in processes_marked(marker):
+            os.kill(pid, signal.SIGKILL)

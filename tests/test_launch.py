@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from processes import clean_env, env_of, processes_marked
+from processes import clean_env, env_of, processes_marked, reaped, wait_for_training
 
 from jaxtrain.launch import build_parser, free_port, plan_manual
 
@@ -102,12 +102,8 @@ def test_a_failure_stops_every_process(how, tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
-    try:
-        deadline = time.monotonic() + 120
-        while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text():
-            assert launcher.poll() is None, launcher.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "training never started"
-            time.sleep(0.5)
+    with reaped(launcher, marker):
+        wait_for_training(run_dir, launcher)
         workers = [p for p in processes_marked(marker) if env_of(p).get("JAX_PROCESS_ID") == "1"]
         assert len(workers) == 1
         t0 = time.monotonic()
@@ -117,11 +113,6 @@ def test_a_failure_stops_every_process(how, tmp_path):
             launcher.send_signal(signal.SIGINT)
         _, err = launcher.communicate(timeout=30)
         assert time.monotonic() - t0 < 30
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-        for pid in processes_marked(marker):  # never leave strays behind, even on failure
-            os.kill(pid, signal.SIGKILL)
     if how == "kill -9 a worker":
         assert launcher.returncode == 128 + signal.SIGKILL, err.decode()[-3000:]
         assert f"error: rank 1 (pid {workers[0]}) was killed by SIGKILL" in err.decode()
@@ -144,21 +135,12 @@ def test_preemption_of_one_rank_stops_all_at_one_step_and_exits_75(tmp_path):
         LAUNCHER + [*args, "--run_dir", str(run_dir)],
         cwd=REPO, env=clean_env(**{key: value}), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 120
-        while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text():
-            assert launcher.poll() is None, launcher.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "training never started"
-            time.sleep(0.2)
+    with reaped(launcher, marker):
+        wait_for_training(run_dir, launcher)
         rank1 = [p for p in processes_marked(marker) if env_of(p).get("JAX_PROCESS_ID") == "1"]
         assert len(rank1) == 1
         os.kill(rank1[0], signal.SIGUSR1)
         out, err = launcher.communicate(timeout=60)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-        for pid in processes_marked(marker):
-            os.kill(pid, signal.SIGKILL)
     assert launcher.returncode == 75, err[-3000:]
     said = {
         "0": re.findall(r"^\S+ WARNING stop signal \(on another process\): saving step (\d+)$", out, re.M),

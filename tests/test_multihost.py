@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from processes import clean_env, processes_marked, rank_pid
+from processes import clean_env, processes_marked, rank_pid, reaped, wait_for_training
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCH = ["bash", "scripts/launch_multi_node.sh"]
@@ -56,6 +56,16 @@ def hosts(tmp_path_factory) -> tuple[list[str], Path]:
         assert not any(Path("/etc/netns").glob(f"{prefix}*"))
 
 
+def marked_env(hostfile: Path, marker: str) -> dict[str, str]:
+    """Both fake hosts through the hostfile; every process, near and far, carries `marker`."""
+    return clean_env(
+        HOSTFILE=str(hostfile),
+        JAXTRAIN_RSH=f"{FAKE_HOSTS} rsh",
+        JAXTRAIN_TEST_MARK=marker,
+        JAXTRAIN_FORWARD_ENV="JAXTRAIN_TEST_MARK",  # so the far side's processes carry it too
+    )
+
+
 @pytest.mark.multihost
 @pytest.mark.slow
 def test_two_hosts_train_together(hosts, tmp_path):
@@ -82,12 +92,7 @@ def test_killing_a_worker_on_one_host_stops_every_host(hosts, tmp_path):
     (host0, _), hostfile = hosts
     marker = uuid.uuid4().hex
     run_dir = tmp_path / "run"
-    env = clean_env(
-        HOSTFILE=str(hostfile),
-        JAXTRAIN_RSH=f"{FAKE_HOSTS} rsh",
-        JAXTRAIN_TEST_MARK=marker,
-        JAXTRAIN_FORWARD_ENV="JAXTRAIN_TEST_MARK",  # so the far side's processes carry it too
-    )
+    env = marked_env(hostfile, marker)
     args = [*TINY, "--total_steps", "100000", "--log_interval", "1", "--run_dir", str(run_dir)]
     launcher = subprocess.Popen(
         [*LAUNCH, host0, "2", "0", "--", *args],
@@ -96,22 +101,13 @@ def test_killing_a_worker_on_one_host_stops_every_host(hosts, tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
-    try:
-        deadline = time.monotonic() + 120
-        while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text():
-            assert launcher.poll() is None, launcher.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "training never started"
-            time.sleep(0.5)
+    with reaped(launcher, marker):
+        wait_for_training(run_dir, launcher)
         worker = rank_pid(marker, 1)
         t0 = time.monotonic()
         os.kill(worker, signal.SIGKILL)
         _, err = launcher.communicate(timeout=30)
         assert time.monotonic() - t0 < 30
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-        for pid in processes_marked(marker):
-            os.kill(pid, signal.SIGKILL)
     assert launcher.returncode == 128 + signal.SIGKILL
     assert f"error: node 1 ({hosts[0][1]}) exited with code 137" in err.decode()  # named first
     time.sleep(0.5)
@@ -124,31 +120,17 @@ def test_preemption_on_one_host_stops_both_at_one_step_and_exits_75(hosts, tmp_p
     (host0, _), hostfile = hosts
     marker = uuid.uuid4().hex
     run_dir = tmp_path / "run"
-    env = clean_env(
-        HOSTFILE=str(hostfile),
-        JAXTRAIN_RSH=f"{FAKE_HOSTS} rsh",
-        JAXTRAIN_TEST_MARK=marker,
-        JAXTRAIN_FORWARD_ENV="JAXTRAIN_TEST_MARK",
-    )
+    env = marked_env(hostfile, marker)
     args = [*TINY, "--total_steps", "100000", "--checkpoint_interval", "100000", "--log_interval", "1"]
     args += ["--preemption_check_interval", "2", "--run_dir", str(run_dir)]
     launcher = subprocess.Popen(
         [*LAUNCH, host0, "2", "0", "--", *args],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 120
-        while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text():
-            assert launcher.poll() is None, launcher.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "training never started"
-            time.sleep(0.2)
+    with reaped(launcher, marker):
+        wait_for_training(run_dir, launcher)
         os.kill(rank_pid(marker, 1), signal.SIGUSR1)  # as SLURM or a cloud would tell one host
         out, err = launcher.communicate(timeout=60)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-        for pid in processes_marked(marker):
-            os.kill(pid, signal.SIGKILL)
     assert launcher.returncode == 75, err[-3000:]
     said0 = re.findall(r"^\S+ WARNING stop signal \(on another process\): saving step (\d+)$", out, re.M)
     said1 = re.findall(r"^\[node 1\] \S+ WARNING stop signal \(SIGUSR1\): saving step (\d+)$", err, re.M)
