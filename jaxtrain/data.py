@@ -26,8 +26,10 @@ from pathlib import Path
 import grain
 import numpy as np
 
+from jaxtrain.corpus import write_corpus
 from jaxtrain.errors import UserError
-from jaxtrain.tokenizer import ByteTokenizer, write_corpus
+from jaxtrain.files import write_text
+from jaxtrain.tokenizer import ByteTokenizer
 
 HEADER_MAGIC = 20240520  # llm.c token files: 256 int32 header, then the tokens
 HEADER_INTS = 256
@@ -146,10 +148,7 @@ def _check_ids(tokens: np.ndarray, vocab_size: int, path: Path, dtype: str) -> N
             )
         largest = max(largest, chunk_max)
     try:
-        record.parent.mkdir(parents=True, exist_ok=True)
-        tmp = record.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"path": str(path.resolve()), "max_id": largest}))
-        os.replace(tmp, record)
+        write_text(record, json.dumps({"path": str(path.resolve()), "max_id": largest}))
     except OSError:
         pass  # a read-only home only costs a rescan next time
 

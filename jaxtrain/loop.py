@@ -16,8 +16,10 @@ import numpy as np
 
 from jaxtrain import checkpoint as ckpt_lib
 from jaxtrain import config as config_lib
-from jaxtrain import data, distributed, metrics, rundir
+from jaxtrain import data, metrics, rundir
 from jaxtrain import mesh as mesh_lib
+from jaxtrain.cluster import detect, join
+from jaxtrain.cluster.watchdog import Watchdog
 from jaxtrain.config import Config
 from jaxtrain.errors import NonFiniteError, Preempted, UserError
 from jaxtrain.model import GPT, flops_per_token, generate, param_count
@@ -26,7 +28,6 @@ from jaxtrain.preemption import StopRequest
 from jaxtrain.state import TrainState, abstract_state, create_state, state_sharding
 from jaxtrain.step import compute_dtype, jit_steps
 from jaxtrain.tokenizer import load_tokenizer
-from jaxtrain.watchdog import Watchdog
 
 log = logging.getLogger("jaxtrain")
 
@@ -109,12 +110,12 @@ def train(cfg: Config) -> RunResult:
     # backends, and they die in JAX's own abort instead of saying the same line.)
     rundir.check(cfg)
     rundir.restrict_umask()  # nothing it writes into the run dir is world-writable
-    _check_process_count(cfg, distributed.detect(cfg.dist).num_processes)
+    _check_process_count(cfg, detect.detect(cfg.dist).num_processes)
     train_path, val_path = _data_paths(cfg)
     seq = cfg.model.seq_len
     train_tokens = data.open_tokens(train_path, cfg.model.vocab_size, cfg.token_dtype, min_tokens=seq + 1)
     val_tokens = data.open_tokens(val_path, cfg.model.vocab_size, cfg.token_dtype, min_tokens=seq + 1)
-    distributed.initialize(cfg.dist)
+    join.initialize(cfg.dist)
     log_path = metrics.process_log_path(cfg.resolved_run_dir, jax.process_index())
     # From here on barriers, restore and compile get the absolute limit, steps a tighter one.
     watchdog = Watchdog(cfg.watchdog_factor, cfg.watchdog_timeout, log_path)

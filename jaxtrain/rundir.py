@@ -17,6 +17,7 @@ import yaml
 from jaxtrain import config as config_lib
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
+from jaxtrain.files import require_writable, write_text
 
 # Keys that must match to continue a run: they fix the model shapes and the data stream.
 RESUME_KEYS = ("model", "batch_size", "seed", "train_data_path", "token_dtype")
@@ -71,17 +72,6 @@ def check(cfg: Config) -> None:
         )
 
 
-def require_writable(path: Path, what: str) -> None:
-    """`path` is a directory this process can write, or can be created as one; `what` names it."""
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise UserError(f"{what} {path} cannot be made: {existing} is a file; pass another one")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"{what} {path} cannot be written: {existing} is read-only; pass another one")
-
-
 def restrict_umask() -> None:
     """Make every file this process creates from now on (logs, checkpoints, wandb) not group- or
     world-writable, whatever umask it was started with; every process calls this before writing."""
@@ -106,14 +96,6 @@ def prepare(cfg: Config) -> Path:
 def save_config(cfg: Config) -> None:
     """Write config.yaml; called once the run has started (or resumed), so a failed launch changes nothing."""
     write_text(cfg.resolved_run_dir / "config.yaml", config_lib.to_yaml(cfg))
-
-
-def write_text(path: Path, text: str) -> None:
-    """Atomic write (temp + rename), mode 0644."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
 
 
 def truncate_metrics(path: Path, step: int) -> None:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import argparse
 
+from jaxtrain.corpus import prepare_corpus
 from jaxtrain.errors import UserError, exit_on_user_error
-from jaxtrain.tokenizer import prepare_corpus
 
 
 class _Parser(argparse.ArgumentParser):

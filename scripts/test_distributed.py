@@ -33,9 +33,9 @@ import argparse
 import re
 import sys
 
-from jaxtrain import health
 from jaxtrain.config import DistConfig
 from jaxtrain.errors import UserError, exit_on_user_error
+from jaxtrain.health import check as health
 
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 

@@ -302,7 +302,8 @@ def test_prepare_data_bad_input_exits_2_with_one_line(tmp_path: Path) -> None:
 
 def test_prepare_data_bpe_round_trip(tmp_path: Path) -> None:
     pytest.importorskip("tokenizers")
-    from jaxtrain.tokenizer import BPETokenizer, prepare_corpus
+    from jaxtrain.corpus import prepare_corpus
+    from jaxtrain.tokenizer import BPETokenizer
 
     text = _corpus(tmp_path / "in")
     out = tmp_path / "out"
@@ -319,7 +320,7 @@ def test_prepare_data_bpe_round_trip(tmp_path: Path) -> None:
 def test_bpe_without_tokenizers_package_is_a_user_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from jaxtrain.tokenizer import prepare_corpus
+    from jaxtrain.corpus import prepare_corpus
 
     _corpus(tmp_path / "in")
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # makes `import tokenizers` fail
@@ -331,16 +332,16 @@ def test_bpe_without_tokenizers_package_is_a_user_error(
 
 
 def test_text_chunks_never_cut_a_character(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from jaxtrain import tokenizer
+    from jaxtrain import corpus
 
-    monkeypatch.setattr(tokenizer, "_READ_CHUNK", 7)  # tiny reads: lines longer than a read
+    monkeypatch.setattr(corpus, "_READ_CHUNK", 7)  # tiny reads: lines longer than a read
     text = "ab✓ü" * 50 + "\nshort\n" + "é" * 41
     (tmp_path / "t.txt").write_text(text)
-    chunks = list(tokenizer._line_chunks([tmp_path / "t.txt"]))
+    chunks = list(corpus._line_chunks([tmp_path / "t.txt"]))
     assert len(chunks) > 10 and b"".join(chunks) == text.encode()
     assert "".join(c.decode("utf-8") for c in chunks) == text  # every chunk is whole characters
     for split_at in (1, 5, 100, 203, 250):
-        parts = list(tokenizer._split_chunks(chunks, split_at))
+        parts = list(corpus._split_chunks(chunks, split_at))
         train = b"".join(c for is_val, c in parts if not is_val)
         val = b"".join(c for is_val, c in parts if is_val)
         assert train + val == text.encode() and train.decode() and val.decode()

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 from processes import clean_env
 
-from jaxtrain import health_checks as hc
+from jaxtrain.cluster.detect import LaunchSpec
 from jaxtrain.config import DistConfig
-from jaxtrain.distributed import LaunchSpec
-from jaxtrain.health import Exchange, HealthCheck, HealthOptions
+from jaxtrain.health import checks as hc
+from jaxtrain.health.check import Exchange, HealthCheck, HealthOptions
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "test_distributed.py"
@@ -146,7 +146,7 @@ def test_network_names_who_cannot_reach_the_coordinator():
 
 
 def test_bad_arguments_exit_2(capsys):
-    # Loaded by path: tests/test_distributed.py has the same module name.
+    # Loaded by path: scripts/ is not a package.
     spec = importlib.util.spec_from_file_location("health_script", SCRIPT)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
@@ -161,7 +161,7 @@ def test_bad_arguments_exit_2(capsys):
 
 def test_watchdog_ends_a_hung_step_naming_it():
     code = (
-        "import time; from jaxtrain.health import Watchdog\n"
+        "import time; from jaxtrain.health.check import Watchdog\n"
         "w = Watchdog(lambda step, s: print(f'{step} hung after {s} s', flush=True))\n"
         "with w.deadline('collectives', 0.3):\n"
         "    time.sleep(30)\n"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from processes import clean_env, env_of, processes_marked, reaped, wait_for_training
 
-from jaxtrain.launch import build_parser, free_port, plan_manual
+from jaxtrain.launch.local import build_parser, free_port, plan_manual
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCHER = [sys.executable, "scripts/run_distributed.py"]
@@ -178,7 +178,7 @@ def test_local_gpus_are_split_between_local_processes(argv, visible, ranks, gpu_
 
 STAND_IN = """
 from jaxtrain.config import DistConfig
-from jaxtrain.distributed import initialize
+from jaxtrain.cluster.join import initialize
 spec = initialize(DistConfig(init_timeout=60))
 import jax, jax.numpy as jnp
 from jax.experimental import multihost_utils

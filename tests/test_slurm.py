@@ -20,7 +20,7 @@ LAUNCHER = [sys.executable, "scripts/run_distributed.py"]
 TINY = ["--config", "configs/tiny.yaml", "--total_steps", "10", "--eval_interval", "0"]
 STAND_IN = """
 from jaxtrain.config import DistConfig
-from jaxtrain.distributed import initialize
+from jaxtrain.cluster.join import initialize
 spec = initialize(DistConfig(init_timeout=60))
 import jax, jax.numpy as jnp
 from jax.experimental import multihost_utils

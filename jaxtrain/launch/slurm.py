@@ -1,7 +1,7 @@
 """Run a script under SLURM: srun inside an allocation, or an sbatch file written and submitted.
 
 The SLURM half of scripts/run_distributed.py (--mode slurm, --mode create_slurm); every process
-is started by srun and finds its place in the job from srun's variables (jaxtrain/distributed.py).
+is started by srun and finds its place in the job from srun's variables (jaxtrain/cluster/detect.py).
 The sbatch file asks for USR1 before the time limit and requeues itself; training saves a
 checkpoint on the SIGTERM that follows, exits 75, and the requeued job resumes from it.
 """

@@ -3,7 +3,7 @@
 The logic behind scripts/run_distributed.py: its command line, and --mode manual, whose processes
 are started and supervised here (--mode slurm and create_slurm: jaxtrain/slurm.py). The children
 find their place in the job through JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID
-(see jaxtrain/distributed.py) or, under SLURM, through srun's own variables.
+(see jaxtrain/cluster/detect.py) or, under SLURM, through srun's own variables.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from jaxtrain import slurm
-from jaxtrain.distributed import split_address
+from jaxtrain.cluster.detect import split_address
 from jaxtrain.errors import EXIT_PREEMPTED, ArgumentError, UserError
+from jaxtrain.launch import slurm
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_SCRIPT = "scripts/train.py"
 _SETTLE_S = 1.0  # after a first failure, how long the others get to report theirs
 

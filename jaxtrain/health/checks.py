@@ -28,7 +28,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain import distributed
+from jaxtrain.cluster import detect
+from jaxtrain.files import write_text
 from jaxtrain.mesh import DATA_AXIS
 
 _PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain")
@@ -71,7 +72,7 @@ def software_versions() -> dict[str, str]:
     return versions
 
 
-def local_record(spec: distributed.LaunchSpec) -> dict[str, Any]:
+def local_record(spec: detect.LaunchSpec) -> dict[str, Any]:
     """This process's launch, software and device facts, as plain JSON values."""
     devices = jax.local_devices()
     memory = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
@@ -91,12 +92,12 @@ def local_record(spec: distributed.LaunchSpec) -> dict[str, Any]:
     }
 
 
-def check_network(spec: distributed.LaunchSpec, timeout: float) -> Check:
+def check_network(spec: detect.LaunchSpec, timeout: float) -> Check:
     """Process 0: the coordinator address is one of this host's; others: it accepts TCP in time."""
     if spec.num_processes == 1:
         return Check("network", True, "single process: no coordinator")
     address = spec.coordinator_address
-    host, _ = distributed.split_address(address)
+    host, _ = detect.split_address(address)
     me = socket.gethostname()
     try:
         socket.getaddrinfo(me, None)
@@ -118,7 +119,7 @@ def check_network(spec: distributed.LaunchSpec, timeout: float) -> Check:
             return Check("network", False, reason, {0: reason})
     start = time.monotonic()
     # Process 0 may still be starting its coordinator: retry until the deadline.
-    while not distributed.coordinator_reachable(address, min(2.0, timeout)):
+    while not detect.coordinator_reachable(address, min(2.0, timeout)):
         if time.monotonic() - start >= timeout:
             reason = (
                 f"cannot reach coordinator {address} within {timeout:g} s (nothing listens, or a firewall)"
@@ -418,11 +419,7 @@ class Report:
 
     def write_json(self, path: str) -> None:
         """Write atomically, so a reader never sees half a report."""
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n")
-        tmp.replace(target)
+        write_text(Path(path), json.dumps(self.to_json(), indent=2) + "\n")
 
     def table(self) -> str:
         env = self.environment

@@ -1,7 +1,7 @@
-"""jaxtrain.distributed: where each launch source puts a process, and real gloo start-ups on CPU.
+"""jaxtrain.cluster: where each launch source puts a process, and real gloo start-ups on CPU.
 
-pytest tests/test_distributed.py                  # all (about 30 s on 2 cores)
-pytest tests/test_distributed.py -m "not multiprocess"   # detection only, instant
+pytest tests/test_cluster.py                  # all (about 30 s on 2 cores)
+pytest tests/test_cluster.py -m "not multiprocess"   # detection only, instant
 """
 
 import re
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from processes import clean_env
 
+from jaxtrain.cluster.detect import LaunchSpec, coordinator_reachable, detect
 from jaxtrain.config import DistConfig
-from jaxtrain.distributed import LaunchSpec, coordinator_reachable, detect
 from jaxtrain.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -171,7 +171,7 @@ def test_coordinator_reachable():
 WORKER = """
 import sys
 from jaxtrain.config import DistConfig
-from jaxtrain.distributed import initialize
+from jaxtrain.cluster.join import initialize
 from jaxtrain.errors import exit_on_user_error
 spec = exit_on_user_error(initialize)(DistConfig(init_timeout=int(sys.argv[1])))
 import jax, jax.numpy as jnp

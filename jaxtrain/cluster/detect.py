@@ -1,4 +1,4 @@
-"""Start JAX's multi-process runtime from whatever the launcher or cluster provides.
+"""Where this process sits in a job, from whatever the launcher or cluster provides (no jax here).
 
 Sources, first match wins:
   1. flags      --dist.coordinator_address HOST:PORT --dist.num_processes N --dist.process_id R
@@ -17,14 +17,12 @@ import errno
 import os
 import re
 import socket
-import sys
-import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from jaxtrain.config import DistConfig
-from jaxtrain.errors import EXIT_USAGE, UserError
+from jaxtrain.errors import UserError
 
 _JAX_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 _TORCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
@@ -285,7 +283,7 @@ def coordinator_reachable(address: str, timeout: float) -> bool:
         return False
 
 
-def _port_in_use(port: int) -> bool:
+def port_in_use(port: int) -> bool:
     """True if something already listens on `port` on this host (any address)."""
     for family, addr in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
         try:
@@ -300,58 +298,23 @@ def _port_in_use(port: int) -> bool:
     return False
 
 
-def _fail(spec: LaunchSpec, what: str) -> UserError:
+def join_error(spec: LaunchSpec, what: str) -> UserError:
     return UserError(
         f"process {spec.process_id} of {spec.num_processes} (coordinator {spec.coordinator_address}, "
         f"source {spec.source}) {what}"
     )
 
 
-def _wait_for_coordinator(spec: LaunchSpec, timeout: float) -> None:
+def wait_for_coordinator(spec: LaunchSpec, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not coordinator_reachable(spec.coordinator_address, min(5.0, timeout)):
         if time.monotonic() >= deadline:
-            raise _fail(
+            raise join_error(
                 spec,
                 f"could not reach the coordinator within {timeout:.0f} s; check that process 0 is "
                 f"running and that {spec.coordinator_address} is reachable from this host (firewall?)",
             )
         time.sleep(0.5)
-
-
-def _watchdog(spec: LaunchSpec, timeout: float) -> threading.Event:
-    """JAX aborts the whole process when joining times out; exit first with a readable line."""
-    done = threading.Event()
-
-    def watch() -> None:
-        if not done.wait(timeout):
-            err = _fail(
-                spec,
-                f"timed out after {timeout:.0f} s waiting for all processes to join; start every "
-                "process, check they agree on the coordinator, or raise --dist.init_timeout",
-            )
-            print(f"error: {err}", file=sys.stderr, flush=True)
-            os._exit(EXIT_USAGE)
-
-    threading.Thread(target=watch, name="jaxtrain-init-watchdog", daemon=True).start()
-    return done
-
-
-def _exit_at_once_on_crash() -> None:
-    """An uncaught exception ends this process now, after printing it.
-
-    Otherwise JAX's exit handler waits up to 5 minutes in a shutdown barrier for peers that are
-    themselves stuck in a collective with this process, and the launcher cannot stop the job.
-    """
-    previous = sys.excepthook
-
-    def hook(exc_type, exc, tb) -> None:  # noqa: ANN001 (sys.excepthook signature)
-        previous(exc_type, exc, tb)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-
-    sys.excepthook = hook
 
 
 def describe(spec: LaunchSpec) -> str:
@@ -363,48 +326,3 @@ def describe(spec: LaunchSpec) -> str:
         f"local_devices={devices} coordinator={spec.coordinator_address or '-'}"
         + (f" [{raw}]" if raw else "")
     )
-
-
-def initialize(dist: DistConfig, environ: Mapping[str, str] = os.environ) -> LaunchSpec:
-    """detect(), then join the other processes (gloo collectives on CPU) within dist.init_timeout."""
-    import jax
-
-    spec = detect(dist, environ)
-    if spec.num_processes == 1:
-        if spec.local_device_ids:
-            jax.config.update("jax_cuda_visible_devices", ",".join(map(str, spec.local_device_ids)))
-        print(describe(spec), flush=True)
-        return spec
-    # Without this a CPU-only job has no cross-process collectives; GPUs ignore the setting.
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    start, timeout = time.monotonic(), float(dist.init_timeout)
-    if spec.process_id == 0:
-        _, port = split_address(spec.coordinator_address)
-        if _port_in_use(port):
-            raise _fail(
-                spec,
-                f"cannot start the coordinator: port {port} is already in use on this host; pick a free "
-                "port (e.g. --dist.coordinator_address HOST:29501) or stop what holds it",
-            )
-    else:
-        _wait_for_coordinator(spec, timeout)
-    remaining = max(1.0, timeout - (time.monotonic() - start))
-    done = _watchdog(spec, remaining)
-    try:
-        jax.distributed.initialize(
-            coordinator_address=spec.coordinator_address,
-            num_processes=spec.num_processes,
-            process_id=spec.process_id,
-            local_device_ids=list(spec.local_device_ids) if spec.local_device_ids else None,
-            # JAX's own limit sits just past the watchdog so the readable error wins the race.
-            initialization_timeout=int(remaining) + 5,
-        )
-    except Exception as e:  # JAX raises several types here; all mean this process cannot join
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise _fail(spec, f"failed to join the job: {first_line}") from e
-    finally:
-        done.set()
-    _exit_at_once_on_crash()
-    if spec.process_id == 0:
-        print(describe(spec), flush=True)
-    return spec

@@ -1,7 +1,7 @@
 """Cluster health check: find the broken host before a training job does.
 
 Steps, in order, each under a deadline; a fatal failure stops the run with its verdict:
-  environment  launch source and its values (distributed.detect); half-set variables
+  environment  launch source and its values (cluster.detect); half-set variables
   network      process 0: the coordinator address is on this host; others: it accepts TCP
   init         jax.distributed joins every process within --init_timeout
   software     python, jax, jaxlib, plugin, flax, optax, orbax, grain: equal everywhere
@@ -38,10 +38,10 @@ from typing import Any
 import jax
 from jax.errors import JaxRuntimeError
 
-from jaxtrain import distributed
-from jaxtrain import health_checks as hc
+from jaxtrain.cluster import detect, join
 from jaxtrain.config import DistConfig
 from jaxtrain.errors import UserError
+from jaxtrain.health import checks as hc
 from jaxtrain.mesh import make_mesh
 
 EXIT_HEALTHY, EXIT_FAILED = 0, 1
@@ -265,7 +265,7 @@ class HealthCheck:
         self.report = hc.Report(hosts={-1: self.host})
         self.exchange: Exchange | None = None
         self.watchdog = Watchdog(self._on_timeout)
-        self.spec: distributed.LaunchSpec | None = None
+        self.spec: detect.LaunchSpec | None = None
         self.mesh: jax.sharding.Mesh | None = None
         self._among: dict[str, tuple[int, ...]] = {}  # step -> the processes it involves (all if empty)
         self._heartbeat = threading.Event()  # set to stop this process's heartbeat
@@ -273,7 +273,7 @@ class HealthCheck:
     def run(self) -> int:
         """Every step in order; 0 healthy, 1 failed, the same on every process that gets a verdict."""
         try:
-            spec = distributed.detect(self.dist, self.environ)
+            spec = detect.detect(self.dist, self.environ)
         except UserError as e:
             return self._alone(hc.Check("environment", False, str(e), {-1: str(e)}))
         self.spec, self.process_id = spec, spec.process_id
@@ -313,7 +313,7 @@ class HealthCheck:
         start = time.monotonic()
         with self.watchdog.deadline("init", self.dist.init_timeout):
             try:
-                distributed.initialize(dist, self.environ)
+                join.initialize(dist, self.environ)
             except UserError as e:
                 return self.report.add(hc.Check("init", False, str(e), {spec.process_id: str(e)})).ok
         took = time.monotonic() - start

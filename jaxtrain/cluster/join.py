@@ -1,0 +1,105 @@
+"""Join the other processes of a job: jax.distributed.initialize, bounded and with readable errors.
+
+Where this process sits comes from `jaxtrain.cluster.detect` (no jax there, so launchers can use
+it); this module is the part that needs jax.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Mapping
+
+from jaxtrain.cluster.detect import (
+    LaunchSpec,
+    describe,
+    detect,
+    join_error,
+    port_in_use,
+    split_address,
+    wait_for_coordinator,
+)
+from jaxtrain.config import DistConfig
+from jaxtrain.errors import EXIT_USAGE
+
+
+def _watchdog(spec: LaunchSpec, timeout: float) -> threading.Event:
+    """JAX aborts the whole process when joining times out; exit first with a readable line."""
+    done = threading.Event()
+
+    def watch() -> None:
+        if not done.wait(timeout):
+            err = join_error(
+                spec,
+                f"timed out after {timeout:.0f} s waiting for all processes to join; start every "
+                "process, check they agree on the coordinator, or raise --dist.init_timeout",
+            )
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            os._exit(EXIT_USAGE)
+
+    threading.Thread(target=watch, name="jaxtrain-init-watchdog", daemon=True).start()
+    return done
+
+
+def _exit_at_once_on_crash() -> None:
+    """An uncaught exception ends this process now, after printing it.
+
+    Otherwise JAX's exit handler waits up to 5 minutes in a shutdown barrier for peers that are
+    themselves stuck in a collective with this process, and the launcher cannot stop the job.
+    """
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb) -> None:  # noqa: ANN001 (sys.excepthook signature)
+        previous(exc_type, exc, tb)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+    sys.excepthook = hook
+
+
+def initialize(dist: DistConfig, environ: Mapping[str, str] = os.environ) -> LaunchSpec:
+    """detect(), then join the other processes (gloo collectives on CPU) within dist.init_timeout."""
+    import jax
+
+    spec = detect(dist, environ)
+    if spec.num_processes == 1:
+        if spec.local_device_ids:
+            jax.config.update("jax_cuda_visible_devices", ",".join(map(str, spec.local_device_ids)))
+        print(describe(spec), flush=True)
+        return spec
+    # Without this a CPU-only job has no cross-process collectives; GPUs ignore the setting.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    start, timeout = time.monotonic(), float(dist.init_timeout)
+    if spec.process_id == 0:
+        _, port = split_address(spec.coordinator_address)
+        if port_in_use(port):
+            raise join_error(
+                spec,
+                f"cannot start the coordinator: port {port} is already in use on this host; pick a free "
+                "port (e.g. --dist.coordinator_address HOST:29501) or stop what holds it",
+            )
+    else:
+        wait_for_coordinator(spec, timeout)
+    remaining = max(1.0, timeout - (time.monotonic() - start))
+    done = _watchdog(spec, remaining)
+    try:
+        jax.distributed.initialize(
+            coordinator_address=spec.coordinator_address,
+            num_processes=spec.num_processes,
+            process_id=spec.process_id,
+            local_device_ids=list(spec.local_device_ids) if spec.local_device_ids else None,
+            # JAX's own limit sits just past the watchdog so the readable error wins the race.
+            initialization_timeout=int(remaining) + 5,
+        )
+    except Exception as e:  # JAX raises several types here; all mean this process cannot join
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise join_error(spec, f"failed to join the job: {first_line}") from e
+    finally:
+        done.set()
+    _exit_at_once_on_crash()
+    if spec.process_id == 0:
+        print(describe(spec), flush=True)
+    return spec

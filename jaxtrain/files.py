@@ -1,0 +1,49 @@
+"""Files that appear whole or not at all, and directories checked before anything is written."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from jaxtrain.errors import UserError
+
+
+@contextlib.contextmanager
+def atomic_write(path: Path) -> Iterator[BinaryIO]:
+    """A file that appears at `path` whole on success and never half-written (temp + rename), 0644."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # A name of its own per writer (not mkstemp, whose files are private to the user: 0600), so
+    # processes sharing a filesystem never write into each other's temp file.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "xb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_text(path: Path, text: str) -> None:
+    """atomic_write of a text file."""
+    with atomic_write(path) as f:
+        f.write(text.encode("utf-8"))
+
+
+def require_writable(path: Path, what: str) -> None:
+    """`path` is a directory this process can write, or can be created as one; `what` names it."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"{what} {path} cannot be made: {existing} is a file; pass another one")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{what} {path} cannot be written: {existing} is read-only; pass another one")

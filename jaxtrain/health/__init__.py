@@ -1,0 +1,3 @@
+"""The cluster health check behind scripts/test_distributed.py: `check` runs the steps, `checks`
+holds each step's measurement and verdict and the report.
+"""
