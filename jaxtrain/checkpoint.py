@@ -47,14 +47,17 @@ class Checkpointer:
         )
 
     def read_meta(self, step: int) -> dict[str, Any]:
-        out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        try:
+            out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        except Exception as e:  # missing, truncated or garbled files: one user problem
+            raise unreadable(self.directory / str(step), e) from None
         return dict(out["meta"])
 
     def restore(self, step: int, target: Any = None) -> Any:
         """Restore `state` into the shapes and shardings of `target` (abstract arrays), or as saved."""
         try:
             out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
-        except Exception as e:  # noqa: BLE001 - missing, truncated or mismatched files: one user problem
+        except Exception as e:  # missing, truncated or mismatched files: one user problem
             raise unreadable(self.directory / str(step), e) from None
         return out["state"]
 

@@ -1,4 +1,4 @@
-"""Typed, frozen run configuration: YAML file, then command-line overrides, checked once.
+"""Typed, frozen run configuration: YAML file, then command-line overrides; every check in one place.
 
     cfg = load_config(["--config", "configs/tiny.yaml", "--batch_size", "64", "--optim.lr=3e-4"])
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -69,6 +70,35 @@ class DistConfig:
     init_timeout: int = 300  # seconds to wait for every process to join
 
 
+MESH_AXES = ("data", "fsdp", "tensor")  # outer to inner
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """The device mesh, data x fsdp x tensor; its product is the device count.
+
+    -1 means "the devices left over" (at most one axis). `data` is the outer axis and spans
+    processes; `fsdp` and `tensor` stay inside a process (one NVLink domain) wherever they fit.
+    """
+
+    data: int = -1  # data parallel: replicas of the (fsdp x tensor)-sharded state
+    fsdp: int = 1  # ZeRO-3: params, gradients and optimizer state sharded, batch split too
+    tensor: int = 1  # Megatron: heads, MLP hidden and vocab split; the batch is not
+    zero1: bool = False  # ZeRO-1: also shard the optimizer state over `data` (params replicated)
+
+
+@dataclass(frozen=True)
+class DebugConfig:
+    """Faults for tests only (jaxtrain/faults.py); all off by default."""
+
+    nan_step: int = 0  # poison the first device's gradient from this step (1-based) on...
+    nan_count: int = 1  # ...for this many steps
+    stall_step: int = -1  # sleep before this step...
+    stall_process: int = 0  # ...on this process...
+    stall_seconds: float = 3600.0  # ...this long
+    kill_during_save: int = -1  # SIGKILL this process while the checkpoint of this step is written
+
+
 @dataclass(frozen=True)
 class Config:
     name: str = "default"
@@ -109,16 +139,11 @@ class Config:
     progress_bar: bool = True
     sample_tokens: int = 0  # tokens generated from the final model; 0 disables
     sample_prompt: str = "def "
-    # test-only faults
-    debug_nan_step: int = 0  # poison the first device's gradient from this step (1-based) on...
-    debug_nan_count: int = 1  # ...for this many steps
-    debug_stall_step: int = -1  # sleep before this step...
-    debug_stall_process: int = 0  # ...on this process...
-    debug_stall_seconds: float = 3600.0  # ...this long
-    debug_kill_during_save: int = -1  # SIGKILL this process while the checkpoint of this step is written
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
     @property
     def resolved_run_dir(self) -> Path:
@@ -143,6 +168,7 @@ _NON_NEGATIVE = (
     "total_batch_size", "device_batch_size", "eval_interval", "gradient_clip_val",
     "sample_tokens", "model.d_ff", "optim.warmup_steps", "optim.weight_decay",
     "optim.min_lr_ratio", "dist.num_processes", "watchdog_factor", "watchdog_timeout",
+    "debug.nan_step", "debug.nan_count",
 )  # fmt: skip
 
 
@@ -328,8 +354,17 @@ def _get(cfg: Config, path: str) -> Any:
     return obj
 
 
+# ------------------------------------------------------------------------------------- checks
+# Every rule about what a config may hold lives below, in three stages by what they need:
+#   check(cfg)                         values alone: run at load time, on every process
+#   check_processes(cfg, n_processes)  the process count: before joining, so every process
+#                                      fails alike instead of dying in JAX's join abort
+#   with_topology(cfg, n_devices, n_processes, platform)
+#                                      the devices: resolves the batch and the mesh, once joined
+
+
 def check(cfg: Config) -> None:
-    """Value checks that need no devices; topology checks happen once the mesh exists."""
+    """Value checks that need no devices."""
     for path, choices in _CHOICES.items():
         if _get(cfg, path) not in choices:
             raise ConfigError(
@@ -361,30 +396,101 @@ def check(cfg: Config) -> None:
         raise ConfigError("eval_interval is set but eval_batches is 0")
     if cfg.optim.min_lr_ratio > 1:
         raise ConfigError(f"optim.min_lr_ratio must be <= 1, got {cfg.optim.min_lr_ratio}")
+    _check_mesh_values(cfg)
 
 
-def with_topology(cfg: Config, n_devices: int, n_processes: int) -> Config:
-    """Resolve batch settings against the device count; errors give the numbers."""
+def _check_mesh_values(cfg: Config) -> None:
+    sizes = {a: getattr(cfg.mesh, a) for a in MESH_AXES}
+    for axis, size in sizes.items():
+        if size == 0 or size < -1:
+            raise ConfigError(f"config key 'mesh.{axis}' must be >= 1 or -1 (the devices left), got {size}")
+    if list(sizes.values()).count(-1) > 1:
+        raise ConfigError(f"at most one mesh axis may be -1, got {_mesh_str(sizes)}")
+    m, tp = cfg.model, cfg.mesh.tensor
+    if tp > 1:
+        for what, n in (
+            ("model.n_head", m.n_head),
+            ("model.ff_dim", m.ff_dim),
+            ("model.vocab_size", m.vocab_size),
+        ):
+            if n % tp:
+                raise ConfigError(
+                    f"{what} {n} is not divisible by mesh.tensor {tp}: tensor parallelism splits it "
+                    f"evenly; use a mesh.tensor that divides {n}"
+                )
+
+
+def _mesh_str(sizes: dict[str, int]) -> str:
+    return " x ".join(f"{a} {n}" for a, n in sizes.items())
+
+
+def _global_rows(cfg: Config) -> int:
+    return cfg.total_batch_size // cfg.model.seq_len if cfg.total_batch_size else cfg.batch_size
+
+
+def check_processes(cfg: Config, n_processes: int) -> None:
+    """The global batch splits evenly between processes (each loads its own rows)."""
+    check_batch_split(_global_rows(cfg), n_processes)
+
+
+def check_batch_split(rows: int, n_processes: int) -> None:
+    """The rule behind check_processes, for callers holding only the numbers (the data loader)."""
+    if rows % n_processes:
+        raise ConfigError(
+            f"global batch_size {rows} is not divisible by {n_processes} processes; "
+            f"use a multiple of {n_processes}"
+        )
+
+
+def resolve_mesh(mesh: MeshConfig, n_devices: int) -> MeshConfig:
+    """Fill in the -1 axis; the product must be the device count (the error gives one that is)."""
+    sizes = {a: getattr(mesh, a) for a in MESH_AXES}
+    known = math.prod(n for n in sizes.values() if n != -1)
+    free = [a for a, n in sizes.items() if n == -1]
+    if free and n_devices % known == 0:
+        sizes[free[0]] = n_devices // known
+    if math.prod(sizes.values()) != n_devices:
+        inner = {a: n for a, n in sizes.items() if a != "data" and n != -1}
+        fits = n_devices % math.prod(inner.values()) == 0
+        hint = (
+            f"--mesh.data -1 {' '.join(f'--mesh.{a} {n}' for a, n in inner.items())}"
+            if fits
+            else f"--mesh.data -1 --mesh.fsdp {n_devices} --mesh.tensor 1"
+        )
+        raise ConfigError(
+            f"mesh {_mesh_str({a: getattr(mesh, a) for a in MESH_AXES})} does not multiply to the "
+            f"{n_devices} devices of this job; e.g. {hint}"
+        )
+    return dataclasses.replace(mesh, **sizes)
+
+
+def with_topology(cfg: Config, n_devices: int, n_processes: int, platform: str = "cpu") -> Config:
+    """Resolve the mesh and batch settings against the devices; errors give the numbers."""
+    check_processes(cfg, n_processes)
+    if cfg.dtype == "float16" and platform == "cpu":
+        raise ConfigError(
+            "dtype float16 needs a GPU (XLA:CPU has no float16 matmul with float32 accumulation); "
+            "use --dtype bfloat16 on CPU"
+        )
+    mesh = resolve_mesh(cfg.mesh, n_devices)
+    # A tensor group shares its rows: the batch is split over data x fsdp only.
+    shards = mesh.data * mesh.fsdp
+    where = "devices" if shards == n_devices else "batch shards (mesh.data x mesh.fsdp)"
     batch, accum = cfg.batch_size, cfg.gradient_accumulation_steps
     if cfg.total_batch_size:
-        rows = cfg.total_batch_size // cfg.model.seq_len
-        per_micro = cfg.device_batch_size * n_devices
+        rows = _global_rows(cfg)
+        per_micro = cfg.device_batch_size * shards
         if rows % per_micro:
             raise ConfigError(
                 f"total_batch_size {cfg.total_batch_size} tokens = {rows} sequences is not divisible by "
-                f"device_batch_size {cfg.device_batch_size} x {n_devices} devices = {per_micro}; "
+                f"device_batch_size {cfg.device_batch_size} x {shards} {where} = {per_micro}; "
                 "change total_batch_size or device_batch_size"
             )
         batch, accum = rows, rows // per_micro
-    if batch % n_processes:
-        raise ConfigError(
-            f"global batch_size {batch} is not divisible by {n_processes} processes; "
-            f"use a multiple of {n_processes}"
-        )
     micro = batch // accum
-    if micro % n_devices:
+    if micro % shards:
         raise ConfigError(
             f"microbatch {micro} (batch_size {batch} / gradient_accumulation_steps {accum}) is not "
-            f"divisible by {n_devices} devices; use a batch_size that is a multiple of {accum * n_devices}"
+            f"divisible by {shards} {where}; use a batch_size that is a multiple of {accum * shards}"
         )
-    return dataclasses.replace(cfg, batch_size=batch, gradient_accumulation_steps=accum)
+    return dataclasses.replace(cfg, batch_size=batch, gradient_accumulation_steps=accum, mesh=mesh)

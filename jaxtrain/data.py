@@ -26,6 +26,7 @@ from pathlib import Path
 import grain
 import numpy as np
 
+from jaxtrain.config import check_batch_split
 from jaxtrain.corpus import write_corpus
 from jaxtrain.errors import UserError
 from jaxtrain.files import write_text
@@ -174,11 +175,7 @@ def _require_windows(num_tokens: int, seq_len: int, what: str) -> int:
 
 def process_rows(batch_size: int, process_index: int, process_count: int) -> slice:
     """The rows of each global batch that process `process_index` loads."""
-    if batch_size % process_count:
-        raise DataError(
-            f"global batch_size {batch_size} is not divisible by {process_count} processes; "
-            f"use a multiple of {process_count}"
-        )
+    check_batch_split(batch_size, process_count)
     if not 0 <= process_index < process_count:
         raise DataError(f"process_index {process_index} is outside [0, {process_count})")
     local = batch_size // process_count

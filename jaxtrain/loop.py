@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,7 @@ from jaxtrain.cluster import detect, join
 from jaxtrain.cluster.watchdog import Watchdog
 from jaxtrain.config import Config
 from jaxtrain.errors import NonFiniteError, Preempted, UserError
+from jaxtrain.faults import Faults
 from jaxtrain.model import GPT, flops_per_token, generate, param_count
 from jaxtrain.optim import make_optimizer
 from jaxtrain.preemption import StopRequest
@@ -68,13 +67,7 @@ def _restore_or_init(
             raise UserError(f"--resume_from {cfg.resume_from} holds no complete checkpoint")
     if step is None:
         return create_state(cfg, model, tx, mesh), 0
-    try:
-        meta = source.read_meta(step)
-    except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is the same user problem
-        raise UserError(
-            f"checkpoint {source.directory}/{step} is unreadable ({type(e).__name__}); "
-            "delete that step dir or pass --resume_from another checkpoint"
-        ) from None
+    meta = source.read_meta(step)
     diff = rundir.incompatibilities(meta.get("config", {}), cfg)
     if diff:
         raise UserError(
@@ -110,7 +103,7 @@ def train(cfg: Config) -> RunResult:
     # backends, and they die in JAX's own abort instead of saying the same line.)
     rundir.check(cfg)
     rundir.restrict_umask()  # nothing it writes into the run dir is world-writable
-    _check_process_count(cfg, detect.detect(cfg.dist).num_processes)
+    config_lib.check_processes(cfg, detect.detect(cfg.dist).num_processes)
     train_path, val_path = _data_paths(cfg)
     seq = cfg.model.seq_len
     train_tokens = data.open_tokens(train_path, cfg.model.vocab_size, cfg.token_dtype, min_tokens=seq + 1)
@@ -140,8 +133,7 @@ def _run(
     run_dir = cfg.resolved_run_dir
     mesh = mesh_lib.make_mesh()
     mesh_lib.check_mesh(mesh)
-    cfg = config_lib.with_topology(cfg, jax.device_count(), nproc)
-    check_platform(cfg, jax.devices()[0].platform)
+    cfg = config_lib.with_topology(cfg, jax.device_count(), nproc, jax.devices()[0].platform)
     seq = cfg.model.seq_len
 
     if is_main:
@@ -192,9 +184,10 @@ def _run(
     def save(step: int) -> None:
         with watchdog.phase(f"checkpoint save at step {step}"):
             ckpt.save(step, state, {"step": step, "data_position": step, "config": config_lib.to_dict(cfg)})
-        if step == cfg.debug_kill_during_save:  # test-only fault: die while the save is being written
-            os.kill(os.getpid(), signal.SIGKILL)
+        if faults:
+            faults.after_save_started(step)
 
+    faults = Faults.of(cfg.debug, pid)
     tracker = _Tracker(cfg, reporter, watchdog, start_step)
     val_loss = None
     step = start_step
@@ -204,8 +197,8 @@ def _run(
             t0 = time.perf_counter()
             local_rows = next(it)
             tracker.data_wait += time.perf_counter() - t0
-            if step == cfg.debug_stall_step and pid == cfg.debug_stall_process:
-                time.sleep(cfg.debug_stall_seconds)  # test-only fault: this process hangs
+            if faults:
+                faults.before_step(step)
             state, m = train_step(state, mesh_lib.global_batch(local_rows, mesh, cfg.batch_size))
             step += 1
             # Keep one step in flight: wait for the previous step while this one runs.
@@ -304,25 +297,6 @@ class _Tracker:
                 record["loss_scale"] = float(m["loss_scale"])
             self.reporter.train(record)
             self.restart_clock(step)
-
-
-def _check_process_count(cfg: Config, n_processes: int) -> None:
-    """The global batch splits evenly between processes (the device checks come after joining)."""
-    rows = cfg.total_batch_size // cfg.model.seq_len if cfg.total_batch_size else cfg.batch_size
-    if rows % n_processes:
-        raise config_lib.ConfigError(
-            f"global batch_size {rows} is not divisible by {n_processes} processes; "
-            f"use a multiple of {n_processes}"
-        )
-
-
-def check_platform(cfg: Config, platform: str) -> None:
-    """Settings the device cannot run, refused before any compile."""
-    if cfg.dtype == "float16" and platform == "cpu":
-        raise UserError(
-            "dtype float16 needs a GPU (XLA:CPU has no float16 matmul with float32 accumulation); "
-            "use --dtype bfloat16 on CPU"
-        )
 
 
 def _barrier(name: str) -> None:

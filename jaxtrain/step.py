@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain import mesh as mesh_lib
 from jaxtrain.config import Config
+from jaxtrain.faults import poison_gradients
 from jaxtrain.model import GPT
 from jaxtrain.optim import lr_schedule
 from jaxtrain.state import TrainState
@@ -74,15 +75,12 @@ def make_train_step(cfg: Config, model: GPT, tx: optax.GradientTransformation, m
     schedule = lr_schedule(cfg)
     fp16 = cfg.dtype == "float16"
     clip = cfg.gradient_clip_val
-    nan_first, nan_last = cfg.debug_nan_step, cfg.debug_nan_step + cfg.debug_nan_count - 1
 
     def device_grads(
         params: Any, rows: jax.Array, scale: jax.Array, step: jax.Array
     ) -> tuple[Any, jax.Array]:
-        if nan_first > 0:  # test-only fault: poison the first device's gradient at chosen steps
-            first = jax.lax.axis_index(mesh_lib.BATCH_AXES) == 0
-            poisoned = first & (step + 1 >= nan_first) & (step + 1 <= nan_last)
-            scale = jnp.where(poisoned, jnp.nan, scale)
+        if cfg.debug.nan_step > 0:  # test-only fault, traced only when asked for
+            scale = poison_gradients(cfg.debug, scale, step, jax.lax.axis_index(mesh_lib.BATCH_AXES) == 0)
         grads, loss = _local_grads(model, accum, params, rows, scale)
         return _reduce(grads), _reduce(loss)
 

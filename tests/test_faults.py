@@ -114,7 +114,7 @@ def reference(tmp_path_factory) -> Path:
 
 def test_kill_9_a_worker_then_relaunch_is_bitwise_identical(reference, tmp_path):
     run_dir, marker = tmp_path / "run", uuid.uuid4().hex
-    proc = _start(run_dir, 2, 4, marker, "--debug_stall_step", "15", "--debug_stall_process", "1")
+    proc = _start(run_dir, 2, 4, marker, "--debug.stall_step", "15", "--debug.stall_process", "1")
     _wait_for_step(run_dir, 15, proc)
     os.kill(rank_pid(marker, 1), signal.SIGKILL)
     t0 = time.monotonic()
@@ -141,7 +141,7 @@ def test_resume_on_another_topology(reference, tmp_path, procs, devices):
 def test_kill_during_a_checkpoint_write_keeps_the_last_complete_one(tmp_path):
     whole, run_dir = tmp_path / "whole", tmp_path / "run"
     _ok(_run(whole, 1, 2))
-    out = _run(run_dir, 1, 2, "--debug_kill_during_save", "20")
+    out = _run(run_dir, 1, 2, "--debug.kill_during_save", "20")
     assert out.returncode == -signal.SIGKILL
     ckpts = run_dir / "checkpoints"
     assert (ckpts / "10").is_dir() and not (ckpts / "20").exists()
@@ -183,7 +183,7 @@ def test_stop_signal_on_one_process_stops_all_at_the_same_step(tmp_path):
 
 def test_a_stalled_process_is_found_and_the_job_ends(tmp_path):
     run_dir, marker = tmp_path / "run", uuid.uuid4().hex
-    extra = ["--total_steps", "60", "--debug_stall_step", "40", "--debug_stall_process", "1"]
+    extra = ["--total_steps", "60", "--debug.stall_step", "40", "--debug.stall_process", "1"]
     t0 = time.monotonic()
     proc = _start(run_dir, 2, 2, marker, *extra)
     _, err = proc.communicate(timeout=180)
@@ -203,9 +203,9 @@ def test_repeated_nan_steps_stop_the_run_naming_the_step(tmp_path):
     extra = [
         "--checkpoint_interval",
         "5",
-        "--debug_nan_step",
+        "--debug.nan_step",
         "12",
-        "--debug_nan_count",
+        "--debug.nan_count",
         "100",
         "--max_bad_steps",
         "3",
@@ -219,7 +219,7 @@ def test_repeated_nan_steps_stop_the_run_naming_the_step(tmp_path):
 
 def test_one_nan_step_is_skipped_and_training_goes_on(tmp_path):
     run_dir = tmp_path / "run"
-    _ok(_run(run_dir, 1, 2, "--debug_nan_step", "7"))
+    _ok(_run(run_dir, 1, 2, "--debug.nan_step", "7"))
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     skipped = {r["step"]: r["skipped_steps"] for r in records if "loss" in r}
     assert skipped[6] == 0 and skipped[7] == 1 and skipped[20] == 1

@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 
 from jaxtrain import mesh as mesh_lib
-from jaxtrain.config import load_config
+from jaxtrain.config import load_config, with_topology
 from jaxtrain.errors import UserError
-from jaxtrain.loop import check_platform
 from jaxtrain.model import GPT
 from jaxtrain.optim import decay_mask, make_optimizer
 from jaxtrain.state import create_state, state_sharding
@@ -98,8 +97,8 @@ def test_bfloat16_trains_with_float32_params():
 
 def test_float16_on_cpu_is_a_clear_error():
     with pytest.raises(UserError, match="dtype float16 needs a GPU"):
-        check_platform(load_config(["--dtype", "float16"]), "cpu")
-    check_platform(load_config(["--dtype", "float16"]), "gpu")
+        with_topology(load_config(["--dtype", "float16"]), 8, 1, "cpu")
+    with_topology(load_config(["--dtype", "float16"]), 8, 1, "gpu")
 
 
 def test_weight_decay_touches_matrices_only():
@@ -114,7 +113,7 @@ def test_weight_decay_touches_matrices_only():
 
 
 def test_a_non_finite_step_changes_nothing_and_is_counted():
-    cfg = load_config(TINY + ["--debug_nan_step", "2"])
+    cfg = load_config(TINY + ["--debug.nan_step", "2"])
     mesh = mesh_lib.make_mesh()
     model, tx = GPT(cfg.model), make_optimizer(cfg)
     state = create_state(cfg, model, tx, mesh)
