@@ -57,7 +57,7 @@ def _restore_or_init(
 ) -> tuple[TrainState, int]:
     """The latest complete checkpoint of this run (or --resume_from), else a fresh state."""
     abstract = abstract_state(cfg, model, tx)
-    shardings = state_sharding(mesh, abstract)
+    shardings = state_sharding(mesh, abstract, cfg.mesh.zero1)
     source, step = ckpt, ckpt.latest_step()
     if cfg.resume_from and step is None:
         directory, step = ckpt_lib.locate(cfg.resume_from)
@@ -83,13 +83,12 @@ def _restore_or_init(
     return state, step
 
 
-def _sample(cfg: Config, state: TrainState, train_path: str) -> None:
-    """Print a short generation from the final model (process 0, local replica only)."""
+def _sample(cfg: Config, params: Any, train_path: str) -> None:
+    """Print a short generation from the final model's host copy (process 0)."""
     if cfg.model.vocab_size != 256 and not Path(train_path).with_name("tokenizer.json").exists():
         log.info("no tokenizer.json next to the training data: no sample printed")
         return
     tokenizer = load_tokenizer(train_path)
-    params = mesh_lib.local_copy(state.params)
     prompt = tokenizer.encode(cfg.sample_prompt).astype(np.int32)
     out = generate(params, cfg.model, prompt, cfg.sample_tokens, jax.random.key(cfg.seed))
     text = tokenizer.decode(np.concatenate([prompt, out]))
@@ -131,9 +130,9 @@ def _run(
     pid, nproc = jax.process_index(), jax.process_count()
     is_main = pid == 0
     run_dir = cfg.resolved_run_dir
-    mesh = mesh_lib.make_mesh()
-    mesh_lib.check_mesh(mesh)
     cfg = config_lib.with_topology(cfg, jax.device_count(), nproc, jax.devices()[0].platform)
+    mesh = mesh_lib.make_mesh(shape=cfg.mesh)
+    mesh_lib.check_mesh(mesh)
     seq = cfg.model.seq_len
 
     if is_main:
@@ -160,16 +159,41 @@ def _run(
     peak = metrics.peak_flops(jax.devices()[0].device_kind)
     log.info(f"model: {n_params:,} parameters, {fpt / 1e6:.1f} MFLOPs per token (6N + 12*L*d*T)")
 
-    train_step, eval_step = jit_steps(cfg, model, tx, mesh, state_sharding(mesh, state))
+    shardings = state_sharding(mesh, state, cfg.mesh.zero1)
+    state_bytes = mesh_lib.bytes_per_device(state, jax.tree.map(lambda s: s.spec, shardings), mesh)
+    log.info(
+        f"mesh {mesh_lib.describe(mesh)}{' + zero1' if cfg.mesh.zero1 else ''}: train state "
+        f"{state_bytes / 2**20:,.1f} MiB per device (params + 2 Adam moments, float32)"
+    )
+    mesh_lib.check_fits(state_bytes, jax.devices()[0], mesh)
+    train_step, eval_step = jit_steps(cfg, model, tx, mesh, shardings)
     with watchdog.phase("compile"):
         t0 = time.perf_counter()
         batch_shape = jax.ShapeDtypeStruct(
             (cfg.batch_size, seq + 1), jnp.int32, sharding=mesh_lib.batch_sharding(mesh)
         )
         train_step = train_step.lower(state, batch_shape).compile()  # ahead of time: no stall in step 1
-        log.info(f"train step compiled in {time.perf_counter() - t0:.1f} s")
+        compile_s = time.perf_counter() - t0
+    peak_bytes = metrics.compiled_peak_bytes(train_step)
+    log.info(
+        f"train step compiled in {compile_s:.1f} s; peak {peak_bytes / 2**20:,.1f} MiB per device "
+        "(arguments + temporaries + outputs not aliased)"
+    )
     reporter = metrics.Reporter(
         cfg, run_dir, is_main, start_step, fpt / (jax.device_count() * peak) if peak else None
+    )
+    reporter.start(
+        {
+            "event": "start",
+            "step": start_step,
+            "mesh": mesh_lib.mesh_shape(mesh),
+            "processes": nproc,
+            "devices": jax.device_count(),
+            "n_params": n_params,
+            "state_bytes_per_device": state_bytes,
+            "peak_bytes_per_device": peak_bytes,
+            "compile_s": round(compile_s, 3),
+        }
     )
     loader = data.train_loader(
         train_tokens, seq, cfg.batch_size, cfg.seed, start_step, cfg.total_steps, pid, nproc,
@@ -243,8 +267,10 @@ def _run(
         ckpt.wait()
     ckpt.close()
     reporter.close()
-    if is_main and cfg.sample_tokens:
-        _sample(cfg, state, train_path)
+    if cfg.sample_tokens:
+        params = mesh_lib.host_copy(state.params)  # a collective: every process takes part
+        if is_main:
+            _sample(cfg, params, train_path)
     log.info(f"done: step {step}, run dir {run_dir}")
     return RunResult(step, tracker.last_loss, val_loss, run_dir)
 

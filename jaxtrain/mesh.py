@@ -1,12 +1,22 @@
 """The device mesh and every sharding decision. Only this module knows the topology.
 
-Data parallel today: a 1-D mesh with axis `data`; parameters and optimizer state are
-replicated, batches are split on their first axis. An `fsdp` axis would be added here
-(mesh shape, `param_sharding`, `BATCH_AXES`) without touching the model or the step.
+The mesh is data x fsdp x tensor (config `mesh`):
+  data    replicas; the outer axis, spanning processes (hosts). Batch rows split over it.
+  fsdp    ZeRO-3: every large parameter, its gradient and both Adam moments split over it, and
+          the batch rows too. Params are all-gathered for compute and gradients reduce-scattered.
+  tensor  Megatron: attention heads, the MLP hidden dim and the vocabulary split over it; the
+          residual stream is whole, so a layer needs one collective in and one out.
+With `mesh.zero1` the optimizer state is also split over `data` (params stay replicated there).
+
+The model names the logical axes of its params and activations (model.PARAM_AXES); the tables
+below map logical axes to mesh axes, in one place. Devices are ordered by process, so `data`
+is the axis that crosses hosts and fsdp x tensor groups stay inside one (one NVLink domain).
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from typing import Any
 
 import jax
@@ -14,22 +24,88 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-DATA_AXIS = "data"
-# Axes a batch is split over; an fsdp axis would join this tuple.
-BATCH_AXES = (DATA_AXIS,)
+from jaxtrain.config import MESH_AXES, MeshConfig
+from jaxtrain.errors import UserError
+
+log = logging.getLogger("jaxtrain")
+
+DATA_AXIS, FSDP_AXIS, TENSOR_AXIS = MESH_AXES
+# Axes a batch is split over (a tensor group shares its rows); the step runs manual over these.
+BATCH_AXES = (DATA_AXIS, FSDP_AXIS)
+
+# Logical axis of a parameter -> mesh axis. `embed` (d_model) is the dim FSDP splits: every
+# matrix and embedding has one, and d_model is a multiple of the fsdp size in every sane shape.
+PARAM_RULES: dict[str, str | None] = {
+    "vocab": TENSOR_AXIS,
+    "heads": TENSOR_AXIS,
+    "mlp": TENSOR_AXIS,
+    "embed": FSDP_AXIS,
+}
+# Logical axis of an activation inside the step -> mesh axis. The step is already manual over
+# data and fsdp (each device holds its own rows), so only the tensor axis is left to place.
+ACTIVATION_RULES = (("heads", TENSOR_AXIS), ("mlp", TENSOR_AXIS), ("vocab", TENSOR_AXIS))
 
 
-def make_mesh(devices: list[jax.Device] | None = None) -> Mesh:
-    """A mesh over every device of every process, with a named `data` axis."""
+def make_mesh(devices: list[jax.Device] | None = None, shape: MeshConfig | None = None) -> Mesh:
+    """A data x fsdp x tensor mesh over `devices` (default: every device of every process).
+
+    `shape` must be resolved (config.with_topology); None means pure data parallelism.
+    """
     devices = devices or jax.devices()
-    return jax.make_mesh((len(devices),), (DATA_AXIS,), axis_types=(AxisType.Auto,), devices=devices)
+    if shape is None:
+        shape = MeshConfig(data=len(devices))
+    sizes = tuple(getattr(shape, a) for a in MESH_AXES)
+    # Process-major order: consecutive devices share a host, so the inner axes stay on one.
+    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+    _warn_if_inner_axes_cross_hosts(sizes, ordered)
+    grid = np.asarray(ordered, dtype=object).reshape(sizes)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def _warn_if_inner_axes_cross_hosts(sizes: tuple[int, ...], devices: list[jax.Device]) -> None:
+    inner = math.prod(sizes[1:])
+    per_process = sum(d.process_index == devices[0].process_index for d in devices)
+    if inner > per_process:
+        log.warning(
+            f"mesh fsdp x tensor = {inner} devices spans hosts ({per_process} devices per process): its "
+            "all-gathers and reduce-scatters of params and gradients (and tensor parallelism's per-layer "
+            "all-reduces) cross the network, ~10-20x slower than NVLink; prefer fsdp x tensor <= "
+            f"{per_process} with data across hosts"
+        )
 
 
 def check_mesh(mesh: Mesh) -> None:
     """Fail early if code built for named axes meets a mesh without them."""
-    missing = [a for a in BATCH_AXES if a not in mesh.axis_names]
+    missing = [a for a in MESH_AXES if a not in mesh.axis_names]
     if missing:
         raise ValueError(f"mesh axes {mesh.axis_names} lack {missing}")
+
+
+def mesh_shape(mesh: Mesh) -> dict[str, int]:
+    return {a: int(mesh.shape[a]) for a in MESH_AXES}
+
+
+def describe(mesh: Mesh) -> str:
+    return " x ".join(f"{a} {n}" for a, n in mesh_shape(mesh).items())
+
+
+def check_fits(state_bytes: int, device: jax.Device, mesh: Mesh) -> None:
+    """Before compiling: refuse a state that alone overflows the device (GPUs report their memory)."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    limit = (stats or {}).get("bytes_limit")
+    # Activations, gradients and XLA's workspace need room too: the state may take half.
+    if not limit or state_bytes <= limit // 2:
+        return
+    shape = mesh_shape(mesh)
+    per_process = jax.local_device_count()
+    fsdp = shape[FSDP_AXIS]
+    while state_bytes * shape[FSDP_AXIS] // fsdp > limit // 2 and fsdp * shape[TENSOR_AXIS] < per_process:
+        fsdp *= 2
+    raise UserError(
+        f"the train state needs {state_bytes / 2**30:.1f} GiB per device on mesh {describe(mesh)}, over half "
+        f"of this {device.device_kind}'s {limit / 2**30:.1f} GiB; shard it: --mesh.fsdp {fsdp} "
+        f"--mesh.data -1 (state ~{state_bytes * shape[FSDP_AXIS] / fsdp / 2**30:.1f} GiB per device)"
+    )
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -45,17 +121,121 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, batch_spec())
 
 
-def param_sharding(mesh: Mesh, abstract_tree: Any) -> Any:
-    """Sharding for every leaf of the train state: replicated under pure data parallelism."""
-    return jax.tree.map(lambda _: replicated(mesh), abstract_tree)
+def param_spec(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> P:
+    """Mesh spec of one param from its logical axes; a dim the axis does not divide stays whole."""
+    out: list[str | None] = []
+    for name, dim in zip(logical, shape, strict=True):
+        axis = PARAM_RULES.get(name) if name else None
+        out.append(axis if axis and mesh.shape[axis] > 1 and dim % mesh.shape[axis] == 0 else None)
+    return P(*out)
+
+
+def _add_data_axis(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
+    """ZeRO-1: split one more dim (the largest that divides) over `data`, for an optimizer moment."""
+    n = mesh.shape[DATA_AXIS]
+    if n == 1:
+        return spec
+    parts = list(spec) + [None] * (len(shape) - len(spec))
+    for i in sorted(range(len(shape)), key=lambda i: -shape[i]):
+        held = parts[i] if isinstance(parts[i], tuple) else (parts[i],) if parts[i] else ()
+        if shape[i] % (n * math.prod(mesh.shape[a] for a in held)) == 0:
+            parts[i] = (DATA_AXIS, *held)
+            return P(*parts)
+    return spec
+
+
+def state_specs(abstract_state: Any, param_axes: Any, mesh: Mesh, zero1: bool) -> Any:
+    """PartitionSpec of every leaf of the train state.
+
+    Params follow their logical axes. Each optimizer moment mirrors its param (optax keeps the
+    param tree inside its state), plus `data` under ZeRO-1. Counters and scalars are replicated.
+    """
+    param_specs = jax.tree.map(
+        lambda ax, a: param_spec(ax, a.shape, mesh), param_axes, abstract_state.params, is_leaf=_is_axes
+    )
+    by_shape_path = {
+        _path_key(path): spec for path, spec in jax.tree_util.tree_flatten_with_path(param_specs)[0]
+    }
+
+    def opt_leaf(path: tuple, leaf: Any) -> P:
+        spec = _match_param(path, by_shape_path)
+        if spec is None or not leaf.shape:
+            return P()
+        return _add_data_axis(spec, leaf.shape, mesh) if zero1 else spec
+
+    opt_specs = jax.tree_util.tree_map_with_path(opt_leaf, abstract_state.opt_state)
+    return abstract_state.replace(
+        params=param_specs,
+        opt_state=opt_specs,
+        **{k: P() for k in ("step", "loss_scale", "good_steps", "bad_steps", "skipped_steps")},
+    )
+
+
+def _is_axes(x: Any) -> bool:
+    return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
+
+
+def _path_key(path: tuple) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def _match_param(path: tuple, param_paths: dict[tuple[str, ...], P]) -> P | None:
+    """The spec of the param an optimizer leaf belongs to: its path ends with the param's path."""
+    key = _path_key(path)
+    for n in range(len(key), 0, -1):
+        if key[-n:] in param_paths:
+            return param_paths[key[-n:]]
+    return None
+
+
+def shardings(mesh: Mesh, specs: Any) -> Any:
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def manual_part(spec: P) -> P:
+    """The part of a spec on the manual (batch) axes: what shard_map's in/out specs name."""
+    keep = set(BATCH_AXES)
+
+    def part(entry: Any) -> Any:
+        axes = entry if isinstance(entry, tuple) else (entry,) if entry else ()
+        kept = tuple(a for a in axes if a in keep)
+        return kept if len(kept) > 1 else kept[0] if kept else None
+
+    return P(*(part(e) for e in spec))
+
+
+def fsdp_dim(spec: P) -> int | None:
+    """The dim a param is split on over fsdp, or None when it is whole there."""
+    for i, entry in enumerate(spec):
+        axes = entry if isinstance(entry, tuple) else (entry,)
+        if FSDP_AXIS in axes:
+            return i
+    return None
+
+
+def bytes_per_device(abstract_tree: Any, specs: Any, mesh: Mesh) -> int:
+    """Bytes one device holds of a tree laid out by `specs` (the largest share; shards are even)."""
+    total = 0
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    for leaf, spec in zip(jax.tree.leaves(abstract_tree), spec_leaves, strict=True):
+        split = 1
+        for entry in spec:
+            for a in entry if isinstance(entry, tuple) else (entry,) if entry else ():
+                split *= mesh.shape[a]
+        total += math.prod(leaf.shape) * leaf.dtype.itemsize // split
+    return total
 
 
 def global_batch(local_rows: np.ndarray, mesh: Mesh, global_rows: int) -> jax.Array:
-    """This process's rows of the global batch -> one global array sharded over `data`."""
+    """This process's rows of the global batch -> one global array sharded over the batch axes."""
     shape = (global_rows, *local_rows.shape[1:])
     return jax.make_array_from_process_local_data(batch_sharding(mesh), local_rows, shape)
 
 
-def local_copy(tree: Any) -> Any:
-    """Host numpy copy of a replicated tree from this process's own shard (no collective)."""
-    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
+def host_copy(tree: Any) -> Any:
+    """Whole host numpy copy of a (possibly sharded) tree; every process must call it."""
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    return multihost_utils.process_allgather(tree, tiled=True)

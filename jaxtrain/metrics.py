@@ -46,6 +46,16 @@ def peak_flops(device_kind: str) -> float | None:
     return next((peak for key, peak in PEAK_FLOPS if key in device_kind), None)
 
 
+def compiled_peak_bytes(compiled: Any) -> int:
+    """Peak bytes per device of a compiled step: arguments + temporaries + outputs not aliased."""
+    m = compiled.memory_analysis()
+    if m is None:  # a backend that does not say
+        return 0
+    return int(
+        m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+    )
+
+
 class _TqdmHandler(logging.StreamHandler):
     """Console lines that do not break the progress bar."""
 
@@ -96,6 +106,12 @@ class Reporter:
         )  # fmt: skip
         if cfg.use_wandb:
             self.wandb = _start_wandb(cfg, run_dir)
+
+    def start(self, record: dict[str, Any]) -> None:
+        """The launch's start record: mesh, sizes, memory per device, compile time."""
+        if self.is_main:
+            self.metrics_file.write(json.dumps(record) + "\n")
+            self.metrics_file.flush()
 
     def step_done(self) -> None:
         if self.is_main:

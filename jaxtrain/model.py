@@ -21,10 +21,43 @@ import numpy as np
 
 from jaxtrain.config import ModelConfig
 
+# Logical axes of every param, by the end of its path; jaxtrain/mesh.py maps them to mesh axes.
+# Attention kernels keep (heads, head_dim) apart so tensor parallelism splits whole heads.
+PARAM_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
+    ("wte", "embedding"): ("vocab", "embed"),
+    ("wpe", "embedding"): (None, "embed"),
+    ("attn", "qkv", "kernel"): ("embed", None, "heads", None),
+    ("attn", "out", "kernel"): ("heads", None, "embed"),
+    ("mlp", "fc", "kernel"): ("embed", "mlp"),
+    ("mlp", "out", "kernel"): ("mlp", "embed"),
+    ("scale",): (None,),  # norm scales: small, replicated
+}
 
-def _dense(features: int, std: float, dtype: Any, name: str) -> nn.Dense:
-    return nn.Dense(
+
+def param_axes(params: Any) -> Any:
+    """Logical axes of every leaf of a param tree; a scanned stack gets a leading `layers` axis."""
+
+    def axes(path: tuple, leaf: Any) -> tuple[str | None, ...]:
+        names = tuple(str(getattr(k, "key", k)) for k in path)
+        for suffix, logical in PARAM_AXES.items():
+            if names[-len(suffix) :] == suffix:
+                return ("layers",) * (len(leaf.shape) - len(logical)) + logical
+        raise KeyError(f"no logical axes for param {'/'.join(names)}; add it to model.PARAM_AXES")
+
+    return jax.tree_util.tree_map_with_path(axes, params)
+
+
+def _constrain(x: jax.Array, *logical: str | None) -> jax.Array:
+    """Pin an activation's layout by logical axes (a no-op unless the step sets axis rules)."""
+    return nn.with_logical_constraint(x, logical)
+
+
+def _dense(
+    features: int | tuple[int, ...], std: float, dtype: Any, name: str, axis: Any = -1
+) -> nn.DenseGeneral:
+    return nn.DenseGeneral(
         features,
+        axis=axis,
         use_bias=False,
         dtype=dtype,
         param_dtype=jnp.float32,
@@ -67,10 +100,11 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg
-        b, t, d = x.shape
+        d = x.shape[-1]
         head_dim = d // cfg.n_head
-        qkv = _dense(3 * d, cfg.init_std, self.dtype, "qkv")(x)
-        q, k, v = jnp.split(qkv.reshape(b, t, 3 * cfg.n_head, head_dim), 3, axis=2)  # [B, T, N, H]
+        qkv = _dense((3, cfg.n_head, head_dim), cfg.init_std, self.dtype, "qkv")(x)  # [B, T, 3, N, H]
+        qkv = _constrain(qkv, "batch", "length", None, "heads", None)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [B, T, N, H]
         if cfg.pos_embedding == "rope":
             q, k = _rope(q, cfg.rope_theta), _rope(k, cfg.rope_theta)
         # [B, T, N, H] with implementation=None lets XLA pick the cuDNN fused kernel on GPU.
@@ -81,7 +115,9 @@ class Attention(nn.Module):
             is_causal=True,
             implementation=None if cfg.attention_impl == "auto" else cfg.attention_impl,
         )
-        return _dense(d, _residual_std(cfg), self.dtype, "out")(y.reshape(b, t, d))
+        y = _constrain(y, "batch", "length", "heads", None)
+        out = _dense(d, _residual_std(cfg), self.dtype, "out", axis=(-2, -1))(y)
+        return _constrain(out, "batch", "length", "embed")
 
 
 class Mlp(nn.Module):
@@ -93,7 +129,9 @@ class Mlp(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         h = nn.gelu(_dense(self.cfg.ff_dim, self.cfg.init_std, self.dtype, "fc")(x))
-        return _dense(x.shape[-1], _residual_std(self.cfg), self.dtype, "out")(h)
+        h = _constrain(h, "batch", "length", "mlp")
+        out = _dense(x.shape[-1], _residual_std(self.cfg), self.dtype, "out")(h)
+        return _constrain(out, "batch", "length", "embed")
 
 
 class Block(nn.Module):
@@ -155,7 +193,7 @@ class GPT(nn.Module):
             for i in range(cfg.n_layer):
                 x, _ = block(cfg, self.dtype, name=f"block_{i}")(x)
         x = _norm(x, cfg.norm_eps, "ln_f")
-        return wte.attend(x).astype(jnp.float32)
+        return _constrain(wte.attend(x), "batch", "length", "vocab").astype(jnp.float32)
 
 
 def param_count(params: Any) -> int:

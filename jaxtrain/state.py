@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 
 from jaxtrain import mesh as mesh_lib
 from jaxtrain.config import Config
-from jaxtrain.model import GPT
+from jaxtrain.model import GPT, param_axes
 
 # float16 starts with a large loss scale and halves it on overflow (dynamic loss scaling).
 FP16_INITIAL_SCALE = 2.0**15
@@ -51,12 +51,14 @@ def abstract_state(cfg: Config, model: GPT, tx: optax.GradientTransformation) ->
     return jax.eval_shape(lambda rng: init_state(cfg, model, tx, rng), jax.random.key(0))
 
 
-def state_sharding(mesh: Mesh, abstract: TrainState) -> Any:
-    return mesh_lib.param_sharding(mesh, abstract)
+def state_sharding(mesh: Mesh, abstract: TrainState, zero1: bool = False) -> Any:
+    """NamedSharding of every leaf: params by their logical axes, moments like their params."""
+    specs = mesh_lib.state_specs(abstract, param_axes(abstract.params), mesh, zero1)
+    return mesh_lib.shardings(mesh, specs)
 
 
 def create_state(cfg: Config, model: GPT, tx: optax.GradientTransformation, mesh: Mesh) -> TrainState:
-    """Initialise directly into the target shardings."""
-    shardings = state_sharding(mesh, abstract_state(cfg, model, tx))
+    """Initialise directly into the target shardings: full params never sit on one device."""
+    shardings = state_sharding(mesh, abstract_state(cfg, model, tx), cfg.mesh.zero1)
     init = jax.jit(lambda rng: init_state(cfg, model, tx, rng), out_shardings=shardings)
     return init(jax.random.key(cfg.seed))

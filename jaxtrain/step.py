@@ -1,9 +1,20 @@
-"""Pure train and eval steps: shard_map data parallelism, scanned gradient accumulation.
+"""Pure train and eval steps on a data x fsdp x tensor mesh, with scanned gradient accumulation.
 
-Each device computes the gradient of its own rows (all microbatches, scanned), then one
-`pmean` over the batch axes reduces it: one gradient all-reduce per optimizer step, however
-many microbatches. A step with a non-finite loss or gradient leaves params and optimizer
-state unchanged; every process decides identically because it judges reduced values.
+The step is one jitted function. Inside it a `shard_map` is manual over the batch axes
+(data, fsdp) and leaves `tensor` to the compiler (GSPMD), guided by the model's logical
+activation constraints:
+  - each device computes the gradient of its own rows, all microbatches scanned;
+  - fsdp-split params are all-gathered inside the differentiated function, so autodiff turns
+    the gather into a reduce-scatter of their gradients: no full gradient is all-reduced on fsdp;
+  - one `pmean` over `data` per optimizer step, however many microbatches.
+Explicit collectives, not GSPMD alone, for data and fsdp: on XLA:CPU GSPMD lowers an fsdp
+gradient to an all-reduce of the whole gradient plus a slice (measured: bench/ and
+tests/test_sharding.py), and it would all-reduce the gradient once per microbatch. The
+optimizer update runs outside the shard_map on the sharded state (ZeRO-1's data-split moments
+included); XLA places it.
+
+A step with a non-finite loss or gradient leaves params and optimizer state unchanged; every
+process decides identically because it judges reduced values.
 """
 
 from __future__ import annotations
@@ -11,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -41,13 +53,51 @@ def _token_loss(model: GPT, params: Any, rows: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, rows[:, 1:]).mean()
 
 
+class _Layout:
+    """How params sit on the mesh, as the inside of the shard_map sees them."""
+
+    def __init__(self, mesh: Mesh, param_specs: Any) -> None:
+        is_spec = lambda x: isinstance(x, P)  # noqa: E731
+        self.manual = jax.tree.map(mesh_lib.manual_part, param_specs, is_leaf=is_spec)
+        self.fsdp_dims = jax.tree.map(mesh_lib.fsdp_dim, param_specs, is_leaf=is_spec)
+        self.fsdp = int(mesh.shape[mesh_lib.FSDP_AXIS])
+        self.rules = mesh_lib.ACTIVATION_RULES if mesh.shape[mesh_lib.TENSOR_AXIS] > 1 else ()
+
+    def gather(self, params: Any) -> Any:
+        """Whole params from this device's fsdp shards (its transpose is the reduce-scatter)."""
+        fsdp = mesh_lib.FSDP_AXIS
+        return jax.tree.map(
+            lambda p, dim: p if dim is None else jax.lax.all_gather(p, fsdp, axis=dim, tiled=True),
+            params,
+            self.fsdp_dims,
+            is_leaf=lambda x: x is None,
+        )
+
+    def loss(self, model: GPT, params: Any, rows: jax.Array) -> jax.Array:
+        with nn.logical_axis_rules(self.rules):
+            return _token_loss(model, self.gather(params), rows)
+
+    def reduce_grads(self, grads: Any) -> Any:
+        """Mean over every batch shard: fsdp-split grads arrive summed over fsdp already."""
+        return jax.tree.map(
+            lambda g, dim: (
+                jax.lax.pmean(g, mesh_lib.BATCH_AXES)
+                if dim is None
+                else jax.lax.pmean(g, mesh_lib.DATA_AXIS) / self.fsdp
+            ),
+            grads,
+            self.fsdp_dims,
+            is_leaf=lambda x: x is None,
+        )
+
+
 def _local_grads(
-    model: GPT, accum: int, params: Any, rows: jax.Array, scale: jax.Array
+    model: GPT, layout: _Layout, accum: int, params: Any, rows: jax.Array, scale: jax.Array
 ) -> tuple[Any, jax.Array]:
     """Gradient and loss of this device's rows, averaged over `accum` microbatches."""
 
     def scaled_loss(p: Any, mb: jax.Array) -> tuple[jax.Array, jax.Array]:
-        loss = _token_loss(model, p, mb)
+        loss = layout.loss(model, p, mb)
         return loss * scale, loss
 
     grad_fn = jax.grad(scaled_loss, has_aux=True)
@@ -69,8 +119,11 @@ def _reduce(tree: Any) -> Any:
     return jax.lax.pmean(tree, mesh_lib.BATCH_AXES)
 
 
-def make_train_step(cfg: Config, model: GPT, tx: optax.GradientTransformation, mesh: Mesh) -> Callable:
+def make_train_step(
+    cfg: Config, model: GPT, tx: optax.GradientTransformation, mesh: Mesh, param_specs: Any
+) -> Callable:
     """train_step(state, batch) -> (state, metrics); batch is int32 [global_batch, T+1]."""
+    layout = _Layout(mesh, param_specs)
     accum = cfg.gradient_accumulation_steps
     schedule = lr_schedule(cfg)
     fp16 = cfg.dtype == "float16"
@@ -81,15 +134,16 @@ def make_train_step(cfg: Config, model: GPT, tx: optax.GradientTransformation, m
     ) -> tuple[Any, jax.Array]:
         if cfg.debug.nan_step > 0:  # test-only fault, traced only when asked for
             scale = poison_gradients(cfg.debug, scale, step, jax.lax.axis_index(mesh_lib.BATCH_AXES) == 0)
-        grads, loss = _local_grads(model, accum, params, rows, scale)
-        return _reduce(grads), _reduce(loss)
+        grads, loss = _local_grads(model, layout, accum, params, rows, scale)
+        return layout.reduce_grads(grads), _reduce(loss)
 
-    # check_vma=False: params enter replicated and we reduce explicitly, exactly once.
+    # check_vma=False: we reduce explicitly, exactly once per step. `tensor` stays automatic.
     sharded_grads = jax.shard_map(
         device_grads,
         mesh=mesh,
-        in_specs=(P(), mesh_lib.batch_spec(), P(), P()),
-        out_specs=(P(), P()),
+        in_specs=(layout.manual, mesh_lib.batch_spec(), P(), P()),
+        out_specs=(layout.manual, P()),
+        axis_names=set(mesh_lib.BATCH_AXES),
         check_vma=False,
     )
 
@@ -140,14 +194,20 @@ def make_train_step(cfg: Config, model: GPT, tx: optax.GradientTransformation, m
     return train_step
 
 
-def make_eval_step(model: GPT, mesh: Mesh) -> Callable:
+def make_eval_step(model: GPT, mesh: Mesh, param_specs: Any) -> Callable:
     """eval_step(params, batch) -> mean loss over the global batch."""
+    layout = _Layout(mesh, param_specs)
 
     def device_loss(params: Any, rows: jax.Array) -> jax.Array:
-        return _reduce(_token_loss(model, params, rows))
+        return _reduce(layout.loss(model, params, rows))
 
     return jax.shard_map(
-        device_loss, mesh=mesh, in_specs=(P(), mesh_lib.batch_spec()), out_specs=P(), check_vma=False
+        device_loss,
+        mesh=mesh,
+        in_specs=(layout.manual, mesh_lib.batch_spec()),
+        out_specs=P(),
+        axis_names=set(mesh_lib.BATCH_AXES),
+        check_vma=False,
     )
 
 
@@ -157,14 +217,15 @@ def jit_steps(
     """Jit both steps once with explicit shardings; the train step donates the old state."""
     replicated = mesh_lib.replicated(mesh)
     batch = mesh_lib.batch_sharding(mesh)
+    param_specs = jax.tree.map(lambda s: s.spec, state_shardings.params)
     train = jax.jit(
-        make_train_step(cfg, model, tx, mesh),
+        make_train_step(cfg, model, tx, mesh, param_specs),
         in_shardings=(state_shardings, batch),
         out_shardings=(state_shardings, replicated),
         donate_argnums=0,
     )
     evaluate = jax.jit(
-        make_eval_step(model, mesh),
+        make_eval_step(model, mesh, param_specs),
         in_shardings=(state_shardings.params, batch),
         out_shardings=replicated,
     )

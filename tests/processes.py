@@ -82,9 +82,10 @@ def rank_pid(marker: str, rank: int, script: str = "train.py") -> int:
 
 
 def wait_for_training(run_dir: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
-    """Return once run_dir/metrics.jsonl holds a record; fail if `proc` ends first or time runs out."""
+    """Return once run_dir/metrics.jsonl holds a step's record (not just the start record); fail if
+    `proc` ends first or time runs out."""
     metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + timeout
-    while not metrics.exists() or not metrics.read_text():
+    while not metrics.exists() or '"loss"' not in metrics.read_text():
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         assert time.monotonic() < deadline, "training never started"
         time.sleep(0.2)
