@@ -298,23 +298,18 @@ def port_in_use(port: int) -> bool:
     return False
 
 
-def join_error(spec: LaunchSpec, what: str) -> UserError:
-    return UserError(
-        f"process {spec.process_id} of {spec.num_processes} (coordinator {spec.coordinator_address}, "
-        f"source {spec.source}) {what}"
-    )
+def wait_for_coordinator(address: str, timeout: float, poll_s: float = 0.5, attempt_s: float = 5.0) -> bool:
+    """Connect to the coordinator at HOST:PORT until it accepts or `timeout` s pass; True if it did.
 
-
-def wait_for_coordinator(spec: LaunchSpec, timeout: float) -> None:
+    Process 0 may still be starting it, so a refused connection is tried again every `poll_s`
+    seconds; one attempt waits at most `attempt_s` (a firewall drops packets instead of refusing).
+    """
     deadline = time.monotonic() + timeout
-    while not coordinator_reachable(spec.coordinator_address, min(5.0, timeout)):
+    while not coordinator_reachable(address, min(attempt_s, timeout)):
         if time.monotonic() >= deadline:
-            raise join_error(
-                spec,
-                f"could not reach the coordinator within {timeout:.0f} s; check that process 0 is "
-                f"running and that {spec.coordinator_address} is reachable from this host (firewall?)",
-            )
-        time.sleep(0.5)
+            return False
+        time.sleep(poll_s)
+    return True
 
 
 def describe(spec: LaunchSpec) -> str:

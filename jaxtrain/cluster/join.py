@@ -8,39 +8,42 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
 from collections.abc import Mapping
+from types import TracebackType
 
 from jaxtrain.cluster.detect import (
     LaunchSpec,
     describe,
     detect,
-    join_error,
     port_in_use,
     split_address,
     wait_for_coordinator,
 )
+from jaxtrain.cluster.watchdog import Watchdog, exit_now
 from jaxtrain.config import DistConfig
-from jaxtrain.errors import EXIT_USAGE
+from jaxtrain.errors import EXIT_USAGE, UserError
 
 
-def _watchdog(spec: LaunchSpec, timeout: float) -> threading.Event:
+def join_error(spec: LaunchSpec, what: str) -> UserError:
+    return UserError(
+        f"process {spec.process_id} of {spec.num_processes} (coordinator {spec.coordinator_address}, "
+        f"source {spec.source}) {what}"
+    )
+
+
+def _init_watchdog(spec: LaunchSpec) -> Watchdog:
     """JAX aborts the whole process when joining times out; exit first with a readable line."""
-    done = threading.Event()
 
-    def watch() -> None:
-        if not done.wait(timeout):
-            err = join_error(
-                spec,
-                f"timed out after {timeout:.0f} s waiting for all processes to join; start every "
-                "process, check they agree on the coordinator, or raise --dist.init_timeout",
-            )
-            print(f"error: {err}", file=sys.stderr, flush=True)
-            os._exit(EXIT_USAGE)
+    def expired(what: str, seconds: float) -> None:
+        err = join_error(
+            spec,
+            f"timed out after {seconds:.0f} s waiting for all processes to join; start every "
+            "process, check they agree on the coordinator, or raise --dist.init_timeout",
+        )
+        print(f"error: {err}", file=sys.stderr, flush=True)
 
-    threading.Thread(target=watch, name="jaxtrain-init-watchdog", daemon=True).start()
-    return done
+    return Watchdog(on_expiry=expired, exit_code=EXIT_USAGE)
 
 
 def _exit_at_once_on_crash() -> None:
@@ -51,11 +54,9 @@ def _exit_at_once_on_crash() -> None:
     """
     previous = sys.excepthook
 
-    def hook(exc_type, exc, tb) -> None:  # noqa: ANN001 (sys.excepthook signature)
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         previous(exc_type, exc, tb)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        exit_now(1)
 
     sys.excepthook = hook
 
@@ -81,24 +82,29 @@ def initialize(dist: DistConfig, environ: Mapping[str, str] = os.environ) -> Lau
                 f"cannot start the coordinator: port {port} is already in use on this host; pick a free "
                 "port (e.g. --dist.coordinator_address HOST:29501) or stop what holds it",
             )
-    else:
-        wait_for_coordinator(spec, timeout)
-    remaining = max(1.0, timeout - (time.monotonic() - start))
-    done = _watchdog(spec, remaining)
-    try:
-        jax.distributed.initialize(
-            coordinator_address=spec.coordinator_address,
-            num_processes=spec.num_processes,
-            process_id=spec.process_id,
-            local_device_ids=list(spec.local_device_ids) if spec.local_device_ids else None,
-            # JAX's own limit sits just past the watchdog so the readable error wins the race.
-            initialization_timeout=int(remaining) + 5,
+    elif not wait_for_coordinator(spec.coordinator_address, timeout):
+        raise join_error(
+            spec,
+            f"could not reach the coordinator within {timeout:.0f} s; check that process 0 is "
+            f"running and that {spec.coordinator_address} is reachable from this host (firewall?)",
         )
+    remaining = max(1.0, timeout - (time.monotonic() - start))
+    watchdog = _init_watchdog(spec)
+    try:
+        with watchdog.deadline("init", remaining):
+            jax.distributed.initialize(
+                coordinator_address=spec.coordinator_address,
+                num_processes=spec.num_processes,
+                process_id=spec.process_id,
+                local_device_ids=list(spec.local_device_ids) if spec.local_device_ids else None,
+                # JAX's own limit sits just past the watchdog so the readable error wins the race.
+                initialization_timeout=int(remaining) + 5,
+            )
     except Exception as e:  # JAX raises several types here; all mean this process cannot join
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise join_error(spec, f"failed to join the job: {first_line}") from e
     finally:
-        done.set()
+        watchdog.stop()
     _exit_at_once_on_crash()
     if spec.process_id == 0:
         print(describe(spec), flush=True)

@@ -118,14 +118,9 @@ def check_network(spec: detect.LaunchSpec, timeout: float) -> Check:
             )
             return Check("network", False, reason, {0: reason})
     start = time.monotonic()
-    # Process 0 may still be starting its coordinator: retry until the deadline.
-    while not detect.coordinator_reachable(address, min(2.0, timeout)):
-        if time.monotonic() - start >= timeout:
-            reason = (
-                f"cannot reach coordinator {address} within {timeout:g} s (nothing listens, or a firewall)"
-            )
-            return Check("network", False, reason, {spec.process_id: reason})
-        time.sleep(0.25)
+    if not detect.wait_for_coordinator(address, timeout, poll_s=0.25, attempt_s=2.0):
+        reason = f"cannot reach coordinator {address} within {timeout:g} s (nothing listens, or a firewall)"
+        return Check("network", False, reason, {spec.process_id: reason})
     return Check("network", True, f"coordinator {address} reached in {time.monotonic() - start:.1f} s")
 
 
