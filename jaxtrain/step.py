@@ -61,6 +61,7 @@ class _Layout:
         self.manual = jax.tree.map(mesh_lib.manual_part, param_specs, is_leaf=is_spec)
         self.fsdp_dims = jax.tree.map(mesh_lib.fsdp_dim, param_specs, is_leaf=is_spec)
         self.fsdp = int(mesh.shape[mesh_lib.FSDP_AXIS])
+        self.data = int(mesh.shape[mesh_lib.DATA_AXIS])
         self.rules = mesh_lib.ACTIVATION_RULES if mesh.shape[mesh_lib.TENSOR_AXIS] > 1 else ()
 
     def gather(self, params: Any) -> Any:
@@ -79,12 +80,12 @@ class _Layout:
 
     def reduce_grads(self, grads: Any) -> Any:
         """Mean over every batch shard: fsdp-split grads arrive summed over fsdp already."""
+
+        def over_data(g: jax.Array) -> jax.Array:
+            return g if self.data == 1 else jax.lax.pmean(g, mesh_lib.DATA_AXIS)
+
         return jax.tree.map(
-            lambda g, dim: (
-                jax.lax.pmean(g, mesh_lib.BATCH_AXES)
-                if dim is None
-                else jax.lax.pmean(g, mesh_lib.DATA_AXIS) / self.fsdp
-            ),
+            lambda g, dim: jax.lax.pmean(g, mesh_lib.BATCH_AXES) if dim is None else over_data(g) / self.fsdp,
             grads,
             self.fsdp_dims,
             is_leaf=lambda x: x is None,

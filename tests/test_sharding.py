@@ -1,0 +1,165 @@
+"""FSDP, tensor parallelism and ZeRO-1 on 8 fake CPU devices: same losses as data parallelism,
+less state per device, the collectives FSDP promises, and bad meshes refused.
+
+pytest tests/test_sharding.py     # about 1 minute on 2 cores
+"""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from jaxtrain import mesh as mesh_lib
+from jaxtrain.config import ConfigError, load_config, with_topology
+from jaxtrain.model import GPT
+from jaxtrain.optim import make_optimizer
+from jaxtrain.state import create_state, state_sharding
+from jaxtrain.step import compute_dtype, jit_steps
+
+# 4 heads so tensor 2 splits them; clipping on, so the global norm must agree across layouts.
+TINY = ["--config", "configs/tiny.yaml", "--optim.warmup_steps", "0", "--model.n_head", "4"]
+STEPS = 10
+
+
+def _setup(argv):
+    cfg = with_topology(load_config(TINY + argv), 8, 1)
+    mesh = mesh_lib.make_mesh(shape=cfg.mesh)
+    model, tx = GPT(cfg.model, dtype=compute_dtype(cfg)), make_optimizer(cfg)
+    state = create_state(cfg, model, tx, mesh)
+    shardings = state_sharding(mesh, state, cfg.mesh.zero1)
+    train_step, eval_step = jit_steps(cfg, model, tx, mesh, shardings)
+    return cfg, mesh, state, shardings, train_step, eval_step
+
+
+def _train(argv):
+    """(losses over STEPS steps, state bytes per device, final params) for one layout."""
+    cfg, mesh, state, shardings, train_step, _ = _setup(argv)
+    rng = np.random.default_rng(0)
+    # Two batches in turn: random tokens, but seen again, so the loss must fall.
+    batches = [
+        rng.integers(0, 256, (cfg.batch_size, cfg.model.seq_len + 1), dtype=np.int32) for _ in range(2)
+    ]
+    losses = []
+    for i in range(STEPS):
+        rows = batches[i % 2]
+        state, m = train_step(state, mesh_lib.global_batch(rows, mesh, cfg.batch_size))
+        losses.append(float(m["loss"]))
+    specs = jax.tree.map(lambda s: s.spec, shardings)
+    return np.array(losses), mesh_lib.bytes_per_device(state, specs, mesh), jax.device_get(state.params)
+
+
+@pytest.fixture(scope="module")
+def data_parallel():
+    return _train([])
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--mesh.data", "1", "--mesh.fsdp", "8"],
+        ["--mesh.data", "1", "--mesh.fsdp", "4", "--mesh.tensor", "2"],
+        ["--mesh.data", "2", "--mesh.fsdp", "2", "--mesh.tensor", "2"],
+        ["--mesh.zero1", "true"],
+        [
+            "--mesh.data",
+            "2",
+            "--mesh.fsdp",
+            "4",
+            "--gradient_accumulation_steps",
+            "2",
+            "--model.remat",
+            "full",
+        ],
+    ],
+    ids=["fsdp8", "fsdp4xtp2", "dp2xfsdp2xtp2", "zero1", "dp2xfsdp4-accum-remat"],
+)
+def test_every_mesh_trains_like_data_parallelism(data_parallel, argv):
+    dp_losses, dp_bytes, dp_params = data_parallel
+    losses, state_bytes, params = _train(argv)
+    np.testing.assert_allclose(losses, dp_losses, rtol=1e-4)
+    assert losses[-1] < losses[0]
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(dp_params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
+    if argv[:4] == ["--mesh.data", "1", "--mesh.fsdp", "8"]:
+        assert state_bytes <= 0.15 * dp_bytes, (state_bytes, dp_bytes)
+    else:
+        assert state_bytes < dp_bytes
+
+
+def _hlo(argv):
+    cfg, mesh, state, _, train_step, _ = _setup(argv)
+    batch = jax.ShapeDtypeStruct(
+        (cfg.batch_size, cfg.model.seq_len + 1), np.int32, sharding=mesh_lib.batch_sharding(mesh)
+    )
+    return state, train_step.lower(state, batch).compile().as_text()
+
+
+def _all_reduce_sizes(hlo):
+    """Element counts of every all-reduce operand (tuples counted per element)."""
+    sizes = []
+    for line in hlo.splitlines():
+        if " all-reduce(" in line or "all-reduce-start(" in line:
+            shapes = line.split("=", 1)[1].split("all-reduce", 1)[0]
+            sizes += [
+                int(np.prod([int(d) for d in dims.split(",") if d]))
+                for dims in re.findall(r"\[([\d,]*)\]", shapes)
+            ]
+    return sizes
+
+
+def test_fsdp_reduce_scatters_gradients_and_never_all_reduces_them():
+    state, hlo = _hlo(["--mesh.data", "1", "--mesh.fsdp", "8"])
+    assert "all-gather" in hlo and "reduce-scatter" in hlo
+    # What is all-reduced is at most one device's 1/8 shard (or a scalar, or a norm scale).
+    largest = max(x.size for x in jax.tree.leaves(state.params))
+    assert max(_all_reduce_sizes(hlo), default=0) <= largest // 8
+    # The check would catch the regression: data parallelism all-reduces the whole gradient.
+    _, dp_hlo = _hlo([])
+    assert max(_all_reduce_sizes(dp_hlo)) == largest
+
+
+def test_params_and_moments_are_split_the_same_way():
+    _, mesh, state, shardings, _, _ = _setup(["--mesh.data", "1", "--mesh.fsdp", "4", "--mesh.tensor", "2"])
+    qkv = shardings.params["block_0"]["attn"]["qkv"]["kernel"].spec
+    assert qkv == jax.sharding.PartitionSpec("fsdp", None, "tensor", None)  # embed on fsdp, heads on tensor
+    assert shardings.params["wte"]["embedding"].spec == jax.sharding.PartitionSpec("tensor", "fsdp")
+    assert shardings.params["ln_f"]["scale"].spec == jax.sharding.PartitionSpec(None)
+    adam = shardings.opt_state[0]
+    assert (
+        adam.mu["block_0"]["attn"]["qkv"]["kernel"].spec == qkv
+        and adam.nu["wte"]["embedding"].spec[1] == "fsdp"
+    )
+    assert state.params["wte"]["embedding"].addressable_shards[0].data.shape == (128, 16)
+
+
+def test_zero1_splits_only_the_optimizer_state_over_data():
+    _, _, _, shardings, _, _ = _setup(["--mesh.zero1", "true"])
+    assert all(
+        s.spec == jax.sharding.PartitionSpec() or not any(s.spec) for s in jax.tree.leaves(shardings.params)
+    )
+    mu = shardings.opt_state[0].mu["wte"]["embedding"].spec
+    assert "data" in jax.tree.leaves(tuple(mu))
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--mesh.fsdp", "3"], "mesh data -1 x fsdp 3 x tensor 1 does not multiply to the 8 devices"),
+        (
+            ["--mesh.data", "2", "--mesh.fsdp", "2", "--mesh.tensor", "4"],
+            "e.g. --mesh.data -1 --mesh.fsdp 2 --mesh.tensor 4",
+        ),
+        (["--mesh.data", "-1", "--mesh.fsdp", "-1"], "at most one mesh axis may be -1"),
+        (["--mesh.tensor", "3"], "model.n_head 4 is not divisible by mesh.tensor 3"),
+        (["--mesh.fsdp", "0"], "'mesh.fsdp' must be >= 1 or -1"),
+        (["--mesh.fsdp", "8", "--batch_size", "4"], "not divisible by 8 devices"),
+        (
+            ["--mesh.tensor", "2", "--batch_size", "6"],
+            "not divisible by 4 batch shards (mesh.data x mesh.fsdp)",
+        ),
+    ],
+)
+def test_bad_meshes_are_one_line_errors(argv, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        with_topology(load_config(TINY + argv), 8, 1)
