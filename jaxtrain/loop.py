@@ -165,14 +165,14 @@ def _run(
         f"mesh {mesh_lib.describe(mesh)}{' + zero1' if cfg.mesh.zero1 else ''}: train state "
         f"{state_bytes / 2**20:,.1f} MiB per device (params + 2 Adam moments, float32)"
     )
-    mesh_lib.check_fits(state_bytes, jax.devices()[0], mesh)
-    train_step, eval_step = jit_steps(cfg, model, tx, mesh, shardings)
+    mesh_lib.check_fits(state_bytes, jax.local_devices()[0], mesh)
+    jitted_train, eval_step = jit_steps(cfg, model, tx, mesh, shardings)
     with watchdog.phase("compile"):
         t0 = time.perf_counter()
         batch_shape = jax.ShapeDtypeStruct(
             (cfg.batch_size, seq + 1), jnp.int32, sharding=mesh_lib.batch_sharding(mesh)
         )
-        train_step = train_step.lower(state, batch_shape).compile()  # ahead of time: no stall in step 1
+        train_step = jitted_train.lower(state, batch_shape).compile()  # ahead of time: no stall in step 1
         compile_s = time.perf_counter() - t0
     peak_bytes = metrics.compiled_peak_bytes(train_step)
     log.info(
