@@ -23,6 +23,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check jaxtrain scripts tests bench
 	$(VENV)/bin/ruff format --check jaxtrain scripts tests bench
+	$(VENV)/bin/mypy jaxtrain
 
 bench: $(STAMP)
 	$(PY) bench/bench_loop.py $(ARGS)

@@ -181,7 +181,7 @@ def _leaf_paths(cls: type, prefix: str = "") -> dict[str, Any]:
     """Every settable dotted path of a config class, with its type."""
     out: dict[str, Any] = {}
     for name, typ in _fields(cls).items():
-        if dataclasses.is_dataclass(typ):
+        if isinstance(typ, type) and dataclasses.is_dataclass(typ):
             out.update(_leaf_paths(typ, f"{prefix}{name}."))
         else:
             out[f"{prefix}{name}"] = typ
@@ -310,7 +310,7 @@ def _parse_argv(argv: list[str]) -> tuple[str | None, list[tuple[str, str]]]:
 def _build(cls: type, flat: dict[str, Any], prefix: str = "") -> Any:
     kwargs = {}
     for name, typ in _fields(cls).items():
-        if dataclasses.is_dataclass(typ):
+        if isinstance(typ, type) and dataclasses.is_dataclass(typ):
             kwargs[name] = _build(typ, flat, f"{prefix}{name}.")
         elif f"{prefix}{name}" in flat:
             kwargs[name] = flat[f"{prefix}{name}"]

@@ -15,7 +15,7 @@ import os
 import secrets
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 from tqdm import tqdm
 
@@ -98,7 +98,7 @@ class Reporter:
         self.wandb: Any = None
         if not is_main:
             return
-        self.metrics_file = open(run_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in close()
+        self.metrics_file = open(run_dir / "metrics.jsonl", "a")  # closed in close()
         os.chmod(run_dir / "metrics.jsonl", 0o644)
         self.bar = tqdm(
             total=cfg.total_steps, initial=start_step, disable=not cfg.progress_bar, dynamic_ncols=True,
@@ -167,6 +167,6 @@ def _start_wandb(cfg: Config, run_dir: Path) -> Any:
         id=run_id,
         resume="allow",
         dir=str(run_dir),
-        mode=cfg.wandb_mode,
+        mode=cast(Literal["online", "offline"], cfg.wandb_mode),  # the values config.py allows
         config=config_lib.to_dict(cfg),
     )

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, Literal, cast
 
 import flax.linen as nn
 import jax
@@ -113,7 +113,10 @@ class Attention(nn.Module):
             k,
             v,
             is_causal=True,
-            implementation=None if cfg.attention_impl == "auto" else cfg.attention_impl,
+            # config.py allows only auto, xla and cudnn
+            implementation=None
+            if cfg.attention_impl == "auto"
+            else cast(Literal["xla", "cudnn"], cfg.attention_impl),
         )
         y = _constrain(y, "batch", "length", "heads", None)
         out = _dense(d, _residual_std(cfg), self.dtype, "out", axis=(-2, -1))(y)
@@ -225,7 +228,8 @@ def _next_token(
     top_k: int | None,
 ) -> jax.Array:
     """Sample the token after window[0, pos]; the window has a fixed [1, seq_len] shape."""
-    logits = GPT(cfg, dtype).apply({"params": params}, window)[0, pos] / temperature
+    # Without mutable=, apply returns just the model's output (flax types it as that or a pair).
+    logits = cast(jax.Array, GPT(cfg, dtype).apply({"params": params}, window))[0, pos] / temperature
     if top_k is not None:
         kth = jax.lax.top_k(logits, min(top_k, cfg.vocab_size))[0][-1]
         logits = jnp.where(logits < kth, -jnp.inf, logits)

@@ -172,7 +172,7 @@ def make_train_step(
             grow = good >= _SCALE_GROWTH_INTERVAL
             scale = jnp.where(finite, jnp.where(grow, scale * 2, scale), jnp.maximum(scale / 2, 1.0))
             good = jnp.where(grow, 0, good)
-        new_state = state.replace(
+        new_state = state.replace(  # type: ignore[attr-defined]  # added by flax.struct.dataclass
             step=state.step + 1,
             params=params,
             opt_state=opt_state,
@@ -214,7 +214,7 @@ def make_eval_step(model: GPT, mesh: Mesh, param_specs: Any) -> Callable:
 
 def jit_steps(
     cfg: Config, model: GPT, tx: optax.GradientTransformation, mesh: Mesh, state_shardings: Any
-) -> tuple[Callable, Callable]:
+) -> tuple[jax.stages.Wrapped, jax.stages.Wrapped]:
     """Jit both steps once with explicit shardings; the train step donates the old state."""
     replicated = mesh_lib.replicated(mesh)
     batch = mesh_lib.batch_sharding(mesh)

@@ -20,6 +20,7 @@ import socket
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from jaxtrain.config import DistConfig
 from jaxtrain.errors import UserError
@@ -119,7 +120,7 @@ def _from_jax_env(environ: Mapping[str, str]) -> dict | None:
         return None  # nothing, or only a coordinator for SLURM to use
     if len(set_names) < 3:
         raise _partial("jax_env", set_names, _JAX_VARS)
-    out = {
+    out: dict[str, Any] = {
         "coordinator_address": environ["JAX_COORDINATOR_ADDRESS"],
         "num_processes": _int("JAX_NUM_PROCESSES", environ["JAX_NUM_PROCESSES"]),
         "process_id": _int("JAX_PROCESS_ID", environ["JAX_PROCESS_ID"]),

@@ -71,6 +71,7 @@ def initialize(dist: DistConfig, environ: Mapping[str, str] = os.environ) -> Lau
             jax.config.update("jax_cuda_visible_devices", ",".join(map(str, spec.local_device_ids)))
         print(describe(spec), flush=True)
         return spec
+    assert spec.coordinator_address is not None  # detect() sets it whenever num_processes > 1
     # Without this a CPU-only job has no cross-process collectives; GPUs ignore the setting.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     start, timeout = time.monotonic(), float(dist.init_timeout)

@@ -107,6 +107,12 @@ class HealthCheck:
         self._among: dict[str, tuple[int, ...]] = {}  # step -> the processes it involves (all if empty)
         self._heartbeat = threading.Event()  # set to stop this process's heartbeat
 
+    @property
+    def _joined(self) -> Exchange:
+        """The exchange that every step after init uses."""
+        assert self.exchange is not None, "only after init"
+        return self.exchange
+
     def run(self) -> int:
         """Every step in order; 0 healthy, 1 failed, the same on every process that gets a verdict."""
         try:
@@ -146,6 +152,7 @@ class HealthCheck:
 
     def _init(self) -> bool:
         spec = self.spec
+        assert spec is not None  # run() sets it before init
         dist = dataclasses.replace(self.dist, init_timeout=self.dist.init_timeout + _INIT_MARGIN_S)
         start = time.monotonic()
         with self.watchdog.deadline("init", self.dist.init_timeout):
@@ -161,7 +168,7 @@ class HealthCheck:
     def _step(self, name: str, timeout: float, among: tuple[int, ...] = ()) -> Iterator[None]:
         """Run a step that may hang under a deadline; tell process 0 this process got there."""
         self._among[name] = among
-        self.exchange.post(f"enter/{name}", 1)
+        self._joined.post(f"enter/{name}", 1)
         with self.watchdog.deadline(name, timeout):
             yield
 
@@ -172,7 +179,7 @@ class HealthCheck:
         except Exception as e:  # a failure to measure is a finding about this host: report it, go on
             traceback.print_exc()
             value = {"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"}
-        values = self.exchange.gather(name, value, self.opts.step_timeout)
+        values = self._joined.gather(name, value, self.opts.step_timeout)
         stop = False
         if self.process_id == 0:
             silent = f"sent nothing within {self.opts.step_timeout:g} s"
@@ -185,10 +192,11 @@ class HealthCheck:
             for check in checks:
                 self.report.add(check)
             stop = bool(bad) or fatal and not all(c.ok for c in checks)
-        return not self.exchange.share(f"stop/{name}", stop, self.opts.step_timeout)
+        return not self._joined.share(f"stop/{name}", stop, self.opts.step_timeout)
 
     def _devices(self) -> bool:
-        opts = self.opts
+        opts, spec = self.opts, self.spec
+        assert spec is not None  # run() sets it before init
 
         def judge(records: dict[int, dict]) -> list[hc.Check]:
             self.report.set_processes(records)
@@ -198,7 +206,7 @@ class HealthCheck:
         def measure() -> dict[str, Any]:
             # The first device query starts the backend, which waits for every other process.
             with self._step("devices", opts.step_timeout):
-                return hc.local_record(self.spec)
+                return hc.local_record(spec)
 
         return self._shared("devices", measure, judge, fatal=False)
 
@@ -214,18 +222,20 @@ class HealthCheck:
     def _bandwidth(self) -> bool:
         opts, n = self.opts, jax.device_count()
         sizes = hc.sweep_sizes(opts.max_bytes)
-        hosts = self.exchange.share("hosts", self.report.process_hosts(), opts.step_timeout)
+        hosts = self._joined.share("hosts", self.report.process_hosts(), opts.step_timeout)
         order = list(dict.fromkeys(hosts))
 
         def measure() -> dict[str, list]:
-            sweep, pairs = [], []
+            assert self.mesh is not None  # _collectives made it
+            sweep: list[float] = []
+            pairs: list[list[Any]] = []
             for nbytes in sizes:
                 with self._step(f"bandwidth-{nbytes}", opts.step_timeout):
                     sweep.append(statistics.median(hc.time_all_reduce(self.mesh, nbytes, opts.iters)))
             # In lock-step every process waits as long as the slowest, so sweep times look alike
             # everywhere; all-reduces between neighbouring pairs of hosts single out a slow host.
             for r, round_pairs in enumerate(hc.ring_pairs(len(order))):
-                self.exchange.barrier(f"pairs-{r}", opts.step_timeout)  # one round at a time
+                self._joined.barrier(f"pairs-{r}", opts.step_timeout)  # one round at a time
                 for a, b in round_pairs:
                     members = tuple(p for p, host in enumerate(hosts) if host in (order[a], order[b]))
                     if self.process_id in members:
@@ -246,12 +256,12 @@ class HealthCheck:
 
     def _storage(self) -> bool:
         timeout = self.opts.step_timeout
-        nonce = self.exchange.share("nonce", f".health-{uuid.uuid4().hex[:12]}", timeout)
+        nonce = self._joined.share("nonce", f".health-{uuid.uuid4().hex[:12]}", timeout)
         folder = Path(self.opts.checkpoint_dir) / nonce
 
         def measure() -> dict[str, Any]:
             with self._step("storage", 3 * timeout + STORAGE_GRACE_S):  # three barriers
-                return storage_probe(folder, self.process_id, self.exchange, timeout)
+                return storage_probe(folder, self.process_id, self._joined, timeout)
 
         def judge(results: dict[int, dict]) -> list[hc.Check]:
             return [hc.judge_storage(results, self.opts.checkpoint_dir)]
@@ -273,7 +283,7 @@ class HealthCheck:
                 f"within {seconds:g} s; a process that failed before init named itself on its stderr, "
                 "one that printed nothing never started"
             )
-            late = []
+            late: list[int] = []
         else:
             late, frozen = [], []
             if self.exchange and self.process_id == 0:
@@ -322,10 +332,10 @@ class HealthCheck:
 
     def _leave(self, code: int) -> int:
         """Leave together: process 0 hosts the coordinator, so nobody may go before all are done."""
-        if self.exchange.num_processes == 1:
+        if self._joined.num_processes == 1:
             return code
         self._heartbeat.set()
-        if not self.exchange.barrier("done", self.opts.step_timeout):
+        if not self._joined.barrier("done", self.opts.step_timeout):
             exit_now(code)  # a process is gone; jax's exit-time shutdown would wait minutes for it
         with self.watchdog.deadline("shutdown", self.opts.step_timeout):
             jax.distributed.shutdown()

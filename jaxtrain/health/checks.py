@@ -76,6 +76,7 @@ def local_record(spec: detect.LaunchSpec) -> dict[str, Any]:
     """This process's launch, software and device facts, as plain JSON values."""
     devices = jax.local_devices()
     memory = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
+    limits = [m for m in memory if m is not None]
     return {
         "process_id": spec.process_id,
         "host": socket.gethostname(),
@@ -88,7 +89,7 @@ def local_record(spec: detect.LaunchSpec) -> dict[str, Any]:
         "device_count": len(devices),
         "device_kind": devices[0].device_kind,
         "device_ids": [d.id for d in devices],
-        "memory_bytes": None if None in memory else min(memory),
+        "memory_bytes": min(limits) if len(limits) == len(memory) else None,
     }
 
 
@@ -97,6 +98,7 @@ def check_network(spec: detect.LaunchSpec, timeout: float) -> Check:
     if spec.num_processes == 1:
         return Check("network", True, "single process: no coordinator")
     address = spec.coordinator_address
+    assert address is not None  # detect() sets it whenever num_processes > 1
     host, _ = detect.split_address(address)
     me = socket.gethostname()
     try:
@@ -132,11 +134,12 @@ def _per_device(mesh: Mesh, fn: Callable) -> Callable:
 def _rows(mesh: Mesh, width: int, value: Callable[[int], float]) -> jax.Array:
     """A (devices, width) float32 global array whose row i, on device i, is value(i)."""
     n = mesh.devices.size
-    return jax.make_array_from_callback(
-        (n, width),
-        NamedSharding(mesh, P(DATA_AXIS)),
-        lambda idx: np.full((1, width), value(idx[0].start), np.float32),
-    )
+
+    def row(idx: tuple[slice, ...] | None) -> np.ndarray:
+        assert idx is not None  # a sharded (not fully replicated) array: every shard has an index
+        return np.full((1, width), value(idx[0].start), np.float32)
+
+    return jax.make_array_from_callback((n, width), NamedSharding(mesh, P(DATA_AXIS)), row)
 
 
 def check_collectives(mesh: Mesh) -> list[str]:
@@ -232,7 +235,7 @@ def judge_devices(records: Mapping[int, dict], per_process: int = 0, per_host: i
         if r["platform"] == "cpu" and r["versions"]["plugin"] != "none" and not r["jax_platforms"]:
             _mark(bad, p, f"{r['versions']['plugin']} is installed but JAX found no accelerator")
     if per_host:
-        host_counts = Counter()
+        host_counts: Counter[str] = Counter()
         for r in records.values():
             host_counts[r["host"]] += r["device_count"]
         for p, r in records.items():
