@@ -473,6 +473,11 @@ def with_topology(cfg: Config, n_devices: int, n_processes: int, platform: str =
             "use --dtype bfloat16 on CPU"
         )
     mesh = resolve_mesh(cfg.mesh, n_devices)
+    if cfg.model.d_model % mesh.fsdp:
+        raise ConfigError(
+            f"model.d_model {cfg.model.d_model} is not divisible by mesh.fsdp {mesh.fsdp}: FSDP splits "
+            "every param along d_model; use an fsdp size that divides it"
+        )
     # A tensor group shares its rows: the batch is split over data x fsdp only.
     shards = mesh.data * mesh.fsdp
     where = "devices" if shards == n_devices else "batch shards (mesh.data x mesh.fsdp)"

@@ -204,6 +204,11 @@ def manual_part(spec: P) -> P:
     return P(*(part(e) for e in spec))
 
 
+def fsdp_logical_dim(logical: tuple[str | None, ...]) -> int | None:
+    """The dim of a param FSDP splits, from its logical axes (config checks it divides)."""
+    return next((i for i, name in enumerate(logical) if name and PARAM_RULES.get(name) == FSDP_AXIS), None)
+
+
 def fsdp_dim(spec: P) -> int | None:
     """The dim a param is split on over fsdp, or None when it is whole there."""
     for i, entry in enumerate(spec):

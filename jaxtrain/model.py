@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any, Literal, cast
 
 import flax.linen as nn
@@ -31,20 +32,23 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     ("mlp", "fc", "kernel"): ("embed", "mlp"),
     ("mlp", "out", "kernel"): ("mlp", "embed"),
     ("scale",): (None,),  # norm scales: small, replicated
+    ("embedding",): (None, "embed"),  # an embedding's own params, as `GPT.gather` sees them
 }
 
 
 def param_axes(params: Any) -> Any:
     """Logical axes of every leaf of a param tree; a scanned stack gets a leading `layers` axis."""
 
-    def axes(path: tuple, leaf: Any) -> tuple[str | None, ...]:
-        names = tuple(str(getattr(k, "key", k)) for k in path)
-        for suffix, logical in PARAM_AXES.items():
-            if names[-len(suffix) :] == suffix:
-                return ("layers",) * (len(leaf.shape) - len(logical)) + logical
-        raise KeyError(f"no logical axes for param {'/'.join(names)}; add it to model.PARAM_AXES")
+    return jax.tree_util.tree_map_with_path(lambda path, leaf: logical_axes(path, len(leaf.shape)), params)
 
-    return jax.tree_util.tree_map_with_path(axes, params)
+
+def logical_axes(path: tuple, ndim: int) -> tuple[str | None, ...]:
+    """Logical axes of the param at `path` (tree path keys); the first PARAM_AXES suffix wins."""
+    names = tuple(str(getattr(k, "key", k)) for k in path)
+    for suffix, logical in PARAM_AXES.items():
+        if names[-len(suffix) :] == suffix:
+            return ("layers",) * (ndim - len(logical)) + logical
+    raise KeyError(f"no logical axes for param {'/'.join(names)}; add it to model.PARAM_AXES")
 
 
 def _constrain(x: jax.Array, *logical: str | None) -> jax.Array:
@@ -152,14 +156,22 @@ class Block(nn.Module):
         return x, None
 
 
-def _block_class(cfg: ModelConfig) -> type[Block]:
-    """Block, wrapped in nn.remat as cfg.remat asks."""
+def _with_gather(cls: Any, gather: Callable[[Any], Any] | None, methods: list[str] | None = None) -> Any:
+    """`cls` whose params pass through `gather` each time it runs (no-op when gather is None)."""
+    if gather is None:
+        return cls
+    return nn.map_variables(cls, "params", trans_in_fn=gather, methods=methods)
+
+
+def _block_class(cfg: ModelConfig, gather: Callable[[Any], Any] | None) -> Any:
+    """Block, its params gathered as it runs, wrapped in nn.remat as cfg.remat asks."""
+    block = _with_gather(Block, gather)
     if cfg.remat == "none":
-        return Block
+        return block
     policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if cfg.remat == "dots" else None
     # Under scan the loop body already stops CSE across the recomputation; outside it,
     # prevent_cse keeps XLA from merging the recomputed forward into the saved one.
-    return nn.remat(Block, policy=policy, prevent_cse=not cfg.scan_layers)
+    return nn.remat(block, policy=policy, prevent_cse=not cfg.scan_layers)
 
 
 class GPT(nn.Module):
@@ -167,12 +179,16 @@ class GPT(nn.Module):
 
     cfg: ModelConfig
     dtype: Any = jnp.float32
+    # Applied to each layer's (and each embedding's) params right before they are used. The
+    # step passes FSDP's all-gather here, so whole params exist one layer at a time; the model
+    # itself never knows how params are laid out.
+    gather: Callable[[Any], Any] | None = None
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg = self.cfg
         embed = functools.partial(
-            nn.Embed,
+            _with_gather(nn.Embed, self.gather, methods=["__call__", "attend"]),
             features=cfg.d_model,
             dtype=self.dtype,
             param_dtype=jnp.float32,
@@ -182,7 +198,7 @@ class GPT(nn.Module):
         x = wte(tokens)
         if cfg.pos_embedding == "learned":
             x = x + embed(cfg.seq_len, name="wpe")(jnp.arange(tokens.shape[1]))[None]
-        block = _block_class(cfg)
+        block = _block_class(cfg, self.gather)
         if cfg.scan_layers:
             # One traced body for all layers: compile time stays flat in depth.
             stack = nn.scan(

@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtrain import mesh as mesh_lib
 from jaxtrain.config import Config
 from jaxtrain.faults import poison_gradients
-from jaxtrain.model import GPT
+from jaxtrain.model import GPT, logical_axes
 from jaxtrain.optim import lr_schedule
 from jaxtrain.state import TrainState
 
@@ -64,19 +64,29 @@ class _Layout:
         self.data = int(mesh.shape[mesh_lib.DATA_AXIS])
         self.rules = mesh_lib.ACTIVATION_RULES if mesh.shape[mesh_lib.TENSOR_AXIS] > 1 else ()
 
-    def gather(self, params: Any) -> Any:
-        """Whole params from this device's fsdp shards (its transpose is the reduce-scatter)."""
-        fsdp = mesh_lib.FSDP_AXIS
-        return jax.tree.map(
-            lambda p, dim: p if dim is None else jax.lax.all_gather(p, fsdp, axis=dim, tiled=True),
-            params,
-            self.fsdp_dims,
-            is_leaf=lambda x: x is None,
-        )
+    def gather(self, variables: Any) -> Any:
+        """Whole params of one layer (or embedding) from this device's fsdp shards.
+
+        Autodiff turns each all-gather into a reduce-scatter of the gradient. (Wrapping the
+        gather in jax.checkpoint, to gather again in the backward pass, changed neither the
+        collectives nor the peak bytes XLA:CPU compiled, so it is not done.)
+        """
+
+        def one(path: tuple, p: jax.Array) -> jax.Array:
+            dim = mesh_lib.fsdp_logical_dim(logical_axes(path, p.ndim))
+            if dim is None:
+                return p
+            return jax.lax.all_gather(p, mesh_lib.FSDP_AXIS, axis=dim, tiled=True)
+
+        return jax.tree_util.tree_map_with_path(one, variables)
+
+    def model(self, model: GPT) -> GPT:
+        """The model with FSDP's per-layer gather (as is without fsdp)."""
+        return model.clone(gather=self.gather) if self.fsdp > 1 else model
 
     def loss(self, model: GPT, params: Any, rows: jax.Array) -> jax.Array:
         with nn.logical_axis_rules(self.rules):
-            return _token_loss(model, self.gather(params), rows)
+            return _token_loss(self.model(model), params, rows)
 
     def reduce_grads(self, grads: Any) -> Any:
         """Mean over every batch shard: fsdp-split grads arrive summed over fsdp already."""
