@@ -163,3 +163,33 @@ def test_zero1_splits_only_the_optimizer_state_over_data():
 def test_bad_meshes_are_one_line_errors(argv, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         with_topology(load_config(TINY + argv), 8, 1)
+
+
+def test_non_finite_skip_and_bfloat16_under_fsdp_and_tensor():
+    cfg, mesh, state, _, train_step, _ = _setup(
+        [
+            "--mesh.data",
+            "1",
+            "--mesh.fsdp",
+            "4",
+            "--mesh.tensor",
+            "2",
+            "--debug.nan_step",
+            "2",
+            "--dtype",
+            "bfloat16",
+        ]
+    )
+    rows = np.random.default_rng(0).integers(0, 256, (cfg.batch_size, cfg.model.seq_len + 1), dtype=np.int32)
+    batch = mesh_lib.global_batch(rows, mesh, cfg.batch_size)
+    state, m1 = train_step(state, batch)
+    before = jax.device_get((state.params, state.opt_state))
+    state, m2 = train_step(state, batch)  # step 2: one device's gradient is NaN
+    after = jax.device_get((state.params, state.opt_state))
+    assert bool(m1["finite"]) and not bool(m2["finite"]) and int(m2["skipped_steps"]) == 1
+    assert all(
+        np.array_equal(x, y) for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True)
+    )
+    state, m3 = train_step(state, batch)
+    assert bool(m3["finite"]) and float(m3["loss"]) < float(m1["loss"])
+    assert all(x.dtype == np.float32 for x in jax.tree.leaves(state.params))
