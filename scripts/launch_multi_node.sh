@@ -38,7 +38,6 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 SELF=scripts/launch_multi_node.sh
 FORWARD=(XLA_FLAGS JAX_PLATFORMS XLA_PYTHON_CLIENT_PREALLOCATE XLA_PYTHON_CLIENT_MEM_FRACTION WANDB_MODE
     WANDB_PROJECT JAXTRAIN_SCRIPT JAXTRAIN_PYTHON JAXTRAIN_PORT)
-STOP_WAIT_S=25 # after asking the hosts to stop: their 10 s SIGTERM grace, plus margin
 
 usage() {
     echo "error: $1; usage: $SELF <coordinator_ip[:port]> <num_nodes> <gpus_per_node> [-- train args]" >&2
@@ -63,17 +62,24 @@ if ! [[ $coordinator =~ ^[A-Za-z0-9._-]+:([0-9]{1,5})$ ]] || ! ((10#${BASH_REMAT
     usage "coordinator must be HOST or HOST:PORT, got '$coordinator'"
 fi
 
+interpreter() { # JAXTRAIN_PYTHON, else the repository's .venv, else python3
+    if [[ -n ${JAXTRAIN_PYTHON:-} ]]; then
+        echo "$JAXTRAIN_PYTHON"
+    elif [[ -x $REPO/.venv/bin/python ]]; then
+        echo "$REPO/.venv/bin/python"
+    else
+        echo python3
+    fi
+}
+
 # ------------------------------------------------------------------- one node, here
 run_node() {
-    local rank=$1 python=${JAXTRAIN_PYTHON:-}
+    local rank=$1 python
     if ! [[ $rank =~ ^[0-9]+$ ]] || ((10#$rank >= num_nodes)); then
         usage "NODE_RANK must be in 0..$((num_nodes - 1)), got '$rank'"
     fi
     cd "$REPO"
-    if [[ -z $python ]]; then
-        python=python3
-        [[ -x .venv/bin/python ]] && python=.venv/bin/python
-    fi
+    python=$(interpreter)
     export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-false}
     if ((gpus_per_node > 0)); then
         export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((gpus_per_node - 1)))}
@@ -132,83 +138,10 @@ remote_command() {
     printf '%s' "$out"
 }
 
-workdir=$(mktemp -d)
-pids=() fds=()
-stopped=0
-
-stop_nodes() { # close every node's stdin: each one stops its own processes
-    local fd pid
-    ((stopped)) && return 0
-    stopped=1
-    for fd in "${fds[@]}"; do exec {fd}>&-; done
-    for _ in $(seq $((STOP_WAIT_S * 5))); do
-        for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && sleep 0.2 && continue 2; done
-        return 0
-    done
-    echo "jaxtrain launch: nodes still running after ${STOP_WAIT_S} s; killing their remote shells" >&2
-    for pid in "${pids[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
-}
-on_signal() {
-    echo "jaxtrain launch: got $1, stopping all nodes" >&2
-    stop_nodes
-    exit $((128 + $(kill -l "$1")))
-}
-trap 'on_signal INT' INT
-trap 'on_signal TERM' TERM
-trap 'on_signal HUP' HUP
-trap 'stop_nodes; rm -rf "$workdir"' EXIT
-
 echo "jaxtrain launch: $num_nodes node(s) ${hosts[*]:0:num_nodes}, coordinator $coordinator" >&2
-for ((i = 0; i < num_nodes; i++)); do
-    mkfifo "$workdir/node$i"
-    if ((i == 0)); then # node 0 talks to the terminal; the others are prefixed
-        "${rsh[@]}" "${hosts[i]}" "$(remote_command "$i")" <"$workdir/node$i" &
-    else
-        "${rsh[@]}" "${hosts[i]}" "$(remote_command "$i")" <"$workdir/node$i" \
-            > >(sed -u "s/^/[node $i] /" >&2) 2>&1 &
-    fi
-    pids+=($!)
-    exec {fd}>"$workdir/node$i" # held open: the node's stdin lasts as long as this launcher
-    fds+=("$fd")
-done
-
-declare -A codes=() # pid -> exit code, for the nodes that have finished
-alive=("${pids[@]}")
-while ((${#alive[@]} > 0)); do
-    rc=0
-    wait -n -p done_pid "${alive[@]}" || rc=$?
-    codes[$done_pid]=$rc
-    still=()
-    for pid in "${alive[@]}"; do [[ -v codes[$pid] ]] || still+=("$pid"); done
-    alive=("${still[@]}")
-    ((rc == 0)) && continue
-    # The first node to fail is the cause and its exit code is ours: peers of a killed, crashed
-    # or pre-empted process fail right after it. Let them report for a moment.
-    for _ in 1 2 3 4 5; do
-        sleep 0.2
-        for pid in "${alive[@]}"; do
-            if ! kill -0 "$pid" 2>/dev/null; then
-                codes[$pid]=0
-                wait "$pid" || codes[$pid]=$?
-            fi
-        done
-    done
-    culprit=-1 others=""
-    for ((i = 0; i < num_nodes; i++)); do
-        code=${codes[${pids[i]}]:-0}
-        if [[ ${pids[i]} == "$done_pid" ]]; then
-            culprit=$i
-        elif ((code != 0)); then
-            others+="; node $i (${hosts[i]}) exited with code $code"
-        fi
-    done
-    if ((rc == 75)); then
-        echo "jaxtrain launch: node $culprit (${hosts[culprit]}) exited with code 75 (pre-empted:" \
-            "checkpoint saved, relaunch to resume)$others" >&2
-    else
-        echo "error: node $culprit (${hosts[culprit]}) exited with code $rc$others; stopping the other nodes" >&2
-    fi
-    stop_nodes
-    exit "$rc"
-done
-echo "jaxtrain launch: all $num_nodes node(s) finished" >&2
+nodes=()
+for ((i = 0; i < num_nodes; i++)); do nodes+=("${hosts[i]}" "$(remote_command "$i")"); done
+# The rule every launcher follows, written once (jaxtrain/launch/supervise.py): node 0 talks to the
+# terminal, the others are prefixed [node i]; each node's stdin stays open while the launcher
+# runs; the first node to fail names the exit code, and the others are stopped by closing theirs.
+exec "$(interpreter)" -m jaxtrain.launch.supervise --rsh "${JAXTRAIN_RSH:-ssh}" -- "${nodes[@]}"

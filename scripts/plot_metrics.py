@@ -10,10 +10,11 @@ from pathlib import Path
 
 import matplotlib
 
+from jaxtrain.cli import Parser
+from jaxtrain.errors import UserError, exit_on_user_error
+
 matplotlib.use("Agg")  # no display needed
 import matplotlib.pyplot as plt  # noqa: E402
-
-from jaxtrain.errors import UserError, exit_on_user_error  # noqa: E402
 
 
 def read_metrics(run_dir: Path) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
@@ -36,14 +37,9 @@ def read_metrics(run_dir: Path) -> tuple[list[tuple[int, float]], list[tuple[int
     return train, val
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line and exit 2, like every other bad input
-        raise UserError(f"{message}; see {self.prog} --help")
-
-
 @exit_on_user_error
 def main() -> None:
-    parser = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dirs", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, help="PNG path (default: <first run dir>/loss.png)")
     args = parser.parse_args()

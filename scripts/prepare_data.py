@@ -16,17 +16,13 @@ from __future__ import annotations
 
 import argparse
 
+from jaxtrain.cli import Parser
 from jaxtrain.corpus import prepare_corpus
-from jaxtrain.errors import UserError, exit_on_user_error
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line and exit 2, like every other bad input
-        raise UserError(f"{message}; see {self.prog} --help")
+from jaxtrain.errors import exit_on_user_error
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("inputs", nargs="+", help="text files and/or folders (searched recursively)")
     p.add_argument("--out_dir", required=True, help="where train.bin and val.bin are written")
     p.add_argument("--glob", default="*.txt", help="file name pattern inside folders (default: *.txt)")

@@ -33,8 +33,9 @@ import argparse
 import re
 import sys
 
+from jaxtrain.cli import Parser as _Parser
 from jaxtrain.config import DistConfig
-from jaxtrain.errors import UserError, exit_on_user_error
+from jaxtrain.errors import exit_on_user_error
 from jaxtrain.health import check as health
 
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
@@ -46,11 +47,6 @@ def _bytes(text: str) -> int:
     if not m:
         raise argparse.ArgumentTypeError(f"'{text}' is not a size; write e.g. 65536, 64K or 4M")
     return int(m[1]) * _UNITS[m[2].upper()]
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line and exit 2, like every other bad input
-        raise UserError(f"{message}; see --help")
 
 
 def parse_args(argv: list[str]) -> tuple[health.HealthOptions, DistConfig]:

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from processes import clean_env, env_of, processes_marked, reaped, wait_for_training
 
-from jaxtrain.launch.local import build_parser, free_port, plan_manual
+from jaxtrain.launch.cli import build_parser
+from jaxtrain.launch.local import free_port, plan_manual
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCHER = [sys.executable, "scripts/run_distributed.py"]

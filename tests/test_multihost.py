@@ -1,6 +1,7 @@
 """scripts/launch_multi_node.sh across two real "hosts": network namespaces joined by a veth pair.
 
 pytest -m multihost tests/test_multihost.py       # root; about 35 s
+Its supervision alone (jaxtrain/launch/supervise.py), both "hosts" this machine, runs anywhere.
 """
 
 import json
@@ -82,7 +83,8 @@ def test_two_hosts_train_together(hosts, tmp_path):
     )
     assert f"[node 1] jaxtrain launch: ranks 1..1 of 2, coordinator {host0}:29500" in done.stderr
     assert "all 2 node(s) finished" in done.stderr
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    start, *rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert start["event"] == "start"
     assert [r["step"] for r in rows] == [5, 10] and rows[1]["loss"] < rows[0]["loss"]
 
 
@@ -208,6 +210,55 @@ def test_health_check_names_a_host_whose_checkpoint_dir_is_not_shared(hosts, tmp
     assert bad[1]["host"] == names[1] and "cannot see the files of processes [0]" in bad[1]["reason"]
     assert bad[0]["host"] == names[0] and "cannot see the files of processes [1]" in bad[0]["reason"]
     assert list(private.iterdir()) == []  # probes cleaned up; the tmpfs went with host 1's command
+
+
+# `RSH HOST COMMAND` run here, whatever HOST; and a script whose rank argv[2] fails after a second.
+HERE_RSH = '#!/bin/sh\nexec sh -c "$2"\n'
+STAND_IN = """
+import os, pathlib, sys, time
+rank = int(os.environ["JAX_PROCESS_ID"])
+pathlib.Path(sys.argv[1], f"started.{rank}").touch()
+print(f"stand-in {rank}", flush=True)
+time.sleep(1 if rank == int(sys.argv[2]) else 60)
+sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("how", ["node 1 fails", "Ctrl-C the launcher"])
+def test_first_failure_or_ctrl_c_stops_every_node(how, tmp_path):
+    """Both nodes on this machine, through a remote shell that runs the command here: no root."""
+    rsh, script, hostfile = tmp_path / "rsh", tmp_path / "stand_in.py", tmp_path / "hosts"
+    rsh.write_text(HERE_RSH)
+    rsh.chmod(0o755)
+    script.write_text(STAND_IN)
+    hostfile.write_text("here0\nhere1\n")
+    marker = uuid.uuid4().hex
+    env = clean_env(
+        HOSTFILE=str(hostfile), JAXTRAIN_RSH=str(rsh), JAXTRAIN_SCRIPT=str(script), JAXTRAIN_TEST_MARK=marker
+    )
+    failing = "1" if how == "node 1 fails" else "-1"
+    launcher = subprocess.Popen(
+        [*LAUNCH, "127.0.0.1", "2", "0", "--", str(tmp_path), failing],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    with reaped(launcher, marker):
+        if how == "Ctrl-C the launcher":
+            deadline = time.monotonic() + 60
+            while not all((tmp_path / f"started.{r}").exists() for r in (0, 1)):
+                assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+                assert time.monotonic() < deadline, "the stand-ins never started"
+                time.sleep(0.2)
+            launcher.send_signal(signal.SIGINT)
+        out, err = launcher.communicate(timeout=60)
+    if how == "node 1 fails":
+        assert launcher.returncode == 3, err[-3000:]
+        assert "stand-in 0" in out and "[node 1] stand-in 1" in err
+        assert "error: node 1 (here1) exited with code 3" in err
+    else:
+        assert launcher.returncode == 128 + signal.SIGINT, err[-3000:]
+        assert "jaxtrain launch: got SIGINT, stopping all nodes" in err
+    time.sleep(0.5)
+    assert processes_marked(marker) == [], "processes left behind"
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """Run a script under SLURM: srun inside an allocation, or an sbatch file written and submitted.
 
-The SLURM half of scripts/run_distributed.py (--mode slurm, --mode create_slurm); every process
-is started by srun and finds its place in the job from srun's variables (jaxtrain/cluster/detect.py).
+The SLURM half of scripts/run_distributed.py (--mode slurm, --mode create_slurm; its command line
+is jaxtrain/launch/cli.py); every process is started by srun and finds its place in the job from
+srun's variables (jaxtrain/cluster/detect.py).
 The sbatch file asks for USR1 before the time limit and requeues itself; training saves a
 checkpoint on the SIGTERM that follows, exits 75, and the requeued job resumes from it.
 """
@@ -107,6 +108,10 @@ def sbatch_script(args: argparse.Namespace, script_args: list[str], invocation: 
         f'if [[ ! -f {shlex.quote(script)} ]]; then echo "error: {script} not found in $PWD" >&2; exit 2; fi',
         'echo "jaxtrain: job ${SLURM_JOB_ID} on ${SLURM_JOB_NODELIST}, $(date)"',
     ]
+    # No supervisor of ours here (jaxtrain/launch/supervise.py): srun --kill-on-bad-exit=1 applies
+    # the same rule itself, a task that fails ends every other. The shell below only passes USR1
+    # on and requeues; its loop re-enters a `wait` that a trapped signal ended early, it does not
+    # watch the tasks.
     command = shlex.join(["srun", "--kill-on-bad-exit=1", python, script, *script_args])
     if not args.signal_seconds:
         return "\n".join(lines + [command, ""])

@@ -1,0 +1,81 @@
+"""Start a training script as several processes: locally, one rank of a multi-host job, or SLURM.
+
+The command line of scripts/run_distributed.py (this docstring is its --help). --mode manual:
+jaxtrain/launch/local.py, whose processes jaxtrain/launch/supervise.py starts and watches;
+--mode slurm and create_slurm: jaxtrain/launch/slurm.py. Never imports jax, so --help answers at
+once (tests/test_layout.py checks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from jaxtrain.cli import Parser
+from jaxtrain.errors import ArgumentError
+from jaxtrain.launch import slurm
+from jaxtrain.launch.local import plan_manual, run_local
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_SCRIPT = "scripts/train.py"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The run_distributed.py command line; everything after `--` goes to the script."""
+    p = Parser(prog="scripts/run_distributed.py", description=__doc__)
+    p.add_argument("--mode", choices=("manual", "slurm", "create_slurm"), required=True)
+    p.add_argument("--script", default=DEFAULT_SCRIPT, help="script to run (default scripts/train.py)")
+    p.add_argument("--python", default=sys.executable, help="interpreter for the script")
+    m = p.add_argument_group("manual")
+    m.add_argument("--world-size", type=int, help="total processes in the job")
+    m.add_argument("--rank", type=int, help="run only this rank (multi-host, one process here)")
+    m.add_argument("--node-rank", type=int, help="run ranks node_rank*P .. node_rank*P+P-1 here")
+    m.add_argument("--nproc-per-node", type=int, help="P: processes on this machine")
+    m.add_argument("--coordinator", help="HOST:PORT of rank 0 (default 127.0.0.1:<free port>)")
+    m.add_argument("--port", type=int, help="coordinator port on 127.0.0.1 when every rank is local")
+    m.add_argument("--log-dir", help="write rank>0 output to DIR/rank_<r>.log instead of the terminal")
+    m.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    s = p.add_argument_group("slurm, create_slurm")
+    s.add_argument("--nodes", type=int, help="nodes (default 1, or the allocation's)")
+    s.add_argument("--ntasks-per-node", type=int, help="processes per node (default 1: all its GPUs)")
+    s.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (0: CPU job)")
+    s.add_argument("--task-per-gpu", action="store_true", help="one process per GPU instead of per node")
+    s.add_argument("--cpus-per-task", type=int, help="CPUs for each process")
+    s.add_argument("--time", default="01:00:00", help="time limit, HH:MM:SS")
+    s.add_argument("--partition", help="SLURM partition")
+    s.add_argument("--account", help="SLURM account")
+    s.add_argument("--job-name", default="jaxtrain")
+    s.add_argument("--output", default=slurm.DEFAULT_OUTPUT, help="job log (%%x name, %%j job id)")
+    s.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="export in the job")
+    s.add_argument("--signal-seconds", type=int, default=90, help="requeue this long before the limit")
+    s.add_argument("--workdir", default=str(REPO), help="directory the job runs in")
+    s.add_argument("--sbatch-script", default=slurm.DEFAULT_SBATCH, help="file create_slurm writes")
+    s.add_argument("--follow", action="store_true", help="after sbatch, print the job log until it ends")
+    return p
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """Split launcher flags from the script's arguments at the first `--`."""
+    cut = argv.index("--") if "--" in argv else len(argv)
+    return build_parser().parse_args(argv[:cut]), argv[cut + 1 :]
+
+
+def main(argv: list[str]) -> int:
+    """run_distributed.py: parse, plan, launch; returns the exit code."""
+    args, script_args = parse_args(argv)
+    invocation = shlex.join(["python", "scripts/run_distributed.py", *argv])
+    if args.mode == "create_slurm":
+        path = slurm.write_sbatch(args, script_args, Path(args.sbatch_script), invocation)
+        print(f"wrote {path}; submit it with: sbatch {path}")
+        return 0
+    if args.mode == "slurm":
+        if "SLURM_JOB_ID" in os.environ:
+            return slurm.run_srun(args, script_args, dict(os.environ))
+        return slurm.submit(args, script_args, invocation)
+    plan = plan_manual(args, dict(os.environ))
+    if not Path(args.script).is_file():
+        raise ArgumentError(f"--script {args.script} not found; pass an existing script")
+    return run_local(plan, [args.python, args.script, *script_args], args.log_dir, args.grace)

@@ -1,0 +1,295 @@
+"""The one rule of every jaxtrain launcher: the first process to fail is the cause, the others are
+stopped, and the launcher exits with its exit status.
+
+Peers of a killed, crashed or pre-empted process fail right after it, often by signal (JAX aborts
+a process whose coordinator went away), so the first to end is the one to name. Two launchers
+supervise through here:
+  - --mode manual of scripts/run_distributed.py (jaxtrain/launch/local.py): one process per local
+    rank, each in its own session, stopped by SIGTERM then SIGKILL to its process group;
+  - scripts/launch_multi_node.sh, through `python -m jaxtrain.launch.supervise --rsh RSH -- HOST
+    COMMAND ...`: one remote shell per host, stopped by closing its stdin, on which the host stops
+    its own processes (the script sets JAXTRAIN_STOP_ON_EOF=1 there).
+Under SLURM, srun --kill-on-bad-exit applies the same rule itself (jaxtrain/launch/slurm.py).
+Never imports jax.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from jaxtrain.cli import Parser
+from jaxtrain.errors import EXIT_PREEMPTED, ArgumentError, UserError, exit_on_user_error
+
+_SETTLE_S = 1.0  # after a first failure, how long the others get to report theirs
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One process to start, and how the launcher's lines name it."""
+
+    tag: str  # "rank 1", "node 1": its output lines are prefixed `[tag] `
+    command: list[str]
+    host: str | None = None  # set for a remote shell (named by its host, not its pid)
+    env: dict[str, str] | None = None  # None: ours
+
+
+@dataclass
+class _Child:
+    spec: Spec
+    proc: subprocess.Popen
+    log: Path | None  # where its output goes, when not to our terminal or stderr
+
+
+def exit_status(code: int) -> int:
+    """A child's return code as a shell exit status: 128+N for death by signal N."""
+    return 128 - code if code < 0 else code
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+def _name(c: _Child, culprit: bool = False) -> str:
+    """`node 1 (HOST)`; `rank 1`, with its pid when it is the one that failed first."""
+    if c.spec.host is not None:
+        return f"{c.spec.tag} ({c.spec.host})"
+    return f"{c.spec.tag} (pid {c.proc.pid})" if culprit else c.spec.tag
+
+
+def _pump(stream: IO[bytes], prefix: bytes, sink: IO[bytes]) -> None:
+    """Copy a child's output to `sink`, each line tagged with its name."""
+    for line in iter(stream.readline, b""):
+        sink.write(prefix + line)
+        sink.flush()
+
+
+def _reap(child: _Child, ended: queue.Queue[_Child]) -> None:
+    """Wait for one child; `ended` receives the children in the order their processes ended."""
+    child.proc.wait()
+    ended.put(child)
+
+
+class _Stop(Exception):
+    """The launcher itself was asked to stop (Ctrl-C, SIGTERM, SIGHUP)."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+
+
+def _raise_stop(signum: int, _frame: object) -> None:
+    raise _Stop(signum)
+
+
+@contextmanager
+def _ignoring(*signums: int) -> Iterator[None]:
+    """Ignore `signums` meanwhile; a child started meanwhile keeps ignoring them (SIG_IGN survives exec)."""
+    before = {s: signal.signal(s, signal.SIG_IGN) for s in signums}
+    try:
+        yield
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
+def _popen(spec: Spec, stdout: IO[bytes] | int | None, stderr: int | None) -> subprocess.Popen:
+    if spec.host is None:
+        # Own session: Ctrl-C reaches only the launcher, which stops the children in order.
+        return subprocess.Popen(
+            spec.command, env=spec.env, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+            start_new_session=True,
+        )  # fmt: skip
+    # A remote shell stays in our session, as a shell script's background job would, so ssh can
+    # still ask for a password on the terminal; and like one it ignores Ctrl-C, which only the
+    # launcher handles: it closes every remote shell's stdin, and each host stops its processes.
+    with _ignoring(signal.SIGINT, signal.SIGQUIT):
+        return subprocess.Popen(
+            spec.command, env=spec.env, stdin=subprocess.PIPE, stdout=stdout, stderr=stderr
+        )
+
+
+def _stop_all(children: list[_Child], grace: float) -> None:
+    """Ask every child to stop, then SIGKILL what is left after `grace` seconds.
+
+    Asking is SIGTERM to a local child's process group (also its own helpers), or closing a remote
+    shell's stdin. JAX processes ignore SIGTERM (its preemption notifier takes it), so for local
+    ones the SIGKILL is what usually ends them; a second Ctrl-C skips the rest of the grace period.
+    """
+    hurry = threading.Event()
+    for s in _STOP_SIGNALS:
+        signal.signal(s, lambda *_: hurry.set())
+    running = [c for c in children if c.proc.poll() is None]
+    for c in running:
+        if c.spec.host is not None:
+            c.proc.stdin.close()
+        else:
+            try:
+                os.killpg(c.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace
+    while any(c.proc.poll() is None for c in running) and time.monotonic() < deadline:
+        if hurry.wait(0.1):
+            break
+    late = [c for c in running if c.proc.poll() is None]
+    if any(c.spec.host is not None for c in late):  # its host did not stop its processes: say so
+        print(
+            f"jaxtrain launch: nodes still running after {grace:g} s; killing their remote shells",
+            file=sys.stderr,
+            flush=True,
+        )
+    for c in late:
+        try:
+            if c.spec.host is not None:
+                os.kill(c.proc.pid, signal.SIGKILL)  # it shares our process group
+            else:
+                os.killpg(c.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for c in children:
+        c.proc.wait()
+
+
+def _first_failure(children: list[_Child], ended: list[_Child]) -> int:
+    """Report the first child that failed (and the others that did); its exit status."""
+    failed = [c for c in ended if c.proc.returncode != 0]
+    first, code = failed[0], failed[0].proc.returncode
+    what = f"{_name(first, culprit=True)} {_describe_exit(code)}"
+    if code == EXIT_PREEMPTED:
+        what = f"jaxtrain launch: {what} (pre-empted: checkpoint saved, relaunch to resume)"
+    else:
+        what = f"error: {what}"
+    if first.log:
+        what += f" (log {first.log})"
+    what += "".join(f"; {_name(c)} {_describe_exit(c.proc.returncode)}" for c in failed[1:])
+    running = sum(c.proc.poll() is None for c in children)
+    if running:
+        what += f"; stopping the other {running} process(es)"
+    print(what, file=sys.stderr, flush=True)
+    return exit_status(code)
+
+
+def supervise(specs: list[Spec], grace: float, log_dir: Path | None = None, banner: str | None = None) -> int:
+    """Start every spec, print `banner`, and watch them; returns the launcher's exit code.
+
+    The first process talks to our terminal (its stdout and stderr are ours); the others' lines go
+    to our stderr prefixed `[tag] `, or to log_dir/<tag>.log (`rank 3`: rank_3.log). Returns 0
+    when every process finished; else, once the rest are stopped, the first failure's own exit
+    status (75 pre-empted, 128+N for death by signal N); 128+N when the launcher itself got
+    signal N.
+    """
+    if log_dir:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    children: list[_Child] = []
+    pumps: list[threading.Thread] = []
+    files: list[IO[bytes]] = []
+    ended: queue.Queue[_Child] = queue.Queue()
+    handlers = {s: signal.signal(s, _raise_stop) for s in _STOP_SIGNALS}
+    try:
+        for i, spec in enumerate(specs):
+            out: IO[bytes] | int | None = None
+            err: int | None = None
+            log = None
+            if i > 0:
+                err = subprocess.STDOUT
+                if log_dir:
+                    log = log_dir / f"{spec.tag.replace(' ', '_')}.log"
+                    out = open(log, "wb")  # closed below, once the child has ended
+                    files.append(out)
+                else:
+                    out = subprocess.PIPE
+            try:
+                child = _Child(spec, _popen(spec, out, err), log)
+            except OSError as e:
+                _stop_all(children, grace)
+                raise UserError(
+                    f"cannot start {spec.tag}: {shlex.join(spec.command)}: {e.strerror}"
+                ) from None
+            children.append(child)
+            threading.Thread(target=_reap, args=(child, ended), daemon=True).start()
+            if out is subprocess.PIPE:
+                t = threading.Thread(
+                    target=_pump, args=(child.proc.stdout, f"[{spec.tag}] ".encode(), sys.stderr.buffer)
+                )
+                t.start()
+                pumps.append(t)
+        if banner:
+            print(banner, file=sys.stderr, flush=True)
+        order: list[_Child] = []
+        while len(order) < len(children):
+            try:
+                order.append(ended.get(timeout=0.5))
+            except queue.Empty:
+                continue
+            if order[-1].proc.returncode != 0:
+                deadline = time.monotonic() + _SETTLE_S  # let the others report theirs
+                while len(order) < len(children) and (left := deadline - time.monotonic()) > 0:
+                    try:
+                        order.append(ended.get(timeout=left))
+                    except queue.Empty:
+                        break
+                code = _first_failure(children, order)
+                _stop_all(children, grace)
+                return code
+        return 0
+    except _Stop as stop:
+        noun = specs[0].tag.split()[0]  # rank, node
+        print(
+            f"jaxtrain launch: got {signal.Signals(stop.signum).name}, stopping all {noun}s", file=sys.stderr
+        )
+        _stop_all(children, grace)
+        return 128 + stop.signum
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+        for t in pumps:
+            t.join(timeout=5)
+        for f in files:
+            f.close()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(
+        prog="python -m jaxtrain.launch.supervise",
+        description="Run COMMAND on each HOST through a remote shell, one per node, under the rule "
+        "above; scripts/launch_multi_node.sh is the way to call it. Each COMMAND must stop its "
+        "processes when its stdin closes.",
+    )
+    p.add_argument("--rsh", default="ssh", help="remote shell, called as RSH HOST COMMAND (split on spaces)")
+    # The hosts' own launchers give their ranks 10 s between SIGTERM and SIGKILL; this is more.
+    p.add_argument("--grace", type=float, default=25.0, help="seconds the hosts get to stop (25)")
+    p.add_argument("nodes", nargs="+", metavar="HOST COMMAND", help="node i is the i-th pair")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """Supervise one remote shell per host; returns the exit code (see supervise)."""
+    args = build_parser().parse_args(argv)
+    if len(args.nodes) % 2:
+        raise ArgumentError(f"expected HOST COMMAND pairs, got {len(args.nodes)} words")
+    pairs = list(zip(args.nodes[::2], args.nodes[1::2], strict=True))
+    rsh = args.rsh.split()
+    specs = [Spec(f"node {i}", [*rsh, host, command], host=host) for i, (host, command) in enumerate(pairs)]
+    code = supervise(specs, args.grace)
+    if code == 0:
+        print(f"jaxtrain launch: all {len(specs)} node(s) finished", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(exit_on_user_error(main)(sys.argv[1:]))

@@ -1,0 +1,98 @@
+"""The package's boundaries: what may import what, and the launchers start without jax.
+
+jaxtrain/launch and jaxtrain/health sit on top of the rest: nothing else in jaxtrain imports them.
+The launchers never import jax, so `scripts/run_distributed.py --help` answers at once and a
+launcher never holds a GPU.
+
+    pytest tests/test_layout.py      # a few seconds
+"""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = REPO / "jaxtrain"
+ON_TOP = ("jaxtrain.launch", "jaxtrain.health")
+NO_JAX = ("jaxtrain.cli", "jaxtrain.launch.cli", "jaxtrain.launch.local", "jaxtrain.launch.supervise")
+
+
+def _module_name(path: Path, root: Path = REPO) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path, root: Path = REPO) -> set[str]:
+    """Every module a file imports, at any depth (in functions too), relative imports resolved;
+    `from a import b` counts as both a and a.b, since b may be a module."""
+    name = _module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _is_in(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def test_imported_modules_sees_every_form_of_import(tmp_path):
+    pkg = tmp_path / "jaxtrain" / "sub"
+    pkg.mkdir(parents=True)
+    source = pkg / "mod.py"
+    source.write_text(
+        "import jaxtrain.launch.cli\n"
+        "from jaxtrain import health\n"
+        "def f():\n"
+        "    from ..launch import slurm\n"
+        "    from . import sibling\n"
+    )
+    found = imported_modules(source, root=tmp_path)
+    for module in ("jaxtrain.launch.cli", "jaxtrain.health", "jaxtrain.launch.slurm", "jaxtrain.sub.sibling"):
+        assert module in found, (module, found)
+
+
+@pytest.mark.parametrize(
+    "path",
+    [p for p in sorted(PACKAGE.rglob("*.py")) if not _is_in(_module_name(p), ON_TOP)],
+    ids=lambda p: str(p.relative_to(REPO)),
+)
+def test_the_core_never_imports_the_launchers_or_the_health_check(path):
+    wrong = sorted(m for m in imported_modules(path) if _is_in(m, ON_TOP))
+    assert not wrong, f"{path.relative_to(REPO)} imports {wrong}: they import it, not the other way round"
+
+
+def _jax_modules(names: list[str]) -> list[str]:
+    return sorted(n for n in names if n.split(".")[0] in ("jax", "jaxlib"))
+
+
+def test_the_launchers_import_no_jax():
+    probe = "import sys\n" + "".join(f"import {m}\n" for m in NO_JAX) + "print('\\n'.join(sys.modules))"
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert _jax_modules(done.stdout.split()) == []
+
+
+def test_run_distributed_help_imports_no_jax():
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "scripts/run_distributed.py", "--help"],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0 and "--mode" in done.stdout, done.stderr[-3000:]
+    # stderr: "import time: <self us> | <cumulative us> | <indented module name>" per import
+    lines = [x for x in done.stderr.splitlines() if x.startswith("import time:")]
+    imported = [x.rpartition("|")[2].strip() for x in lines]
+    assert "jaxtrain.launch.cli" in imported, done.stderr[-3000:]
+    assert _jax_modules(imported) == []
