@@ -8,6 +8,7 @@ must answer --help at once.
 from __future__ import annotations
 
 import argparse
+from typing import NoReturn
 
 from jaxtrain.errors import ArgumentError
 
@@ -16,5 +17,5 @@ class Parser(argparse.ArgumentParser):
     """argparse, but an error raises ArgumentError (printed as one `error: ` line, exit 2) instead
     of printing the usage block and exiting itself."""
 
-    def error(self, message: str) -> None:
+    def error(self, message: str) -> NoReturn:
         raise ArgumentError(f"{message}; see {self.prog} --help")

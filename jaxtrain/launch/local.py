@@ -61,7 +61,7 @@ def plan_manual(args: argparse.Namespace, environ: dict[str, str]) -> LocalPlan:
     if args.rank is not None:
         if not 0 <= args.rank < n:
             raise ArgumentError(f"--rank {args.rank} is out of range for --world-size {n}; use 0..{n - 1}")
-        ranks = (args.rank,)
+        ranks: tuple[int, ...] = (args.rank,)
     else:
         per_node = args.nproc_per_node or (n if args.node_rank is None else 1)
         node = args.node_rank or 0

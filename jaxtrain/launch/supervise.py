@@ -136,6 +136,7 @@ def _stop_all(children: list[_Child], grace: float) -> None:
     running = [c for c in children if c.proc.poll() is None]
     for c in running:
         if c.spec.host is not None:
+            assert c.proc.stdin is not None  # a remote shell is started with stdin=PIPE
             c.proc.stdin.close()
         else:
             try:
