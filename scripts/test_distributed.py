@@ -2,7 +2,7 @@
 
 Checks environment, network, jax.distributed init, software, devices, collectives, all-reduce
 bandwidth (nccl-tests algbw/busbw, then neighbouring pairs of hosts) and shared storage; see
-jaxtrain/health.py. Process 0 prints a table; --json FILE writes every figure, `bad_hosts` and
+jaxtrain/health/. Process 0 prints a table; --json FILE writes every figure, `bad_hosts` and
 `bad_processes` (a process that fails before it can reach process 0 writes FILE.process-N.json
 instead). Exit 0 healthy, 1 a check failed, 2 bad arguments. Every wait is bounded
 (--network_timeout 60, --init_timeout 120, --step_timeout 120 seconds), so it never hangs.
