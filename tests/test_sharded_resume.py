@@ -73,3 +73,10 @@ def test_kill_9_under_fsdp_then_relaunch_is_bitwise_identical(sharded_reference,
     out = _ok(_run(run_dir, 2, 4, *FSDP))
     assert "checkpoints/10" in out.stdout + out.stderr
     _bitwise_same_end(sharded_reference, run_dir, 11, 20)
+
+
+def test_fsdp_across_processes_trains_and_says_what_it_costs(tmp_path):
+    out = _ok(
+        _run(tmp_path / "run", 2, 2, "--mesh.fsdp", "4", "--total_steps", "2", "--checkpoint_interval", "2")
+    )
+    assert "mesh fsdp x tensor = 4 devices spans hosts (2 devices per process)" in out.stdout + out.stderr

@@ -12,6 +12,7 @@ import pytest
 
 from jaxtrain import mesh as mesh_lib
 from jaxtrain.config import ConfigError, load_config, with_topology
+from jaxtrain.errors import UserError
 from jaxtrain.model import GPT
 from jaxtrain.optim import make_optimizer
 from jaxtrain.state import create_state, state_sharding
@@ -193,3 +194,22 @@ def test_non_finite_skip_and_bfloat16_under_fsdp_and_tensor():
     state, m3 = train_step(state, batch)
     assert bool(m3["finite"]) and float(m3["loss"]) < float(m1["loss"])
     assert all(x.dtype == np.float32 for x in jax.tree.leaves(state.params))
+
+
+class _Gpu:
+    """The two things check_fits asks of a device, as an 80 GB GPU answers them."""
+
+    device_kind = "NVIDIA H100 80GB HBM3"
+
+    def memory_stats(self):
+        return {"bytes_limit": 80 * 2**30}
+
+
+def test_a_state_too_big_for_the_gpu_is_refused_before_compiling():
+    mesh = mesh_lib.make_mesh(shape=with_topology(load_config(TINY), 8, 1).mesh)
+    mesh_lib.check_fits(30 * 2**30, _Gpu(), mesh)  # 30 GiB: fits under half of 80
+    with pytest.raises(
+        UserError, match=r"needs 84.0 GiB per device on mesh data 8 x fsdp 1 x tensor 1.*--mesh.fsdp 4"
+    ):
+        mesh_lib.check_fits(84 * 2**30, _Gpu(), mesh)  # a 7B model's state: fsdp 4 brings it to 21 GiB
+    mesh_lib.check_fits(84 * 2**30, jax.devices()[0], mesh)  # a CPU reports no limit: nothing to judge
