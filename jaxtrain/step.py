@@ -4,12 +4,13 @@ The step is one jitted function. Inside it a `shard_map` is manual over the batc
 (data, fsdp) and leaves `tensor` to the compiler (GSPMD), guided by the model's logical
 activation constraints:
   - each device computes the gradient of its own rows, all microbatches scanned;
-  - fsdp-split params are all-gathered inside the differentiated function, so autodiff turns
-    the gather into a reduce-scatter of their gradients: no full gradient is all-reduced on fsdp;
+  - fsdp-split params are all-gathered one layer at a time as the model runs (`GPT.gather`),
+    so autodiff turns each gather into a reduce-scatter of that layer's gradient: no full
+    gradient is all-reduced on fsdp (tests/test_sharding.py checks the compiled HLO);
   - one `pmean` over `data` per optimizer step, however many microbatches.
-Explicit collectives, not GSPMD alone, for data and fsdp: on XLA:CPU GSPMD lowers an fsdp
-gradient to an all-reduce of the whole gradient plus a slice (measured: bench/ and
-tests/test_sharding.py), and it would all-reduce the gradient once per microbatch. The
+Explicit collectives, not GSPMD alone, for data and fsdp: with fsdp left to GSPMD, XLA:CPU
+compiled the fsdp gradient as an all-reduce of the whole gradient followed by a slice, and
+GSPMD would all-reduce a data-parallel gradient once per microbatch. The
 optimizer update runs outside the shard_map on the sharded state (ZeRO-1's data-split moments
 included); XLA places it.
 
