@@ -3,12 +3,15 @@
 Sources, first match wins:
   1. flags      --dist.coordinator_address HOST:PORT --dist.num_processes N --dist.process_id R
   2. jax_env    JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID (JAX_LOCAL_DEVICE_IDS)
-  3. torchrun   MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK (LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK)
-  4. slurm      a task started by srun: SLURM_JOB_ID, SLURM_NTASKS, SLURM_PROCID, SLURM_LOCALID, ...
-  5. single     one process, no coordinator
-Under SLURM a coordinator given alone (flag, JAX_COORDINATOR_ADDRESS or MASTER_ADDR+MASTER_PORT)
-replaces the derived one; anywhere else a partial set is an error. `--dist.local_device_ids`
-overrides the local devices of any source.
+  3. torchrun   MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK (LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK);
+                under torchrun's agent (TORCHELASTIC_RUN_ID set) the coordinator is MASTER_PORT+1
+  4. openmpi    a process mpirun started: OMPI_COMM_WORLD_SIZE, _RANK, _LOCAL_RANK; the coordinator
+                is derived from OMPI_MCA_orte_hnp_uri as JAX's own Open MPI detection does
+  5. slurm      a task started by srun: SLURM_JOB_ID, SLURM_NTASKS, SLURM_PROCID, SLURM_LOCALID, ...
+  6. single     one process, no coordinator; refused when another launcher says it started several
+Under SLURM and Open MPI a coordinator given alone (flag, JAX_COORDINATOR_ADDRESS or
+MASTER_ADDR+MASTER_PORT) replaces the derived one; anywhere else a partial set is an error.
+`--dist.local_device_ids` overrides the local devices of any source.
 """
 
 from __future__ import annotations
@@ -28,18 +31,25 @@ from jaxtrain.errors import UserError
 _JAX_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 _TORCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
 _SLURM_VARS = ("SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+_OMPI_VARS = ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")
+_OMPI_URI = "OMPI_MCA_orte_hnp_uri"  # mpirun's own address; Open MPI 5 no longer sets it
+# Process counts other MPI launchers (MPICH and Intel MPI's hydra, MVAPICH) give their processes:
+# jaxtrain cannot tell where their process 0 runs, so a count over 1 is refused, never run as N
+# copies of process 0 writing one run dir.
+_UNREAD_WORLD_SIZES = ("PMI_SIZE", "MV2_COMM_WORLD_SIZE")
 # JAX's own SLURM convention, so a job started by either picks the same port.
 _SLURM_PORT_BASE, _SLURM_PORT_SPAN = 65535 - 2**12 + 1, 2**12
 
 
 @dataclass(frozen=True)
 class LaunchSpec:
-    source: str  # "flags" | "jax_env" | "torchrun_env" | "slurm" | "single"
+    source: str  # "flags" | "jax_env" | "torchrun_env" | "openmpi" | "slurm" | "single"
     coordinator_address: str | None
     num_processes: int
     process_id: int
     local_device_ids: tuple[int, ...] | None
     details: dict[str, str]  # the raw values that were used (env names -> values), for logging
+    local_rank: int | None = None  # this process's index on its host, where the launcher says it
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -93,6 +103,11 @@ def _in_slurm_task(environ: Mapping[str, str]) -> bool:
     return "SLURM_JOB_ID" in environ and "SLURM_PROCID" in environ
 
 
+def _ranks_known(environ: Mapping[str, str]) -> bool:
+    """SLURM tasks and Open MPI processes know their ranks: a coordinator may come alone."""
+    return _in_slurm_task(environ) or "OMPI_COMM_WORLD_SIZE" in environ
+
+
 def _from_flags(dist: DistConfig, environ: Mapping[str, str]) -> dict | None:
     given = {
         "--dist.coordinator_address": dist.coordinator_address,
@@ -100,8 +115,8 @@ def _from_flags(dist: DistConfig, environ: Mapping[str, str]) -> dict | None:
         "--dist.process_id": str(dist.process_id) if dist.process_id >= 0 else "",
     }
     set_names = [k for k, v in given.items() if v]
-    if not set_names or set_names == ["--dist.coordinator_address"] and _in_slurm_task(environ):
-        return None  # nothing, or only a coordinator for SLURM to use
+    if not set_names or set_names == ["--dist.coordinator_address"] and _ranks_known(environ):
+        return None  # nothing, or only a coordinator for SLURM or Open MPI to use
     if dist.num_processes == 1 and not dist.coordinator_address:
         return {"coordinator_address": None, "num_processes": 1, "process_id": max(dist.process_id, 0)}
     if len(set_names) < 3:
@@ -116,8 +131,8 @@ def _from_flags(dist: DistConfig, environ: Mapping[str, str]) -> dict | None:
 
 def _from_jax_env(environ: Mapping[str, str]) -> dict | None:
     set_names = [n for n in _JAX_VARS if environ.get(n)]
-    if not set_names or set_names == ["JAX_COORDINATOR_ADDRESS"] and _in_slurm_task(environ):
-        return None  # nothing, or only a coordinator for SLURM to use
+    if not set_names or set_names == ["JAX_COORDINATOR_ADDRESS"] and _ranks_known(environ):
+        return None  # nothing, or only a coordinator for SLURM or Open MPI to use
     if len(set_names) < 3:
         raise _partial("jax_env", set_names, _JAX_VARS)
     out: dict[str, Any] = {
@@ -135,21 +150,95 @@ def _from_jax_env(environ: Mapping[str, str]) -> dict | None:
 def _from_torchrun_env(environ: Mapping[str, str]) -> dict | None:
     extra = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK")
     set_names = [n for n in _TORCH_VARS + extra if environ.get(n)]
-    if not set_names or _in_slurm_task(environ) and not {"WORLD_SIZE", "RANK"} & set(set_names):
-        return None  # nothing, or only MASTER_ADDR/PORT for SLURM to use
+    if not set_names or _ranks_known(environ) and not {"WORLD_SIZE", "RANK"} & set(set_names):
+        return None  # nothing, or only MASTER_ADDR/PORT for SLURM or Open MPI to use
     if any(n not in set_names for n in _TORCH_VARS):
         raise _partial("torchrun_env", [n for n in set_names if n in _TORCH_VARS] or set_names, _TORCH_VARS)
-    out = {
-        "coordinator_address": f"{environ['MASTER_ADDR']}:{environ['MASTER_PORT']}",
+    port = _int("MASTER_PORT", environ["MASTER_PORT"])
+    details = {n: environ[n] for n in set_names}
+    if environ.get("TORCHELASTIC_RUN_ID"):
+        # torchrun's agent holds its TCPStore on MASTER_PORT on the master node for the whole run;
+        # every process derives the same next port for JAX's coordinator.
+        details["TORCHELASTIC_RUN_ID"] = environ["TORCHELASTIC_RUN_ID"]
+        port += 1
+        if port > 65535:
+            raise UserError(
+                "MASTER_PORT=65535 leaves no port for JAX's coordinator (MASTER_PORT+1); "
+                "pass torchrun a lower --master_port"
+            )
+    out: dict[str, Any] = {
+        "coordinator_address": f"{environ['MASTER_ADDR']}:{port}",
         "num_processes": _int("WORLD_SIZE", environ["WORLD_SIZE"]),
         "process_id": _int("RANK", environ["RANK"]),
-        "details": {n: environ[n] for n in set_names},
+        "details": details,
     }
-    _int("MASTER_PORT", environ["MASTER_PORT"])
-    # torchrun starts one process per GPU and LOCAL_RANK names its GPU.
-    if environ.get("LOCAL_RANK") and _int("LOCAL_WORLD_SIZE", environ.get("LOCAL_WORLD_SIZE", "2")) > 1:
-        out["local_device_ids"] = (_int("LOCAL_RANK", environ["LOCAL_RANK"]),)
+    if environ.get("LOCAL_RANK"):
+        out["local_rank"] = _int("LOCAL_RANK", environ["LOCAL_RANK"])
+        # torchrun starts one process per GPU and LOCAL_RANK names its GPU.
+        if _int("LOCAL_WORLD_SIZE", environ.get("LOCAL_WORLD_SIZE", "2")) > 1:
+            out["local_device_ids"] = (out["local_rank"],)
     return out
+
+
+def _ompi_coordinator(uri: str) -> str:
+    """JAX's rule (jax/_src/clusters/ompi_cluster.py): mpirun's first TCP address, and a port
+    in 61440..65535 from the Open MPI job id, so every process derives the same one."""
+    m = re.search(r"tcp://(.+?)[,:]|tcp6://\[(.+?)[,\]]", uri)
+    job = uri.split(".", 1)[0]
+    if not m or not job.isdigit():
+        raise UserError(
+            f"cannot read mpirun's address from {_OMPI_URI}={uri!r}; pass every process the "
+            "coordinator: mpirun -x JAX_COORDINATOR_ADDRESS=HOST:PORT (HOST: rank 0's host)"
+        )
+    host = next(g for g in m.groups() if g is not None)
+    host = f"[{host}]" if ":" in host else host
+    return f"{host}:{int(job) // 2**12 % _SLURM_PORT_SPAN + _SLURM_PORT_BASE}"
+
+
+def _from_ompi(dist: DistConfig, environ: Mapping[str, str]) -> dict | None:
+    if "OMPI_COMM_WORLD_SIZE" not in environ:
+        return None
+    if any(n not in environ for n in _OMPI_VARS):
+        raise _partial("openmpi", [n for n in _OMPI_VARS if n in environ], _OMPI_VARS)
+    details = {n: environ[n] for n in _OMPI_VARS}
+    num = _int("OMPI_COMM_WORLD_SIZE", environ["OMPI_COMM_WORLD_SIZE"])
+    override = _coordinator_override(dist, environ)
+    coordinator = None
+    if override:
+        details[override[0]] = override[1]
+        coordinator = override[1]
+    elif environ.get(_OMPI_URI):
+        details[_OMPI_URI] = environ[_OMPI_URI]
+        coordinator = _ompi_coordinator(environ[_OMPI_URI])
+    elif num > 1:
+        raise UserError(
+            f"mpirun started {num} processes but sets no {_OMPI_URI} (Open MPI 5 or later) to find "
+            "process 0 by; pass every process the coordinator: mpirun -x JAX_COORDINATOR_ADDRESS=HOST:PORT "
+            "(HOST: rank 0's host)"
+        )
+    local_rank = _int("OMPI_COMM_WORLD_LOCAL_RANK", environ["OMPI_COMM_WORLD_LOCAL_RANK"])
+    local_size = _int("OMPI_COMM_WORLD_LOCAL_SIZE", environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1"))
+    return {
+        "coordinator_address": coordinator,
+        "num_processes": num,
+        "process_id": _int("OMPI_COMM_WORLD_RANK", environ["OMPI_COMM_WORLD_RANK"]),
+        # Several processes on a host: one GPU each, as torchrun; one process keeps them all.
+        "local_device_ids": (local_rank,) if local_size > 1 else None,
+        "local_rank": local_rank,
+        "details": details,
+    }
+
+
+def _refuse_unread_world(environ: Mapping[str, str]) -> None:
+    """Several processes that cannot find each other must not all act as process 0."""
+    for name in _UNREAD_WORLD_SIZES:
+        if environ.get(name, "1").strip() not in ("", "0", "1"):
+            raise UserError(
+                f"{name}={environ[name]}: a launcher jaxtrain cannot read started several processes, "
+                "and each would act as process 0; give every process JAX_COORDINATOR_ADDRESS, "
+                "JAX_NUM_PROCESSES and JAX_PROCESS_ID, or start them with torchrun, Open MPI's mpirun, "
+                "srun or scripts/run_distributed.py"
+            )
 
 
 def _first_host(nodelist: str) -> str:
@@ -234,6 +323,7 @@ def _from_slurm(dist: DistConfig, environ: Mapping[str, str]) -> dict | None:
         "num_processes": num,
         "process_id": _int("SLURM_PROCID", environ["SLURM_PROCID"]),
         "local_device_ids": _slurm_devices(environ, local_id),
+        "local_rank": local_id,
         "details": details,
     }
 
@@ -244,6 +334,7 @@ def detect(dist: DistConfig, environ: Mapping[str, str] = os.environ) -> LaunchS
         "flags": ("--dist.coordinator_address", "--dist.num_processes", "--dist.process_id"),
         "jax_env": _JAX_VARS,
         "torchrun_env": ("MASTER_ADDR:MASTER_PORT", "WORLD_SIZE", "RANK"),
+        "openmpi": ("the coordinator", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"),
         "slurm": ("the coordinator", "SLURM_NTASKS", "SLURM_PROCID"),
     }
     found = None
@@ -251,6 +342,8 @@ def detect(dist: DistConfig, environ: Mapping[str, str] = os.environ) -> LaunchS
         ("flags", lambda: _from_flags(dist, environ)),
         ("jax_env", lambda: _from_jax_env(environ)),
         ("torchrun_env", lambda: _from_torchrun_env(environ)),
+        # before slurm: mpirun inside an allocation starts its daemons through srun
+        ("openmpi", lambda: _from_ompi(dist, environ)),
         ("slurm", lambda: _from_slurm(dist, environ)),
     ):
         found = get()
@@ -258,6 +351,7 @@ def detect(dist: DistConfig, environ: Mapping[str, str] = os.environ) -> LaunchS
             _check(source, found, names[source])
             break
     else:
+        _refuse_unread_world(environ)
         source, found = "single", {"coordinator_address": None, "num_processes": 1, "process_id": 0}
     details = dict(found.get("details", {}))
     local_ids = found.get("local_device_ids")
@@ -271,6 +365,7 @@ def detect(dist: DistConfig, environ: Mapping[str, str] = os.environ) -> LaunchS
         process_id=found["process_id"],
         local_device_ids=local_ids,
         details=details,
+        local_rank=found.get("local_rank"),
     )
 
 

@@ -78,10 +78,14 @@ def initialize(dist: DistConfig, environ: Mapping[str, str] = os.environ) -> Lau
     if spec.process_id == 0:
         _, port = split_address(spec.coordinator_address)
         if port_in_use(port):
+            fix = (
+                f"JAX's coordinator takes MASTER_PORT+1 (torchrun's agent holds {port - 1}); pass "
+                f"torchrun a --master_port whose next port is free, e.g. --master_port {port + 1}"
+                if "TORCHELASTIC_RUN_ID" in spec.details
+                else "pick a free port (e.g. --dist.coordinator_address HOST:29501) or stop what holds it"
+            )
             raise join_error(
-                spec,
-                f"cannot start the coordinator: port {port} is already in use on this host; pick a free "
-                "port (e.g. --dist.coordinator_address HOST:29501) or stop what holds it",
+                spec, f"cannot start the coordinator: port {port} is already in use on this host; {fix}"
             )
     elif not wait_for_coordinator(spec.coordinator_address, timeout):
         raise join_error(
