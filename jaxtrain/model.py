@@ -6,10 +6,15 @@ Norms and rotary angles run in float32 and logits come back as float32.
     model = GPT(cfg.model, dtype=jnp.bfloat16)
     params = model.init(rng, tokens)["params"]   # tokens: int32 [B, T], T <= seq_len
     logits = model.apply({"params": params}, tokens)   # float32 [B, T, vocab]
+    new_tokens = generate(params, cfg.model, prompt, 256, rng)   # KV-cached sampling
+
+With `decode=True` the model keeps a key/value cache (flax collection "cache") of seq_len
+positions per layer, and each call appends its tokens at the cache's index.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -56,6 +61,14 @@ def _constrain(x: jax.Array, *logical: str | None) -> jax.Array:
     return nn.with_logical_constraint(x, logical)
 
 
+def _cache_index(module: nn.Module, length: int) -> jax.Array:
+    """Decoding: the first position of this call's tokens; the cache index moves past them."""
+    index = module.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+    start = index.value
+    index.value = start + length
+    return start
+
+
 def _dense(
     features: int | tuple[int, ...], std: float, dtype: Any, name: str, axis: Any = -1
 ) -> nn.DenseGeneral:
@@ -82,11 +95,12 @@ def _norm(x: jax.Array, eps: float, name: str) -> jax.Array:
     return y.astype(x.dtype)
 
 
-def _rope(x: jax.Array, theta: float) -> jax.Array:
-    """Rotate [B, T, N, H] by position (rotate-half layout), in float32."""
+def _rope(x: jax.Array, theta: float, positions: jax.Array | None = None) -> jax.Array:
+    """Rotate [B, T, N, H] by position (default 0..T-1; rotate-half layout), in float32."""
     t, h = x.shape[1], x.shape[3]
+    positions = jnp.arange(t) if positions is None else positions
     inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
-    angles = jnp.arange(t, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
     cos = jnp.cos(angles)[None, :, None, :]
     sin = jnp.sin(angles)[None, :, None, :]
     xf = x.astype(jnp.float32)
@@ -100,28 +114,44 @@ class Attention(nn.Module):
 
     cfg: ModelConfig
     dtype: Any
+    decode: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg
-        d = x.shape[-1]
+        b, t, d = x.shape
         head_dim = d // cfg.n_head
         qkv = _dense((3, cfg.n_head, head_dim), cfg.init_std, self.dtype, "qkv")(x)  # [B, T, 3, N, H]
         qkv = _constrain(qkv, "batch", "length", None, "heads", None)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [B, T, N, H]
+        start = _cache_index(self, t) if self.decode else 0
         if cfg.pos_embedding == "rope":
-            q, k = _rope(q, cfg.rope_theta), _rope(k, cfg.rope_theta)
-        # [B, T, N, H] with implementation=None lets XLA pick the cuDNN fused kernel on GPU.
-        y = jax.nn.dot_product_attention(
-            q,
-            k,
-            v,
-            is_causal=True,
-            # config.py allows only auto, xla and cudnn
-            implementation=None
-            if cfg.attention_impl == "auto"
-            else cast(Literal["xla", "cudnn"], cfg.attention_impl),
-        )
+            positions = start + jnp.arange(t)
+            q, k = _rope(q, cfg.rope_theta, positions), _rope(k, cfg.rope_theta, positions)
+        if self.decode:
+            shape = (b, cfg.seq_len, cfg.n_head, head_dim)
+            cached_k = self.variable("cache", "k", jnp.zeros, shape, k.dtype)
+            cached_v = self.variable("cache", "v", jnp.zeros, shape, v.dtype)
+            cached_k.value = jax.lax.dynamic_update_slice(cached_k.value, k, (0, start, 0, 0))
+            cached_v.value = jax.lax.dynamic_update_slice(cached_v.value, v, (0, start, 0, 0))
+            # Query i sits at start + i and sees the cache up to there; later slots hold stale
+            # entries or padding. Decoding is memory-bound: the plain XLA kernel is enough.
+            mask = jnp.arange(cfg.seq_len)[None, :] <= (start + jnp.arange(t))[:, None]  # [T, S]
+            y = jax.nn.dot_product_attention(
+                q, cached_k.value, cached_v.value, mask=mask[None, None], implementation="xla"
+            )
+        else:
+            # [B, T, N, H] with implementation=None lets XLA pick the cuDNN fused kernel on GPU.
+            y = jax.nn.dot_product_attention(
+                q,
+                k,
+                v,
+                is_causal=True,
+                # config.py allows only auto, xla and cudnn
+                implementation=None
+                if cfg.attention_impl == "auto"
+                else cast(Literal["xla", "cudnn"], cfg.attention_impl),
+            )
         y = _constrain(y, "batch", "length", "heads", None)
         out = _dense(d, _residual_std(cfg), self.dtype, "out", axis=(-2, -1))(y)
         return _constrain(out, "batch", "length", "embed")
@@ -146,12 +176,13 @@ class Block(nn.Module):
 
     cfg: ModelConfig
     dtype: Any
+    decode: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array, _: None = None) -> tuple[jax.Array, None]:
         # (carry, per-layer input) -> (carry, per-layer output): the signature nn.scan needs.
         eps = self.cfg.norm_eps
-        x = x + Attention(self.cfg, self.dtype, name="attn")(_norm(x, eps, "ln_1"))
+        x = x + Attention(self.cfg, self.dtype, self.decode, name="attn")(_norm(x, eps, "ln_1"))
         x = x + Mlp(self.cfg, self.dtype, name="mlp")(_norm(x, eps, "ln_2"))
         return x, None
 
@@ -183,6 +214,7 @@ class GPT(nn.Module):
     # step passes FSDP's all-gather here, so whole params exist one layer at a time; the model
     # itself never knows how params are laid out.
     gather: Callable[[Any], Any] | None = None
+    decode: bool = False  # keep a KV cache (collection "cache"): see `generate`
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -197,20 +229,21 @@ class GPT(nn.Module):
         wte = embed(cfg.vocab_size, name="wte")
         x = wte(tokens)
         if cfg.pos_embedding == "learned":
-            x = x + embed(cfg.seq_len, name="wpe")(jnp.arange(tokens.shape[1]))[None]
+            start = _cache_index(self, tokens.shape[1]) if self.decode else 0
+            x = x + embed(cfg.seq_len, name="wpe")(start + jnp.arange(tokens.shape[1]))[None]
         block = _block_class(cfg, self.gather)
         if cfg.scan_layers:
             # One traced body for all layers: compile time stays flat in depth.
             stack = nn.scan(
                 block,
-                variable_axes={"params": 0},
+                variable_axes={"params": 0, "cache": 0},
                 split_rngs={"params": True},
                 length=cfg.n_layer,
             )
-            x, _ = stack(cfg, self.dtype, name="blocks")(x, None)
+            x, _ = stack(cfg, self.dtype, self.decode, name="blocks")(x, None)
         else:
             for i in range(cfg.n_layer):
-                x, _ = block(cfg, self.dtype, name=f"block_{i}")(x)
+                x, _ = block(cfg, self.dtype, self.decode, name=f"block_{i}")(x)
         x = _norm(x, cfg.norm_eps, "ln_f")
         return _constrain(wte.attend(x), "batch", "length", "vocab").astype(jnp.float32)
 
@@ -232,24 +265,61 @@ def flops_per_token(cfg: ModelConfig, n_params: int) -> float:
     return 6.0 * n_params + 12.0 * cfg.n_layer * cfg.d_model * cfg.seq_len
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "dtype", "temperature", "top_k"))
-def _next_token(
+def _sample(logits: jax.Array, rng: jax.Array, temperature: float, top_k: int | None) -> jax.Array:
+    """One token id from float32 logits [vocab]."""
+    logits = logits / temperature
+    if top_k is not None:
+        kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][-1]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    return jax.random.categorical(rng, logits).astype(jnp.int32)
+
+
+def _with_index(cache: Any, index: jax.Array) -> Any:
+    """The cache with every layer's (and the position embedding's) index set to `index`."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: jnp.full_like(x, index) if path[-1].key == "index" else x, cache
+    )
+
+
+_STATIC = ("cfg", "dtype", "temperature", "top_k")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _prefill(
     params: Any,
     window: jax.Array,
-    pos: jax.Array,
+    length: jax.Array,
     rng: jax.Array,
     cfg: ModelConfig,
     dtype: Any,
     temperature: float,
     top_k: int | None,
-) -> jax.Array:
-    """Sample the token after window[0, pos]; the window has a fixed [1, seq_len] shape."""
-    # Without mutable=, apply returns just the model's output (flax types it as that or a pair).
-    logits = cast(jax.Array, GPT(cfg, dtype).apply({"params": params}, window))[0, pos] / temperature
-    if top_k is not None:
-        kth = jax.lax.top_k(logits, min(top_k, cfg.vocab_size))[0][-1]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    return jax.random.categorical(rng, logits).astype(jnp.int32)
+) -> tuple[jax.Array, Any]:
+    """A fresh cache holding window[0, :length] (one pass), and the token after it.
+
+    The window has a fixed [1, seq_len] shape: right padding is invisible to earlier positions
+    because attention is causal, and later steps overwrite it, so one compile serves every prompt.
+    """
+    logits, variables = GPT(cfg, dtype, decode=True).apply({"params": params}, window, mutable=["cache"])
+    return _sample(logits[0, length - 1], rng, temperature, top_k), _with_index(variables["cache"], length)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
+def _extend(
+    params: Any,
+    cache: Any,
+    token: jax.Array,
+    rng: jax.Array,
+    cfg: ModelConfig,
+    dtype: Any,
+    temperature: float,
+    top_k: int | None,
+) -> tuple[jax.Array, Any]:
+    """Append one token at the cache's index (one position of compute); sample the next."""
+    logits, variables = GPT(cfg, dtype, decode=True).apply(
+        {"params": params, "cache": cache}, token.reshape(1, 1), mutable=["cache"]
+    )
+    return _sample(logits[0, -1], rng, temperature, top_k), variables["cache"]
 
 
 def generate(
@@ -262,27 +332,30 @@ def generate(
     top_k: int | None = 40,
     dtype: Any = jnp.float32,
 ) -> np.ndarray:
-    """Sample max_new_tokens after a 1-D prompt; returns only the new tokens, int32."""
+    """Sample max_new_tokens after a 1-D prompt; returns only the new tokens, int32.
+
+    The prompt (its last seq_len tokens) fills a KV cache in one pass; each new token then costs
+    one position. When the cache is full it is refilled from the last seq_len // 2 tokens, so
+    positions stay within the trained window however long the output grows.
+    """
     if len(prompt) == 0:
         raise ValueError("generate needs a prompt of at least one token")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    cfg = dataclasses.replace(cfg, remat="none")  # no backward pass: nothing to rematerialise
+    static = {"cfg": cfg, "dtype": dtype, "temperature": float(temperature), "top_k": top_k}
     tokens = [int(t) for t in prompt]
+    cache, token, position = None, None, 0
     for i in range(max_new_tokens):
-        # Right padding is invisible to the current position because attention is causal,
-        # so one compiled shape serves every step.
-        context = tokens[-cfg.seq_len :]
-        window = np.zeros((1, cfg.seq_len), np.int32)
-        window[0, : len(context)] = context
-        token = _next_token(
-            params,
-            window,
-            np.int32(len(context) - 1),
-            jax.random.fold_in(rng, i),
-            cfg=cfg,
-            dtype=dtype,
-            temperature=float(temperature),
-            top_k=top_k,
-        )
+        step_rng = jax.random.fold_in(rng, i)
+        if token is None or position == cfg.seq_len:
+            context = tokens[-(cfg.seq_len if token is None else cfg.seq_len // 2) :]
+            window = np.zeros((1, cfg.seq_len), np.int32)
+            window[0, : len(context)] = context
+            token, cache = _prefill(params, window, np.int32(len(context)), step_rng, **static)
+            position = len(context)
+        else:
+            token, cache = _extend(params, cache, token, step_rng, **static)
+            position += 1
         tokens.append(int(token))
     return np.asarray(tokens[len(prompt) :], np.int32)

@@ -171,22 +171,39 @@ def test_attention_impl_xla_matches_auto():
 def test_generate():
     params = _init(TINY)
     prompt = np.array([1, 2, 3], np.int32)
-    before = model_lib._next_token._cache_size()
-    # 20 new tokens after 3 prompt tokens runs past seq_len 16, so the window crops.
+    before = model_lib._prefill._cache_size(), model_lib._extend._cache_size()
+    # 20 new tokens after 3 prompt tokens runs past seq_len 16, so the cache is refilled.
     out = generate(params, TINY, prompt, 20, jax.random.key(1))
     assert out.shape == (20,) and out.dtype == np.int32
     assert ((out >= 0) & (out < TINY.vocab_size)).all()
     np.testing.assert_array_equal(out, generate(params, TINY, prompt, 20, jax.random.key(1)))
     assert not np.array_equal(out, generate(params, TINY, prompt, 20, jax.random.key(2)))
-    # One fixed-shape step function: one compile for every token and every call.
-    assert model_lib._next_token._cache_size() == before + 1
+    # Fixed shapes: one compile of the prefill and one of the step for every token and call.
+    after = model_lib._prefill._cache_size(), model_lib._extend._cache_size()
+    assert after == (before[0] + 1, before[1] + 1)
 
 
-def test_generate_greedy_limit_matches_argmax():
-    params = _init(TINY)
-    prompt = np.array([5, 9], np.int32)
-    out = generate(params, TINY, prompt, 1, jax.random.key(0), top_k=1)
-    window = np.zeros((1, TINY.seq_len), np.int32)
-    window[0, :2] = prompt
-    logits = _apply(TINY, jnp.float32, params, window)
-    assert out[0] == int(jnp.argmax(logits[0, 1]))
+def _uncached_greedy(cfg: ModelConfig, params, prompt, n: int) -> list[int]:
+    """Greedy tokens by re-running the whole window for each one (what generate did before)."""
+    tokens = list(prompt)
+    for _ in range(n):
+        window = np.zeros((1, cfg.seq_len), np.int32)  # right padding: invisible under causal attention
+        window[0, : len(tokens)] = tokens
+        logits = _apply(cfg, jnp.float32, params, window)
+        tokens.append(int(jnp.argmax(logits[0, len(tokens) - 1])))
+    return tokens[len(prompt) :]
+
+
+@pytest.mark.parametrize(
+    "pos_embedding,scan_layers", [("rope", False), ("learned", False), ("rope", True), ("learned", True)]
+)
+def test_cached_generate_equals_uncached_greedy(pos_embedding, scan_layers):
+    cfg = dataclasses.replace(TINY, pos_embedding=pos_embedding)
+    params = _init(cfg)
+    if scan_layers:
+        cfg, params = dataclasses.replace(cfg, scan_layers=True), _stack_layers(params, TINY.n_layer)
+    prompt = np.array([5, 9, 1, 33], np.int32)
+    # Prompt + new tokens fill the window exactly: every cached position is checked.
+    n = cfg.seq_len - len(prompt)
+    out = generate(params, cfg, prompt, n, jax.random.key(0), top_k=1)
+    assert out.tolist() == _uncached_greedy(cfg, params, prompt, n)
