@@ -30,16 +30,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--script", default=DEFAULT_SCRIPT, help="script to run (default scripts/train.py)")
     p.add_argument("--python", default=sys.executable, help="interpreter for the script")
     m = p.add_argument_group("manual")
-    m.add_argument("--world-size", type=int, help="total processes in the job")
+    # torchrun's spellings (--nproc_per_node, --nnodes, --node_rank, --master_addr, --master_port)
+    # are accepted too, with torchrun's meaning.
+    m.add_argument("--world-size", type=int, help="total processes in the job (default nodes x P)")
     m.add_argument("--rank", type=int, help="run only this rank (multi-host, one process here)")
-    m.add_argument("--node-rank", type=int, help="run ranks node_rank*P .. node_rank*P+P-1 here")
-    m.add_argument("--nproc-per-node", type=int, help="P: processes on this machine")
+    m.add_argument(
+        "--node-rank", "--node_rank", type=int, help="run ranks node_rank*P .. node_rank*P+P-1 here"
+    )
+    m.add_argument("--nproc-per-node", "--nproc_per_node", type=int, help="P: processes on this machine")
     m.add_argument("--coordinator", help="HOST:PORT of rank 0 (default 127.0.0.1:<free port>)")
-    m.add_argument("--port", type=int, help="coordinator port on 127.0.0.1 when every rank is local")
+    m.add_argument("--master-addr", "--master_addr", help="HOST of rank 0 (torchrun's; with --port)")
+    m.add_argument(
+        "--port", "--master-port", "--master_port", type=int, help="coordinator port (default: a free one)"
+    )
     m.add_argument("--log-dir", help="write rank>0 output to DIR/rank_<r>.log instead of the terminal")
     m.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
     s = p.add_argument_group("slurm, create_slurm")
-    s.add_argument("--nodes", type=int, help="nodes (default 1, or the allocation's)")
+    s.add_argument(
+        "--nodes", "--num-nodes", "--nnodes", type=int, help="nodes (default 1, or the allocation's)"
+    )
     s.add_argument("--ntasks-per-node", type=int, help="processes per node (default 1: all its GPUs)")
     s.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (0: CPU job)")
     s.add_argument("--task-per-gpu", action="store_true", help="one process per GPU instead of per node")

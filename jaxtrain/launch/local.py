@@ -52,8 +52,13 @@ def local_gpus(environ: dict[str, str]) -> list[str]:
 def plan_manual(args: argparse.Namespace, environ: dict[str, str]) -> LocalPlan:
     """Which ranks run here, the coordinator, and each process's GPUs; UserError if inconsistent."""
     n = args.world_size
+    sized = (args.nodes or 1) * (args.nproc_per_node or 1)  # torchrun's way: --nnodes x --nproc_per_node
+    if n is None and (args.nodes or args.nproc_per_node):
+        n = sized
+    elif n is not None and args.nodes and n != sized:
+        raise ArgumentError(f"--world-size {n} is not --nnodes {args.nodes} x --nproc-per-node; give one")
     if n is None:
-        raise ArgumentError("--mode manual needs --world-size N (total processes in the job)")
+        raise ArgumentError("--mode manual needs --world-size N (total processes), or --nproc-per-node")
     if n < 1:
         raise ArgumentError(f"--world-size must be >= 1, got {n}")
     if args.rank is not None and args.node_rank is not None:
@@ -74,11 +79,16 @@ def plan_manual(args: argparse.Namespace, environ: dict[str, str]) -> LocalPlan:
             )
         ranks = tuple(range(node * per_node, (node + 1) * per_node))
     everything_here = len(ranks) == n
-    if args.coordinator and args.port:
-        raise ArgumentError("give --coordinator HOST:PORT or --port PORT, not both")
+    if args.coordinator and (args.port or args.master_addr):
+        raise ArgumentError("give --coordinator HOST:PORT or --master-addr HOST --port PORT, not both")
     if args.port is not None and not 0 < args.port < 65536:
         raise ArgumentError(f"--port must be in 1..65535, got {args.port}")
-    if args.coordinator:
+    if args.master_addr:
+        if not args.port:
+            raise ArgumentError(f"--master-addr {args.master_addr} needs --master-port PORT (rank 0's port)")
+        coordinator = f"{args.master_addr}:{args.port}"
+        split_address(coordinator)
+    elif args.coordinator:
         split_address(args.coordinator)
         coordinator = args.coordinator
     elif everything_here:
