@@ -57,6 +57,9 @@ class OptimConfig:
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
+    name: str = "adamw"  # adamw | muon (Muon for hidden matrices, AdamW at lr for the rest: optim.py)
+    matrix_lr: float = 0.02  # Muon's peak lr (nanochat's matrix_lr)
+    muon_momentum: float = 0.95
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,9 @@ class CompatConfig:
 @dataclass(frozen=True)
 class Config:
     name: str = "default"
-    run_dir: str = ""  # "" means runs/<name>
+    # train | test (loss and perplexity of --resume_from) | predict (generate from --resume_from)
+    task: str = "train"
+    run_dir: str = ""  # "" means runs/<name> (test, predict: the checkpoint's run dir)
     overwrite: bool = False  # start fresh even if run_dir holds a different run
     # data: flat token files (nanoGPT raw uint16/uint32, or llm.c header); "" = embedded default
     train_data_path: str = ""
@@ -145,6 +150,17 @@ class Config:
     seed: int = 0
     # checkpoints
     resume_from: str = ""  # a checkpoint step dir, or a run's checkpoints/ dir
+    init_from: str = ""  # a new run starting from that checkpoint's params (fresh optimizer, step 0)
+    # test and predict tasks (jaxtrain/tasks.py)
+    test_data_path: str = ""  # "" = valid_data_path, else the checkpoint's validation data
+    prompt: str = ""
+    prompt_file: str = ""  # one prompt per line
+    max_new_tokens: int = 256
+    temperature: float = 0.8
+    top_k: int = 40  # 0 = sample from the whole vocabulary
+    # nanochat's one-number model: n_layer = depth, d_model = 64 * depth, heads of 128, optim.lr
+    # 0.004 * (d_model / 768) ** -0.5; keys given beside it win. 0 = off
+    depth: int = 0
     checkpoint_interval: int = 500
     keep_checkpoints: int = 3
     # logging (process 0 only)
@@ -172,6 +188,8 @@ class Config:
 
 
 _CHOICES = {
+    "task": ("train", "test", "predict"),
+    "optim.name": ("adamw", "muon"),
     "dtype": ("float32", "bfloat16", "float16"),
     "token_dtype": ("auto", "uint16", "uint32"),
     "wandb_mode": ("online", "offline"),
@@ -184,10 +202,11 @@ _POSITIVE = (
     "batch_size", "total_steps", "gradient_accumulation_steps", "log_interval",
     "checkpoint_interval", "keep_checkpoints", "eval_batches", "prefetch",
     "model.vocab_size", "model.seq_len", "model.n_layer", "model.n_head", "model.d_model",
+    "optim.matrix_lr", "max_new_tokens", "temperature",
     "optim.lr", "dist.init_timeout", "max_bad_steps", "preemption_check_interval",
 )  # fmt: skip
 _NON_NEGATIVE = (
-    "total_batch_size", "device_batch_size", "eval_interval", "gradient_clip_val",
+    "total_batch_size", "device_batch_size", "eval_interval", "gradient_clip_val", "top_k", "depth",
     "sample_tokens", "model.d_ff", "optim.warmup_steps", "optim.weight_decay",
     "optim.min_lr_ratio", "dist.num_processes", "watchdog_factor", "watchdog_timeout",
     "debug.nan_step", "debug.nan_count", "data_threads", "epochs", "compat.world_size",
@@ -195,6 +214,7 @@ _NON_NEGATIVE = (
 # Other names for our keys, as the PyTorch guides spell them (README: "coming from torchrun/DDP").
 # A bare `--debug` is the guides' verbose switch; our test-only faults stay under `debug.*`.
 ALIASES = {
+    "max_seq_len": "model.seq_len",  # nanochat's name
     "num_workers": "data_threads",
     "grad_accumulation_steps": "gradient_accumulation_steps",
     "debug": "verbose",
@@ -358,12 +378,33 @@ def _build(cls: type, flat: dict[str, Any], prefix: str = "") -> Any:
     return cls(**kwargs)
 
 
+# What --depth sets (see Config.depth).
+_DEPTH_KEYS = ("model.n_layer", "model.d_model", "model.n_head", "optim.lr")
+
+
+def _sized_by_depth(flat: dict[str, Any]) -> dict[str, Any]:
+    """nanochat's sizing from `depth` beneath the keys given (as nanochat's base_train does it)."""
+    depth = flat.get("depth", 0)
+    if depth <= 0:
+        return flat
+    d_model = flat.get("model.d_model", 64 * depth)  # aspect ratio 64
+    derived = {
+        "model.n_layer": depth,
+        "model.d_model": d_model,
+        "model.n_head": max(1, math.ceil(d_model / 128)),  # head dim 128
+        # nanochat's (unembedding) AdamW lr, scaled like 1/sqrt(width) from its 768-wide base
+        "optim.lr": 0.004 * (d_model / 768) ** -0.5,
+    }
+    return {**derived, **flat}
+
+
 def from_dict(values: dict[str, Any]) -> Config:
     """Build and check a Config from a (possibly nested) mapping of keys to values."""
     flat: dict[str, Any] = {}
     for key, value in _flatten(values).items():
         path = _resolve_key(key)
         flat[path] = _convert(path, _PATHS[path], value)
+    flat = _sized_by_depth(flat)
     cfg = _build(Config, flat)
     check(cfg)
     if cfg.compat.single_gpu and not cfg.dist.local_device_ids:
@@ -376,6 +417,9 @@ def load_config(argv: list[str]) -> Config:
     config_file, overrides = _parse_argv(argv)
     values = _read_yaml(config_file) if config_file else {}
     merged = {_resolve_key(k): v for k, v in values.items()}
+    if any(_resolve_key(k) == "depth" for k, _ in overrides):
+        # --depth resizes the file's model; keys given beside it on the command line still win.
+        merged = {k: v for k, v in merged.items() if k not in _DEPTH_KEYS}
     for key, raw in overrides:
         merged[_resolve_key(key)] = raw
     return from_dict(merged)
@@ -420,6 +464,11 @@ def check(cfg: Config) -> None:
         if _get(cfg, path) < 0:
             raise ConfigError(f"config key '{path}' must be >= 0, got {_get(cfg, path)}")
     m = cfg.model
+    if cfg.depth and m.d_model % m.n_head:
+        raise ConfigError(
+            f"--depth {cfg.depth} gives d_model {m.d_model}, which {m.n_head} heads of ~128 do not divide; "
+            "use an even depth or set --model.n_head"
+        )
     if m.d_model % m.n_head:
         raise ConfigError(f"model.d_model {m.d_model} is not divisible by model.n_head {m.n_head}")
     if m.pos_embedding == "rope" and (m.d_model // m.n_head) % 2:
@@ -439,9 +488,28 @@ def check(cfg: Config) -> None:
         raise ConfigError("eval_interval is set but eval_batches is 0")
     if cfg.compat.local_rank < -1:
         raise ConfigError(f"--local_rank must be >= 0, got {cfg.compat.local_rank}")
+    _check_task(cfg)
+    if not 0 <= cfg.optim.muon_momentum < 1:
+        raise ConfigError(f"optim.muon_momentum must be in [0, 1), got {cfg.optim.muon_momentum}")
     if cfg.optim.min_lr_ratio > 1:
         raise ConfigError(f"optim.min_lr_ratio must be <= 1, got {cfg.optim.min_lr_ratio}")
     _check_mesh_values(cfg)
+
+
+def _check_task(cfg: Config) -> None:
+    if cfg.task != "train" and not cfg.resume_from:
+        raise ConfigError(
+            f"--task {cfg.task} needs --resume_from CHECKPOINT (a step dir, or a run's checkpoints/ dir)"
+        )
+    if cfg.task == "predict" and bool(cfg.prompt) == bool(cfg.prompt_file):
+        raise ConfigError(
+            "--task predict needs --prompt TEXT or --prompt_file FILE (one prompt a line), not both"
+        )
+    if cfg.init_from and (cfg.task != "train" or cfg.resume_from):
+        raise ConfigError(
+            "--init_from starts a new training run from a checkpoint's params; it goes with --task train "
+            "and without --resume_from"
+        )
 
 
 def _check_mesh_values(cfg: Config) -> None:

@@ -213,3 +213,39 @@ def test_a_state_too_big_for_the_gpu_is_refused_before_compiling():
     ):
         mesh_lib.check_fits(84 * 2**30, _Gpu(), mesh)  # a 7B model's state: fsdp 4 brings it to 21 GiB
     mesh_lib.check_fits(84 * 2**30, jax.devices()[0], mesh)  # a CPU reports no limit: nothing to judge
+
+
+MUON = ["--optim.name", "muon"]
+
+
+@pytest.fixture(scope="module")
+def data_parallel_muon():
+    return _train(MUON)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--mesh.data", "1", "--mesh.fsdp", "8"], ["--mesh.data", "1", "--mesh.fsdp", "4", "--mesh.tensor", "2"]],
+    ids=["fsdp8", "fsdp4xtp2"],
+)
+def test_muon_trains_under_fsdp_and_tensor_like_data_parallelism(data_parallel_muon, argv):
+    dp_losses, dp_bytes, dp_params = data_parallel_muon
+    losses, state_bytes, params = _train(MUON + argv)
+    # Newton-Schulz multiplies sharded matrices: sums in another order than one device's.
+    np.testing.assert_allclose(losses, dp_losses, rtol=1e-3)
+    assert losses[-1] < losses[0] and state_bytes < dp_bytes
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(dp_params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-4)
+
+
+def test_muon_momentum_is_split_like_its_param():
+    _, _, _, shardings, _, _ = _setup(MUON + ["--mesh.data", "1", "--mesh.fsdp", "4", "--mesh.tensor", "2"])
+    params, groups = shardings.params, shardings.opt_state.inner_states
+    muon_mu = groups["muon"].inner_state[0].mu
+    for path in (("attn", "qkv", "kernel"), ("attn", "out", "kernel"), ("mlp", "fc", "kernel")):
+        param, mu = params["block_1"], muon_mu["block_1"]
+        for key in path:
+            param, mu = param[key], mu[key]
+        assert mu.spec == param.spec and "fsdp" in jax.tree.leaves(tuple(param.spec)), path
+    adam_nu = groups["adamw"].inner_state[0].nu
+    assert adam_nu["wte"]["embedding"].spec == params["wte"]["embedding"].spec
