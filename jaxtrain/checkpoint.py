@@ -4,25 +4,40 @@ Every process calls save/restore (orbax needs all of them); replicated arrays ar
 once, by the primary replica on process 0. A step directory only becomes visible once it
 is complete (orbax writes to a temporary name and renames), so a killed save is never
 restored.
+
+Damage that does not raise (a file truncated by a node crash, a bad disk, a partial copy) is
+found by checksums: once a save has finished, process 0 records the size and CRC32 of every
+file of the step dir in its `checksums.json`, and a restore checks them first. A save the
+filesystem refuses (no space, read-only, I/O error, quota) raises StorageError, whether orbax
+reports it at once, from its background thread (`poll`), or when waited for.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import shutil
+import time
+import zlib
 from pathlib import Path
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 
-from jaxtrain.errors import UserError
+from jaxtrain import storage
+from jaxtrain.errors import StorageError, UserError
+from jaxtrain.files import write_text
 
 log = logging.getLogger(__name__)
+
+CHECKSUMS = "checksums.json"
 
 
 class Checkpointer:
     """A CheckpointManager over `directory` holding items `state` and `meta`."""
 
-    def __init__(self, directory: Path, keep: int, read_only: bool = False) -> None:
+    def __init__(self, directory: Path, keep: int, read_only: bool = False, primary: bool = True) -> None:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             enable_async_checkpointing=not read_only,
@@ -31,6 +46,9 @@ class Checkpointer:
         )
         self.directory = Path(directory).absolute()
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        self.primary = primary  # the process that records checksums (process 0)
+        self.pending: int | None = None  # the step being saved in the background
+        self.state_bytes = 0  # of the state last saved: what one checkpoint needs on disk
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -39,12 +57,30 @@ class Checkpointer:
         return list(self.manager.all_steps())
 
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
-        """Start an asynchronous save; returns once the arrays are copied off the devices."""
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-            force=True,
-        )
+        """Start an asynchronous save (after finishing the previous one); returns once the arrays
+        are copied off the devices."""
+        self.wait()
+        self.state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+        try:
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+                force=True,
+            )
+        except Exception as e:
+            raise self._failed(step, e) from None
+        self.pending = step
+
+    def poll(self) -> None:
+        """Cheap, every step: raise a background save's failure now; finish a save that is done."""
+        if self.pending is None:
+            return
+        try:
+            self.manager.check_for_errors()
+        except Exception as e:
+            raise self._failed(self.pending, e) from None
+        if not self.manager.is_saving_in_progress():
+            self.wait()
 
     def read_meta(self, step: int) -> dict[str, Any]:
         try:
@@ -62,7 +98,67 @@ class Checkpointer:
         return out["state"]
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Finish the save in flight, if any, and record its checksums."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:
+            raise self._failed(self.pending, e) from None
+        if self.pending is not None and self.primary:
+            step_dir = self.directory / str(self.pending)
+            write_text(step_dir / CHECKSUMS, json.dumps(_checksums(step_dir)))
+        self.pending = None
+
+    def damage(self, step: int) -> str | None:
+        """Why checkpoint `step` cannot be restored (checksums, then its meta), or None."""
+        step_dir = self.directory / str(step)
+        try:
+            recorded = json.loads((step_dir / CHECKSUMS).read_text())
+        except FileNotFoundError:
+            recorded = None  # saved by an older jaxtrain, or killed just before: orbax alone judges
+        except (OSError, ValueError) as e:
+            return f"{CHECKSUMS} unreadable: {e}"
+        if recorded is not None:
+            found = _checksums(step_dir)
+            bad = sorted(
+                name for name in recorded.keys() | found.keys() if recorded.get(name) != found.get(name)
+            )
+            if bad:
+                return f"{len(bad)} file(s) differ from their checksums, e.g. {bad[0]}"
+        try:
+            self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        except Exception as e:  # missing, truncated or garbled files
+            return f"its meta is unreadable: {type(e).__name__}"
+        return None
+
+    def move_aside(self, step: int) -> Path:
+        """Rename a damaged step dir out of the checkpoints (kept for a post-mortem, never deleted)."""
+        aside = self.directory.parent / "damaged_checkpoints" / f"{step}.{time.strftime('%Y%m%d-%H%M%S')}"
+        aside.parent.mkdir(exist_ok=True)
+        (self.directory / str(step)).rename(aside)
+        return aside
+
+    def reload(self) -> None:
+        """Forget steps moved aside by any process."""
+        self.manager.reload()
+
+    def _failed(self, step: int | None, e: Exception) -> Exception:
+        """A StorageError for a save the filesystem refused (its half-written dir removed), else `e`."""
+        reason = storage.failure_reason(e)
+        if reason is None:
+            return e
+        log.warning(f"checkpoint save of step {step} failed: {type(e).__name__}: {e}")
+        if self.primary:  # orbax's temporary dirs: a step dir that never became complete
+            for half in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+                shutil.rmtree(half, ignore_errors=True)
+        self.manager.reload()
+        good = self.latest_step()
+        last = f"{self.directory}/{good}" if good is not None else "none yet"
+        return StorageError(
+            f"saving checkpoint {self.directory}/{step} failed: {reason}; "
+            f"{storage.mib(storage.free_bytes(self.directory))} free there, a checkpoint needs about "
+            f"{storage.mib(self.state_bytes)}; last good checkpoint: {last}; make room (or fix the "
+            "filesystem), then relaunch the same command to resume from it"
+        )
 
     def close(self) -> None:
         self.manager.close()
@@ -73,8 +169,21 @@ def unreadable(step_dir: Path, e: BaseException) -> UserError:
     log.warning(f"restoring {step_dir} failed: {type(e).__name__}: {e}")
     return UserError(
         f"checkpoint {step_dir} is unreadable ({type(e).__name__}): it is incomplete or corrupt; "
-        "delete that step dir to resume from the one before, or pass --resume_from another checkpoint"
+        "pass --resume_from another checkpoint"
     )
+
+
+def _checksums(step_dir: Path) -> dict[str, list[int]]:
+    """[size, CRC32] of each file under `step_dir`, by relative path (CRC32: ~1 GB/s, in chunks)."""
+    out = {}
+    for p in sorted(step_dir.rglob("*")):
+        if p.is_file() and p.name != CHECKSUMS:
+            crc = 0
+            with open(p, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    crc = zlib.crc32(chunk, crc)
+            out[str(p.relative_to(step_dir))] = [p.stat().st_size, crc]
+    return out
 
 
 def locate(path: str) -> tuple[Path, int | None]:

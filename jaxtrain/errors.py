@@ -2,7 +2,7 @@
 
 Exit codes of scripts/train.py (also in the README):
     0   done                      2   bad input, nothing changed     3   hung: the watchdog fired
-    4   too many non-finite steps 75  pre-empted: checkpoint saved, relaunch to resume
+    4   too many non-finite steps 5   storage failed during a save  75  pre-empted: relaunch
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 EXIT_USAGE = 2
 EXIT_HUNG = 3
 EXIT_NONFINITE = 4
+EXIT_STORAGE = 5
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: try again later
 
 
@@ -40,6 +41,12 @@ class NonFiniteError(StopError):
     """Too many non-finite steps in a row."""
 
     code = EXIT_NONFINITE
+
+
+class StorageError(StopError):
+    """The filesystem refused a checkpoint (no space, read-only, I/O error, quota)."""
+
+    code = EXIT_STORAGE
 
 
 class Preempted(StopError):
@@ -79,7 +86,8 @@ def exit_on_user_error(main: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return main(*args, **kwargs)
         except StopError as e:
-            print(f"error: {e}" if isinstance(e, UserError | NonFiniteError) else str(e), file=sys.stderr)
+            said = f"error: {e}" if isinstance(e, UserError | NonFiniteError | StorageError) else str(e)
+            print(said, file=sys.stderr)
             sys.stdout.flush()
             sys.stderr.flush()
             if _joined_to_peers():

@@ -1,8 +1,10 @@
-"""Files that appear whole or not at all, and directories checked before anything is written."""
+"""Files that appear whole or not at all, lines appended whole, and directories checked before
+anything is written."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import uuid
 from collections.abc import Iterator
@@ -30,6 +32,26 @@ def atomic_write(path: Path) -> Iterator[BinaryIO]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+class LineFile:
+    """A file appended to a whole line at a time: one O_APPEND write() per line, and a write the
+    filesystem cuts short (disk full) is undone, so a reader never sees half a record."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.chmod(path, 0o644)
+
+    def write_line(self, text: str) -> None:
+        data = (text + "\n").encode("utf-8")
+        end = os.fstat(self.fd).st_size
+        if os.write(self.fd, data) < len(data):
+            os.ftruncate(self.fd, end)
+            raise OSError(errno.ENOSPC, "a line was cut short (no space left)", str(self.path))
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 def write_text(path: Path, text: str) -> None:

@@ -14,12 +14,12 @@ import numpy as np
 
 from jaxtrain import checkpoint as ckpt_lib
 from jaxtrain import config as config_lib
-from jaxtrain import data, metrics, rundir
+from jaxtrain import data, metrics, rundir, runlock, storage
 from jaxtrain import mesh as mesh_lib
 from jaxtrain.cluster import detect, join
 from jaxtrain.cluster.watchdog import Watchdog
 from jaxtrain.config import Config
-from jaxtrain.errors import NonFiniteError, Preempted, UserError
+from jaxtrain.errors import NonFiniteError, Preempted, StorageError, UserError
 from jaxtrain.faults import Faults
 from jaxtrain.model import GPT, flops_per_token, generate, param_count
 from jaxtrain.optim import make_optimizer
@@ -58,13 +58,16 @@ def _restore_or_init(
     """The latest complete checkpoint of this run (or --resume_from), else a fresh state."""
     abstract = abstract_state(cfg, model, tx)
     shardings = state_sharding(mesh, abstract, cfg.mesh.zero1)
-    source, step = ckpt, ckpt.latest_step()
+    source, step = ckpt, _newest_readable(ckpt)
     if cfg.resume_from and step is None:
         directory, step = ckpt_lib.locate(cfg.resume_from)
         source = ckpt_lib.Checkpointer(directory, cfg.keep_checkpoints, read_only=True)
         step = step if step is not None else source.latest_step()
         if step is None:
             raise UserError(f"--resume_from {cfg.resume_from} holds no complete checkpoint")
+        damage = source.damage(step) if jax.process_index() == 0 else None
+        if damage:  # the user asked for this one: no other is taken in its place
+            raise UserError(f"checkpoint {source.directory}/{step} is unreadable ({damage}); pass another")
     if step is None:
         return create_state(cfg, model, tx, mesh), 0
     meta = source.read_meta(step)
@@ -81,6 +84,43 @@ def _restore_or_init(
     state = source.restore(step, target)
     log.info(f"resumed from {source.directory}/{step}")
     return state, step
+
+
+def _newest_readable(ckpt: ckpt_lib.Checkpointer) -> int | None:
+    """The run's newest checkpoint that passes its checks (process 0 judges, all follow); newer,
+    damaged ones are moved aside with a warning. None if there are none; UserError if none is
+    readable (then nothing is moved)."""
+    steps = sorted(ckpt.all_steps(), reverse=True)
+    if not steps:
+        return None
+    damaged: list[tuple[int, str]] = []
+    chosen = -1
+    if jax.process_index() == 0:
+        for step in steps:
+            why = ckpt.damage(step)
+            if why is None:
+                chosen = step
+                break
+            damaged.append((step, why))
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        chosen = int(multihost_utils.broadcast_one_to_all(np.int32(chosen)))
+    if chosen < 0:
+        if jax.process_index() == 0:
+            said = "; ".join(f"{s}: {why}" for s, why in damaged)
+        else:
+            said = "see train.log"
+        raise UserError(
+            f"no checkpoint in {ckpt.directory} is readable ({said}); they are left as they are: "
+            "pass --resume_from a good copy, or --overwrite to start afresh"
+        )
+    for step, why in damaged:
+        aside = ckpt.move_aside(step)
+        log.warning(f"checkpoint {ckpt.directory}/{step} is unreadable ({why}): moved aside to {aside}")
+    _barrier("checkpoints_moved_aside")
+    ckpt.reload()
+    return chosen
 
 
 def _sample(cfg: Config, params: Any, train_path: str) -> None:
@@ -102,23 +142,32 @@ def train(cfg: Config) -> RunResult:
     # backends, and they die in JAX's own abort instead of saying the same line.)
     rundir.check(cfg)
     rundir.restrict_umask()  # nothing it writes into the run dir is world-writable
-    launch = detect.detect(cfg.dist)
-    config_lib.check_processes(cfg, launch.num_processes, launch.local_rank)
+    config_lib.check_processes(cfg, detect.detect(cfg.dist).num_processes)
     train_path, val_path = _data_paths(cfg)
     seq = cfg.model.seq_len
     train_tokens = data.open_tokens(train_path, cfg.model.vocab_size, cfg.token_dtype, min_tokens=seq + 1)
     val_tokens = data.open_tokens(val_path, cfg.model.vocab_size, cfg.token_dtype, min_tokens=seq + 1)
-    cfg = config_lib.with_data(cfg, data.num_windows(len(train_tokens), seq))
-    join.initialize(cfg.dist)
-    log_path = metrics.process_log_path(cfg.resolved_run_dir, jax.process_index())
-    # From here on barriers, restore and compile get the absolute limit, steps a tighter one.
-    watchdog = Watchdog(cfg.watchdog_factor, cfg.watchdog_timeout, log_path)
-    stop = StopRequest()
-    try:
-        return _run(cfg, watchdog, stop, train_path, train_tokens, val_tokens)
-    finally:
-        watchdog.stop()
-        stop.restore()
+    lock = runlock.RunLock(cfg.resolved_run_dir, cfg.lock_stale_s)
+    # Process 0 locks the run dir before anything is written into it, and holds it to the end.
+    with lock.held(detect.detect(cfg.dist).process_id == 0):
+        join.initialize(cfg.dist)
+        log_path = metrics.process_log_path(cfg.resolved_run_dir, jax.process_index())
+        # From here on barriers, restore and compile get the absolute limit, steps a tighter one.
+        watchdog = Watchdog(cfg.watchdog_factor, cfg.watchdog_timeout, log_path)
+        stop = StopRequest()
+        try:
+            return _run(cfg, watchdog, stop, train_path, train_tokens, val_tokens)
+        except OSError as e:  # a metrics or log write the filesystem refused
+            reason = storage.failure_reason(e)
+            if reason is None:
+                raise
+            raise StorageError(
+                f"writing {e.filename or cfg.resolved_run_dir} failed: {reason}; make room (or fix "
+                "the filesystem), then relaunch the same command to resume from the last checkpoint"
+            ) from None
+        finally:
+            watchdog.stop()
+            stop.restore()
 
 
 def _run(
@@ -141,13 +190,7 @@ def _run(
         rundir.prepare(cfg)
     _barrier("run_dir")
     metrics.setup_logging(run_dir, pid)
-    if cfg.verbose:  # the guides' --debug: every process logs everything, JAX each compilation
-        logging.getLogger("jaxtrain").setLevel(logging.DEBUG)
-        jax.config.update("jax_log_compiles", True)
     log.info(f"config:\n{config_lib.to_yaml(cfg)}")
-    n_windows = data.num_windows(len(train_tokens), seq)
-    for note in config_lib.compat_notes(cfg, n_windows):
-        log.info(note)
     log.info(
         f"{nproc} process(es) x {jax.local_device_count()} {jax.devices()[0].device_kind} device(s); "
         f"global batch {cfg.batch_size} x {seq} tokens, {cfg.gradient_accumulation_steps} microbatch(es), "
@@ -156,12 +199,9 @@ def _run(
 
     model = GPT(cfg.model, dtype=compute_dtype(cfg))
     tx = make_optimizer(cfg)
-    ckpt = ckpt_lib.Checkpointer(run_dir / "checkpoints", cfg.keep_checkpoints)
+    ckpt = ckpt_lib.Checkpointer(run_dir / "checkpoints", cfg.keep_checkpoints, primary=is_main)
     with watchdog.phase("checkpoint restore"):
         state, start_step = _restore_or_init(cfg, model, tx, mesh, ckpt)
-    if cfg.epochs:
-        epoch = config_lib.epoch_at(cfg, start_step, n_windows)
-        log.info(f"step {start_step}: epoch {epoch:.2f} of {cfg.epochs:g}")
     if is_main:
         rundir.truncate_metrics(run_dir / "metrics.jsonl", start_step)
         rundir.save_config(cfg)
@@ -177,6 +217,8 @@ def _run(
         f"{state_bytes / 2**20:,.1f} MiB per device (params + 2 Adam moments, float32)"
     )
     mesh_lib.check_fits(state_bytes, jax.local_devices()[0], mesh)
+    if is_main:
+        _warn_if_disk_short(cfg, ckpt, sum(x.nbytes for x in jax.tree.leaves(state)))
     jitted_train, eval_step = jit_steps(cfg, model, tx, mesh, shardings)
     with watchdog.phase("compile"):
         t0 = time.perf_counter()
@@ -252,6 +294,7 @@ def _run(
                 tracker.restart_clock(step)
             if step % cfg.checkpoint_interval == 0 or last:
                 save(step)
+            ckpt.poll()  # a background save that failed stops the run now, not at the next save
             if nproc == 1 or step % cfg.preemption_check_interval == 0:
                 if stop.agreed():
                     tracker.finish_pending()
@@ -268,7 +311,8 @@ def _run(
         tracker.finish_pending()
     except NonFiniteError as e:
         # Params never take a non-finite update, so every saved checkpoint is a good one.
-        ckpt.wait()
+        with watchdog.phase("final checkpoint write"):
+            ckpt.wait()
         good = ckpt.latest_step()
         where = f"step {good} in {run_dir / 'checkpoints'}" if good is not None else "none yet"
         raise NonFiniteError(
@@ -334,6 +378,19 @@ class _Tracker:
                 record["loss_scale"] = float(m["loss_scale"])
             self.reporter.train(record)
             self.restart_clock(step)
+
+
+def _warn_if_disk_short(cfg: Config, ckpt: ckpt_lib.Checkpointer, nbytes: int) -> None:
+    """Warn when the checkpoints' filesystem cannot hold the checkpoints still to be written: up to
+    keep_checkpoints + 1 (a new one is complete before the oldest is deleted), fewer those present."""
+    needed = max(1, cfg.keep_checkpoints + 1 - len(ckpt.all_steps())) * nbytes
+    free = storage.free_bytes(ckpt.directory)
+    if free < needed:
+        log.warning(
+            f"{ckpt.directory} has {storage.mib(free)} free, but keep_checkpoints {cfg.keep_checkpoints} "
+            f"needs about {storage.mib(needed)} more ({storage.mib(nbytes)} per checkpoint): a save "
+            "will fail (exit 5) unless space is made"
+        )
 
 
 def _barrier(name: str) -> None:

@@ -1,0 +1,191 @@
+"""One live job per run dir: process 0 holds `<run_dir>/job.lock` for the whole run.
+
+The lock is a file created with O_CREAT|O_EXCL (atomic on local disks and on NFSv3+/Lustre,
+unlike flock, which may not reach other hosts) holding who took it: host, pid, the pid's start
+time, SLURM job id, since when. The holder touches its mtime every `stale_s / 10` seconds. A
+second start is refused (exit 2) unless the lock was left by a job that is gone:
+  same host      the pid is dead, or now belongs to another process (start time differs): at once
+  same SLURM job a requeue of the job that held it (a higher SLURM_RESTART_COUNT; SLURM runs a
+                 job once at a time): at once
+  other host     the heartbeat is `stale_s` old: at once if the mtime is that old by this host's
+                 clock; else this host watches the mtime for `stale_s` and takes the lock if it
+                 never moves. The watch needs no clock agreement between hosts (only that mtimes
+                 change when touched); the first rule trusts clocks to agree within `stale_s`
+                 (default 60 s, vs NTP's milliseconds). A live holder that cannot touch the file
+                 for `stale_s` (10 heartbeats) would lose it: that storage is hung, and the
+                 watchdog ends such a job.
+A takeover renames the stale file to a name of its own (atomic, so of two hosts taking over at
+once only one moves it) and checks that it moved the lock it judged stale before creating its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from jaxtrain.errors import UserError
+
+log = logging.getLogger("jaxtrain")
+
+LOCK_NAME = "job.lock"
+POLL_S = 0.2
+
+
+def _start_time(pid: int) -> str | None:
+    """The start time of `pid` in clock ticks since boot (Linux), or None if no such process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(pid: int, pid_start: str | None) -> bool:
+    """Whether `pid` on this host is still the process that took the lock."""
+    if pid_start is None:  # no /proc here (not Linux): the pid alone
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    return _start_time(pid) == pid_start
+
+
+def _read(path: Path) -> tuple[dict[str, Any], float] | None:
+    """(holder, mtime) of the lock at `path`, or None if there is none. A lock being written
+    (empty or half JSON) reads as a holder with no fields, so it is judged by its mtime alone."""
+    try:
+        text, mtime = path.read_text(), path.stat().st_mtime
+    except FileNotFoundError:
+        return None
+    try:
+        holder = json.loads(text)
+    except json.JSONDecodeError:
+        holder = {}
+    return (holder if isinstance(holder, dict) else {}), mtime
+
+
+class RunLock:
+    """Take with `acquire()`, which refuses (UserError) while another live job holds the run dir."""
+
+    def __init__(self, run_dir: Path, stale_s: float) -> None:
+        self.path = Path(run_dir) / LOCK_NAME
+        self.stale_s = stale_s
+        self.me: dict[str, Any] = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "pid_start": _start_time(os.getpid()),
+            "slurm_job": os.environ.get("SLURM_JOB_ID"),
+            "slurm_restart": int(os.environ.get("SLURM_RESTART_COUNT") or 0),
+            "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "token": uuid.uuid4().hex,
+        }
+        self.stopped = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def acquire(self) -> None:
+        """Create the lock, taking over a stale one; then keep its heartbeat until release()."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while not self._create():
+            found = _read(self.path)
+            if found is None:
+                continue  # released meanwhile
+            holder, mtime = found
+            if self._gone(holder, mtime):
+                self._take_over(holder)
+                continue
+            now = _read(self.path)
+            if now is not None and now[0] == holder:  # else it changed hands meanwhile: judge again
+                raise UserError(self._refusal(*now))
+        self.thread = threading.Thread(target=self._beat, name="jaxtrain-run-lock", daemon=True)
+        self.thread.start()
+
+    def release(self) -> None:
+        """Stop the heartbeat and remove the lock, if it is still ours."""
+        self.stopped.set()
+        if self.thread is not None:
+            self.thread.join()
+        found = _read(self.path)
+        if found is not None and found[0].get("token") == self.me["token"]:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+
+    @contextlib.contextmanager
+    def held(self, take: bool) -> Iterator[None]:
+        """Hold the lock inside the block if `take` (process 0); released however the block ends."""
+        if take:
+            self.acquire()
+        try:
+            yield
+        finally:
+            if take:
+                self.release()
+
+    def _create(self) -> bool:
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(self.me) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        return True
+
+    def _gone(self, holder: dict[str, Any], mtime: float) -> bool:
+        """Whether the job that wrote `holder` has ended (see the module docstring)."""
+        if holder.get("host") == self.me["host"] and "pid" in holder:
+            return not _alive(int(holder["pid"]), holder.get("pid_start"))
+        if holder.get("slurm_job") and holder["slurm_job"] == self.me["slurm_job"]:
+            return int(holder.get("slurm_restart", 0)) < self.me["slurm_restart"]  # an earlier run of it
+        if time.time() - mtime > self.stale_s:
+            return True
+        # Another host, heartbeat recent by our clock: watch whether it still beats.
+        end = time.monotonic() + self.stale_s
+        while time.monotonic() < end:
+            time.sleep(POLL_S)
+            now = _read(self.path)
+            if now != (holder, mtime):
+                return False  # it beat, or the lock was released or changed hands
+        return True
+
+    def _take_over(self, holder: dict[str, Any]) -> None:
+        aside = self.path.with_name(f"{LOCK_NAME}.stale.{self.me['token']}")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return  # another starter moved it first; try again to create ours
+        moved = _read(aside)
+        if moved is not None and moved[0].get("token") != holder.get("token"):
+            # Between our look and our rename another starter replaced the stale lock with its
+            # own live one: give it back.
+            os.rename(aside, self.path)
+            return
+        aside.unlink()
+        log.warning(
+            f"took over the lock of {self.path.parent} left by a job that is gone (host "
+            f"{holder.get('host', '?')} pid {holder.get('pid', '?')} since {holder.get('since', '?')})"
+        )
+
+    def _refusal(self, holder: dict[str, Any], mtime: float) -> str:
+        who = f"host {holder.get('host', '?')} pid {holder.get('pid', '?')} since {holder.get('since', '?')}"
+        return (
+            f"run dir {self.path.parent} is in use by another job ({who}, heartbeat "
+            f"{max(time.time() - mtime, 0):.0f} s ago, lock {self.path}); wait for it to end or stop it, "
+            "or use another --run_dir (a lock left by a dead job is taken over by itself)"
+        )
+
+    def _beat(self) -> None:
+        while not self.stopped.wait(self.stale_s / 10):
+            with contextlib.suppress(OSError):  # a storage hiccup; the watchdog handles a hang
+                os.utime(self.path)
