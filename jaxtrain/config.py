@@ -57,6 +57,9 @@ class OptimConfig:
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
+    name: str = "adamw"  # adamw | muon (Muon for hidden matrices, AdamW at lr for the rest: optim.py)
+    matrix_lr: float = 0.02  # Muon's peak lr (nanochat's matrix_lr)
+    muon_momentum: float = 0.95
 
 
 @dataclass(frozen=True)
@@ -100,15 +103,35 @@ class DebugConfig:
 
 
 @dataclass(frozen=True)
+class CompatConfig:
+    """Flags of the PyTorch/DDP guides our users already type (README: "coming from torchrun/DDP").
+
+    Each is checked against the job or mapped onto our own keys; one without effect in JAX says
+    so once in the log (compat_notes).
+    """
+
+    distributed: bool = False  # distribution is detected from the launcher
+    local_rank: int = -1  # -1 = not given; else must equal the launcher's local rank
+    world_size: int = 0  # 0 = not given; else must equal the process count
+    backend: str = "auto"  # auto | nccl | gloo: checked against the platform
+    single_gpu: bool = False  # one process on one device
+    skip_invalid_loss: bool = False  # what jaxtrain always does: non-finite steps are skipped
+    continue_on_error: bool = False  # never stop for non-finite steps: max_bad_steps = total_steps
+    find_unused_parameters: bool = False  # no effect: every parameter gets a gradient in JAX
+
+
+@dataclass(frozen=True)
 class Config:
     name: str = "default"
-    run_dir: str = ""  # "" means runs/<name>
+    # train | test (loss and perplexity of --resume_from) | predict (generate from --resume_from)
+    task: str = "train"
+    run_dir: str = ""  # "" means runs/<name> (test, predict: the checkpoint's run dir)
     overwrite: bool = False  # start fresh even if run_dir holds a different run
     # data: flat token files (nanoGPT raw uint16/uint32, or llm.c header); "" = embedded default
     train_data_path: str = ""
     valid_data_path: str = ""
     token_dtype: str = "auto"  # auto | uint16 | uint32 (auto: header, else by vocab size)
-    data_threads: int = 4
+    data_threads: int = 4  # 0: read in the training thread (torch's num_workers=0)
     prefetch: int = 4  # batches prepared ahead of the step
     # batch: batch_size is GLOBAL, in sequences, per optimizer step
     batch_size: int = 32
@@ -116,6 +139,7 @@ class Config:
     device_batch_size: int = 0  # sequences per device per microbatch (with total_batch_size)
     gradient_accumulation_steps: int = 1
     total_steps: int = 1000
+    epochs: float = 0  # > 0 replaces total_steps: epochs x windows in the training data / batch
     dtype: str = "float32"  # compute dtype: float32 | bfloat16 | float16 (params stay float32)
     gradient_clip_val: float = 1.0  # global-norm clip; 0 disables
     max_bad_steps: int = 10  # stop after this many non-finite (skipped) steps in a row
@@ -127,6 +151,17 @@ class Config:
     seed: int = 0
     # checkpoints
     resume_from: str = ""  # a checkpoint step dir, or a run's checkpoints/ dir
+    init_from: str = ""  # a new run starting from that checkpoint's params (fresh optimizer, step 0)
+    # test and predict tasks (jaxtrain/tasks.py)
+    test_data_path: str = ""  # "" = valid_data_path, else the checkpoint's validation data
+    prompt: str = ""
+    prompt_file: str = ""  # one prompt per line
+    max_new_tokens: int = 256
+    temperature: float = 0.8
+    top_k: int = 40  # 0 = sample from the whole vocabulary
+    # nanochat's one-number model: n_layer = depth, d_model = 64 * depth, heads of 128, optim.lr
+    # 0.004 * (d_model / 768) ** -0.5; keys given beside it win. 0 = off
+    depth: int = 0
     checkpoint_interval: int = 500
     keep_checkpoints: int = 3
     # logging (process 0 only)
@@ -141,10 +176,12 @@ class Config:
     sample_tokens: int = 0  # tokens generated from the final model; 0 disables
     sample_prompt: str = "def "
     model: ModelConfig = field(default_factory=ModelConfig)
+    verbose: bool = False  # every process logs at DEBUG level, and JAX logs each compilation
     optim: OptimConfig = field(default_factory=OptimConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    compat: CompatConfig = field(default_factory=CompatConfig)
 
     @property
     def resolved_run_dir(self) -> Path:
@@ -152,25 +189,48 @@ class Config:
 
 
 _CHOICES = {
+    "task": ("train", "test", "predict"),
+    "optim.name": ("adamw", "muon"),
     "dtype": ("float32", "bfloat16", "float16"),
     "token_dtype": ("auto", "uint16", "uint32"),
     "wandb_mode": ("online", "offline"),
     "model.pos_embedding": ("rope", "learned"),
     "model.remat": ("none", "full", "dots"),
     "model.attention_impl": ("auto", "xla", "cudnn"),
+    "compat.backend": ("auto", "nccl", "gloo"),
 }
 _POSITIVE = (
     "batch_size", "total_steps", "gradient_accumulation_steps", "log_interval",
-    "checkpoint_interval", "keep_checkpoints", "eval_batches", "data_threads", "prefetch",
+    "checkpoint_interval", "keep_checkpoints", "eval_batches", "prefetch",
     "model.vocab_size", "model.seq_len", "model.n_layer", "model.n_head", "model.d_model",
+    "optim.matrix_lr", "max_new_tokens", "temperature",
     "optim.lr", "dist.init_timeout", "max_bad_steps", "preemption_check_interval", "lock_stale_s",
 )  # fmt: skip
 _NON_NEGATIVE = (
-    "total_batch_size", "device_batch_size", "eval_interval", "gradient_clip_val",
+    "total_batch_size", "device_batch_size", "eval_interval", "gradient_clip_val", "top_k", "depth",
     "sample_tokens", "model.d_ff", "optim.warmup_steps", "optim.weight_decay",
     "optim.min_lr_ratio", "dist.num_processes", "watchdog_factor", "watchdog_timeout",
-    "debug.nan_step", "debug.nan_count",
+    "debug.nan_step", "debug.nan_count", "data_threads", "epochs", "compat.world_size",
 )  # fmt: skip
+# Other names for our keys, as the PyTorch guides spell them (README: "coming from torchrun/DDP").
+# A bare `--debug` is the guides' verbose switch; our test-only faults stay under `debug.*`.
+ALIASES = {
+    "max_seq_len": "model.seq_len",  # nanochat's name
+    "num_workers": "data_threads",
+    "grad_accumulation_steps": "gradient_accumulation_steps",
+    "debug": "verbose",
+}
+# What the guides' flags without an effect of their own do here, said once in the log when set.
+_COMPAT_NOTES = {
+    "compat.distributed": "--distributed: accepted; jaxtrain detects distribution from its launcher",
+    "compat.local_rank": "--local_rank {}: accepted, checked against the launcher's local rank",
+    "compat.world_size": "--world_size {}: accepted, equals the process count (JAX needs no size flag)",
+    "compat.backend": "--backend {}: accepted; JAX picks NCCL between GPUs and gloo between CPU processes",
+    "compat.skip_invalid_loss": "--skip_invalid_loss: accepted, jaxtrain always skips non-finite steps "
+    "(params unchanged) and stops after max_bad_steps in a row",
+    "compat.find_unused_parameters": "--find_unused_parameters: no effect, every parameter gets a "
+    "gradient in JAX",
+}
 
 
 def _fields(cls: type) -> dict[str, Any]:
@@ -195,6 +255,7 @@ _PATHS = _leaf_paths(Config)
 def _resolve_key(key: str) -> str:
     """Map a flag or YAML key to its dotted path: exact path, or a unique leaf name."""
     key = key.replace("-", "_")
+    key = ALIASES.get(key, key)
     if key in _PATHS:
         return key
     matches = [p for p in _PATHS if p.rsplit(".", 1)[-1] == key]
@@ -318,14 +379,37 @@ def _build(cls: type, flat: dict[str, Any], prefix: str = "") -> Any:
     return cls(**kwargs)
 
 
+# What --depth sets (see Config.depth).
+_DEPTH_KEYS = ("model.n_layer", "model.d_model", "model.n_head", "optim.lr")
+
+
+def _sized_by_depth(flat: dict[str, Any]) -> dict[str, Any]:
+    """nanochat's sizing from `depth` beneath the keys given (as nanochat's base_train does it)."""
+    depth = flat.get("depth", 0)
+    if depth <= 0:
+        return flat
+    d_model = flat.get("model.d_model", 64 * depth)  # aspect ratio 64
+    derived = {
+        "model.n_layer": depth,
+        "model.d_model": d_model,
+        "model.n_head": max(1, math.ceil(d_model / 128)),  # head dim 128
+        # nanochat's (unembedding) AdamW lr, scaled like 1/sqrt(width) from its 768-wide base
+        "optim.lr": 0.004 * (d_model / 768) ** -0.5,
+    }
+    return {**derived, **flat}
+
+
 def from_dict(values: dict[str, Any]) -> Config:
     """Build and check a Config from a (possibly nested) mapping of keys to values."""
     flat: dict[str, Any] = {}
     for key, value in _flatten(values).items():
         path = _resolve_key(key)
         flat[path] = _convert(path, _PATHS[path], value)
+    flat = _sized_by_depth(flat)
     cfg = _build(Config, flat)
     check(cfg)
+    if cfg.compat.single_gpu and not cfg.dist.local_device_ids:
+        cfg = dataclasses.replace(cfg, dist=dataclasses.replace(cfg.dist, local_device_ids="0"))
     return cfg
 
 
@@ -334,6 +418,9 @@ def load_config(argv: list[str]) -> Config:
     config_file, overrides = _parse_argv(argv)
     values = _read_yaml(config_file) if config_file else {}
     merged = {_resolve_key(k): v for k, v in values.items()}
+    if any(_resolve_key(k) == "depth" for k, _ in overrides):
+        # --depth resizes the file's model; keys given beside it on the command line still win.
+        merged = {k: v for k, v in merged.items() if k not in _DEPTH_KEYS}
     for key, raw in overrides:
         merged[_resolve_key(key)] = raw
     return from_dict(merged)
@@ -378,6 +465,11 @@ def check(cfg: Config) -> None:
         if _get(cfg, path) < 0:
             raise ConfigError(f"config key '{path}' must be >= 0, got {_get(cfg, path)}")
     m = cfg.model
+    if cfg.depth and m.d_model % m.n_head:
+        raise ConfigError(
+            f"--depth {cfg.depth} gives d_model {m.d_model}, which {m.n_head} heads of ~128 do not divide; "
+            "use an even depth or set --model.n_head"
+        )
     if m.d_model % m.n_head:
         raise ConfigError(f"model.d_model {m.d_model} is not divisible by model.n_head {m.n_head}")
     if m.pos_embedding == "rope" and (m.d_model // m.n_head) % 2:
@@ -395,9 +487,30 @@ def check(cfg: Config) -> None:
         )
     if cfg.eval_interval and not cfg.eval_batches:
         raise ConfigError("eval_interval is set but eval_batches is 0")
+    if cfg.compat.local_rank < -1:
+        raise ConfigError(f"--local_rank must be >= 0, got {cfg.compat.local_rank}")
+    _check_task(cfg)
+    if not 0 <= cfg.optim.muon_momentum < 1:
+        raise ConfigError(f"optim.muon_momentum must be in [0, 1), got {cfg.optim.muon_momentum}")
     if cfg.optim.min_lr_ratio > 1:
         raise ConfigError(f"optim.min_lr_ratio must be <= 1, got {cfg.optim.min_lr_ratio}")
     _check_mesh_values(cfg)
+
+
+def _check_task(cfg: Config) -> None:
+    if cfg.task != "train" and not cfg.resume_from:
+        raise ConfigError(
+            f"--task {cfg.task} needs --resume_from CHECKPOINT (a step dir, or a run's checkpoints/ dir)"
+        )
+    if cfg.task == "predict" and bool(cfg.prompt) == bool(cfg.prompt_file):
+        raise ConfigError(
+            "--task predict needs --prompt TEXT or --prompt_file FILE (one prompt a line), not both"
+        )
+    if cfg.init_from and (cfg.task != "train" or cfg.resume_from):
+        raise ConfigError(
+            "--init_from starts a new training run from a checkpoint's params; it goes with --task train "
+            "and without --resume_from"
+        )
 
 
 def _check_mesh_values(cfg: Config) -> None:
@@ -429,8 +542,25 @@ def _global_rows(cfg: Config) -> int:
     return cfg.total_batch_size // cfg.model.seq_len if cfg.total_batch_size else cfg.batch_size
 
 
-def check_processes(cfg: Config, n_processes: int) -> None:
-    """The global batch splits evenly between processes (each loads its own rows)."""
+def check_processes(cfg: Config, n_processes: int, local_rank: int | None = None) -> None:
+    """The global batch splits evenly between processes (each loads its own rows); the guides'
+    --world_size, --local_rank and --single_gpu agree with the launcher (local_rank: its word)."""
+    c = cfg.compat
+    start = f"torchrun --nproc_per_node={c.world_size} scripts/train.py ..."
+    if c.world_size and c.world_size != n_processes:
+        raise ConfigError(
+            f"--world_size {c.world_size} but this job has {n_processes} process(es); jaxtrain starts no "
+            f"processes itself: {start}, or drop --world_size"
+        )
+    if c.single_gpu and n_processes > 1:
+        raise ConfigError(f"--single_gpu but this job has {n_processes} processes; start one, or drop it")
+    if local_rank is None and n_processes == 1:
+        local_rank = 0
+    if c.local_rank >= 0 and local_rank is not None and c.local_rank != local_rank:
+        raise ConfigError(
+            f"--local_rank {c.local_rank} but the launcher says this process's local rank is "
+            f"{local_rank}; drop --local_rank (jaxtrain reads it from the launcher)"
+        )
     check_batch_split(_global_rows(cfg), n_processes)
 
 
@@ -441,6 +571,45 @@ def check_batch_split(rows: int, n_processes: int) -> None:
             f"global batch_size {rows} is not divisible by {n_processes} processes; "
             f"use a multiple of {n_processes}"
         )
+
+
+def with_data(cfg: Config, n_windows: int) -> Config:
+    """--epochs: total_steps from the training data's windows; --continue_on_error: never stop."""
+    if cfg.epochs:
+        cfg = dataclasses.replace(
+            cfg, total_steps=max(1, math.ceil(cfg.epochs * n_windows / _global_rows(cfg)))
+        )
+    if cfg.compat.continue_on_error:
+        cfg = dataclasses.replace(cfg, max_bad_steps=cfg.total_steps)
+    return cfg
+
+
+def epoch_at(cfg: Config, step: int, n_windows: int) -> float:
+    """How many passes over the training data's windows `step` steps have made."""
+    return step * _global_rows(cfg) / n_windows
+
+
+def compat_notes(cfg: Config, n_windows: int) -> list[str]:
+    """What the guides' flags that were set do here: one log line each."""
+    defaults = CompatConfig()
+    notes = [
+        note.format(_get(cfg, path))
+        for path, note in _COMPAT_NOTES.items()
+        if _get(cfg, path) != getattr(defaults, path.split(".")[1])
+    ]
+    if cfg.compat.single_gpu:
+        notes.append(f"--single_gpu: one process on device {cfg.dist.local_device_ids}")
+    if cfg.compat.continue_on_error:
+        notes.append(
+            f"--continue_on_error: max_bad_steps = total_steps {cfg.total_steps}: non-finite "
+            "steps are skipped (params unchanged) and never stop the run"
+        )
+    if cfg.epochs:
+        notes.append(
+            f"--epochs {cfg.epochs:g}: {n_windows:,} windows of {cfg.model.seq_len + 1} tokens "
+            f"per epoch / batch {_global_rows(cfg)} = total_steps {cfg.total_steps}"
+        )
+    return notes
 
 
 def resolve_mesh(mesh: MeshConfig, n_devices: int) -> MeshConfig:
@@ -472,6 +641,16 @@ def with_topology(cfg: Config, n_devices: int, n_processes: int, platform: str =
         raise ConfigError(
             "dtype float16 needs a GPU (XLA:CPU has no float16 matmul with float32 accumulation); "
             "use --dtype bfloat16 on CPU"
+        )
+    if cfg.compat.backend == "nccl" and platform != "gpu":
+        raise ConfigError(
+            f"--backend nccl needs GPUs, but this job runs on {platform}; use --backend gloo or drop "
+            "--backend (JAX picks NCCL between GPUs, gloo between CPU processes)"
+        )
+    if cfg.compat.single_gpu and n_devices != 1:
+        raise ConfigError(
+            f"--single_gpu but this process sees {n_devices} {platform} devices; on CPU drop "
+            "--xla_force_host_platform_device_count from XLA_FLAGS, or drop --single_gpu"
         )
     mesh = resolve_mesh(cfg.mesh, n_devices)
     if cfg.model.d_model % mesh.fsdp:

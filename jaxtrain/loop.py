@@ -142,11 +142,13 @@ def train(cfg: Config) -> RunResult:
     # backends, and they die in JAX's own abort instead of saying the same line.)
     rundir.check(cfg)
     rundir.restrict_umask()  # nothing it writes into the run dir is world-writable
-    config_lib.check_processes(cfg, detect.detect(cfg.dist).num_processes)
+    launch = detect.detect(cfg.dist)
+    config_lib.check_processes(cfg, launch.num_processes, launch.local_rank)
     train_path, val_path = _data_paths(cfg)
     seq = cfg.model.seq_len
     train_tokens = data.open_tokens(train_path, cfg.model.vocab_size, cfg.token_dtype, min_tokens=seq + 1)
     val_tokens = data.open_tokens(val_path, cfg.model.vocab_size, cfg.token_dtype, min_tokens=seq + 1)
+    cfg = config_lib.with_data(cfg, data.num_windows(len(train_tokens), seq))
     lock = runlock.RunLock(cfg.resolved_run_dir, cfg.lock_stale_s)
     # Process 0 locks the run dir before anything is written into it, and holds it to the end.
     with lock.held(detect.detect(cfg.dist).process_id == 0):
@@ -190,7 +192,13 @@ def _run(
         rundir.prepare(cfg)
     _barrier("run_dir")
     metrics.setup_logging(run_dir, pid)
+    if cfg.verbose:  # the guides' --debug: every process logs everything, JAX each compilation
+        logging.getLogger("jaxtrain").setLevel(logging.DEBUG)
+        jax.config.update("jax_log_compiles", True)
     log.info(f"config:\n{config_lib.to_yaml(cfg)}")
+    n_windows = data.num_windows(len(train_tokens), seq)
+    for note in config_lib.compat_notes(cfg, n_windows):
+        log.info(note)
     log.info(
         f"{nproc} process(es) x {jax.local_device_count()} {jax.devices()[0].device_kind} device(s); "
         f"global batch {cfg.batch_size} x {seq} tokens, {cfg.gradient_accumulation_steps} microbatch(es), "
@@ -202,6 +210,9 @@ def _run(
     ckpt = ckpt_lib.Checkpointer(run_dir / "checkpoints", cfg.keep_checkpoints, primary=is_main)
     with watchdog.phase("checkpoint restore"):
         state, start_step = _restore_or_init(cfg, model, tx, mesh, ckpt)
+    if cfg.epochs:
+        epoch = config_lib.epoch_at(cfg, start_step, n_windows)
+        log.info(f"step {start_step}: epoch {epoch:.2f} of {cfg.epochs:g}")
     if is_main:
         rundir.truncate_metrics(run_dir / "metrics.jsonl", start_step)
         rundir.save_config(cfg)
