@@ -99,14 +99,22 @@ def save_config(cfg: Config) -> None:
 
 
 def truncate_metrics(path: Path, step: int) -> None:
-    """Drop records logged after `step`, so a resumed run does not log a step twice."""
+    """Drop records logged after `step`, so a resumed run does not log a step twice.
+
+    Timed events (launch, eval, checkpoint, end: jaxtrain/goodput.py) stay, as they say where
+    time went; a dropped timed record leaves a `redone` marker at its time, so goodput counts
+    the time of the steps computed again as lost.
+    """
     if not path.exists():
         return
     kept = []
     for line in path.read_text().splitlines():
         try:
-            if json.loads(line).get("step", 0) <= step:
-                kept.append(line)
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut short by a kill
+        if "event" in record or record.get("step", 0) <= step:
+            kept.append(line)
+        elif "t" in record:
+            kept.append(json.dumps({"event": "redone", "step": record["step"], "t": record["t"]}))
     write_text(path, "".join(f"{line}\n" for line in kept))

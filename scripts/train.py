@@ -15,14 +15,19 @@ Relaunching the same command resumes from the run dir's latest complete checkpoi
 
 import sys
 
-from jaxtrain.config import load_config
-from jaxtrain.errors import exit_on_user_error
-from jaxtrain.loop import train
+# First, before jax starts a backend: XLA reads XLA_FLAGS once (jaxtrain/xla_env.py).
+from jaxtrain import xla_env  # isort: skip
+
+xla_env.set_cpu_flags()
+
+from jaxtrain.config import load_config  # noqa: E402
+from jaxtrain.errors import exit_on_user_error  # noqa: E402
+from jaxtrain.loop import train  # noqa: E402
 
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
-    train(load_config(sys.argv[1:] if argv is None else argv))
+    train(load_config(sys.argv[1:] if argv is None else argv), launch_time=xla_env.LAUNCH_TIME)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,67 @@
+"""XLA settings jaxtrain chooses for the user: CPU compiler flags and the persistent compile cache.
+
+    from jaxtrain import xla_env
+    xla_env.set_cpu_flags()   # first thing a script does, before jax starts a backend
+
+CPU flags (measured with bench/bench_torch.py on a 2-core CPU; same losses):
+  --xla_cpu_experimental_ynn_fusion_type=dot  matmuls (with their fused neighbours) go to
+                                              XNNPACK's YNN kernels instead of Eigen.
+XLA reads XLA_FLAGS once, when the first backend starts, so these must be in the environment
+before then. A flag the user already put in XLA_FLAGS wins: ours is only added when its name is
+absent. They are xla_cpu_* flags, so a GPU run only applies them to its host-side computations.
+
+The compile cache keeps compiled executables across launches, so a relaunch (requeue, resume)
+of the same model skips most of its compile. Many processes and hosts may share the folder:
+jax writes entries from process 0 only, and with a size limit set every read and write holds a
+file lock (an OS lock on a local disk, a lock file on network ones), so nobody reads an entry
+half written; the limit also keeps a user's cache from growing without end.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+# When this process started its work, for goodput: imported first by scripts/train.py.
+LAUNCH_TIME = time.time()
+
+CPU_FLAGS = ("--xla_cpu_experimental_ynn_fusion_type=dot",)
+CACHE_MAX_BYTES = 8 * 2**30  # least recently used entries go past this
+# A step compiled faster than this is cheaper to recompile than to read and write to disk.
+CACHE_MIN_COMPILE_S = 0.2
+
+
+def merged_flags(user_flags: str, defaults: tuple[str, ...] = CPU_FLAGS) -> str:
+    """The user's XLA_FLAGS plus each default whose flag name the user did not set."""
+    user_names = {f.split("=", 1)[0] for f in user_flags.split()}
+    added = [f for f in defaults if f.split("=", 1)[0] not in user_names]
+    return " ".join([*added, *user_flags.split()])
+
+
+def set_cpu_flags() -> None:
+    """Put jaxtrain's CPU flags into XLA_FLAGS (the user's own settings win)."""
+    os.environ["XLA_FLAGS"] = merged_flags(os.environ.get("XLA_FLAGS", ""))
+
+
+def default_cache_dir() -> Path:
+    """$XDG_CACHE_HOME/jaxtrain/xla, else ~/.cache/jaxtrain/xla."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxtrain" / "xla"
+
+
+def enable_compile_cache(setting: str) -> Path | None:
+    """Turn jax's persistent cache on at `setting` ("" = the default folder, "off" = none)."""
+    import jax
+
+    if setting == "off":
+        return None
+    path = Path(setting) if setting else default_cache_dir()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None  # a read-only home only costs the compile; the run goes on
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", CACHE_MIN_COMPILE_S)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
