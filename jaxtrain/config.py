@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from jaxtrain.errors import UserError
+from jaxtrain.sources import parse_spec
 
 
 class ConfigError(UserError):
@@ -100,7 +101,6 @@ class DebugConfig:
     stall_process: int = 0  # ...on this process...
     stall_seconds: float = 3600.0  # ...this long
     kill_during_save: int = -1  # SIGKILL this process while the checkpoint of this step is written
-    oom: str = ""  # compile | step: fail there as a device out of memory does
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,9 @@ class Config:
     task: str = "train"
     run_dir: str = ""  # "" means runs/<name> (test, predict: the checkpoint's run dir)
     overwrite: bool = False  # start fresh even if run_dir holds a different run
-    # data: flat token files (nanoGPT raw uint16/uint32, or llm.c header); "" = embedded default
+    # data: token files (nanoGPT raw uint16/uint32, or llm.c header): a file, a glob, a comma list
+    # or a manifest.json; or a YAML list of {path, weight, name} sources (jaxtrain/sources.py);
+    # "" = embedded default
     train_data_path: str = ""
     valid_data_path: str = ""
     token_dtype: str = "auto"  # auto | uint16 | uint32 (auto: header, else by vocab size)
@@ -176,11 +178,6 @@ class Config:
     progress_bar: bool = True
     sample_tokens: int = 0  # tokens generated from the final model; 0 disables
     sample_prompt: str = "def "
-    # where the time goes (see README: Profiling, memory, goodput)
-    profile_steps: str = ""  # "A:B" traces steps A..B-1 into <run_dir>/profile/ with jax.profiler
-    profile_processes: str = "0"  # comma-separated process ids that trace, or "all"
-    tensorboard: bool = False  # also write the training scalars as TensorBoard events (process 0)
-    compile_cache_dir: str = ""  # persistent compile cache; "" = $XDG_CACHE_HOME/jaxtrain/xla; "off"
     model: ModelConfig = field(default_factory=ModelConfig)
     verbose: bool = False  # every process logs at DEBUG level, and JAX logs each compilation
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -204,8 +201,8 @@ _CHOICES = {
     "model.remat": ("none", "full", "dots"),
     "model.attention_impl": ("auto", "xla", "cudnn"),
     "compat.backend": ("auto", "nccl", "gloo"),
-    "debug.oom": ("", "compile", "step"),
 }
+_SOURCE_LISTS = ("train_data_path", "valid_data_path")  # a YAML list of sources is a mixture
 _POSITIVE = (
     "batch_size", "total_steps", "gradient_accumulation_steps", "log_interval",
     "checkpoint_interval", "keep_checkpoints", "eval_batches", "prefetch",
@@ -312,6 +309,8 @@ def _convert(path: str, typ: Any, value: Any) -> Any:
     elif typ is str:
         if value is None:
             return ""
+        if isinstance(value, list) and path in _SOURCE_LISTS:  # a mixture, kept as its YAML text
+            return yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=2**16).strip()
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
     raise ConfigError(f"config key '{path}' must be {typ.__name__}, got {value!r}")
@@ -460,6 +459,8 @@ def _get(cfg: Config, path: str) -> Any:
 
 def check(cfg: Config) -> None:
     """Value checks that need no devices."""
+    for path in _SOURCE_LISTS:
+        parse_spec(_get(cfg, path), path)
     for path, choices in _CHOICES.items():
         if _get(cfg, path) not in choices:
             raise ConfigError(
@@ -501,8 +502,6 @@ def check(cfg: Config) -> None:
         raise ConfigError(f"optim.muon_momentum must be in [0, 1), got {cfg.optim.muon_momentum}")
     if cfg.optim.min_lr_ratio > 1:
         raise ConfigError(f"optim.min_lr_ratio must be <= 1, got {cfg.optim.min_lr_ratio}")
-    profile_range(cfg.profile_steps)
-    profile_processes(cfg.profile_processes)
     _check_mesh_values(cfg)
 
 
@@ -520,28 +519,6 @@ def _check_task(cfg: Config) -> None:
             "--init_from starts a new training run from a checkpoint's params; it goes with --task train "
             "and without --resume_from"
         )
-
-
-def profile_range(text: str) -> tuple[int, int] | None:
-    """--profile_steps A:B as (A, B), 0 <= A < B; None when unset."""
-    if not text:
-        return None
-    start, colon, stop = text.partition(":")
-    if colon and start.strip().isdigit() and stop.strip().isdigit() and int(start) < int(stop):
-        return int(start), int(stop)
-    raise ConfigError(f"config key 'profile_steps' must be A:B with 0 <= A < B (steps A..B-1), got {text!r}")
-
-
-def profile_processes(text: str) -> set[int] | None:
-    """--profile_processes as a set of process ids; None means all."""
-    if text.strip() == "all":
-        return None
-    parts = [p.strip() for p in text.split(",")]
-    if not all(p.isdigit() for p in parts):
-        raise ConfigError(
-            f"config key 'profile_processes' must be comma-separated process ids or 'all', got {text!r}"
-        )
-    return {int(p) for p in parts}
 
 
 def _check_mesh_values(cfg: Config) -> None:

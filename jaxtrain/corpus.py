@@ -1,176 +1,338 @@
-"""Text files to token files: train.bin and val.bin (nanoGPT layout), streamed in chunks.
+"""Text, jsonl and parquet inputs to token files plus manifest.json, tokenized in parallel, streamed.
 
-prepare_corpus(["books/"], "data/books", pattern="*.txt")  # -> train.bin, val.bin (uint16)
+    prepare_corpus(["web/"], "data/web", tokenizer="bpe", vocab_size=8192, shard_tokens=10**8)
+    # -> data/web/train_00000.bin ... val_00000.bin (llm.c header), tokenizer.json, manifest.json
+
+Without shard_tokens the outputs are train.bin and val.bin, flat nanoGPT files. Work units (see
+inputs.py) are tokenized by `workers` processes, at most two units each in flight, and written in
+order: the output is the same for any worker count and memory stays flat however large the input.
+Everything is written into a hidden folder inside out_dir and moved into place only once all of it
+succeeded, manifest.json last: a set without its manifest is incomplete.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import dataclasses
-from collections.abc import Iterable, Iterator, Sequence
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import numpy as np
 
+from jaxtrain import inputs
 from jaxtrain.errors import UserError
-from jaxtrain.files import atomic_write, require_writable
-from jaxtrain.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer, Tokenizer
+from jaxtrain.files import require_writable, write_text
+from jaxtrain.sources import HEADER_BYTES, HEADER_MAGIC, MANIFEST_FORMAT
+from jaxtrain.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer
 
-_READ_CHUNK = 2**20  # bytes per read when tokenizing text
-
-
-def _utf8_boundary(data: bytes, pos: int) -> int:
-    """The nearest position <= pos that does not cut a UTF-8 character."""
-    while 0 < pos < len(data) and (data[pos] & 0xC0) == 0x80:
-        pos -= 1
-    return pos
-
-
-def _line_chunks(files: Sequence[Path]) -> Iterator[bytes]:
-    """The files' bytes, concatenated, in ~1 MiB chunks that end at a newline or a file's end."""
-    for file in files:
-        carry = b""
-        with open(file, "rb") as f:
-            while block := f.read(_READ_CHUNK):
-                data = carry + block
-                cut = data.rfind(b"\n") + 1
-                if cut == 0 and len(data) > _READ_CHUNK:  # one huge line: cut between characters
-                    cut = _utf8_boundary(data, len(data) - 1)
-                if cut:
-                    yield data[:cut]
-                carry = data[cut:]
-        if carry:
-            yield carry
-
-
-def _split_chunks(chunks: Iterable[bytes], split_at: int) -> Iterator[tuple[bool, bytes]]:
-    """(is_val, chunk) for a byte stream cut in two near offset `split_at` (at a line end if one is near)."""
-    offset = 0
-    for chunk in chunks:
-        end = offset + len(chunk)
-        if end <= split_at or offset >= split_at:
-            yield offset >= split_at, chunk
-        else:
-            cut = chunk.find(b"\n", split_at - offset) + 1
-            if cut in (0, len(chunk)):
-                cut = _utf8_boundary(chunk, split_at - offset)
-            yield False, chunk[:cut]
-            yield True, chunk[cut:]
-        offset = end
+MANIFEST = "manifest.json"
+DEFAULT_GLOB = "*.txt,*.jsonl,*.parquet"
 
 
 @dataclass(frozen=True)
 class PreparedData:
-    """What `write_corpus` wrote."""
+    """What `prepare_corpus` wrote, and how fast it tokenized."""
 
-    train_path: Path
-    val_path: Path | None
+    manifest_path: Path
+    train_paths: list[Path]
+    val_paths: list[Path]
     train_tokens: int
     val_tokens: int
     vocab_size: int
     token_dtype: str
     tokenizer_path: Path | None
+    tokenize_seconds: float
+    workers: int
 
 
-def write_corpus(
-    files: Sequence[Path], out_dir: Path, val_fraction: float, tokenizer: Tokenizer
-) -> PreparedData:
-    """Tokenize the files' concatenated text into out_dir/train.bin and val.bin (the last val_fraction)."""
-    total = sum(f.stat().st_size for f in files)
-    if total == 0:
-        raise UserError(f"the {len(files)} input file(s) are empty; nothing to tokenize")
-    dtype = np.dtype("<u2" if tokenizer.vocab_size <= 65536 else "<u4")
-    split_at = round(total * (1 - val_fraction))
-    counts = [0, 0]
-    train_path, val_path = out_dir / "train.bin", out_dir / "val.bin"
-    with contextlib.ExitStack() as stack:
-        # Both files stream at once: the corpus is read once and never held in memory.
-        outs = [stack.enter_context(atomic_write(train_path))]
-        if val_fraction > 0:
-            outs.append(stack.enter_context(atomic_write(val_path)))
-        for is_val, chunk in _split_chunks(_line_chunks(files), split_at):
-            ids = tokenizer.encode(chunk).astype(dtype)
-            outs[is_val].write(ids.tobytes())
-            counts[is_val] += len(ids)
-        if counts[0] == 0 or (val_fraction > 0 and counts[1] == 0):
-            which = "train" if counts[0] == 0 else "validation"
-            raise UserError(f"the {which} split came out empty; change --val_fraction {val_fraction}")
-    return PreparedData(
-        train_path=train_path,
-        val_path=val_path if val_fraction > 0 else None,
-        train_tokens=counts[0],
-        val_tokens=counts[1],
-        vocab_size=tokenizer.vocab_size,
-        token_dtype=str(np.dtype(dtype.str[1:])),
-        tokenizer_path=None,
+# ---------------------------------------------------------------- the workers
+
+# Set once per worker process by _start_worker: the tokenizer is built there, not pickled per unit.
+_worker: dict[str, Any] = {}
+
+
+def _start_worker(
+    tokenizer_json: str | None, text_key: str, text_column: str, dtype: str, files: list[Any]
+) -> None:
+    # Parallelism comes from the processes; tokenizers' own threads would only contend with them.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    tok = ByteTokenizer() if tokenizer_json is None else BPETokenizer.from_json(tokenizer_json)
+    _worker.update(tok=tok, text_key=text_key, text_column=text_column, dtype=dtype, files=files)
+
+
+def _tokenize(unit: inputs.Unit) -> np.ndarray:
+    w = _worker
+    texts = inputs.read_unit(w["files"][unit.file], unit, w["text_key"], w["text_column"])
+    return w["tok"].encode_many(texts).astype(w["dtype"])
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(2**20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _in_order(tasks: Sequence[Any], fn: Any, workers: int, init: tuple[Any, ...]) -> Iterator[Any]:
+    """fn(task) for each task, in order; on `workers` processes with at most 2 tasks each in flight."""
+    if workers <= 1:
+        _start_worker(*init)
+        yield from map(fn, tasks)
+        return
+    # spawn, not fork: a forked child would inherit the trained tokenizer's thread pool state.
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_start_worker, initargs=init) as pool:
+        pending: collections.deque[Future[Any]] = collections.deque()
+        todo = iter(tasks)
+        try:
+            for task in todo:
+                pending.append(pool.submit(fn, task))
+                if len(pending) >= 2 * workers:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            pool.shutdown(cancel_futures=True)
+
+
+# ---------------------------------------------------------------- the outputs
+
+
+class _SplitWriter:
+    """A split's tokens: `{split}.bin` (flat), or `{split}_00000.bin`, ... with the llm.c header."""
+
+    def __init__(self, directory: Path, split: str, shard_tokens: int, dtype: np.dtype) -> None:
+        self.directory, self.split, self.shard_tokens, self.dtype = directory, split, shard_tokens, dtype
+        self.shards: list[dict[str, Any]] = []
+        self.tokens = 0
+        self._f: BinaryIO | None = None
+        self._name, self._count, self._max, self._hash = "", 0, 0, hashlib.sha256()
+
+    def write(self, ids: np.ndarray) -> None:
+        while len(ids):
+            if self._f is None:
+                self._open()
+            room = self.shard_tokens - self._count if self.shard_tokens else len(ids)
+            part, ids = ids[:room], ids[room:]
+            body = part.tobytes()
+            assert self._f is not None
+            self._f.write(body)
+            self._hash.update(body)
+            self._count += len(part)
+            self._max = max(self._max, int(part.max()))
+            self.tokens += len(part)
+            if self.shard_tokens and self._count == self.shard_tokens:
+                self._close()
+
+    def _open(self) -> None:
+        name = f"{self.split}_{len(self.shards):05d}.bin" if self.shard_tokens else f"{self.split}.bin"
+        self._f = open(self.directory / name, "xb")
+        if self.shard_tokens:
+            self._f.write(bytes(HEADER_BYTES))  # filled in once the count is known
+        self._name, self._count, self._max, self._hash = name, 0, 0, hashlib.sha256()
+
+    def _close(self) -> None:
+        f = self._f
+        assert f is not None
+        if self.shard_tokens:
+            header = np.zeros(HEADER_BYTES // 4, dtype="<i4")
+            header[:3] = HEADER_MAGIC, 1 if self.dtype.itemsize == 2 else 2, self._count
+            f.seek(0)
+            f.write(header.tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        self._f = None
+        self.shards.append(
+            {"file": self._name, "tokens": self._count, "bytes": (self.directory / self._name).stat().st_size,
+             "max_id": self._max, "sha256_tokens": self._hash.hexdigest()}
+        )  # fmt: skip
+
+    def finish(self) -> list[dict[str, Any]]:
+        if self._f is not None:
+            self._close()
+        return self.shards
+
+
+def _is_output(name: str) -> bool:
+    """Names this module writes into out_dir (so they are never inputs, and stale ones are removed)."""
+    stem = name.removesuffix(".bin")
+    return name in (MANIFEST, TOKENIZER_FILE) or (
+        name.endswith(".bin") and (stem in ("train", "val") or stem.split("_")[0] in ("train", "val"))
     )
 
 
-def find_text_files(inputs: Sequence[str | Path], pattern: str = "*.txt") -> list[Path]:
-    """Files named directly, plus every file under a named folder whose name matches `pattern`."""
-    files: list[Path] = []
-    for item in map(Path, inputs):
-        if item.is_file():
-            files.append(item)
-        elif item.is_dir():
-            found = sorted(p for p in item.rglob(pattern) if p.is_file())
-            if not found:
-                raise UserError(
-                    f"no files matching '{pattern}' under {item}; pass another --glob, e.g. '*.md'"
-                )
-            files.extend(found)
-        else:
-            raise UserError(f"input {item} does not exist; pass text files or folders of them")
-    if not files:
-        raise UserError("no input given; pass text files or folders of them")
-    return files
+def _commit(staging: Path, out_dir: Path, manifest: dict[str, Any]) -> None:
+    """Move the staged files into out_dir, dropping an earlier run's; the manifest lands last."""
+    with contextlib.suppress(FileNotFoundError):
+        (out_dir / MANIFEST).unlink()  # from here until the new one lands, the set reads as incomplete
+    new = {p.name for p in staging.iterdir()}
+    for old in out_dir.iterdir():
+        if old.is_file() and _is_output(old.name) and old.name not in new:
+            old.unlink()
+    for name in sorted(new):
+        os.replace(staging / name, out_dir / name)
+    write_text(out_dir / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+
+
+# ---------------------------------------------------------------- the pipeline
+
+
+def _tokenizer(
+    kind: str,
+    vocab_size: int,
+    files: list[inputs.InputFile],
+    units: list[inputs.Unit],
+    text_key: str,
+    text_column: str,
+) -> tuple[ByteTokenizer | BPETokenizer, dict[str, Any]]:
+    """The tokenizer and its manifest entry: bytes, a BPE trained on the training units, or a file."""
+    if kind == "byte":
+        if vocab_size not in (0, 256):
+            raise UserError(f"--vocab_size {vocab_size} needs --tokenizer bpe (the byte tokenizer has 256)")
+        return ByteTokenizer(), {"kind": "byte", "vocab_size": 256, "file": None}
+    if kind == "bpe":
+        if not vocab_size:
+            raise UserError("--tokenizer bpe needs --vocab_size N, e.g. --vocab_size 8192")
+        # Trained on the training split only, so validation text stays unseen.
+        texts = (
+            t
+            for u in units
+            if not u.is_val
+            for t in inputs.read_unit(files[u.file], u, text_key, text_column)
+        )
+        tok = BPETokenizer.train(texts, vocab_size)
+        return tok, {"kind": "bpe", "vocab_size": tok.vocab_size, "file": TOKENIZER_FILE}
+    if not Path(kind).is_file():
+        raise UserError(f"--tokenizer must be byte, bpe or a tokenizer.json file; {kind} is none of these")
+    if vocab_size:
+        raise UserError(f"--vocab_size is taken from {kind}; leave it out")
+    tok = BPETokenizer.from_file(kind)
+    return tok, {"kind": "file", "vocab_size": tok.vocab_size, "file": TOKENIZER_FILE, "from": str(kind)}
 
 
 def prepare_corpus(
-    inputs: Sequence[str | Path],
+    inputs_: Sequence[str | Path],
     out_dir: str | Path,
-    pattern: str = "*.txt",
+    pattern: str = DEFAULT_GLOB,
     val_fraction: float = 0.01,
     tokenizer: str = "byte",
     vocab_size: int = 0,
     overwrite: bool = False,
+    shard_tokens: int = 0,
+    workers: int = 0,
+    text_key: str = "text",
+    text_column: str = "text",
 ) -> PreparedData:
-    """Text files or folders -> out_dir/train.bin, val.bin (and tokenizer.json for a BPE)."""
+    """Inputs (files, folders, globs) -> token files and manifest.json in out_dir; workers 0 = every core."""
     out_dir = Path(out_dir)
     if not 0 <= val_fraction < 1:
         raise UserError(f"--val_fraction must be in [0, 1), got {val_fraction}")
-    if tokenizer not in ("byte", "bpe"):
-        raise UserError(f"--tokenizer must be byte or bpe, got {tokenizer!r}")
-    if tokenizer == "byte" and vocab_size not in (0, 256):
-        raise UserError(f"--vocab_size {vocab_size} needs --tokenizer bpe (the byte tokenizer has 256)")
-    if tokenizer == "bpe" and not vocab_size:
-        raise UserError("--tokenizer bpe needs --vocab_size N, e.g. --vocab_size 8192")
+    if shard_tokens < 0 or workers < 0:
+        raise UserError(f"--shard_tokens and --workers must be >= 0, got {shard_tokens} and {workers}")
     require_writable(out_dir, "--out_dir")
-    if (out_dir / "train.bin").exists() and not overwrite:
-        raise UserError(f"{out_dir / 'train.bin'} already exists; pass --overwrite or another --out_dir")
-    outputs = {(out_dir / name).resolve() for name in ("train.bin", "val.bin", TOKENIZER_FILE)}
-    files = [f for f in find_text_files(inputs, pattern) if f.resolve() not in outputs]
-    if not files:
-        raise UserError("the only inputs are this script's own outputs; pass text files")
+    existing = [n for n in (MANIFEST, "train.bin", "train_00000.bin") if (out_dir / n).exists()]
+    if existing and not overwrite:
+        raise UserError(f"{out_dir / existing[0]} already exists; pass --overwrite or another --out_dir")
+    paths = [
+        p for p in inputs.find_files([str(i) for i in inputs_], pattern)
+        if not (p.resolve().parent == out_dir.resolve() and _is_output(p.name))
+    ]  # fmt: skip
+    if not paths:
+        raise UserError("the only inputs are this script's own outputs; pass text, jsonl or parquet files")
+    files = inputs.describe(paths, text_column)
+    units = inputs.plan(files, val_fraction)
+    tok, tok_entry = _tokenizer(tokenizer, vocab_size, files, units, text_key, text_column)
+    return prepare_files(
+        files, units, out_dir, tok, tok_entry,
+        shard_tokens=shard_tokens, workers=workers or os.cpu_count() or 1,
+        text_key=text_key, text_column=text_column, val_fraction=val_fraction,
+    )  # fmt: skip
 
-    tok: ByteTokenizer | BPETokenizer = ByteTokenizer()
-    if tokenizer == "bpe":
-        # Trained on the training split only, so validation text stays unseen.
-        split_at = round(sum(f.stat().st_size for f in files) * (1 - val_fraction))
-        texts = (
-            c.decode("utf-8", errors="replace")
-            for is_val, c in _split_chunks(_line_chunks(files), split_at)
-            if not is_val
+
+def prepare_files(
+    files: list[inputs.InputFile],
+    units: list[inputs.Unit],
+    out_dir: Path,
+    tok: ByteTokenizer | BPETokenizer,
+    tok_entry: dict[str, Any],
+    shard_tokens: int,
+    workers: int,
+    text_key: str,
+    text_column: str,
+    val_fraction: float,
+) -> PreparedData:
+    """Tokenize the planned units into out_dir (the part of prepare_corpus the default dataset uses too)."""
+    dtype = np.dtype("<u2" if tok.vocab_size <= 65536 else "<u4")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    staging = out_dir / f".prepare.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        writers = {split: _SplitWriter(staging, split, shard_tokens, dtype) for split in ("train", "val")}
+        per_file = [0] * len(files)
+        init = (
+            None if isinstance(tok, ByteTokenizer) else tok.to_json(),
+            text_key,
+            text_column,
+            dtype.str,
+            files,
         )
-        tok = BPETokenizer.train(texts, vocab_size)
-    # Stale outputs of an earlier run would describe the wrong data.
-    for name in ("val.bin", TOKENIZER_FILE):
-        with contextlib.suppress(FileNotFoundError):
-            (out_dir / name).unlink()
-    result = write_corpus(files, out_dir, val_fraction, tok)
-    if isinstance(tok, BPETokenizer):
-        with atomic_write(out_dir / TOKENIZER_FILE) as f:
-            f.write(tok.to_json().encode("utf-8"))
-        result = dataclasses.replace(result, tokenizer_path=out_dir / TOKENIZER_FILE)
-    return result
+        workers = max(1, min(workers, len(units)))
+        t0 = time.perf_counter()
+        for unit, ids in zip(units, _in_order(units, _tokenize, workers, init), strict=True):
+            writers["val" if unit.is_val else "train"].write(ids)
+            per_file[unit.file] += len(ids)
+        seconds = time.perf_counter() - t0
+        for f, n in zip(files, per_file, strict=True):
+            if n == 0:
+                raise UserError(f"input {f.path} holds no text (no documents or only blank lines); remove it")
+        shards = {split: w.finish() for split, w in writers.items()}
+        counts = {split: w.tokens for split, w in writers.items()}
+        if not counts["train"] or (val_fraction and not counts["val"]):
+            which = "train" if not counts["train"] else "validation"
+            raise UserError(f"the {which} split came out empty; change --val_fraction {val_fraction}")
+        if isinstance(tok, BPETokenizer):
+            write_text(staging / TOKENIZER_FILE, tok.to_json())
+        hashes = list(_in_order([f.path for f in files], _sha256, min(workers, len(files)), init))
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "version": 1,
+            "tokenizer": tok_entry,
+            "token_dtype": str(np.dtype(dtype.str[1:])),
+            "header": "llm.c" if shard_tokens else "none",
+            "shard_tokens": shard_tokens,
+            "val_fraction": val_fraction,
+            "text_key": text_key,
+            "text_column": text_column,
+            "splits": {k: {"tokens": counts[k], "shards": shards[k]} for k in shards if counts[k]},
+            "sources": [
+                {"path": str(f.path), "bytes": f.size, "sha256": h}
+                for f, h in zip(files, hashes, strict=True)
+            ],
+        }
+        _commit(staging, out_dir, manifest)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return PreparedData(
+        manifest_path=out_dir / MANIFEST,
+        train_paths=[out_dir / s["file"] for s in shards["train"]],
+        val_paths=[out_dir / s["file"] for s in shards["val"]],
+        train_tokens=counts["train"],
+        val_tokens=counts["val"],
+        vocab_size=tok.vocab_size,
+        token_dtype=str(np.dtype(dtype.str[1:])),
+        tokenizer_path=out_dir / TOKENIZER_FILE if isinstance(tok, BPETokenizer) else None,
+        tokenize_seconds=seconds,
+        workers=workers,
+    )

@@ -1,176 +1,44 @@
-"""Token files, the deterministic global batch order, and the per-process grain loaders.
+"""The deterministic global batch order over weighted sources, the per-process grain loaders.
 
-    tokens = open_tokens("data/train.bin", vocab_size=256, min_tokens=seq_len + 1)
-    for batch in train_loader(tokens, seq_len, batch_size, seed, start_step, total_steps,
+    sources = open_sources("data/web/manifest.json", "train", vocab_size, "auto", seq_len)  # sources.py
+    for batch in train_loader(sources, batch_size, seed, start_step, total_steps,
                               process_index, process_count, num_threads=4, prefetch=4):
         inputs, targets = batch[:, :-1], batch[:, 1:]
 
-The global batch at step s depends only on (len(tokens), seq_len, batch_size, seed, s): never on
-the process or device count, so a run can resume on a different topology and see the same data.
-Sequence windows are the non-overlapping starts 0, seq_len, 2*seq_len, ...; global sample
-g = s * batch_size + r is window perm_e(g % n) of epoch e = g // n, where perm_e is a keyed
-Feistel permutation of [0, n): computed per index, so it needs no memory, no cache and no lock
-however large the file, and grain's threads can call it freely.
+The global batch at step s depends only on (the sources' window counts and weights, batch_size,
+seed, s): never on the process or device count, so a run can resume on a different topology and
+see the same data. Global sample g = s * batch_size + r goes to a source by weight: source k takes
+floor(G * c_k) - floor(G * c_(k-1)) of the first G samples (c the cumulative weights), so every
+step's composition is exact to one row and any window of steps matches the weights to two rows.
+A batch's rows are grouped by source. A source's j-th sample is window perm_e(j % n) of epoch
+e = j // n of its n windows, perm_e a keyed Feistel permutation of [0, n): computed per index, so
+it needs no memory, no cache and no lock however large the data, and grain's threads call it freely.
+One source reads exactly as the single token file of earlier versions did.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import sys
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import grain
 import numpy as np
 
+from jaxtrain import inputs
 from jaxtrain.config import check_batch_split
-from jaxtrain.corpus import write_corpus
-from jaxtrain.errors import UserError
-from jaxtrain.files import write_text
+from jaxtrain.corpus import MANIFEST, prepare_files
+from jaxtrain.sources import DataError, Source, cache_root
 from jaxtrain.tokenizer import ByteTokenizer
 
-HEADER_MAGIC = 20240520  # llm.c token files: 256 int32 header, then the tokens
-HEADER_INTS = 256
-HEADER_BYTES = HEADER_INTS * 4
-_HEADER_DTYPES = {1: "uint16", 2: "uint32"}
-_CHECK_CHUNK = 16 * 2**20  # tokens per chunk when scanning a file for its largest id
 _ROUNDS = 6  # Feistel rounds; 4 already give a pseudorandom permutation, 6 for margin
 _MASK64 = 2**64 - 1
-
-
-class DataError(UserError):
-    """A token file that cannot be used."""
-
-
-# ---------------------------------------------------------------- token files
-
-
-def _read_header(path: Path, size: int) -> np.ndarray | None:
-    """The llm.c header of a token file, or None for a raw nanoGPT file."""
-    if size < HEADER_BYTES:
-        return None
-    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
-    return header if header[0] == HEADER_MAGIC else None
-
-
-def open_tokens(
-    path: str | Path, vocab_size: int, token_dtype: str = "auto", min_tokens: int = 2
-) -> np.ndarray:
-    """Memory-mapped 1-D token array of a flat token file, validated. Never loads it into RAM."""
-    path = Path(path)
-    if not path.exists():
-        raise DataError(
-            f"token file {path} does not exist; check the data path or make one with scripts/prepare_data.py"
-        )
-    if not path.is_file():
-        raise DataError(f"token file {path} is not a file; point at a token file such as {path}/train.bin")
-    size = path.stat().st_size
-    if size == 0:
-        raise DataError(f"token file {path} is empty (0 bytes); re-create it with scripts/prepare_data.py")
-    if token_dtype not in ("auto", "uint16", "uint32"):
-        raise DataError(f"token_dtype must be auto|uint16|uint32, got {token_dtype!r}")
-
-    header = _read_header(path, size)
-    if header is not None:
-        version = int(header[1])
-        if version not in _HEADER_DTYPES:
-            raise DataError(f"token file {path} has llm.c header version {version}; only 1 and 2 are known")
-        dtype, offset = _HEADER_DTYPES[version], HEADER_BYTES
-        if token_dtype not in ("auto", dtype):
-            raise DataError(
-                f"token file {path} has a header saying {dtype} tokens but token_dtype is "
-                f"{token_dtype}; use --token_dtype auto"
-            )
-    else:
-        dtype = token_dtype if token_dtype != "auto" else ("uint16" if vocab_size <= 65536 else "uint32")
-        offset = 0
-    itemsize = np.dtype(dtype).itemsize
-    if (size - offset) % itemsize:
-        other = "uint32" if dtype == "uint16" else "uint16"
-        fits_other = header is None and (size - offset) % np.dtype(other).itemsize == 0
-        hint = f"pass --token_dtype {other} if it holds {other}" if fits_other else "re-create it"
-        raise DataError(
-            f"token file {path} holds {size - offset} token bytes, not a multiple of {itemsize} "
-            f"({dtype}): it is truncated; {hint}"
-        )
-    count = (size - offset) // itemsize
-    if header is not None and int(header[2]) != count:
-        raise DataError(
-            f"token file {path} header says {int(header[2])} tokens but the file holds {count}; "
-            "it is truncated or corrupt: re-create it"
-        )
-    if count < min_tokens:
-        raise DataError(
-            f"token file {path} holds {count} tokens, fewer than the {min_tokens} one sequence needs "
-            "(seq_len + 1); use a smaller --model.seq_len or more data"
-        )
-    tokens = np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r", offset=offset, shape=(count,))
-    _check_ids(tokens, vocab_size, path, dtype)
-    return tokens
-
-
-def _cache_root() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxtrain"
-
-
-def _scan_record(path: Path) -> Path:
-    """Where the largest id of this exact file (path, size, mtime) is remembered."""
-    st = path.stat()
-    key = hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
-    return _cache_root() / "token_scans" / f"{key}.json"
-
-
-def _check_ids(tokens: np.ndarray, vocab_size: int, path: Path, dtype: str) -> None:
-    """Raise on the first id >= vocab_size, scanning in chunks so RAM stays flat.
-
-    A big file takes a while to scan, and every process of every launch would do it again, so
-    the largest id of a file that passed is remembered (keyed by path, size and mtime).
-    """
-    record = _scan_record(path)
-    try:
-        if json.loads(record.read_text())["max_id"] < vocab_size:
-            return
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # no record (or an unreadable one): scan
-    largest = 0
-    for lo in range(0, len(tokens), _CHECK_CHUNK):
-        chunk = tokens[lo : lo + _CHECK_CHUNK]
-        chunk_max = int(chunk.max())
-        if chunk_max >= vocab_size:
-            at = lo + int(np.argmax(chunk >= vocab_size))
-            bad = int(tokens[at])
-            raise DataError(
-                f"token file {path} holds token id {bad} at position {at} but model.vocab_size is "
-                f"{vocab_size}; set --model.vocab_size to at least {bad + 1}, or --token_dtype if the "
-                f"file is not {dtype}"
-            )
-        largest = max(largest, chunk_max)
-    try:
-        write_text(record, json.dumps({"path": str(path.resolve()), "max_id": largest}))
-    except OSError:
-        pass  # a read-only home only costs a rescan next time
+_WEIGHT_SCALE = 2**32  # weights become exact integer fractions of this
 
 
 # ---------------------------------------------------------------- batch order
-
-
-def num_windows(num_tokens: int, seq_len: int) -> int:
-    """How many non-overlapping (seq_len + 1)-token windows start at multiples of seq_len."""
-    return max(0, (num_tokens - 1) // seq_len)
-
-
-def _require_windows(num_tokens: int, seq_len: int, what: str) -> int:
-    """The window count, or a DataError when there is not even one."""
-    n = num_windows(num_tokens, seq_len)
-    if n < 1:
-        raise DataError(
-            f"{what} holds {num_tokens} tokens, not one window of seq_len + 1 = {seq_len + 1}; "
-            "use a smaller --model.seq_len or more data"
-        )
-    return n
 
 
 def process_rows(batch_size: int, process_index: int, process_count: int) -> slice:
@@ -200,9 +68,11 @@ def _feistel(x: np.ndarray, half_bits: int, keys: np.ndarray) -> np.ndarray:
     return (left << shift) | right
 
 
-def _permute(idx: np.ndarray, n: int, seed: int, epoch: int) -> np.ndarray:
-    """perm_(seed, epoch)[idx] for a pseudorandom permutation of [0, n)."""
-    keys = np.random.SeedSequence([seed & _MASK64, epoch]).generate_state(_ROUNDS, np.uint64)
+def _permute(idx: np.ndarray, n: int, seed: int, epoch: int, stream: int = 0) -> np.ndarray:
+    """perm_(seed, epoch, stream)[idx] for a pseudorandom permutation of [0, n)."""
+    # Stream 0 keeps the keys of single-file runs, so their batches are unchanged.
+    entropy = [seed & _MASK64, epoch] + ([stream] if stream else [])
+    keys = np.random.SeedSequence(entropy).generate_state(_ROUNDS, np.uint64)
     half_bits = max(1, ((n - 1).bit_length() + 1) // 2)
     x = _feistel(idx.astype(np.uint64), half_bits, keys)
     # Cycle-walking: re-encrypt values past n; this restricts the bijection to [0, n), and
@@ -214,29 +84,67 @@ def _permute(idx: np.ndarray, n: int, seed: int, epoch: int) -> np.ndarray:
     return x.astype(np.int64)
 
 
-def global_batch_rows(
-    num_tokens: int, seq_len: int, batch_size: int, seed: int, step: int, rows: slice | None = None
-) -> np.ndarray:
-    """int64 token offsets of the windows in rows `rows` (default all) of the global batch at `step`."""
-    n = _require_windows(num_tokens, seq_len, "training data")
-    g = step * batch_size + np.arange(batch_size, dtype=np.int64)[rows if rows is not None else slice(None)]
-    epoch, idx = g // n, g % n
-    window = np.empty_like(g)
-    for e in np.unique(epoch):  # at most two epochs meet in one batch unless batch_size > n
-        here = epoch == e
-        window[here] = _permute(idx[here], n, seed, int(e))
-    return window * seq_len
+def _cumulative_weights(weights: Sequence[float]) -> list[int]:
+    """Cumulative weights as integers out of _WEIGHT_SCALE, the last exactly _WEIGHT_SCALE."""
+    total, run, out = float(sum(weights)), 0.0, []
+    for w in weights:
+        run += w
+        out.append(round(run / total * _WEIGHT_SCALE))
+    out[-1] = _WEIGHT_SCALE
+    return out
 
 
-def load_rows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> np.ndarray:
-    """The windows tokens[start : start + seq_len + 1] for each start, as int32 (n, seq_len + 1)."""
-    idx = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(seq_len + 1, dtype=np.int64)
-    return np.asarray(tokens[idx], dtype=np.int32)
+def _taken(cum: Sequence[int], samples: int) -> list[int]:
+    """How many of the first `samples` global samples each source takes (exact integers)."""
+    edges = [0] + [samples * c // _WEIGHT_SCALE for c in cum]
+    return [b - a for a, b in zip(edges, edges[1:], strict=False)]
+
+
+def global_batch_windows(
+    sizes: Sequence[int],
+    weights: Sequence[float],
+    batch_size: int,
+    seed: int,
+    step: int,
+    rows: slice | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(source, window) of rows `rows` (default all) of the global batch at `step`; sizes: windows."""
+    cum = _cumulative_weights(weights)
+    before = _taken(cum, step * batch_size)
+    counts = [a - b for a, b in zip(_taken(cum, (step + 1) * batch_size), before, strict=True)]
+    source = np.repeat(np.arange(len(sizes), dtype=np.int64), counts)
+    first_row = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    sample = np.asarray(before, dtype=np.int64)[source] + np.arange(batch_size) - first_row[source]
+    if rows is not None:
+        source, sample = source[rows], sample[rows]
+    window = np.empty_like(sample)
+    for k in np.unique(source):
+        n, here = sizes[k], source == k
+        epoch, idx = sample[here] // n, sample[here] % n
+        out = np.empty_like(idx)
+        for e in np.unique(epoch):  # at most two epochs meet in one batch unless it outgrows the data
+            at = epoch == e
+            out[at] = _permute(idx[at], n, seed, int(e), stream=int(k) if len(sizes) > 1 else 0)
+        window[here] = out
+    return source, window
+
+
+def epoch_windows(sources: Sequence[Source]) -> int:
+    """Windows in one pass over every source (what an epoch means for --epochs)."""
+    return sum(s.shards.n_windows for s in sources)
+
+
+def read_batch(sources: Sequence[Source], source: np.ndarray, window: np.ndarray) -> np.ndarray:
+    """The tokens of (source, window) pairs as int32 (n, seq_len + 1), in that order."""
+    out = np.empty((len(window), sources[0].shards.seq_len + 1), dtype=np.int32)
+    for k in np.unique(source):
+        here = source == k
+        out[here] = sources[k].shards.read(window[here])
+    return out
 
 
 def train_loader(
-    tokens: np.ndarray,
-    seq_len: int,
+    sources: Sequence[Source],
     batch_size: int,
     seed: int,
     start_step: int,
@@ -248,15 +156,13 @@ def train_loader(
 ) -> Iterator[np.ndarray]:
     """This process's rows of the global batches of steps [start_step, total_steps), read ahead."""
     rows = process_rows(batch_size, process_index, process_count)
-    num_tokens = len(tokens)
-    _require_windows(num_tokens, seq_len, "training data")  # fail here, not later in a grain thread
     if start_step < 0:
         raise DataError(f"start_step must be >= 0, got {start_step}")
+    sizes = [s.shards.n_windows for s in sources]
+    weights = [s.weight for s in sources]
 
     def batch_at(step: int) -> np.ndarray:
-        return load_rows(
-            tokens, global_batch_rows(num_tokens, seq_len, batch_size, seed, step, rows), seq_len
-        )
+        return read_batch(sources, *global_batch_windows(sizes, weights, batch_size, seed, step, rows))
 
     # The position in the data is the global step alone, so resuming is a different start_step.
     ds = grain.MapDataset.range(start_step, max(start_step, total_steps)).map(batch_at)
@@ -265,17 +171,15 @@ def train_loader(
 
 
 def eval_batches(
-    tokens: np.ndarray, seq_len: int, batch_size: int, n_batches: int, process_index: int, process_count: int
+    source: Source, batch_size: int, n_batches: int, process_index: int, process_count: int
 ) -> list[np.ndarray]:
     """A fixed set of validation batches (this process's rows), the same for every call and topology."""
     rows = process_rows(batch_size, process_index, process_count)
-    n = _require_windows(len(tokens), seq_len, "validation data")
-    total = n_batches * batch_size
-    # Evenly spaced windows over the whole file; a file with fewer windows repeats some.
-    starts = (np.arange(total, dtype=np.int64) * n // total) * seq_len
+    n, total = source.shards.n_windows, n_batches * batch_size
+    # Evenly spaced windows over all shards; data with fewer windows repeats some.
+    windows = np.arange(total, dtype=np.int64) * n // total
     return [
-        load_rows(tokens, starts[b * batch_size : (b + 1) * batch_size][rows], seq_len)
-        for b in range(n_batches)
+        source.shards.read(windows[b * batch_size : (b + 1) * batch_size][rows]) for b in range(n_batches)
     ]
 
 
@@ -304,11 +208,11 @@ def _stdlib_sources(max_bytes: int) -> list[Path]:
 def default_dataset(cache_dir: str | Path | None = None, max_bytes: int = 32 * 2**20) -> tuple[Path, Path]:
     """(train.bin, val.bin) of the Python standard library's sources as bytes (vocab 256), built once."""
     if cache_dir is None:
-        cache_dir = _cache_root()
+        cache_dir = cache_root()
     version = f"py{sys.version_info.major}.{sys.version_info.minor}"
     out_dir = Path(cache_dir) / "stdlib_bytes" / f"{version}-max{max_bytes}"
     train, val = out_dir / "train.bin", out_dir / "val.bin"
-    if train.is_file() and val.is_file():
+    if (out_dir / MANIFEST).is_file():
         return train, val
     files = _stdlib_sources(max_bytes)
     if not files:
@@ -316,8 +220,12 @@ def default_dataset(cache_dir: str | Path | None = None, max_bytes: int = 32 * 2
             f"no Python sources found under {sysconfig.get_paths()['stdlib']} to build the default "
             "dataset; pass --train_data_path (see scripts/prepare_data.py)"
         )
-    # Several processes may build at once: each writes its own temp files and the renames of
-    # identical bytes are harmless. train.bin is renamed last, so its presence means done.
-    result = write_corpus(files, out_dir, 0.01, ByteTokenizer())
-    assert result.val_path is not None
-    return result.train_path, result.val_path
+    # Several processes may build at once: each stages its own files and the renames of
+    # identical bytes are harmless. The manifest lands last, so its presence means done.
+    described = inputs.describe(files, "text")
+    units = inputs.plan(described, 0.01)
+    prepare_files(
+        described, units, out_dir, ByteTokenizer(), {"kind": "byte", "vocab_size": 256},
+        shard_tokens=0, workers=1, text_key="text", text_column="text", val_fraction=0.01,
+    )  # fmt: skip
+    return train, val

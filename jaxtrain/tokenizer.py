@@ -1,4 +1,6 @@
-"""Tokenizers: raw bytes, or a byte-level BPE trained with `tokenizers` (text to token files: corpus.py).
+"""Tokenizers: raw bytes, or a BPE held by `tokenizers`, trained here or a user's tokenizer.json.
+
+Text to token files: corpus.py.
 
     tok = load_tokenizer("data/mytext/train.bin")  # BPE if tokenizer.json sits beside it, else bytes
     ids = tok.encode("def main():")
@@ -30,6 +32,8 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str: ...
 
+    def encode_many(self, texts: Sequence[str]) -> np.ndarray: ...
+
 
 class ByteTokenizer:
     """Every byte is a token: no training, no files, lossless on any input."""
@@ -40,6 +44,10 @@ class ByteTokenizer:
         """Token ids (uint8 values as int64) of the UTF-8 bytes of `text`."""
         data = text.encode("utf-8") if isinstance(text, str) else text
         return np.frombuffer(data, dtype=np.uint8).astype(np.int64)
+
+    def encode_many(self, texts: Sequence[str]) -> np.ndarray:
+        """The token ids of the texts, concatenated (uint8)."""
+        return np.frombuffer("".join(texts).encode("utf-8"), dtype=np.uint8)
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         """Text of the bytes `ids`; invalid UTF-8 (e.g. a cut-off sample) becomes U+FFFD."""
@@ -90,6 +98,11 @@ class BPETokenizer:
         except Exception as e:  # tokenizers raises a bare Exception on a bad file
             raise UserError(f"cannot read tokenizer {path}: {e}; re-run scripts/prepare_data.py") from None
 
+    @classmethod
+    def from_json(cls, text: str) -> BPETokenizer:
+        """A tokenizer from tokenizer.json text (what `to_json` gives)."""
+        return cls(_tokenizers().Tokenizer.from_str(text))
+
     def to_json(self) -> str:
         """The tokenizer as tokenizer.json text."""
         return self._tok.to_str()
@@ -99,6 +112,13 @@ class BPETokenizer:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
         return np.asarray(self._tok.encode(text).ids, dtype=np.int64)
+
+    def encode_many(self, texts: Sequence[str]) -> np.ndarray:
+        """The token ids of the texts, concatenated (each encoded alone: a batch for `tokenizers`)."""
+        encodings = self._tok.encode_batch(list(texts))
+        if not encodings:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([np.asarray(e.ids, dtype=np.int64) for e in encodings])
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         """Text of the token ids."""

@@ -1,15 +1,26 @@
-"""Turn text files into the flat token files scripts/train.py reads: OUT_DIR/train.bin and val.bin.
+"""Turn text into the token files scripts/train.py reads, with a manifest.json describing them.
 
-Byte-level (vocab 256, uint16 tokens), the default:
-    python scripts/prepare_data.py books/ --glob "*.txt" --out_dir data/books
-A single file, 5% held out for validation:
-    python scripts/prepare_data.py shakespeare.txt --out_dir data/shakespeare --val_fraction 0.05
-A BPE trained here with HuggingFace `tokenizers` (pip install -e '.[bpe]'; adds tokenizer.json):
-    python scripts/prepare_data.py docs/ --glob "*.md" --out_dir data/docs --tokenizer bpe --vocab_size 8192
+Inputs are .txt files, .jsonl files (one JSON object a line, text in a `text` field: --text_key)
+and .parquet files (text in a `text` column: --text_column), named directly, by glob, or as folders
+searched recursively (--glob). They are streamed, tokenized by one process per core (--workers),
+and written in input order, so the output is the same for any worker count.
 
-The files are read in sorted order and concatenated as they are; the last --val_fraction of the
-bytes (cut at a line end) becomes val.bin. The text is streamed, never held in memory whole, and
-each output appears only once complete. The script ends by printing the train.py flags to use.
+Byte-level (vocab 256), flat train.bin and val.bin:
+    python scripts/prepare_data.py books/ --out_dir data/books
+Parquet shards of 100M tokens with a BPE trained here (pip install -e '.[bpe,parquet]'):
+    python scripts/prepare_data.py 'fineweb/*.parquet' --out_dir data/web --tokenizer bpe \\
+        --vocab_size 32768 --shard_tokens 100000000
+A tokenizer you bring, jsonl with the text in `content`:
+    python scripts/prepare_data.py code.jsonl --out_dir data/code --tokenizer my/tokenizer.json \\
+        --text_key content
+
+The last --val_fraction of the input bytes (cut at a line start, or a parquet row) becomes the
+validation split. With --shard_tokens N the splits are train_00000.bin, ... and val_00000.bin, ...
+of N tokens each with the llm.c header. manifest.json (token counts, tokenizer, each shard's size
+and largest id, each source file's size and sha256) is written last: train with
+--train_data_path OUT_DIR/manifest.json (its val shards become the validation data). On bad input
+(not UTF-8, a missing field or column, an empty or unreadable file) one line names the file, the
+exit code is 2, and nothing in OUT_DIR changes.
 """
 
 from __future__ import annotations
@@ -17,19 +28,27 @@ from __future__ import annotations
 import argparse
 
 from jaxtrain.cli import Parser
-from jaxtrain.corpus import prepare_corpus
+from jaxtrain.corpus import DEFAULT_GLOB, prepare_corpus
 from jaxtrain.errors import exit_on_user_error
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("inputs", nargs="+", help="text files and/or folders (searched recursively)")
-    p.add_argument("--out_dir", required=True, help="where train.bin and val.bin are written")
-    p.add_argument("--glob", default="*.txt", help="file name pattern inside folders (default: *.txt)")
+    p.add_argument("inputs", nargs="+", help="files, globs and/or folders (searched recursively)")
+    p.add_argument("--out_dir", required=True, help="where the token files and manifest.json are written")
+    p.add_argument(
+        "--glob", default=DEFAULT_GLOB, help=f"file name patterns inside folders (default: {DEFAULT_GLOB})"
+    )
     p.add_argument("--val_fraction", type=float, default=0.01, help="share of bytes held out (default 0.01)")
-    p.add_argument("--tokenizer", choices=("byte", "bpe"), default="byte")
+    p.add_argument("--tokenizer", default="byte", help="byte, bpe (trained here), or a tokenizer.json file")
     p.add_argument("--vocab_size", type=int, default=0, help="BPE vocabulary size (with --tokenizer bpe)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR/train.bin")
+    p.add_argument(
+        "--shard_tokens", type=int, default=0, help="tokens per shard; 0 = one train.bin and val.bin"
+    )
+    p.add_argument("--workers", type=int, default=0, help="tokenizing processes (default: one per core)")
+    p.add_argument("--text_key", default="text", help="the text field of .jsonl inputs")
+    p.add_argument("--text_column", default="text", help="the text column of .parquet inputs")
+    p.add_argument("--overwrite", action="store_true", help="replace what OUT_DIR holds")
     return p.parse_args(argv)
 
 
@@ -44,19 +63,27 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer=args.tokenizer,
         vocab_size=args.vocab_size,
         overwrite=args.overwrite,
+        shard_tokens=args.shard_tokens,
+        workers=args.workers,
+        text_key=args.text_key,
+        text_column=args.text_column,
     )
-    print(f"train: {result.train_path}  {result.train_tokens:,} tokens ({result.token_dtype})")
-    flags = f"--train_data_path {result.train_path}"
-    if result.val_path is not None:
-        print(f"val:   {result.val_path}  {result.val_tokens:,} tokens")
+    total = result.train_tokens + result.val_tokens
+    print(f"train: {len(result.train_paths)} file(s), {result.train_tokens:,} tokens ({result.token_dtype})")
+    if result.val_paths:
+        print(f"val:   {len(result.val_paths)} file(s), {result.val_tokens:,} tokens")
         print(f"       (enough for --model.seq_len up to {result.val_tokens - 1})")
-        flags += f" --valid_data_path {result.val_path}"
-    else:
-        flags += " --eval_interval 0"
     if result.tokenizer_path is not None:
         print(f"tokenizer: {result.tokenizer_path}  vocabulary {result.vocab_size}")
-    flags += f" --model.vocab_size {result.vocab_size}"
-    print(f"train with:\n  python scripts/train.py {flags}")
+    rate = total / max(result.tokenize_seconds, 1e-9)
+    print(
+        f"tokenized {total:,} tokens in {result.tokenize_seconds:.2f} s: {rate:,.0f} tokens/s "
+        f"({result.workers} workers)"
+    )
+    flags = f"--train_data_path {result.manifest_path}"
+    if not result.val_paths:
+        flags += " --eval_interval 0"
+    print(f"train with:\n  python scripts/train.py {flags} --model.vocab_size {result.vocab_size}")
 
 
 if __name__ == "__main__":
