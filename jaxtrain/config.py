@@ -101,6 +101,7 @@ class DebugConfig:
     stall_process: int = 0  # ...on this process...
     stall_seconds: float = 3600.0  # ...this long
     kill_during_save: int = -1  # SIGKILL this process while the checkpoint of this step is written
+    oom: str = ""  # compile | step: fail there as a device out of memory does
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,11 @@ class Config:
     progress_bar: bool = True
     sample_tokens: int = 0  # tokens generated from the final model; 0 disables
     sample_prompt: str = "def "
+    # where the time goes (see README: Profiling, memory, goodput)
+    profile_steps: str = ""  # "A:B" traces steps A..B-1 into <run_dir>/profile/ with jax.profiler
+    profile_processes: str = "0"  # comma-separated process ids that trace, or "all"
+    tensorboard: bool = False  # also write the training scalars as TensorBoard events (process 0)
+    compile_cache_dir: str = ""  # persistent compile cache; "" = $XDG_CACHE_HOME/jaxtrain/xla; "off"
     model: ModelConfig = field(default_factory=ModelConfig)
     verbose: bool = False  # every process logs at DEBUG level, and JAX logs each compilation
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -201,6 +207,7 @@ _CHOICES = {
     "model.remat": ("none", "full", "dots"),
     "model.attention_impl": ("auto", "xla", "cudnn"),
     "compat.backend": ("auto", "nccl", "gloo"),
+    "debug.oom": ("", "compile", "step"),
 }
 _SOURCE_LISTS = ("train_data_path", "valid_data_path")  # a YAML list of sources is a mixture
 _POSITIVE = (
@@ -502,6 +509,8 @@ def check(cfg: Config) -> None:
         raise ConfigError(f"optim.muon_momentum must be in [0, 1), got {cfg.optim.muon_momentum}")
     if cfg.optim.min_lr_ratio > 1:
         raise ConfigError(f"optim.min_lr_ratio must be <= 1, got {cfg.optim.min_lr_ratio}")
+    profile_range(cfg.profile_steps)
+    profile_processes(cfg.profile_processes)
     _check_mesh_values(cfg)
 
 
@@ -519,6 +528,28 @@ def _check_task(cfg: Config) -> None:
             "--init_from starts a new training run from a checkpoint's params; it goes with --task train "
             "and without --resume_from"
         )
+
+
+def profile_range(text: str) -> tuple[int, int] | None:
+    """--profile_steps A:B as (A, B), 0 <= A < B; None when unset."""
+    if not text:
+        return None
+    start, colon, stop = text.partition(":")
+    if colon and start.strip().isdigit() and stop.strip().isdigit() and int(start) < int(stop):
+        return int(start), int(stop)
+    raise ConfigError(f"config key 'profile_steps' must be A:B with 0 <= A < B (steps A..B-1), got {text!r}")
+
+
+def profile_processes(text: str) -> set[int] | None:
+    """--profile_processes as a set of process ids; None means all."""
+    if text.strip() == "all":
+        return None
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() for p in parts):
+        raise ConfigError(
+            f"config key 'profile_processes' must be comma-separated process ids or 'all', got {text!r}"
+        )
+    return {int(p) for p in parts}
 
 
 def _check_mesh_values(cfg: Config) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -15,18 +16,22 @@ import numpy as np
 from jaxtrain import checkpoint as ckpt_lib
 from jaxtrain import config as config_lib
 from jaxtrain import data, metrics, rundir, runlock, sources, storage
+from jaxtrain import memory as memory_lib
 from jaxtrain import mesh as mesh_lib
 from jaxtrain.cluster import detect, join
 from jaxtrain.cluster.watchdog import Watchdog
 from jaxtrain.config import Config
 from jaxtrain.errors import NonFiniteError, Preempted, StorageError, UserError
 from jaxtrain.faults import Faults
+from jaxtrain.goodput import Timeline, end_reason
 from jaxtrain.model import GPT, flops_per_token, generate, param_count
 from jaxtrain.optim import make_optimizer
 from jaxtrain.preemption import StopRequest
+from jaxtrain.profiling import Profiler
 from jaxtrain.state import TrainState, abstract_state, create_state, state_sharding
 from jaxtrain.step import compute_dtype, jit_steps
 from jaxtrain.tokenizer import load_tokenizer
+from jaxtrain.xla_env import enable_compile_cache
 
 log = logging.getLogger("jaxtrain")
 
@@ -139,8 +144,12 @@ def _sample(cfg: Config, params: Any, train_path: str) -> None:
     log.info("sample from the trained model:\n" + "-" * 60 + f"\n{text}\n" + "-" * 60)
 
 
-def train(cfg: Config) -> RunResult:
-    """Run (or resume) the training job described by cfg on every device of every process."""
+def train(cfg: Config, launch_time: float | None = None) -> RunResult:
+    """Run (or resume) the training job described by cfg on every device of every process.
+
+    launch_time: when this launch's process started (unix s), for goodput; default now.
+    """
+    launch_time = time.time() if launch_time is None else launch_time
     # Every process checks what it can alone before any connection: the same error everywhere.
     # (A process that fails after joining leaves while its peers may still be starting their
     # backends, and they die in JAX's own abort instead of saying the same line.)
@@ -164,7 +173,7 @@ def train(cfg: Config) -> RunResult:
         watchdog = Watchdog(cfg.watchdog_factor, cfg.watchdog_timeout, log_path)
         stop = StopRequest()
         try:
-            return _run(cfg, watchdog, stop, train_path, train_sources, val_sources)
+            return _run_timed(cfg, watchdog, stop, train_path, train_sources, val_sources, launch_time)
         except OSError as e:  # a metrics or log write the filesystem refused
             reason = storage.failure_reason(e)
             if reason is None:
@@ -178,6 +187,27 @@ def train(cfg: Config) -> RunResult:
             stop.restore()
 
 
+def _run_timed(
+    cfg: Config,
+    watchdog: Watchdog,
+    stop: StopRequest,
+    train_path: str,
+    train_sources: list[sources.Source],
+    val_sources: list[sources.Source],
+    launch_time: float,
+) -> RunResult:
+    """_run, with the launch's end (or death) on its goodput timeline."""
+    timeline = Timeline()
+    try:
+        result = _run(cfg, watchdog, stop, train_path, train_sources, val_sources, timeline, launch_time)
+    except BaseException as e:
+        with contextlib.suppress(OSError):  # a full disk must not hide the error that ended the run
+            timeline.event("end", reason=end_reason(e))
+        raise
+    timeline.event("end", step=result.final_step, reason=end_reason(None))
+    return result
+
+
 def _run(
     cfg: Config,
     watchdog: Watchdog,
@@ -185,6 +215,8 @@ def _run(
     train_path: str,
     train_sources: list[sources.Source],
     val_sources: list[sources.Source],
+    timeline: Timeline,
+    launch_time: float,
 ) -> RunResult:
     pid, nproc = jax.process_index(), jax.process_count()
     is_main = pid == 0
@@ -202,6 +234,8 @@ def _run(
         logging.getLogger("jaxtrain").setLevel(logging.DEBUG)
         jax.config.update("jax_log_compiles", True)
     log.info(f"config:\n{config_lib.to_yaml(cfg)}")
+    cache = enable_compile_cache(cfg.compile_cache_dir)
+    log.info(f"compile cache: {cache or 'off'}")
     n_windows = data.epoch_windows(train_sources)
     for note in config_lib.compat_notes(cfg, n_windows):
         log.info(note)
@@ -214,6 +248,7 @@ def _run(
     model = GPT(cfg.model, dtype=compute_dtype(cfg))
     tx = make_optimizer(cfg)
     ckpt = ckpt_lib.Checkpointer(run_dir / "checkpoints", cfg.keep_checkpoints, primary=is_main)
+    t_restore = time.perf_counter()
     with watchdog.phase("checkpoint restore"):
         state, start_step = _restore_or_init(cfg, model, tx, mesh, ckpt)
     if cfg.epochs:
@@ -223,9 +258,17 @@ def _run(
         rundir.truncate_metrics(run_dir / "metrics.jsonl", start_step)
         rundir.save_config(cfg)
         sources.record_run_data(run_dir, train_sources + val_sources)
+        timeline.open(run_dir / "metrics.jsonl")
+        restore_s = round(time.perf_counter() - t_restore, 3)
+        timeline.event("launch", t=launch_time, step=start_step, restore_s=restore_s)
     n_params = param_count(state.params)
     fpt = flops_per_token(cfg.model, n_params)
     peak = metrics.peak_flops(jax.devices()[0].device_kind)
+    if not peak:
+        log.info(
+            f"MFU: no peak FLOP/s on record for {jax.devices()[0].device_kind} (a CPU has no table peak); "
+            "logging achieved FLOP/s per device instead"
+        )
     log.info(f"model: {n_params:,} parameters, {fpt / 1e6:.1f} MFLOPs per token (6N + 12*L*d*T)")
 
     shardings = state_sharding(mesh, state, cfg.mesh.zero1)
@@ -243,7 +286,7 @@ def _run(
         batch_shape = jax.ShapeDtypeStruct(
             (cfg.batch_size, seq + 1), jnp.int32, sharding=mesh_lib.batch_sharding(mesh)
         )
-        train_step = jitted_train.lower(state, batch_shape).compile()  # ahead of time: no stall in step 1
+        train_step = _compile(cfg, jitted_train, state, batch_shape)
         compile_s = time.perf_counter() - t0
     peak_bytes = metrics.compiled_peak_bytes(train_step)
     log.info(
@@ -251,7 +294,12 @@ def _run(
         "(arguments + temporaries + outputs not aliased)"
     )
     reporter = metrics.Reporter(
-        cfg, run_dir, is_main, start_step, fpt / (jax.device_count() * peak) if peak else None
+        cfg,
+        run_dir,
+        is_main,
+        start_step,
+        fpt / (jax.device_count() * peak) if peak else None,
+        flops_per_token_per_device=fpt / jax.device_count(),
     )
     reporter.start(
         {
@@ -264,6 +312,7 @@ def _run(
             "state_bytes_per_device": state_bytes,
             "peak_bytes_per_device": peak_bytes,
             "compile_s": round(compile_s, 3),
+            "t": round(time.time(), 3),
         }
     )
     loader = data.train_loader(
@@ -276,8 +325,10 @@ def _run(
     ]
 
     def save(step: int) -> None:
+        t_save = time.perf_counter()
         with watchdog.phase(f"checkpoint save at step {step}"):
             ckpt.save(step, state, {"step": step, "data_position": step, "config": config_lib.to_dict(cfg)})
+        timeline.event("checkpoint", step=step, seconds=round(time.perf_counter() - t_save, 3))
         if faults:
             faults.after_save_started(step)
 
@@ -286,21 +337,26 @@ def _run(
     val_loss = None
     step = start_step
     it = iter(loader)
+    profiler = Profiler(cfg, run_dir, pid)
+    batch = _next_batch(it, mesh, cfg, tracker) if step < cfg.total_steps else None
     try:
         while step < cfg.total_steps:
-            t0 = time.perf_counter()
-            local_rows = next(it)
-            tracker.data_wait += time.perf_counter() - t0
             if faults:
                 faults.before_step(step)
-            state, m = train_step(state, mesh_lib.global_batch(local_rows, mesh, cfg.batch_size))
+                faults.out_of_memory("step")
+            with profiler.step(step):
+                state, m = train_step(state, batch)
             step += 1
             # Keep one step in flight: wait for the previous step while this one runs.
             tracker.finish_pending()
             tracker.pending = (step, m)
+            profiler.after_step(step, m)
+            if step < cfg.total_steps:  # on the devices before this step ends
+                batch = _next_batch(it, mesh, cfg, tracker)
             last = step == cfg.total_steps
             if cfg.eval_interval and (step % cfg.eval_interval == 0 or last):
                 tracker.finish_pending()
+                t_eval = time.perf_counter()
                 with watchdog.phase(f"eval at step {step}"):
                     per_source = {}
                     for s, batches in val_sets:
@@ -313,6 +369,7 @@ def _run(
                     weights = [s.weight for s, _ in val_sets]
                     val_loss = float(np.average(list(per_source.values()), weights=weights))
                 reporter.eval(step, val_loss, per_source if len(per_source) > 1 else None)
+                timeline.event("eval", step=step, seconds=round(time.perf_counter() - t_eval, 3))
                 tracker.restart_clock(step)
             if step % cfg.checkpoint_interval == 0 or last:
                 save(step)
@@ -331,6 +388,12 @@ def _run(
                     saved = run_dir / "checkpoints" / str(step)
                     raise Preempted(f"pre-empted: checkpoint {saved} saved; relaunch to resume")
         tracker.finish_pending()
+        profiler.stop(state)
+    except jax.errors.JaxRuntimeError as e:
+        if not memory_lib.is_out_of_memory(e):
+            raise
+        where = f"running step {step + 1}"
+        raise memory_lib.out_of_memory(e, where, cfg, peak_bytes, jax.local_devices()[0]) from None
     except NonFiniteError as e:
         # Params never take a non-finite update, so every saved checkpoint is a good one.
         with watchdog.phase("final checkpoint write"):
@@ -340,8 +403,10 @@ def _run(
         raise NonFiniteError(
             f"{e}; last good checkpoint: {where}; lower the lr or check the data, then relaunch"
         ) from None
+    t_save = time.perf_counter()
     with watchdog.phase("final checkpoint write"):
         ckpt.wait()
+    timeline.event("checkpoint", step=step, seconds=round(time.perf_counter() - t_save, 3))
     ckpt.close()
     reporter.close()
     if cfg.sample_tokens:
@@ -358,6 +423,7 @@ class _Tracker:
     def __init__(self, cfg: Config, reporter: metrics.Reporter, watchdog: Watchdog, start_step: int) -> None:
         self.cfg, self.reporter, self.watchdog = cfg, reporter, watchdog
         self.pending: tuple[int, dict[str, jax.Array]] | None = None
+        self.device = jax.local_devices()[0]  # the memory of one device: the mesh loads them alike
         self.last_loss: float | None = None
         self.restart_clock(start_step)
 
@@ -395,6 +461,8 @@ class _Tracker:
                 "step_time_s": dt / n,
                 "data_wait_frac": self.data_wait / dt,
                 "skipped_steps": int(m["skipped_steps"]),
+                **memory_lib.usage(self.device),
+                "t": round(time.time(), 3),  # for goodput
             }
             if cfg.dtype == "float16":
                 record["loss_scale"] = float(m["loss_scale"])
@@ -413,6 +481,27 @@ def _warn_if_disk_short(cfg: Config, ckpt: ckpt_lib.Checkpointer, nbytes: int) -
             f"needs about {storage.mib(needed)} more ({storage.mib(nbytes)} per checkpoint): a save "
             "will fail (exit 5) unless space is made"
         )
+
+
+def _compile(cfg: Config, jitted_train: jax.stages.Wrapped, state: TrainState, batch_shape: Any) -> Any:
+    """The train step compiled ahead of time (no stall in step 1); out of memory is one line."""
+    try:
+        faults = Faults.of(cfg.debug, jax.process_index())
+        if faults:
+            faults.out_of_memory("compile")
+        return jitted_train.lower(state, batch_shape).compile()
+    except jax.errors.JaxRuntimeError as e:
+        if not memory_lib.is_out_of_memory(e):
+            raise
+        raise memory_lib.out_of_memory(e, "compiling the step", cfg, 0, jax.local_devices()[0]) from None
+
+
+def _next_batch(it: Any, mesh: Any, cfg: Config, tracker: _Tracker) -> jax.Array:
+    """The next global batch, its copy to the devices started; the time it took is data wait."""
+    t0 = time.perf_counter()
+    batch = mesh_lib.global_batch(next(it), mesh, cfg.batch_size)
+    tracker.data_wait += time.perf_counter() - t0
+    return batch
 
 
 def _barrier(name: str) -> None:

@@ -4,7 +4,8 @@ Other processes write only warnings and errors, each to logs/process_<i>.log.
 
 MFU = flops_per_token * tokens_per_sec / (devices * peak_flops_per_device), with
 flops_per_token = 6 * n_params + 12 * n_layer * d_model * seq_len (model.flops_per_token),
-and the peak the device's dense bfloat16 matmul rate from the table below.
+and the peak the device's dense bfloat16 matmul rate from the table below. Devices with no peak
+in the table (CPUs) show the achieved FLOP/s per device instead (the same flops_per_token).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tqdm import tqdm
 from jaxtrain import config as config_lib
 from jaxtrain.config import Config
 from jaxtrain.files import LineFile
+from jaxtrain.tboard import ScalarWriter
 
 log = logging.getLogger("jaxtrain")
 
@@ -110,11 +112,19 @@ class Reporter:
     """Progress bar, metric lines, metrics.jsonl and wandb; inert on processes other than 0."""
 
     def __init__(
-        self, cfg: Config, run_dir: Path, is_main: bool, start_step: int, mfu_denominator: float | None
+        self,
+        cfg: Config,
+        run_dir: Path,
+        is_main: bool,
+        start_step: int,
+        mfu_denominator: float | None,
+        flops_per_token_per_device: float = 0.0,
     ):
         self.is_main = is_main
         self.mfu_denominator = mfu_denominator  # flops_per_token / (devices * peak), or None
+        self.flops_per_token_per_device = flops_per_token_per_device
         self.wandb: Any = None
+        self.tensorboard: ScalarWriter | None = None
         if not is_main:
             return
         self.metrics_file = LineFile(run_dir / "metrics.jsonl")  # closed in close()
@@ -124,6 +134,8 @@ class Reporter:
         )  # fmt: skip
         if cfg.use_wandb:
             self.wandb = _start_wandb(cfg, run_dir)
+        if cfg.tensorboard:
+            self.tensorboard = ScalarWriter(run_dir)
 
     def start(self, record: dict[str, Any]) -> None:
         """The launch's start record: mesh, sizes, memory per device, compile time."""
@@ -140,6 +152,9 @@ class Reporter:
             return
         if self.mfu_denominator:
             record["mfu"] = record["tokens_per_sec"] * self.mfu_denominator
+        flops = record["tokens_per_sec"] * self.flops_per_token_per_device
+        if flops:
+            record["flops_per_sec_per_device"] = flops
         line = (
             f"step {record['step']:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
             f"grad_norm {record['grad_norm']:.3f} | {record['tokens_per_sec']:,.0f} tok/s | "
@@ -147,6 +162,8 @@ class Reporter:
         )
         if "mfu" in record:
             line += f" | MFU {record['mfu'] * 100:.1f}%"
+        elif flops:
+            line += f" | {flops / 1e12:.3f} TFLOP/s per device"
         if record.get("skipped_steps"):
             line += f" | skipped {record['skipped_steps']}"
         self._emit(record, line)
@@ -165,7 +182,9 @@ class Reporter:
         log.info(line)
         self.metrics_file.write_line(json.dumps(record))
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+            self.wandb.log({k: v for k, v in record.items() if k not in ("step", "t")}, step=record["step"])
+        if self.tensorboard is not None:
+            self.tensorboard.add(record)
 
     def close(self) -> None:
         if not self.is_main:
@@ -174,6 +193,8 @@ class Reporter:
         self.metrics_file.close()
         if self.wandb is not None:
             self.wandb.finish()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
 
 def _start_wandb(cfg: Config, run_dir: Path) -> Any:
