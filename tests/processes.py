@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-# What a launcher (SLURM, torchrun, run_distributed.py, launch_multi_node.sh) reads or sets: a child
+# What a launcher (SLURM, torchrun, mpirun, run_distributed.py, launch_multi_node.sh) reads or sets: a child
 # must not inherit ours (the tests may themselves run inside a job).
 LAUNCH_VARS = (
     "JAX_",
@@ -26,6 +26,11 @@ LAUNCH_VARS = (
     "NODE_RANK",
     "CUDA_VISIBLE_DEVICES",
     "HOSTFILE",
+    "TORCHELASTIC_",
+    "OMPI_",
+    "PMIX_",
+    "PMI_",
+    "MV2_",
 )
 
 
