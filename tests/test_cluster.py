@@ -36,6 +36,13 @@ SLURM_1x2["SLURM_STEP_TASKS_PER_NODE"] = "1(x2)"
 TORCH = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "8", "RANK": "5"}
 JAX = {"JAX_COORDINATOR_ADDRESS": "10.0.0.2:1234", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "2"}
 FLAGS = DistConfig(coordinator_address="10.0.0.3:999", num_processes=2, process_id=1)
+OMPI = {  # what Open MPI 4.1's mpirun -np 4 gives rank 3, the second of two on its host
+    "OMPI_COMM_WORLD_SIZE": "4",
+    "OMPI_COMM_WORLD_RANK": "3",
+    "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+    "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+    "OMPI_MCA_orte_hnp_uri": "1611005952.0;tcp://192.0.2.2,10.1.0.1:49167;tcp6://[fd00::2]:52699",
+}
 
 
 def test_nothing_set_is_a_single_process():
@@ -49,6 +56,9 @@ def test_nothing_set_is_a_single_process():
         (D, {**JAX, **TORCH, **SLURM_2x2}, "jax_env", "10.0.0.2:1234", 4, 2),
         (D, {**TORCH, **SLURM_2x2}, "torchrun_env", "10.0.0.1:29500", 8, 5),
         (D, SLURM_2x2, "slurm", f"gpu007:{4242 % 4096 + 61440}", 4, 3),
+        # JAX's own rule: job id 1611005952 // 4096 % 4096 + 61440
+        (D, {**OMPI, **SLURM_2x2}, "openmpi", "192.0.2.2:61536", 4, 3),
+        (D, {**TORCH, "TORCHELASTIC_RUN_ID": "r"}, "torchrun_env", "10.0.0.1:29501", 8, 5),
         (DistConfig(num_processes=1), {}, "flags", None, 1, 0),
         (D, {**JAX, "JAX_NUM_PROCESSES": "1", "JAX_PROCESS_ID": "0"}, "jax_env", None, 1, 0),
     ],
@@ -102,10 +112,25 @@ def test_slurm_coordinator_is_the_first_node(nodelist, host):
         ({**TORCH, "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4"}, (3,)),
         ({**TORCH, "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}, None),
         ({**JAX, "JAX_LOCAL_DEVICE_IDS": "4,5"}, (4, 5)),
+        (OMPI, (1,)),
+        ({**OMPI, "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}, None),
     ],
 )
 def test_local_devices(env, devices):
     assert detect(D, env).local_device_ids == devices
+
+
+@pytest.mark.parametrize(
+    "coordinator_env, expected",
+    [
+        ({"JAX_COORDINATOR_ADDRESS": "head:5000"}, "head:5000"),
+        ({"MASTER_ADDR": "h", "MASTER_PORT": "7"}, "h:7"),
+    ],
+)
+def test_open_mpi_takes_a_coordinator_given_alone(coordinator_env, expected):
+    no_uri = {k: v for k, v in OMPI.items() if k != "OMPI_MCA_orte_hnp_uri"}  # Open MPI 5
+    spec = detect(D, {**no_uri, **coordinator_env})
+    assert (spec.source, spec.coordinator_address, spec.local_rank) == ("openmpi", expected, 1)
 
 
 def test_local_device_ids_flag_overrides_any_source():
@@ -138,6 +163,23 @@ def test_local_device_ids_flag_overrides_any_source():
         (D, {**SLURM_2x2, "MASTER_ADDR": "h"}, "set both MASTER_ADDR and MASTER_PORT"),
         (D, {**SLURM_2x2, "CUDA_VISIBLE_DEVICES": "0,1,2"}, "3 GPUs (CUDA_VISIBLE_DEVICES) cannot be split"),
         (D, {k: v for k, v in SLURM_2x2.items() if k != "SLURM_STEP_ID"}, "start training with srun"),
+        (
+            D,
+            {**TORCH, "MASTER_PORT": "65535", "TORCHELASTIC_RUN_ID": "r"},
+            "pass torchrun a lower --master_port",
+        ),
+        (
+            D,
+            {k: v for k, v in OMPI.items() if k != "OMPI_MCA_orte_hnp_uri"},
+            "mpirun -x JAX_COORDINATOR_ADDRESS",
+        ),
+        (D, {"OMPI_COMM_WORLD_SIZE": "2"}, "OMPI_COMM_WORLD_SIZE set but OMPI_COMM_WORLD_RANK"),
+        (
+            D,
+            {"PMI_SIZE": "4", "PMI_RANK": "1"},
+            "PMI_SIZE=4: a launcher jaxtrain cannot read started several",
+        ),
+        (D, {"MV2_COMM_WORLD_SIZE": "2"}, "MV2_COMM_WORLD_SIZE=2: a launcher jaxtrain cannot read"),
     ],
 )
 def test_inconsistent_values_are_one_line_errors(dist, env, message):
