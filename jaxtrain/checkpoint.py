@@ -34,6 +34,20 @@ log = logging.getLogger(__name__)
 CHECKSUMS = "checksums.json"
 
 
+class _OneLine(logging.Filter):
+    """Orbax logs a failed background save with its traceback, four times over; the StorageError
+    that follows says it in one line, so orbax's records keep only their first line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "orbax" in record.pathname:
+            record.msg, record.args = record.getMessage().splitlines()[0], None
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+_ONE_LINE = _OneLine()
+
+
 class Checkpointer:
     """A CheckpointManager over `directory` holding items `state` and `meta`."""
 
@@ -47,6 +61,7 @@ class Checkpointer:
         self.directory = Path(directory).absolute()
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
         self.primary = primary  # the process that records checksums (process 0)
+        logging.getLogger("absl").addFilter(_ONE_LINE)  # once: a filter is added only once
         self.pending: int | None = None  # the step being saved in the background
         self.state_bytes = 0  # of the state last saved: what one checkpoint needs on disk
 
@@ -79,7 +94,7 @@ class Checkpointer:
             self.manager.check_for_errors()
         except Exception as e:
             raise self._failed(self.pending, e) from None
-        if not self.manager.is_saving_in_progress():
+        if (self.directory / str(self.pending)).is_dir():  # orbax renamed it: the save is complete
             self.wait()
 
     def read_meta(self, step: int) -> dict[str, Any]:
@@ -96,6 +111,27 @@ class Checkpointer:
         except Exception as e:  # missing, truncated or mismatched files: one user problem
             raise unreadable(self.directory / str(step), e) from None
         return out["state"]
+
+    def restore_params(self, step: int, target: Any, flag: str) -> Any:
+        """Only the saved state's params, into `target`'s shapes and shardings (abstract arrays).
+
+        A param missing, extra or shaped otherwise is a one-line error naming `flag`.
+        """
+        where = f"{flag} {self.directory / str(step)}"
+        try:
+            saved = self.manager.item_metadata(step)["state"].tree["params"]
+        except Exception as e:  # missing or garbled files
+            raise unreadable(self.directory / str(step), e) from None
+        _check_shapes(saved, target, where)
+        item = {"params": target}
+        restore = ocp.args.PyTreeRestore(
+            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True
+        )
+        try:
+            out = self.manager.restore(step, args=ocp.args.Composite(state=restore))
+        except Exception as e:
+            raise unreadable(self.directory / str(step), e) from None
+        return out["state"]["params"]
 
     def wait(self) -> None:
         """Finish the save in flight, if any, and record its checksums."""
@@ -186,19 +222,46 @@ def _checksums(step_dir: Path) -> dict[str, list[int]]:
     return out
 
 
-def locate(path: str) -> tuple[Path, int | None]:
-    """Split a --resume_from path into (checkpoints dir, step or None for the latest)."""
+def locate(path: str, flag: str = "--resume_from") -> tuple[Path, int | None]:
+    """Split a --resume_from (or `flag`) path into (checkpoints dir, step or None for the latest)."""
     p = Path(path)
     if not p.exists():
-        raise UserError(
-            f"--resume_from {path} does not exist; give a run's checkpoints/ dir or one step dir in it"
-        )
+        raise UserError(f"{flag} {path} does not exist; give a run's checkpoints/ dir or one step dir in it")
     if not p.is_dir():
-        raise UserError(
-            f"--resume_from {path} is a file; give a run's checkpoints/ dir or one step dir in it"
-        )
+        raise UserError(f"{flag} {path} is a file; give a run's checkpoints/ dir or one step dir in it")
     if p.name.isdigit() and (p / "state").exists():
         return p.parent, int(p.name)
     if (p / "checkpoints").is_dir():
         return p / "checkpoints", None
     return p, None
+
+
+def open_checkpoint(path: str, flag: str) -> tuple[Checkpointer, int]:
+    """A read-only view of the checkpoint `path` names (a step dir, or the latest of a run)."""
+    directory, step = locate(path, flag)
+    source = Checkpointer(directory, 1, read_only=True)
+    step = step if step is not None else source.latest_step()
+    if step is None:
+        raise UserError(f"{flag} {path} holds no complete checkpoint")
+    return source, step
+
+
+def _check_shapes(saved: Any, target: Any, where: str) -> None:
+    """Every param of `target` is in `saved` with the same shape, and nothing else is."""
+
+    def shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+        leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+        return {"/".join(str(getattr(k, "key", k)) for k in path): tuple(x.shape) for path, x in leaves}
+
+    have, want = shapes(saved), shapes(target)
+    fix = "give a checkpoint of this model, or the model keys it was trained with (its config.yaml)"
+    differ = "model.n_layer, scan_layers or pos_embedding differ"
+    for name in sorted(want.keys() | have.keys()):
+        if name not in have:
+            raise UserError(f"{where} has no param {name}, which this model has ({differ}); {fix}")
+        if name not in want:
+            raise UserError(f"{where} has a param {name} this model lacks ({differ}); {fix}")
+        if have[name] != want[name]:
+            raise UserError(
+                f"{where}: param {name} is {list(have[name])} there, {list(want[name])} in this model; {fix}"
+            )
