@@ -1,0 +1,173 @@
+"""jaxtrain against a bare jax loop and a nanoGPT-style PyTorch loop (eager and torch.compile), same
+shapes, same machine, interleaved in one run; prints tokens/s medians and ratios.
+
+    pip install -e '.[bench]'                       # torch==2.13.0, the CPU build
+    python bench/bench_torch.py                     # the issue's shape and configs/default.yaml's
+    python bench/bench_torch.py --shapes issue --rounds 5 --steps 30
+    XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=none python bench/bench_torch.py   # without YNN
+
+The PyTorch model matches jaxtrain's GPT: pre-norm RMSNorm blocks, rotary positions, causal
+scaled-dot-product attention, GELU MLP (4x), no biases, tied embeddings; AdamW with global-norm
+clipping at 1.0; float32. Each round runs every loop once, in a fixed order, so machine noise hits
+them alike; the models and compiled steps are built once and reused across rounds (jaxtrain's
+own train() relaunches each round, its compile cache warm after the first).
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from jaxtrain import xla_env  # isort: skip
+
+xla_env.set_cpu_flags()  # the same flags scripts/train.py sets, before jax starts
+
+import jax  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from bench_loop import bare_loop, jaxtrain_loop  # noqa: E402
+from torch import nn  # noqa: E402
+
+from jaxtrain.config import Config, load_config, with_topology  # noqa: E402
+
+SHAPES = {  # name -> train.py flags
+    "issue": ["--model.n_layer", "4", "--model.d_model", "256", "--model.n_head", "4",
+              "--model.seq_len", "256", "--batch_size", "16"],
+    "default": [],
+}  # fmt: skip
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.ln_1, self.ln_2 = nn.RMSNorm(d, eps=1e-5), nn.RMSNorm(d, eps=1e-5)
+        self.qkv, self.out = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d, bias=False)
+        self.fc, self.proj = nn.Linear(d, 4 * d, bias=False), nn.Linear(4 * d, d, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).view(b, t, 3, self.n_head, d // self.n_head).unbind(2)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        x = x + self.out(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.proj(F.gelu(self.fc(self.ln_2(x)), approximate="tanh"))
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    x1, x2 = x[..., :h], x[..., h:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class TorchGPT(nn.Module):
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        m = cfg.model
+        self.wte = nn.Embedding(m.vocab_size, m.d_model)
+        self.blocks = nn.ModuleList(Block(m.d_model, m.n_head) for _ in range(m.n_layer))
+        self.ln_f = nn.RMSNorm(m.d_model, eps=1e-5)
+        half = m.d_model // m.n_head // 2
+        inv_freq = 1.0 / (m.rope_theta ** (torch.arange(half, dtype=torch.float32) / half))
+        angles = torch.arange(m.seq_len, dtype=torch.float32)[:, None] * inv_freq[None]
+        self.register_buffer("cos", angles.cos()[None, :, None, :], persistent=False)
+        self.register_buffer("sin", angles.sin()[None, :, None, :], persistent=False)
+        for p in self.parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=m.init_std)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        for block in self.blocks:
+            x = block(x, self.cos, self.sin)
+        logits = self.ln_f(x) @ self.wte.weight.T  # tied head
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+class TorchLoop:
+    """A nanoGPT-style training loop on pre-made batches; the model persists across rounds."""
+
+    def __init__(self, cfg: Config, compiled: bool) -> None:
+        torch.manual_seed(0)
+        self.cfg, self.model = cfg, TorchGPT(cfg)
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.b1, cfg.optim.b2),
+            weight_decay=cfg.optim.weight_decay,
+        )  # fmt: skip
+        self.step_fn = torch.compile(self._step) if compiled else self._step
+        g = torch.Generator().manual_seed(0)
+        shape = (cfg.batch_size, cfg.model.seq_len + 1)
+        self.batches = [torch.randint(0, cfg.model.vocab_size, shape, generator=g) for _ in range(4)]
+
+    def _step(self, batch: torch.Tensor) -> torch.Tensor:
+        loss = self.model(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.gradient_clip_val)
+        return loss
+
+    def run(self, steps: int, warmup: int) -> float:
+        """Tokens/s over `steps` steps after `warmup` (torch.compile compiles in the first)."""
+        for i in range(warmup + steps):
+            if i == warmup:
+                t0 = time.perf_counter()
+            self.opt.zero_grad(set_to_none=True)
+            loss = self.step_fn(self.batches[i % 4])
+            self.opt.step()
+        loss.item()
+        return steps * self.cfg.batch_size * self.cfg.model.seq_len / (time.perf_counter() - t0)
+
+
+def _ratio_line(name: str, ours: list[float], theirs: list[float]) -> str:
+    ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
+    spread = f"min {min(ratios):.2f}, max {max(ratios):.2f}"
+    return f"  jaxtrain / {name:<14}: {statistics.median(ratios):.2f}x median of rounds ({spread})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shapes", default="issue,default", help="comma list of: " + ", ".join(SHAPES))
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3)
+    args, rest = parser.parse_known_args()
+    device = f"{jax.device_count()} x {jax.devices()[0].device_kind}"
+    flags = os.environ.get("XLA_FLAGS", "")
+    print(f"XLA_FLAGS={flags!r}; torch {torch.__version__}, {torch.get_num_threads()} threads; {device}")
+    for shape in args.shapes.split(","):
+        if shape not in SHAPES:
+            sys.exit(f"error: --shapes {shape}: not one of {', '.join(SHAPES)}")
+        cfg = load_config(["--config", "configs/default.yaml", *SHAPES[shape], *rest])
+        cfg = with_topology(cfg, jax.device_count(), jax.process_count())
+        m = cfg.model
+        print(f"\n{shape}: {m.n_layer}L d{m.d_model} {m.n_head}H T{m.seq_len} B{cfg.batch_size}")
+        loops = {"torch eager": TorchLoop(cfg, False), "torch.compile": TorchLoop(cfg, True)}
+        results: dict[str, list[float]] = {k: [] for k in ("jaxtrain", "bare jax", *loops)}
+        waits = []
+        with tempfile.TemporaryDirectory() as tmp:
+            for r in range(args.rounds):
+                tps, wait = jaxtrain_loop(cfg, args.steps, args.warmup, Path(tmp) / f"r{r}")
+                results["jaxtrain"].append(tps)
+                waits.append(wait)
+                results["bare jax"].append(bare_loop(cfg, args.steps, args.warmup))
+                for name, loop in loops.items():
+                    results[name].append(loop.run(args.steps, args.warmup if r == 0 else 2))
+                print(
+                    f"  round {r}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in results.items()) + " tok/s"
+                )
+        for name, values in results.items():
+            spread = f"{min(values):,.0f}..{max(values):,.0f}"
+            print(f"  {name:<14} {statistics.median(values):>9,.0f} tok/s median ({spread})")
+        for name in ("bare jax", *loops):
+            print(_ratio_line(name, results["jaxtrain"], results[name]))
+        print(f"  jaxtrain data wait: {100 * statistics.median(waits):.2f}% of step time (median of rounds)")
+
+
+if __name__ == "__main__":
+    main()

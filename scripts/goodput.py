@@ -1,0 +1,48 @@
+"""Where a run's wall time went, over every launch: productive steps, start-up, compile, data
+wait, checkpoints, eval and steps lost to a crash or pre-emption (computed, then redone).
+
+python scripts/goodput.py runs/default          # a table
+python scripts/goodput.py runs/default --json   # one JSON object
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+from jaxtrain import goodput
+from jaxtrain.cli import Parser
+from jaxtrain.errors import UserError, exit_on_user_error
+
+
+def run_split(run_dir: Path) -> dict:
+    """goodput.split of a run dir's metrics.jsonl, or a one-line error."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise UserError(f"{path} not found; pass a run dir written by scripts/train.py")
+    result = goodput.split(goodput.read_records(path))
+    if not result["launches"]:
+        raise UserError(f"{path} holds no launch events (written by jaxtrain before goodput was recorded)")
+    return result
+
+
+@exit_on_user_error
+def main() -> None:
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+    result = run_split(args.run_dir)
+    if args.json:
+        print(json.dumps(result))
+        return
+    wall = result["wall_s"] or 1.0
+    for part in goodput.PARTS:
+        print(f"{part:<14} {result[part]:>10.1f} s  {100 * result[part] / wall:5.1f}%")
+    print(f"{'wall_s':<14} {result['wall_s']:>10.1f} s")
+    ends = ", ".join(result["ends"])
+    print(f"launches {result['launches']} (restarts {result['restarts']}; ended: {ends})")
+    print(f"goodput {100 * result['goodput']:.1f}% (productive_s / wall_s)")
+
+
+if __name__ == "__main__":
+    main()

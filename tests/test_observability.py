@@ -1,0 +1,151 @@
+"""Where the time goes, on real runs of scripts/train.py: the profiler's trace, TensorBoard
+scalars, FLOP/s on CPU, the compile cache, out-of-memory as one line, goodput over a killed and
+resumed run; and jaxtrain's XLA flags."""
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tensorboardX.proto import event_pb2
+
+from jaxtrain import goodput
+from jaxtrain.xla_env import merged_flags
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory) -> str:
+    """A token file of its own, so these tests do not depend on the default dataset."""
+    path = tmp_path_factory.mktemp("data") / "tokens.bin"
+    np.random.default_rng(0).integers(0, 256, 200_000, dtype=np.uint16).tofile(path)
+    return str(path)
+
+
+def _train(run_dir: Path, tokens: str, *extra: str) -> subprocess.CompletedProcess:
+    data = ("--train_data_path", tokens, "--valid_data_path", tokens)
+    return _run("scripts/train.py", "--config", "configs/tiny.yaml", "--run_dir", str(run_dir), *data, *extra)
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _scalars(event_file: Path) -> dict[str, list[int]]:
+    """Tag -> steps of the scalar summaries in a TensorBoard event file (TFRecord framing)."""
+    data, pos, tags = event_file.read_bytes(), 0, {}
+    while pos < len(data):
+        (length,) = struct.unpack("<Q", data[pos : pos + 8])
+        event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + length])
+        pos += 12 + length + 4
+        for value in event.summary.value:
+            tags.setdefault(value.tag, []).append(event.step)
+    return tags
+
+
+@pytest.mark.slow
+def test_profile_tensorboard_flops_and_default_cache(tmp_path, tokens):
+    run_dir = tmp_path / "run"
+    out = _train(run_dir, tokens, "--total_steps", "10", "--profile_steps", "3:5", "--tensorboard")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "a CPU has no table peak" in out.stdout and "TFLOP/s per device" in out.stdout
+    traces = list((run_dir / "profile" / "plugins" / "profile").glob("*/*.xplane.pb"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 0
+    assert list(traces[0].parent.glob("perfetto_trace.json.gz"))
+    assert "profile of steps 3..4" in out.stdout
+    train = [r for r in _records(run_dir) if "loss" in r]
+    assert [r["step"] for r in train] == [5, 10]  # training went on past the trace
+    assert all(r["flops_per_sec_per_device"] > 0 for r in train)
+    assert not any("mem_in_use_gb" in r for r in train)  # CPUs report no memory_stats
+    (events,) = (run_dir / "tensorboard").glob("events.out.tfevents.*")
+    tags = _scalars(events)
+    assert tags["loss"] == [5, 10] and tags["val_loss"] == [10] and "tokens_per_sec" in tags
+    # Compiled steps went to the cache under $XDG_CACHE_HOME (the test session's own, conftest.py).
+    assert list((Path(os.environ["XDG_CACHE_HOME"]) / "jaxtrain" / "xla").iterdir())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["compile", "step"])
+def test_out_of_memory_is_one_line_with_settings_that_fit(tmp_path, tokens, where):
+    flags = ("--debug.oom", where, "--batch_size", "32", "--compile_cache_dir", "off")
+    out = _train(tmp_path / "run", tokens, *flags)
+    assert out.returncode == 2, out.stderr[-3000:]
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("error: out of device memory")
+    assert "--device_batch_size" in line and "--model.remat full" in line and "--mesh.fsdp" in line
+    assert ("XLA asked for 81.0 GiB" if where == "compile" else "peaks at") in line
+
+
+@pytest.mark.slow
+def test_goodput_of_a_run_killed_and_resumed(tmp_path, tokens):
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    common = ("--log_interval", "1", "--checkpoint_interval", "5", "--compile_cache_dir", str(cache))
+    killed = _train(run_dir, tokens, *common, "--debug.kill_during_save", "15")
+    assert killed.returncode == -9
+    resumed = _train(run_dir, tokens, *common)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "checkpoints/10" in resumed.stdout
+    records = _records(run_dir)
+    assert sorted(r["step"] for r in records if "loss" in r) == list(range(1, 21))  # each step once
+    starts = [r for r in records if r.get("event") == "start"]
+    assert [s["step"] for s in starts] == [0, 10]
+    assert starts[1]["compile_s"] < 0.5 * starts[0]["compile_s"], starts  # the cache was hit
+    assert {r["step"] for r in records if r.get("event") == "redone"} == {11, 12, 13, 14}
+
+    out = _run("scripts/goodput.py", str(run_dir), "--json")
+    assert out.returncode == 0, out.stderr
+    split = json.loads(out.stdout)
+    assert split["restarts"] == 1 and split["ends"] == ["killed", "done"]
+    assert split["lost_s"] > 0 and split["productive_s"] > 0 and split["compile_s"] > 0
+    assert sum(split[p] for p in goodput.PARTS) == pytest.approx(split["wall_s"], abs=0.01)
+    assert 0 < split["goodput"] < 1
+    assert _run("scripts/plot_metrics.py", str(run_dir)).returncode == 0
+    assert (run_dir / "loss.png").stat().st_size > 1000
+
+
+def test_goodput_split_adds_up_and_counts_redone_steps_as_lost():
+    records = [
+        {"event": "launch", "t": 0.0, "step": 0},
+        {"event": "start", "t": 10.0, "compile_s": 6.0},
+        {"step": 5, "loss": 1.0, "t": 20.0, "data_wait_frac": 0.1},
+        {"event": "checkpoint", "t": 21.0, "step": 5, "seconds": 1.0},
+        {"event": "redone", "t": 30.0, "step": 8},
+        {"event": "launch", "t": 100.0, "step": 5},
+        {"event": "start", "t": 104.0, "compile_s": 1.0},
+        {"step": 10, "loss": 1.0, "t": 114.0},
+        {"event": "eval", "t": 116.0, "step": 10, "seconds": 2.0},
+        {"event": "end", "t": 117.0, "step": 10, "reason": "done"},
+    ]
+    split = goodput.split(records)
+    assert split == {
+        "productive_s": 9.0 + 10.0,
+        "startup_s": 4.0 + 3.0 + 1.0,
+        "compile_s": 7.0,
+        "data_wait_s": 1.0,
+        "checkpoint_s": 1.0,
+        "eval_s": 2.0,
+        "lost_s": 9.0,
+        "wall_s": 47.0,
+        "launches": 2,
+        "restarts": 1,
+        "ends": ["killed", "done"],
+        "goodput": round(19 / 47, 4),
+    }
+
+
+def test_xla_flags_are_added_unless_the_user_set_them():
+    default = "--xla_cpu_experimental_ynn_fusion_type=dot"
+    assert merged_flags("--xla_force_host_platform_device_count=8") == (
+        f"{default} --xla_force_host_platform_device_count=8"
+    )
+    mine = "--xla_cpu_experimental_ynn_fusion_type=none"
+    assert merged_flags(mine) == mine
