@@ -115,7 +115,9 @@ class BPETokenizer:
 
     def encode_many(self, texts: Sequence[str]) -> np.ndarray:
         """The token ids of the texts, concatenated (each encoded alone: a batch for `tokenizers`)."""
-        encodings = self._tok.encode_batch(list(texts))
+        # encode_batch_fast skips the character offsets we never use: ~1.5x the tokens/s here.
+        batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        encodings = batch(list(texts))
         if not encodings:
             return np.zeros(0, dtype=np.int64)
         return np.concatenate([np.asarray(e.ids, dtype=np.int64) for e in encodings])

@@ -211,3 +211,34 @@ def test_bad_input_exits_2_naming_the_file_and_leaves_nothing(tmp_path: Path) ->
     _one_line_exit_2(
         _prepare(str(tmp_path / "in"), "--glob", "*.rst", "--out_dir", str(tmp_path / "o")), "'*.rst'"
     )
+
+
+@pytest.mark.slow
+def test_train_on_a_mixture_of_manifests_then_refuse_a_changed_shard(tmp_path: Path) -> None:
+    (tmp_path / "web").mkdir()
+    (tmp_path / "code").mkdir()
+    _jsonl(tmp_path / "web" / "a.jsonl", _docs(400, "web"))
+    _parquet(tmp_path / "code" / "b.parquet", _docs(300, "code"))
+    for name in ("web", "code"):
+        prepare_corpus(
+            [tmp_path / name], tmp_path / "data" / name, val_fraction=0.1, shard_tokens=4000, workers=1
+        )
+    mixture = (
+        f"[{{path: {tmp_path}/data/web/manifest.json, weight: 0.7}}, "
+        f"{{path: {tmp_path}/data/code/manifest.json, weight: 0.3}}]"
+    )
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "scripts/train.py", "--config", "configs/tiny.yaml", "--run_dir", str(run_dir),
+           "--train_data_path", mixture, "--total_steps", "10", "--checkpoint_interval", "5"]  # fmt: skip
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    evals = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if "val_loss" in x]
+    assert evals and {"val_loss/web", "val_loss/code"} <= set(evals[-1])
+    shard = tmp_path / "data" / "code" / "train_00001.bin"
+    raw = shard.read_bytes()
+    shard.write_bytes(raw[:-2])
+    r = subprocess.run(
+        [*cmd[:-4], "--total_steps", "12"], capture_output=True, text=True, timeout=300, cwd=REPO, env=env
+    )
+    _one_line_exit_2(r, str(shard))
