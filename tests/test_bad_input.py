@@ -178,7 +178,26 @@ def _state_truncated(ctx: dict) -> None:
 
 
 def _meta_garbage(ctx: dict) -> None:
+    _meta_garbage_in(_copy_trained(ctx))
+
+
+def _all_truncated(ctx: dict) -> None:
+    """Every checkpoint damaged: nothing to fall back on."""
     run_dir = _copy_trained(ctx)
+    for p in (run_dir / "checkpoints").rglob("*"):
+        if p.is_file() and p.parent.name == "d":  # the array data, one file per checkpoint here
+            p.write_bytes(p.read_bytes()[: p.stat().st_size // 3])
+
+
+def _damaged_source(ctx: dict) -> None:
+    """An explicit --resume_from step dir that is damaged (the run dir itself is new)."""
+    src = ctx["tmp"] / "src"
+    shutil.copytree(ctx["trained"]["run_dir"], src, symlinks=True)
+    _meta_garbage_in(src)
+    ctx["watch"].append(src)
+
+
+def _meta_garbage_in(run_dir: Path) -> None:
     for p in (run_dir / "checkpoints" / "20" / "meta").iterdir():
         p.write_bytes(b"\x00garbage{{{")
 
@@ -299,9 +318,8 @@ CASES = [
          "was written by a different config (model.n_layer: 2 -> 3)"),
     Case("resume-other-batch", [*TINY, "--resume_from", "{trained}/checkpoints/10", "--batch_size", "32"],
          "checkpoints/10 was written by a different config (batch_size: 16 -> 32)"),
-    Case("ckpt-state-deleted", [*TINY, *WANDB], "checkpoints/20 is unreadable", _state_deleted),
-    Case("ckpt-state-truncated", [*TINY, *WANDB], "checkpoints/20 is unreadable", _state_truncated),
-    Case("ckpt-meta-garbage", [*TINY, *WANDB], "checkpoints/20 is unreadable", _meta_garbage),
+    Case("ckpt-none-readable", [*TINY, *WANDB], "checkpoints is readable (20: ", _all_truncated),
+    Case("resume-from-damaged", [*TINY, "--resume_from", "{tmp}/src/checkpoints/20"], "src/checkpoints/20 is unreadable", _damaged_source),
     # -- train.py: the distributed environment
     Case("env-jax-half-set", [*TINY], "JAX_NUM_PROCESSES set but JAX_COORDINATOR_ADDRESS, JAX_PROCESS_ID not",
          env={"JAX_NUM_PROCESSES": "2"}),
@@ -363,7 +381,7 @@ CASES = [
 ]  # fmt: skip
 
 _USES_TRAINED = {c.id for c in CASES if any("{trained}" in a for a in c.argv)} | {
-    c.id for c in CASES if c.setup in (_state_deleted, _state_truncated, _meta_garbage)
+    c.id for c in CASES if c.setup in (_all_truncated, _damaged_source)
 }
 
 
@@ -401,6 +419,37 @@ def test_bad_input_is_one_line_exit_2(case: Case, tmp_path: Path, request: pytes
     assert out.seconds < TIMEOUT_S
     assert before == after, "a file the command was pointed at changed"
     assert text_before == text_after, "a file the command was pointed at changed"
+
+
+# ---------------------------------------------------------------- a damaged newest checkpoint
+
+
+@pytest.mark.parametrize(
+    "damage", [_state_deleted, _state_truncated, _meta_garbage], ids=lambda f: f.__name__[1:]
+)
+def test_a_damaged_newest_checkpoint_is_moved_aside_and_the_run_resumes(damage, trained, tmp_path) -> None:
+    """Automatic resume: checkpoints/20 is renamed (bytes kept), a warning names it, step 10 resumes."""
+    ctx: dict[str, Any] = {"tmp": tmp_path, "trained": trained, "watch": [], "same_bytes": []}
+    damage(ctx)
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+    damaged, ten = snapshot(ckpts / "20"), snapshot(ckpts / "10")
+    out = run([*TINY_ARGS, "--run_dir", str(run_dir), *WANDB], timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
+    aside = next((run_dir / "damaged_checkpoints").iterdir())
+    assert f"WARNING checkpoint {ckpts}/20 is unreadable (" in out.stdout
+    assert f"moved aside to {aside}" in out.stdout
+    moved = {k.replace(str(aside), str(ckpts / "20")): v[0] for k, v in snapshot(aside).items()}
+    assert moved == {k: v[0] for k, v in damaged.items()}  # renamed, every byte kept
+    assert f"resumed from {ckpts}/10" in out.stdout
+    assert {k: v[0] for k, v in snapshot(ckpts / "10").items()} == {k: v[0] for k, v in ten.items()}
+    steps = [
+        r["step"]
+        for r in map(yaml.safe_load, (run_dir / "metrics.jsonl").read_text().splitlines())
+        if "loss" in r
+    ]
+    assert steps == sorted(set(steps)) and steps[-1] == 20  # every step once
 
 
 # ---------------------------------------------------------------- beyond one line
