@@ -200,6 +200,8 @@ def _stdlib_sources(max_bytes: int) -> list[Path]:
         size = path.stat().st_size
         if total + size > max_bytes:
             break
+        if not size:  # empty __init__.py files add nothing, and preparation refuses empty inputs
+            continue
         files.append(path)
         total += size
     return files
