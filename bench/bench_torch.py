@@ -86,7 +86,7 @@ class TorchGPT(nn.Module):
         for block in self.blocks:
             x = block(x, self.cos, self.sin)
         logits = self.ln_f(x) @ self.wte.weight.T  # tied head
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 class TorchLoop:
