@@ -112,17 +112,20 @@ class Checkpointer:
             raise unreadable(self.directory / str(step), e) from None
         return out["state"]
 
-    def restore_params(self, step: int, target: Any, flag: str) -> Any:
-        """Only the saved state's params, into `target`'s shapes and shardings (abstract arrays).
-
-        A param missing, extra or shaped otherwise is a one-line error naming `flag`.
-        """
-        where = f"{flag} {self.directory / str(step)}"
+    def check_params(self, step: int, target: Any, flag: str) -> None:
+        """The saved params are `target`'s (abstract arrays): a param missing, extra or shaped
+        otherwise is a one-line error naming `flag`."""
         try:
-            saved = self.manager.item_metadata(step)["state"].tree["params"]
+            saved = (
+                ocp.PyTreeCheckpointHandler().metadata(self.directory / str(step) / "state").tree["params"]
+            )
         except Exception as e:  # missing or garbled files
             raise unreadable(self.directory / str(step), e) from None
-        _check_shapes(saved, target, where)
+        _check_shapes(saved, target, f"{flag} {self.directory / str(step)}")
+
+    def restore_params(self, step: int, target: Any, flag: str) -> Any:
+        """Only the saved state's params, into `target`'s shapes and shardings (checked first)."""
+        self.check_params(step, target, flag)
         item = {"params": target}
         restore = ocp.args.PyTreeRestore(
             item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True

@@ -24,7 +24,7 @@ from jaxtrain.config import Config
 from jaxtrain.errors import NonFiniteError, Preempted, StorageError, UserError
 from jaxtrain.faults import Faults
 from jaxtrain.goodput import Timeline, end_reason
-from jaxtrain.model import GPT, flops_per_token, generate, param_count
+from jaxtrain.model import GPT, flops_per_token, generate, param_count, param_summary
 from jaxtrain.optim import make_optimizer
 from jaxtrain.preemption import StopRequest
 from jaxtrain.profiling import Profiler
@@ -64,7 +64,8 @@ def _data_paths(cfg: Config) -> tuple[str, str]:
 def _restore_or_init(
     cfg: Config, model: GPT, tx: Any, mesh: Any, ckpt: ckpt_lib.Checkpointer
 ) -> tuple[TrainState, int]:
-    """The latest complete checkpoint of this run (or --resume_from), else a fresh state."""
+    """The latest complete checkpoint of this run (or --resume_from), else a fresh state (with
+    --init_from's params: step 0, fresh optimizer and schedule)."""
     abstract = abstract_state(cfg, model, tx)
     shardings = state_sharding(mesh, abstract, cfg.mesh.zero1)
     source, step = ckpt, _newest_readable(ckpt)
@@ -78,7 +79,18 @@ def _restore_or_init(
         if damage:  # the user asked for this one: no other is taken in its place
             raise UserError(f"checkpoint {source.directory}/{step} is unreadable ({damage}); pass another")
     if step is None:
-        return create_state(cfg, model, tx, mesh), 0
+        state = create_state(cfg, model, tx, mesh)
+        if cfg.init_from:
+            source, init_step = ckpt_lib.open_checkpoint(cfg.init_from, "--init_from")
+            target = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state.params
+            )
+            params = source.restore_params(init_step, target, "--init_from")
+            state = state.replace(params=params)  # type: ignore[attr-defined]  # added by flax.struct
+            log.info(
+                f"params from {source.directory}/{init_step} (--init_from); optimizer and step start afresh"
+            )
+        return state, 0
     meta = source.read_meta(step)
     diff = rundir.incompatibilities(meta.get("config", {}), cfg)
     if diff:
@@ -225,6 +237,12 @@ def _run(
     mesh = mesh_lib.make_mesh(shape=cfg.mesh)
     mesh_lib.check_mesh(mesh)
     seq = cfg.model.seq_len
+    if cfg.init_from and not (run_dir / "checkpoints").exists():
+        # Refuse other shapes before the run dir is made (a relaunch resumes its own checkpoints).
+        source, init_step = ckpt_lib.open_checkpoint(cfg.init_from, "--init_from")
+        source.check_params(
+            init_step, abstract_state(cfg, GPT(cfg.model), make_optimizer(cfg)).params, "--init_from"
+        )
 
     if is_main:
         rundir.prepare(cfg)
@@ -269,7 +287,10 @@ def _run(
             f"MFU: no peak FLOP/s on record for {jax.devices()[0].device_kind} (a CPU has no table peak); "
             "logging achieved FLOP/s per device instead"
         )
-    log.info(f"model: {n_params:,} parameters, {fpt / 1e6:.1f} MFLOPs per token (6N + 12*L*d*T)")
+    log.info(
+        f"model: {n_params:,} parameters, {fpt / 1e6:.1f} MFLOPs per token (6N + 12*L*d*T)\n"
+        f"{param_summary(state.params)}"
+    )
 
     shardings = state_sharding(mesh, state, cfg.mesh.zero1)
     state_bytes = mesh_lib.bytes_per_device(state, jax.tree.map(lambda s: s.spec, shardings), mesh)

@@ -253,6 +253,40 @@ def param_count(params: Any) -> int:
     return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
 
 
+def param_summary(params: Any) -> str:
+    """Parameters per module, one line each; identical consecutive blocks share a line:
+
+    wte                       32,768
+    block_0..3 (each)         attn 65,536, mlp 131,072, ln_1 128, ln_2 128
+    ln_f                      128
+    """
+    modules: dict[str, dict[str, int]] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        names = [str(getattr(k, "key", k)) for k in path]
+        parts = modules.setdefault(names[0], {})
+        part = names[1] if names[0].startswith("block") and len(names) > 2 else ""
+        parts[part] = parts.get(part, 0) + math.prod(leaf.shape)
+    rows: list[list[Any]] = []  # [label, parts, first block, last block]
+
+    def order(name: str) -> tuple[int, int, str]:  # embeddings, blocks by number, final norm
+        block = name.startswith("block")
+        return (1 if block else 2 if name == "ln_f" else 0, int(name[6:]) if name[6:].isdigit() else 0, name)
+
+    for name, parts in sorted(modules.items(), key=lambda item: order(item[0])):
+        index = int(name[6:]) if name.startswith("block_") else -1
+        if index > 0 and rows and rows[-1][1] == parts and rows[-1][3] == index - 1:
+            rows[-1][0], rows[-1][3] = f"block_{rows[-1][2]}..{index} (each)", index
+            continue
+        label = name
+        if name == "blocks":  # scanned: each leaf stacks every layer
+            label = f"blocks ({jax.tree.leaves(params[name])[0].shape[0]} layers)"
+        rows.append([label, parts, index, index])
+    return "\n".join(
+        f"  {label:<24}  " + ", ".join(f"{part} {n:,}".strip() for part, n in parts.items())
+        for label, parts, _, _ in rows
+    )
+
+
 def flops_per_token(cfg: ModelConfig, n_params: int) -> float:
     """Training FLOPs per token: 6 * n_params + 12 * n_layer * d_model * seq_len.
 

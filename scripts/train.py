@@ -11,6 +11,10 @@ Several local processes, many hosts, SLURM (same script, unchanged):
     scripts/launch_multi_node.sh 10.0.0.1 2 8 -- --config configs/gpt2_124m.yaml
     python scripts/run_distributed.py --mode slurm --nodes 2 -- --config configs/gpt2_124m.yaml
 Relaunching the same command resumes from the run dir's latest complete checkpoint.
+Evaluate or sample a checkpoint (jaxtrain/tasks.py), or start a new run from its params:
+    python scripts/train.py --task test --resume_from runs/default/checkpoints/300
+    python scripts/train.py --task predict --resume_from runs/default --prompt "def " --max_new_tokens 256
+    python scripts/train.py --config configs/default.yaml --init_from runs/default --run_dir runs/finetune
 """
 
 import sys
@@ -22,12 +26,12 @@ xla_env.set_cpu_flags()
 
 from jaxtrain.config import load_config  # noqa: E402
 from jaxtrain.errors import exit_on_user_error  # noqa: E402
-from jaxtrain.loop import train  # noqa: E402
+from jaxtrain.tasks import run  # noqa: E402
 
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
-    train(load_config(sys.argv[1:] if argv is None else argv), launch_time=xla_env.LAUNCH_TIME)
+    run(load_config(sys.argv[1:] if argv is None else argv), launch_time=xla_env.LAUNCH_TIME)
 
 
 if __name__ == "__main__":

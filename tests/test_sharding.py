@@ -225,7 +225,10 @@ def data_parallel_muon():
 
 @pytest.mark.parametrize(
     "argv",
-    [["--mesh.data", "1", "--mesh.fsdp", "8"], ["--mesh.data", "1", "--mesh.fsdp", "4", "--mesh.tensor", "2"]],
+    [
+        ["--mesh.data", "1", "--mesh.fsdp", "8"],
+        ["--mesh.data", "1", "--mesh.fsdp", "4", "--mesh.tensor", "2"],
+    ],
     ids=["fsdp8", "fsdp4xtp2"],
 )
 def test_muon_trains_under_fsdp_and_tensor_like_data_parallelism(data_parallel_muon, argv):
