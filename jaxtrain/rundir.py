@@ -20,7 +20,8 @@ from jaxtrain.errors import UserError
 from jaxtrain.files import require_writable, write_text
 
 # Keys that must match to continue a run: they fix the model shapes and the data stream.
-RESUME_KEYS = ("model", "batch_size", "seed", "train_data_path", "token_dtype")
+# optim.name too: AdamW's and Muon's optimizer states have different trees.
+RESUME_KEYS = ("model", "batch_size", "seed", "train_data_path", "token_dtype", "optim.name")
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -35,7 +36,9 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def resume_fingerprint(cfg_dict: dict[str, Any]) -> dict[str, Any]:
     """The part of a config that must be equal for a checkpoint to be continued."""
-    return {k: v for k, v in _flat(cfg_dict).items() if k.split(".")[0] in RESUME_KEYS}
+    return {
+        k: v for k, v in _flat(cfg_dict).items() if any(k == r or k.startswith(f"{r}.") for r in RESUME_KEYS)
+    }
 
 
 def incompatibilities(saved: dict[str, Any], cfg: Config) -> list[str]:

@@ -318,6 +318,8 @@ CASES = [
          "was written by a different config (model.n_layer: 2 -> 3)"),
     Case("resume-other-batch", [*TINY, "--resume_from", "{trained}/checkpoints/10", "--batch_size", "32"],
          "checkpoints/10 was written by a different config (batch_size: 16 -> 32)"),
+    Case("resume-other-optimizer", [*TINY, "--resume_from", "{trained}/checkpoints/10", "--optim.name", "muon"],
+         "checkpoints/10 was written by a different config (optim.name: 'adamw' -> 'muon')"),
     Case("ckpt-none-readable", [*TINY, *WANDB], "checkpoints is readable (20: ", _all_truncated),
     Case("resume-from-damaged", [*TINY, "--resume_from", "{tmp}/src/checkpoints/20"], "src/checkpoints/20 is unreadable", _damaged_source),
     # -- train.py: the distributed environment
