@@ -151,7 +151,10 @@ def _sample(cfg: Config, params: Any, train_path: str) -> None:
         return
     tokenizer = load_tokenizer(train_path)
     prompt = tokenizer.encode(cfg.sample_prompt).astype(np.int32)
-    out = generate(params, cfg.model, prompt, cfg.sample_tokens, jax.random.key(cfg.seed))
+    out = generate(
+        params, cfg.model, prompt, cfg.sample_tokens, jax.random.key(cfg.seed),
+        temperature=cfg.temperature, top_k=cfg.top_k or None,
+    )  # fmt: skip
     text = tokenizer.decode(np.concatenate([prompt, out]))
     log.info("sample from the trained model:\n" + "-" * 60 + f"\n{text}\n" + "-" * 60)
 
