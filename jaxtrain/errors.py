@@ -90,6 +90,10 @@ def exit_on_user_error(main: Callable[..., Any]) -> Callable[..., Any]:
             print(said, file=sys.stderr)
             sys.stdout.flush()
             sys.stderr.flush()
+            if isinstance(e, StorageError):
+                # The failed save's orbax threads would print tracebacks while the interpreter
+                # shuts down (their event loop closed under them): leave without that.
+                os._exit(e.code)
             if _joined_to_peers():
                 if isinstance(e, Preempted | NonFiniteError):
                     _leave_together()
