@@ -63,6 +63,9 @@ class Checkpointer:
         self.primary = primary  # the process that records checksums (process 0)
         logging.getLogger("absl").addFilter(_ONE_LINE)  # once: a filter is added only once
         self.pending: int | None = None  # the step being saved in the background
+        # (what, time.monotonic() it started) of the save in flight, until its checksums are
+        # recorded: read by the watchdog's thread (Watchdog.watch_beside), so set in one assignment.
+        self.in_flight: tuple[str, float] | None = None
         self.state_bytes = 0  # of the state last saved: what one checkpoint needs on disk
 
     def latest_step(self) -> int | None:
@@ -76,6 +79,7 @@ class Checkpointer:
         are copied off the devices."""
         self.wait()
         self.state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+        self.in_flight = (f"checkpoint save at step {step} (its background write)", time.monotonic())
         try:
             self.manager.save(
                 step,
@@ -145,7 +149,7 @@ class Checkpointer:
         if self.pending is not None and self.primary:
             step_dir = self.directory / str(self.pending)
             write_text(step_dir / CHECKSUMS, json.dumps(_checksums(step_dir)))
-        self.pending = None
+        self.pending, self.in_flight = None, None
 
     def damage(self, step: int) -> str | None:
         """Why checkpoint `step` cannot be restored (checksums, then its meta), or None."""

@@ -101,6 +101,7 @@ class DebugConfig:
     stall_process: int = 0  # ...on this process...
     stall_seconds: float = 3600.0  # ...this long
     kill_during_save: int = -1  # SIGKILL this process while the checkpoint of this step is written
+    stall_restore: bool = False  # sleep stall_seconds inside a checkpoint restore, as a dead NFS mount does
     oom: str = ""  # compile | step: fail there as a device out of memory does
 
 

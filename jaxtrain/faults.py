@@ -1,5 +1,5 @@
 """Faults for tests only, switched on by the `debug` config section: a stalled process, a kill
-during a checkpoint save, non-finite gradients, a device out of memory.
+during a checkpoint save, a restore hung on storage, non-finite gradients, a device out of memory.
 
 With every `debug.*` key at its default, `Faults.of` returns None and nothing here is traced or
 called: the loop pays one `is None` test per step, the compiled step nothing.
@@ -37,6 +37,11 @@ class Faults:
         """Die (SIGKILL, no clean-up) while the checkpoint of `debug.kill_during_save` is written."""
         if step == self.debug.kill_during_save:
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def during_restore(self) -> None:
+        """Hang inside the checkpoint restore (`debug.stall_restore`), as a read from dead storage would."""
+        if self.debug.stall_restore:
+            time.sleep(self.debug.stall_seconds)
 
     def out_of_memory(self, where: str) -> None:
         """Fail at `debug.oom` (compile | step) with the error XLA raises when a device is full."""

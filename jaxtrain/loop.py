@@ -102,6 +102,9 @@ def _restore_or_init(
     target = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
     )
+    faults = Faults.of(cfg.debug, jax.process_index())
+    if faults:
+        faults.during_restore()
     state = source.restore(step, target)
     log.info(f"resumed from {source.directory}/{step}")
     return state, step
@@ -269,6 +272,7 @@ def _run(
     model = GPT(cfg.model, dtype=compute_dtype(cfg))
     tx = make_optimizer(cfg)
     ckpt = ckpt_lib.Checkpointer(run_dir / "checkpoints", cfg.keep_checkpoints, primary=is_main)
+    watchdog.watch_beside(lambda: ckpt.in_flight)  # a background write hung on storage
     t_restore = time.perf_counter()
     with watchdog.phase("checkpoint restore"):
         state, start_step = _restore_or_init(cfg, model, tx, mesh, ckpt)

@@ -175,6 +175,21 @@ def test_watchdog_ends_a_hung_step_naming_it():
     assert time.monotonic() - start < 20
 
 
+def test_watchdog_ends_background_work_that_hangs_while_training_goes_on():
+    """An asynchronous checkpoint write hung on storage is caught while steps still beat."""
+    code = (
+        "import time; from jaxtrain.cluster.watchdog import Watchdog\n"
+        "w = Watchdog(timeout_s=1.0, on_expiry=lambda what, s: print(f'{what} over {s} s', flush=True))\n"
+        "t0 = time.monotonic()\n"
+        "w.watch_beside(lambda: ('checkpoint save at step 5 (its background write)', t0))\n"
+        "for step in range(1000):\n"
+        "    time.sleep(0.01); w.beat(step)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert done.stdout == "checkpoint save at step 5 (its background write) over 1.0 s\n"
+
+
 # ---------------------------------------------------------------- real processes (gloo on CPU)
 
 

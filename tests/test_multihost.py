@@ -7,9 +7,11 @@ Its supervision alone (jaxtrain/launch/supervise.py), both "hosts" this machine,
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -83,8 +85,9 @@ def test_two_hosts_train_together(hosts, tmp_path):
     )
     assert f"[node 1] jaxtrain launch: ranks 1..1 of 2, coordinator {host0}:29500" in done.stderr
     assert "all 2 node(s) finished" in done.stderr
-    start, *rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert start["event"] == "start"
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["event"] for r in records if "event" in r][:2] == ["launch", "start"]  # goodput's events
+    rows = [r for r in records if "loss" in r]
     assert [r["step"] for r in rows] == [5, 10] and rows[1]["loss"] < rows[0]["loss"]
 
 
@@ -280,3 +283,95 @@ def test_bad_arguments_exit_2(args, env, message):
     done = subprocess.run([*LAUNCH, *args], cwd=REPO, env=clean_env(**env), capture_output=True, text=True)
     assert done.returncode == 2, done.stderr
     assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: ") and message in done.stderr
+
+
+def _namespace(address: str) -> str:
+    """The network namespace of the fake host at `address` (scripts/dev/fake_hosts.sh's map)."""
+    return Path("/run/jaxtrain_fake_hosts", address).read_text().strip()
+
+
+def _cmdline(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+def _train_on(address: str, *args: str) -> list[str]:
+    """scripts/train.py run on the fake host at `address`; both hosts share this filesystem, as
+    nodes share an NFS or Lustre run dir."""
+    train = shlex.join([sys.executable, "scripts/train.py", *args])
+    return [str(FAKE_HOSTS), "rsh", address, f"cd {shlex.quote(str(REPO))} && exec {train}"]
+
+
+@pytest.mark.multihost
+@pytest.mark.slow
+def test_a_run_dir_held_on_one_host_is_refused_on_another_and_taken_over_after_kill_9(hosts, tmp_path):
+    (host0, host1), _ = hosts
+    run_dir, marker = tmp_path / "run", uuid.uuid4().hex
+    env = clean_env(JAXTRAIN_TEST_MARK=marker)
+    # A 3 s stale limit: the lock's heartbeat beats every 0.3 s; a dead holder's goes still.
+    args = [*TINY, "--log_interval", "1", "--checkpoint_interval", "5", "--lock_stale_s", "3"]
+    args += ["--run_dir", str(run_dir)]
+    first = subprocess.Popen(
+        _train_on(host0, *args, "--total_steps", "100000"),
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    with reaped(first, marker):
+        deadline = time.monotonic() + 120
+        while not (run_dir / "checkpoints" / "5" / "checksums.json").exists():
+            assert first.poll() is None and time.monotonic() < deadline, "host 0 never saved step 5"
+            time.sleep(0.2)
+        holder = [p for p in processes_marked(marker) if b"train.py" in _cmdline(p)]
+        assert len(holder) == 1, holder
+        t0 = time.monotonic()
+        second = subprocess.run(_train_on(host1, *args), cwd=REPO, env=env, capture_output=True, text=True)
+        refused_s = time.monotonic() - t0
+        assert second.returncode == 2, second.stderr[-3000:]
+        last = second.stderr.strip().splitlines()[-1]
+        assert f"is in use by another job (host {_host_name(host0)} pid {holder[0]} since " in last, last
+        os.kill(holder[0], signal.SIGKILL)  # the holder's host "dies": its lock stays, still
+        first.wait(timeout=30)
+    assert (run_dir / "job.lock").exists()
+    saved = max(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    t0 = time.monotonic()
+    again = subprocess.run(
+        _train_on(host1, *args, "--total_steps", str(saved + 3)),
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    relaunch_s = time.monotonic() - t0
+    assert again.returncode == 0, again.stderr[-3000:]
+    gone = f"left by a job that is gone (host {_host_name(host0)} pid {holder[0]} since"
+    assert f"took over the lock of {run_dir} {gone}" in again.stderr, again.stderr[-3000:]
+    assert f"resumed from {run_dir}/checkpoints/{saved}" in again.stdout
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, saved + 4))  # every step once
+    assert not (run_dir / "job.lock").exists()
+    print(f"refused on host 1 in {refused_s:.1f} s; after kill -9 on host 0: took over in {relaunch_s:.1f} s")
+
+
+@pytest.mark.multihost
+@pytest.mark.slow
+def test_a_link_cut_between_hosts_mid_run_brings_the_whole_job_down_in_seconds(hosts, tmp_path):
+    (host0, host1), hostfile = hosts
+    marker = uuid.uuid4().hex
+    run_dir = tmp_path / "run"
+    args = [*TINY, "--total_steps", "100000", "--log_interval", "5", "--run_dir", str(run_dir)]
+    launcher = subprocess.Popen(
+        [*LAUNCH, host0, "2", "0", "--", *args],
+        cwd=REPO, env=marked_env(hostfile, marker), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    ns1 = _namespace(host1)
+    veth = f"{ns1[:-1]}v1"  # host 1's end of the pair (fake_hosts.sh: PREFIXv1 in namespace PREFIX1)
+    try:
+        with reaped(launcher, marker):
+            wait_for_training(run_dir, launcher)
+            t0 = time.monotonic()
+            subprocess.run(["ip", "-n", ns1, "link", "set", veth, "down"], check=True)
+            _, err = launcher.communicate(timeout=120)
+            down_s = time.monotonic() - t0
+    finally:  # the module's other tests need the link
+        subprocess.run(["ip", "-n", ns1, "link", "set", veth, "up"], check=True)
+    assert launcher.returncode != 0, err[-3000:]
+    assert re.search(r"error: node \d \(\S+\) exited with code \d+", err), err[-3000:]
+    assert down_s < 60, f"{down_s:.0f} s"
+    time.sleep(0.5)
+    assert processes_marked(marker) == [], "processes left behind"
+    print(f"link cut: the job ended with {launcher.returncode} in {down_s:.1f} s")

@@ -6,14 +6,17 @@ truncated after kill -9. Each ends as the README says, and the relaunch loses no
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
-from processes import clean_env
+from processes import clean_env, processes_marked, reaped
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--config", "configs/tiny.yaml", "--eval_interval", "0", "--log_interval", "1"]
@@ -107,3 +110,71 @@ def test_a_newest_checkpoint_truncated_after_kill_9_is_moved_aside(tmp_path):
     assert f"resumed from {ckpts}/5" in out.stdout
     assert _losses(run_dir) == _losses(whole)  # bitwise, every step once
     print(f"damaged newest checkpoint: moved aside, resumed from 5 and finished in {relaunch_s:.1f} s")
+
+
+@pytest.fixture
+def freezable_checkpoints(tmp_path):
+    """run/checkpoints on an ext4 loop device of its own (root): `fsfreeze --freeze` makes every
+    write to it hang in the kernel, as a dead NFS server does, while the rest of the run dir works."""
+    if os.geteuid() != 0 or not shutil.which("fsfreeze") or not shutil.which("mkfs.ext4"):
+        pytest.skip("needs root, fsfreeze and mkfs.ext4")
+    image, ckpts = tmp_path / "ckpt.img", tmp_path / "run" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    subprocess.run(["truncate", "-s", "32M", str(image)], check=True)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True, capture_output=True)
+    if subprocess.run(["mount", "-o", "loop", str(image), str(ckpts)], capture_output=True).returncode:
+        pytest.skip("cannot mount a loop device here")
+    (ckpts / "lost+found").rmdir()
+    try:
+        yield ckpts
+    finally:
+        subprocess.run(["fsfreeze", "--unfreeze", str(ckpts)], capture_output=True)
+        subprocess.run(["umount", "-l", str(ckpts)], check=True)
+
+
+def _wait_for(what, proc: subprocess.Popen, timeout: float, why: str) -> float:
+    """Seconds until `what()` holds; fails if `proc` ends first or time runs out."""
+    t0 = time.monotonic()
+    while not what():
+        assert proc.poll() is None, f"it ended with {proc.returncode}"
+        assert time.monotonic() - t0 < timeout, why
+        time.sleep(0.2)
+    return time.monotonic() - t0
+
+
+def test_a_save_or_restore_hung_on_storage_ends_the_run_with_the_watchdogs_code(freezable_checkpoints):
+    ckpts = freezable_checkpoints
+    run_dir, marker = ckpts.parent, uuid.uuid4().hex
+    env = clean_env(2, JAXTRAIN_TEST_MARKER=marker)
+    args = ["--total_steps", "100000", "--checkpoint_interval", "5", "--watchdog_timeout", "10"]
+    errors = run_dir.parent / "stderr.txt"  # a file, not a pipe: nobody reads while it trains
+    with open(errors, "w") as err_f:
+        proc = subprocess.Popen(
+            [sys.executable, "scripts/train.py", *TINY, "--run_dir", str(run_dir), *args],
+            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err_f,
+        )  # fmt: skip
+    log = run_dir / "train.log"
+    with reaped(proc, marker):
+        _wait_for(lambda: (ckpts / "5" / "checksums.json").exists(), proc, 120, "checkpoint 5 never saved")
+        subprocess.run(["fsfreeze", "--freeze", str(ckpts)], check=True)  # storage stops answering
+        hung = _wait_for(lambda: "watchdog: " in log.read_text(), proc, 60, "the watchdog never fired")
+        said = re.search(r"watchdog: (checkpoint save at step \d+)\S* .*has taken", log.read_text())
+        assert said, log.read_text()[-3000:]
+        # Threads inside a frozen filesystem's writes cannot die (nor could SIGKILL end them) until
+        # it answers again; a dead NFS server's hard mount lets a killed process go.
+        subprocess.run(["fsfreeze", "--unfreeze", str(ckpts)], check=True)
+        proc.wait(timeout=30)
+    err = errors.read_text()
+    assert proc.returncode == 3, err[-3000:]
+    assert f"watchdog: {said[1]}" in err and "last completed step" in err
+    time.sleep(0.5)
+    assert processes_marked(marker) == [], "processes left behind"
+
+    # The relaunch: the restore hangs (a debug fault: a sleep inside it, as reading dead storage).
+    t0 = time.monotonic()
+    again = _train(run_dir, "--debug.stall_restore", "true", "--watchdog_timeout", "8", timeout=120)
+    restore_s = time.monotonic() - t0
+    assert again.returncode == 3, again.stderr[-3000:]
+    assert re.search(r"watchdog: checkpoint restore has taken \d+ s, over the 8 s limit", again.stderr)
+    assert "took over the lock" in again.stderr  # the first run's, left by its exit 3
+    print(f"frozen storage: {said[0]!r} after {hung:.1f} s; hung restore: exit 3 in {restore_s:.1f} s")

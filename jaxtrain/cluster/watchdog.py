@@ -1,11 +1,14 @@
 """The hang watchdog: work that takes far longer than it may ends the process, loudly.
 
 One dead or stalled rank otherwise holds every other rank inside a collective until the
-allocation runs out, and a hung collective cannot be interrupted from Python. Two kinds of limit:
+allocation runs out, and a hung collective cannot be interrupted from Python. Three kinds of limit:
   steps     training calls `beat(step)` after every step: a step may take `factor` x the typical
             step time (never under MIN_LIMIT_S) and at most `timeout_s`
   deadline  `with deadline(what, seconds):` bounds one piece of work; `phase(what)` is a deadline
             of `timeout_s` for training's slow work that is not a step (compile, eval, checkpoint)
+  beside    `watch_beside(in_flight)`: work running in the background beside training (an
+            asynchronous checkpoint write) must end within `timeout_s` of its start, even while
+            training goes on (a write hung on dead storage is caught then, not at the next wait)
 When a limit passes, the watchdog reports (by default every thread's Python stack and the last
 completed step, on stderr and in the process log; or the caller's `on_expiry`), then exits with
 `exit_code` at once, so the launcher or SLURM tears the job down. Users: training
@@ -68,6 +71,9 @@ class Watchdog:
         self.durations: deque[float] = deque(maxlen=50)
         self.last = time.monotonic()
         self.deadline_s: float | None = None  # the limit inside deadline() or phase()
+        # Each returns (what, time.monotonic() it started) of background work in flight, or None.
+        self.beside: list[Callable[[], tuple[str, float] | None]] = []
+        self.expired_since = 0.0  # when the work that passed its limit started
         self.changed = threading.Condition()  # guards the fields above; wakes the watcher
         self.stopped = False
         self.thread: threading.Thread | None = None
@@ -110,6 +116,12 @@ class Watchdog:
         """Slow work that is not a step (compile, eval, checkpoint): only the absolute limit."""
         return self.deadline(what, self.timeout_s)
 
+    def watch_beside(self, in_flight: Callable[[], tuple[str, float] | None]) -> None:
+        """Bound background work too: `in_flight()` (called from the watchdog's thread, so it must
+        only read) names the work in flight and when it started, or returns None."""
+        with self.changed:
+            self.beside.append(in_flight)
+
     def stop(self) -> None:
         with self.changed:
             self.stopped = True
@@ -120,16 +132,28 @@ class Watchdog:
             self.thread = threading.Thread(target=self._watch, name="jaxtrain-watchdog", daemon=True)
             self.thread.start()
 
+    def _expired(self) -> tuple[str, float, float] | None:
+        """(what, limit, started) of the work, in the foreground or beside it, over its limit."""
+        now, limit = time.monotonic(), self.limit()
+        if limit and now - self.last >= limit:
+            return self.what, limit, self.last
+        for in_flight in self.beside if self.timeout_s > 0 else ():
+            found = in_flight()
+            if found is not None and now - found[1] >= self.timeout_s:
+                return found[0], self.timeout_s, found[1]
+        return None
+
     def _watch(self) -> None:
         with self.changed:
             while not self.stopped:
-                limit, waited = self.limit(), time.monotonic() - self.last
-                if limit and waited >= limit:
+                expired = self._expired()
+                if expired is not None:
                     break
-                self.changed.wait(min(POLL_S, limit - waited) if limit else None)
+                limit, waited = self.limit(), time.monotonic() - self.last
+                self.changed.wait(min(POLL_S, limit - waited) if limit else (POLL_S if self.beside else None))
             else:
                 return
-            what = self.what
+            what, limit, self.expired_since = expired
         report = threading.Thread(target=self.on_expiry, args=(what, limit), daemon=True)
         report.start()
         report.join(REPORT_GRACE_S)
@@ -137,7 +161,8 @@ class Watchdog:
 
     def _dump_stacks(self, what: str, limit: float) -> None:
         msg = (
-            f"watchdog: {what} has taken {time.monotonic() - self.last:.0f} s, over the {limit:.0f} s "
+            f"watchdog: {what} has taken {time.monotonic() - self.expired_since:.0f} s, over the "
+            f"{limit:.0f} s "
             f"limit; last completed step {max(self.step, 0)}; this process (pid {os.getpid()}) is stuck "
             "or waiting for a stuck one. Python stacks of all threads follow; exiting."
         )
