@@ -353,7 +353,10 @@ def test_a_link_cut_between_hosts_mid_run_brings_the_whole_job_down_in_seconds(h
     (host0, host1), hostfile = hosts
     marker = uuid.uuid4().hex
     run_dir = tmp_path / "run"
+    # Only steps, no eval or save: a cut inside a step is what the step watchdog bounds to seconds.
+    # (Inside an eval or save only the absolute watchdog_timeout or JAX's 100 s heartbeat ends it.)
     args = [*TINY, "--total_steps", "100000", "--log_interval", "5", "--run_dir", str(run_dir)]
+    args += ["--eval_interval", "0", "--checkpoint_interval", "100000"]
     launcher = subprocess.Popen(
         [*LAUNCH, host0, "2", "0", "--", *args],
         cwd=REPO, env=marked_env(hostfile, marker), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
