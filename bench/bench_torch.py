@@ -14,6 +14,7 @@ own train() relaunches each round, its compile cache warm after the first).
 """
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -136,10 +137,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", default="", help="also write every round's figures and the ratios here")
     args, rest = parser.parse_known_args()
     device = f"{jax.device_count()} x {jax.devices()[0].device_kind}"
     flags = os.environ.get("XLA_FLAGS", "")
     print(f"XLA_FLAGS={flags!r}; torch {torch.__version__}, {torch.get_num_threads()} threads; {device}")
+    report: dict = {"xla_flags": flags, "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+                    "device": device, "cpus": os.cpu_count(), "steps": args.steps, "warmup": args.warmup,
+                    "rounds": args.rounds, "shapes": {}}  # fmt: skip
     for shape in args.shapes.split(","):
         if shape not in SHAPES:
             sys.exit(f"error: --shapes {shape}: not one of {', '.join(SHAPES)}")
@@ -166,7 +171,20 @@ def main() -> None:
             print(f"  {name:<14} {statistics.median(values):>9,.0f} tok/s median ({spread})")
         for name in ("bare jax", *loops):
             print(_ratio_line(name, results["jaxtrain"], results[name]))
+        report["shapes"][shape] = {
+            "tokens_per_s": results,
+            "median": {k: statistics.median(v) for k, v in results.items()},
+            "ratio_median": {
+                k: statistics.median(a / b for a, b in zip(results["jaxtrain"], v, strict=True))
+                for k, v in results.items()
+                if k != "jaxtrain"
+            },
+            "data_wait_frac": statistics.median(waits),
+        }
         print(f"  jaxtrain data wait: {100 * statistics.median(waits):.2f}% of step time (median of rounds)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        print(f"\nwrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,13 @@
 CPU flags (measured with bench/bench_torch.py on a 2-core CPU; same losses):
   --xla_cpu_experimental_ynn_fusion_type=dot  matmuls (with their fused neighbours) go to
                                               XNNPACK's YNN kernels instead of Eigen.
+Alternatives measured (bare jax step, tok/s, issue shape / default job's, interleaved rounds,
+medians; the `dot` default got 4,896 / 13,297 in the same rounds, torch eager 9,304 / 24,828):
+XLA's own default (individual_dot) 3,919 / 10,076; dot,eltwise 4,459 / 11,176; dot,eltwise,reduce
+4,342 / 11,247; dot,individual_dot 3,722 / 10,328; prefer_vector_width=512 4,903 / 10,344 (noise).
+Slower still in one-round screens: Eigen dots, oneDNN and XNN dot fusions, concurrency scheduler
+off, fusion emitters off, scan_layers; fast math changes the numbers. Where the rest goes
+(trace, default job): YNN matmuls ~50% of op time, layout transposes/copies around attention ~20%.
 XLA reads XLA_FLAGS once, when the first backend starts, so these must be in the environment
 before then. A flag the user already put in XLA_FLAGS wins: ours is only added when its name is
 absent. They are xla_cpu_* flags, so a GPU run only applies them to its host-side computations.
