@@ -401,7 +401,12 @@ def _run(
                 tracker.restart_clock(step)
             if step % cfg.checkpoint_interval == 0 or last:
                 save(step)
-            ckpt.poll()  # a background save that failed stops the run now, not at the next save
+            if ckpt.in_flight is not None:
+                # A background save that failed stops the run now, not at the next save. Asking
+                # may block on storage that stopped answering: then the save is what hangs, not
+                # the step, and the watchdog names it with the save's own limit.
+                with watchdog.phase(ckpt.in_flight[0]):
+                    ckpt.poll()
             if nproc == 1 or step % cfg.preemption_check_interval == 0:
                 if stop.agreed():
                     tracker.finish_pending()

@@ -310,14 +310,17 @@ def test_a_run_dir_held_on_one_host_is_refused_on_another_and_taken_over_after_k
     # A 3 s stale limit: the lock's heartbeat beats every 0.3 s; a dead holder's goes still.
     args = [*TINY, "--log_interval", "1", "--checkpoint_interval", "5", "--lock_stale_s", "3"]
     args += ["--run_dir", str(run_dir)]
-    first = subprocess.Popen(
-        _train_on(host0, *args, "--total_steps", "100000"),
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    output = tmp_path / "host0.txt"  # a file, not a pipe: nobody reads it while host 0 trains
+    with open(output, "w") as out:
+        first = subprocess.Popen(
+            _train_on(host0, *args, "--total_steps", "100000"),
+            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
     with reaped(first, marker):
         deadline = time.monotonic() + 120
         while not (run_dir / "checkpoints" / "5" / "checksums.json").exists():
-            assert first.poll() is None and time.monotonic() < deadline, "host 0 never saved step 5"
+            said = output.read_text()[-3000:]
+            assert first.poll() is None and time.monotonic() < deadline, f"host 0 never saved step 5:\n{said}"
             time.sleep(0.2)
         holder = [p for p in processes_marked(marker) if b"train.py" in _cmdline(p)]
         assert len(holder) == 1, holder
