@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import sys
 import time
 import zlib
 from pathlib import Path
@@ -48,6 +49,21 @@ class _OneLine(logging.Filter):
 _ONE_LINE = _OneLine()
 
 
+def _quiet_closed_loop(previous: Any) -> Any:
+    """sys.unraisablehook without the noise of a failed save: when one write fails, orbax closes
+    its event loop while tensorstore's other writes are still in flight, and each of those that
+    ends then reports "Event loop is closed" as an unraisable traceback (tens of them). The
+    StorageError says what happened; every other unraisable error still goes to `previous`."""
+
+    def hook(unraisable: Any) -> None:
+        exc = unraisable.exc_value
+        if not (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook.jaxtrain_quiet = True  # type: ignore[attr-defined]
+    return hook
+
+
 class Checkpointer:
     """A CheckpointManager over `directory` holding items `state` and `meta`."""
 
@@ -62,6 +78,8 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
         self.primary = primary  # the process that records checksums (process 0)
         logging.getLogger("absl").addFilter(_ONE_LINE)  # once: a filter is added only once
+        if not getattr(sys.unraisablehook, "jaxtrain_quiet", False):
+            sys.unraisablehook = _quiet_closed_loop(sys.unraisablehook)
         self.pending: int | None = None  # the step being saved in the background
         # (what, time.monotonic() it started) of the save in flight, until its checksums are
         # recorded: read by the watchdog's thread (Watchdog.watch_beside), so set in one assignment.
