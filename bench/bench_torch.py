@@ -23,15 +23,17 @@ import time
 from pathlib import Path
 
 from jaxtrain import xla_env  # isort: skip
+from jaxtrain.config import load_config  # isort: skip
 
-xla_env.set_cpu_flags()  # the same flags scripts/train.py sets, before jax starts
+# The flags (and CPU device count) scripts/train.py sets for the default job, before jax starts.
+xla_env.set_cpu_flags(load_config(["--config", "configs/default.yaml"]))
 
 import jax  # noqa: E402
 import torch  # noqa: E402
 from bench_loop import bare_loop, jaxtrain_loop  # noqa: E402
 from torch_gpt import TorchGPT  # noqa: E402
 
-from jaxtrain.config import Config, load_config, with_topology  # noqa: E402
+from jaxtrain.config import Config, with_topology  # noqa: E402
 
 SHAPES = {  # name -> train.py flags
     "issue": ["--model.n_layer", "4", "--model.d_model", "256", "--model.n_head", "4",

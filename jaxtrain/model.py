@@ -18,7 +18,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import Any, Literal, cast
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -109,6 +109,25 @@ def _rope(x: jax.Array, theta: float, positions: jax.Array | None = None) -> jax
     return out.astype(x.dtype)
 
 
+def _causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str) -> jax.Array:
+    """Causal attention, [B, T, N, H] -> [B, T, N, H], softmax in float32.
+
+    cudnn, or auto off CPU: jax.nn.dot_product_attention (auto lets it pick cuDNN's fused kernel
+    on GPUs and fall back to XLA where cuDNN cannot run). xla, or auto on CPU: the same math as
+    jax's XLA path in two einsums, without its grouped-query vmap, whose layout changes cost
+    XLA:CPU transposes and copies: +3.5% tok/s on the issue shape (bench_torch.py, 2 cores).
+    """
+    if impl == "cudnn" or (impl == "auto" and jax.default_backend() != "cpu"):
+        return jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, implementation=None if impl == "auto" else "cudnn"
+        )
+    t, h = q.shape[1], q.shape[3]
+    q = q * jnp.asarray(1.0 / math.sqrt(h), q.dtype)
+    logits = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32)
+    logits = jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits, jnp.finfo(jnp.float32).min)
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(logits, axis=-1).astype(v.dtype), v)
+
+
 class Attention(nn.Module):
     """Causal multi-head self-attention through jax.nn.dot_product_attention."""
 
@@ -123,7 +142,9 @@ class Attention(nn.Module):
         head_dim = d // cfg.n_head
         qkv = _dense((3, cfg.n_head, head_dim), cfg.init_std, self.dtype, "qkv")(x)  # [B, T, 3, N, H]
         qkv = _constrain(qkv, "batch", "length", None, "heads", None)
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [B, T, N, H]
+        # One split, not three index slices: its gradient is one concatenate, where the slices'
+        # is three zero-padded copies added up (XLA:CPU keeps those pads: ~4% of a step).
+        q, k, v = (x[:, :, 0] for x in jnp.split(qkv, 3, axis=2))  # [B, T, N, H]
         start = _cache_index(self, t) if self.decode else 0
         if cfg.pos_embedding == "rope":
             positions = start + jnp.arange(t)
@@ -141,17 +162,7 @@ class Attention(nn.Module):
                 q, cached_k.value, cached_v.value, mask=mask[None, None], implementation="xla"
             )
         else:
-            # [B, T, N, H] with implementation=None lets XLA pick the cuDNN fused kernel on GPU.
-            y = jax.nn.dot_product_attention(
-                q,
-                k,
-                v,
-                is_causal=True,
-                # config.py allows only auto, xla and cudnn
-                implementation=None
-                if cfg.attention_impl == "auto"
-                else cast(Literal["xla", "cudnn"], cfg.attention_impl),
-            )
+            y = _causal_attention(q, k, v, cfg.attention_impl)
         y = _constrain(y, "batch", "length", "heads", None)
         out = _dense(d, _residual_std(cfg), self.dtype, "out", axis=(-2, -1))(y)
         return _constrain(out, "batch", "length", "embed")

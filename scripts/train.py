@@ -19,19 +19,19 @@ Evaluate or sample a checkpoint (jaxtrain/tasks.py), or start a new run from its
 
 import sys
 
-# First, before jax starts a backend: XLA reads XLA_FLAGS once (jaxtrain/xla_env.py).
-from jaxtrain import xla_env  # isort: skip
-
-xla_env.set_cpu_flags()
-
-from jaxtrain.config import load_config  # noqa: E402
-from jaxtrain.errors import exit_on_user_error  # noqa: E402
-from jaxtrain.tasks import run  # noqa: E402
+from jaxtrain import xla_env  # isort: skip  (first: it records the launch time)
+from jaxtrain.config import load_config
+from jaxtrain.errors import exit_on_user_error
 
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
-    run(load_config(sys.argv[1:] if argv is None else argv), launch_time=xla_env.LAUNCH_TIME)
+    cfg = load_config(sys.argv[1:] if argv is None else argv)
+    # Before jax starts a backend: XLA reads XLA_FLAGS once (jaxtrain/xla_env.py).
+    xla_env.set_cpu_flags(cfg)
+    from jaxtrain.tasks import run  # imports jax
+
+    run(cfg, launch_time=xla_env.LAUNCH_TIME)
 
 
 if __name__ == "__main__":

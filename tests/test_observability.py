@@ -14,13 +14,16 @@ import pytest
 from tensorboardX.proto import event_pb2
 
 from jaxtrain import goodput
-from jaxtrain.xla_env import merged_flags
+from jaxtrain.config import load_config
+from jaxtrain.xla_env import cpu_device_count, merged_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
+def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env
+    )
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +34,13 @@ def tokens(tmp_path_factory) -> str:
     return str(path)
 
 
-def _train(run_dir: Path, tokens: str, *extra: str) -> subprocess.CompletedProcess:
+def _train(
+    run_dir: Path, tokens: str, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     data = ("--train_data_path", tokens, "--valid_data_path", tokens)
-    return _run("scripts/train.py", "--config", "configs/tiny.yaml", "--run_dir", str(run_dir), *data, *extra)
+    return _run(
+        "scripts/train.py", "--config", "configs/tiny.yaml", "--run_dir", str(run_dir), *data, *extra, env=env
+    )
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -149,3 +156,35 @@ def test_xla_flags_are_added_unless_the_user_set_them():
     )
     mine = "--xla_cpu_experimental_ynn_fusion_type=none"
     assert merged_flags(mine) == mine
+
+
+def test_cpu_devices_one_per_core_only_where_the_choice_is_ours(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(6)))
+    tiny = ["--config", "configs/tiny.yaml"]  # batch 16
+    env = {"PATH": os.environ["PATH"]}
+    assert cpu_device_count(load_config(tiny), env) == 4  # 6 cores, but 16 rows split evenly over 4
+    assert cpu_device_count(load_config([*tiny, "--batch_size", "15"]), env) == 5
+    assert cpu_device_count(load_config([*tiny, "--batch_size", "7"]), env) == 1
+    assert cpu_device_count(load_config([*tiny, "--mesh.data", "1"]), env) == 1  # a mesh the user sized
+    assert cpu_device_count(load_config([*tiny, "--task", "test", "--resume_from", "runs/x"]), env) == 1
+    torchrun = {
+        **env,
+        "WORLD_SIZE": "2",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "h",
+        "MASTER_PORT": "1",
+    }
+    assert cpu_device_count(load_config(tiny), torchrun) == 1  # processes share the host's cores
+
+
+@pytest.mark.slow
+def test_a_cpu_run_without_a_device_count_trains_on_one_device_per_core(tmp_path, tokens):
+    cores = min(len(os.sched_getaffinity(0)), 8)
+    expected = max(n for n in range(1, cores + 1) if 16 % n == 0)  # tiny.yaml's batch is 16
+    short = ("--total_steps", "2", "--eval_interval", "0")
+    out = _train(tmp_path / "a", tokens, *short, env={**os.environ, "XLA_FLAGS": ""})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"1 process(es) x {expected} cpu device(s)" in out.stdout
+    mine = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    assert "1 process(es) x 1 cpu device(s)" in _train(tmp_path / "b", tokens, *short, env=mine).stdout
