@@ -36,9 +36,12 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def resume_fingerprint(cfg_dict: dict[str, Any]) -> dict[str, Any]:
     """The part of a config that must be equal for a checkpoint to be continued."""
-    return {
-        k: v for k, v in _flat(cfg_dict).items() if any(k == r or k.startswith(f"{r}.") for r in RESUME_KEYS)
-    }
+    flat = _flat(cfg_dict)
+    if flat.get("total_batch_size"):
+        # The global batch in sequences: a saved config holds the batch_size its topology derived
+        # from total_batch_size, a relaunch's holds the unresolved default.
+        flat["batch_size"] = flat["total_batch_size"] // flat["model.seq_len"]
+    return {k: v for k, v in flat.items() if any(k == r or k.startswith(f"{r}.") for r in RESUME_KEYS)}
 
 
 def incompatibilities(saved: dict[str, Any], cfg: Config) -> list[str]:

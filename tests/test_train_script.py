@@ -85,3 +85,21 @@ def test_incompatible_run_dir_is_refused_and_kept(tmp_path):
     assert "holds a run with a different config" in out.stderr and "--overwrite" in out.stderr
     assert (run_dir / "config.yaml").read_text() == before
     assert os.listdir(run_dir) == ["config.yaml"]
+
+
+@pytest.mark.slow
+def test_a_run_sized_by_total_batch_size_resumes_on_another_device_count(tmp_path):
+    # The saved config holds the batch_size its topology derived (32 rows); the relaunch's
+    # config, before its topology is known, holds tiny.yaml's 16: the same global batch all the same.
+    run_dir, sized = tmp_path / "run", ("--total_batch_size", "1024", "--device_batch_size", "4")
+    two = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    train = [sys.executable, "scripts/train.py", "--config", "configs/tiny.yaml", "--run_dir", str(run_dir)]
+    first = subprocess.run(
+        [*train, *sized, "--total_steps", "10", "--eval_interval", "0"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env=two,
+    )  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "4 microbatch(es)" in first.stdout  # 32 rows / (4 per device x 2 devices)
+    again = _train(run_dir, *sized, "--total_steps", "12", "--eval_interval", "0")  # 8 devices
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {run_dir}/checkpoints/10" in again.stdout and "1 microbatch(es)" in again.stdout
