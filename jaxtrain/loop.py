@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -273,20 +275,8 @@ def _run(
     tx = make_optimizer(cfg)
     ckpt = ckpt_lib.Checkpointer(run_dir / "checkpoints", cfg.keep_checkpoints, primary=is_main)
     watchdog.watch_beside(lambda: ckpt.in_flight)  # a background write hung on storage
-    t_restore = time.perf_counter()
-    with watchdog.phase("checkpoint restore"):
-        state, start_step = _restore_or_init(cfg, model, tx, mesh, ckpt)
-    if cfg.epochs:
-        epoch = config_lib.epoch_at(cfg, start_step, n_windows)
-        log.info(f"step {start_step}: epoch {epoch:.2f} of {cfg.epochs:g}")
-    if is_main:
-        rundir.truncate_metrics(run_dir / "metrics.jsonl", start_step)
-        rundir.save_config(cfg)
-        sources.record_run_data(run_dir, train_sources + val_sources)
-        timeline.open(run_dir / "metrics.jsonl")
-        restore_s = round(time.perf_counter() - t_restore, 3)
-        timeline.event("launch", t=launch_time, step=start_step, restore_s=restore_s)
-    n_params = param_count(state.params)
+    abstract = abstract_state(cfg, model, tx)
+    n_params = param_count(abstract.params)
     fpt = flops_per_token(cfg.model, n_params)
     peak = metrics.peak_flops(jax.devices()[0].device_kind)
     if not peak:
@@ -296,30 +286,53 @@ def _run(
         )
     log.info(
         f"model: {n_params:,} parameters, {fpt / 1e6:.1f} MFLOPs per token (6N + 12*L*d*T)\n"
-        f"{param_summary(state.params)}"
+        f"{param_summary(abstract.params)}"
     )
-
-    shardings = state_sharding(mesh, state, cfg.mesh.zero1)
-    state_bytes = mesh_lib.bytes_per_device(state, jax.tree.map(lambda s: s.spec, shardings), mesh)
+    shardings = state_sharding(mesh, abstract, cfg.mesh.zero1)
+    state_bytes = mesh_lib.bytes_per_device(abstract, jax.tree.map(lambda s: s.spec, shardings), mesh)
     log.info(
         f"mesh {mesh_lib.describe(mesh)}{' + zero1' if cfg.mesh.zero1 else ''}: train state "
         f"{state_bytes / 2**20:,.1f} MiB per device (params + 2 Adam moments, float32)"
     )
     mesh_lib.check_fits(state_bytes, jax.local_devices()[0], mesh)
     if is_main:
-        _warn_if_disk_short(cfg, ckpt, sum(x.nbytes for x in jax.tree.leaves(state)))
+        _warn_if_disk_short(cfg, ckpt, sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract)))
     jitted_train, eval_step = jit_steps(cfg, model, tx, mesh, shardings)
+    # The step compiles from shapes alone, so it compiles (or is read from the compile cache) in a
+    # thread while the state is restored or initialised: a relaunch waits for the longer of the
+    # two, not their sum.
+    batch_shape = jax.ShapeDtypeStruct(
+        (cfg.batch_size, seq + 1), jnp.int32, sharding=mesh_lib.batch_sharding(mesh)
+    )
+    target = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+    )
+    compiling = _Background(lambda: _compile(cfg, jitted_train, target, batch_shape))
+    try:
+        t_restore = time.perf_counter()
+        with watchdog.phase("checkpoint restore"):
+            state, start_step = _restore_or_init(cfg, model, tx, mesh, ckpt)
+        if cfg.epochs:
+            epoch = config_lib.epoch_at(cfg, start_step, n_windows)
+            log.info(f"step {start_step}: epoch {epoch:.2f} of {cfg.epochs:g}")
+        if is_main:
+            rundir.truncate_metrics(run_dir / "metrics.jsonl", start_step)
+            rundir.save_config(cfg)
+            sources.record_run_data(run_dir, train_sources + val_sources)
+            timeline.open(run_dir / "metrics.jsonl")
+            restore_s = round(time.perf_counter() - t_restore, 3)
+            timeline.event("launch", t=launch_time, step=start_step, restore_s=restore_s)
+    except BaseException:
+        compiling.thread.join()  # the interpreter aborts (SIGABRT) if it exits while XLA compiles
+        raise
     with watchdog.phase("compile"):
-        t0 = time.perf_counter()
-        batch_shape = jax.ShapeDtypeStruct(
-            (cfg.batch_size, seq + 1), jnp.int32, sharding=mesh_lib.batch_sharding(mesh)
-        )
-        train_step = _compile(cfg, jitted_train, state, batch_shape)
-        compile_s = time.perf_counter() - t0
+        t_wait = time.perf_counter()
+        train_step, compile_s = compiling.result()
+        waited_s = time.perf_counter() - t_wait
     peak_bytes = metrics.compiled_peak_bytes(train_step)
     log.info(
-        f"train step compiled in {compile_s:.1f} s; peak {peak_bytes / 2**20:,.1f} MiB per device "
-        "(arguments + temporaries + outputs not aliased)"
+        f"train step compiled in {compile_s:.1f} s ({waited_s:.1f} s of it after the state was ready); "
+        f"peak {peak_bytes / 2**20:,.1f} MiB per device (arguments + temporaries + outputs not aliased)"
     )
     reporter = metrics.Reporter(
         cfg,
@@ -516,7 +529,7 @@ def _warn_if_disk_short(cfg: Config, ckpt: ckpt_lib.Checkpointer, nbytes: int) -
         )
 
 
-def _compile(cfg: Config, jitted_train: jax.stages.Wrapped, state: TrainState, batch_shape: Any) -> Any:
+def _compile(cfg: Config, jitted_train: jax.stages.Wrapped, state: Any, batch_shape: Any) -> Any:
     """The train step compiled ahead of time (no stall in step 1); out of memory is one line."""
     try:
         faults = Faults.of(cfg.debug, jax.process_index())
@@ -527,6 +540,32 @@ def _compile(cfg: Config, jitted_train: jax.stages.Wrapped, state: TrainState, b
         if not memory_lib.is_out_of_memory(e):
             raise
         raise memory_lib.out_of_memory(e, "compiling the step", cfg, 0, jax.local_devices()[0]) from None
+
+
+class _Background:
+    """`fn()` run in a daemon thread (a run that fails meanwhile exits without waiting for it);
+    result() gives (its value, its seconds) or raises what it raised."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self.thread = threading.Thread(target=self._run, args=(fn,), name="compile", daemon=True)
+        self.thread.start()
+
+    def _run(self, fn: Callable[[], Any]) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.value = fn()
+        except BaseException as e:  # re-raised in the waiting thread
+            self.error = e
+        self.seconds = time.perf_counter() - t0
+
+    def result(self) -> tuple[Any, float]:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.value, self.seconds
 
 
 def _next_batch(it: Any, mesh: Any, cfg: Config, tracker: _Tracker) -> jax.Array:
