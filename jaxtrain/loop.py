@@ -64,12 +64,11 @@ def _data_paths(cfg: Config) -> tuple[str, str]:
 
 
 def _restore_or_init(
-    cfg: Config, model: GPT, tx: Any, mesh: Any, ckpt: ckpt_lib.Checkpointer
+    cfg: Config, model: GPT, tx: Any, mesh: Any, ckpt: ckpt_lib.Checkpointer, target: Any
 ) -> tuple[TrainState, int]:
     """The latest complete checkpoint of this run (or --resume_from), else a fresh state (with
-    --init_from's params: step 0, fresh optimizer and schedule)."""
-    abstract = abstract_state(cfg, model, tx)
-    shardings = state_sharding(mesh, abstract, cfg.mesh.zero1)
+    --init_from's params: step 0, fresh optimizer and schedule), laid out as `target`
+    (the state's shapes and shardings)."""
     source, step = ckpt, _newest_readable(ckpt)
     if cfg.resume_from and step is None:
         directory, step = ckpt_lib.locate(cfg.resume_from)
@@ -101,9 +100,6 @@ def _restore_or_init(
             f"({'; '.join(diff[:3])}); "
             "resume with the same model/batch/seed/data, or start a new --run_dir"
         )
-    target = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
-    )
     faults = Faults.of(cfg.debug, jax.process_index())
     if faults:
         faults.during_restore()
@@ -311,7 +307,7 @@ def _run(
     try:
         t_restore = time.perf_counter()
         with watchdog.phase("checkpoint restore"):
-            state, start_step = _restore_or_init(cfg, model, tx, mesh, ckpt)
+            state, start_step = _restore_or_init(cfg, model, tx, mesh, ckpt, target)
         if cfg.epochs:
             epoch = config_lib.epoch_at(cfg, start_step, n_windows)
             log.info(f"step {start_step}: epoch {epoch:.2f} of {cfg.epochs:g}")
