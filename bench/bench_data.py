@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def _write_shards(directory: Path, n: int, total: int) -> None:
-    from jaxtrain.sources import HEADER_INTS, HEADER_MAGIC
+    from jaxtrain.data.format import HEADER_INTS, HEADER_MAGIC
 
     directory.mkdir(parents=True)
     each = total // n
@@ -52,7 +52,8 @@ def _status(key: str) -> float:
 def _measure(
     directory: str, steps: int, batch: int, seq: int, step_ms: float, threads: int
 ) -> dict[str, float]:
-    from jaxtrain import data, sources
+    from jaxtrain.data import loader as data
+    from jaxtrain.data import sources
 
     spec = f"{directory}/train_*.bin"
     t = time.perf_counter()

@@ -45,7 +45,8 @@ RESULT = "BENCH_RESULT "
 def _config(shape: str, data: Path, extra: list[str]):
     import jax
 
-    from jaxtrain.config import load_config, with_topology
+    from jaxtrain.config import load_config
+    from jaxtrain.job import with_topology
 
     argv = ["--config", "configs/gpt2_124m.yaml", "--train_data_path", str(data / "train.bin"),
             "--valid_data_path", str(data / "val.bin"), *SHAPES[shape], *extra]  # fmt: skip

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxtrain.config import Config, load_config, with_topology
+from jaxtrain.config import Config, load_config
+from jaxtrain.job import with_topology
 from jaxtrain.loop import train
 from jaxtrain.model import GPT
 

@@ -26,7 +26,8 @@ import jax
 from jaxtrain import mesh as mesh_lib
 from jaxtrain.checkpoint import Checkpointer
 from jaxtrain.cluster.join import initialize
-from jaxtrain.config import DistConfig, load_config, with_topology
+from jaxtrain.config import DistConfig, load_config
+from jaxtrain.job import with_topology
 from jaxtrain.model import GPT
 from jaxtrain.optim import make_optimizer
 from jaxtrain.state import abstract_state, create_state, state_sharding

@@ -34,7 +34,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxtrain import mesh as mesh_lib  # noqa: E402
-from jaxtrain.config import load_config, with_topology  # noqa: E402
+from jaxtrain.config import load_config  # noqa: E402
+from jaxtrain.job import with_topology  # noqa: E402
 from jaxtrain.metrics import compiled_peak_bytes  # noqa: E402
 from jaxtrain.model import GPT, flops_per_token, param_count  # noqa: E402
 from jaxtrain.optim import make_optimizer  # noqa: E402

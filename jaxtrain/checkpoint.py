@@ -21,14 +21,20 @@ import sys
 import time
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import orbax.checkpoint as ocp
 
-from jaxtrain import storage
+from jaxtrain import rundir, storage
 from jaxtrain.errors import StorageError, UserError
+from jaxtrain.faults import Faults
 from jaxtrain.files import write_text
+from jaxtrain.model import path_names
+
+if TYPE_CHECKING:
+    from jaxtrain.job import Job
+    from jaxtrain.run import Run
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +73,14 @@ def _quiet_closed_loop(previous: Any) -> Any:
 class Checkpointer:
     """A CheckpointManager over `directory` holding items `state` and `meta`."""
 
-    def __init__(self, directory: Path, keep: int, read_only: bool = False, primary: bool = True) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        keep: int,
+        read_only: bool = False,
+        primary: bool = True,
+        flag: str = "--resume_from",
+    ) -> None:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             enable_async_checkpointing=not read_only,
@@ -77,6 +90,7 @@ class Checkpointer:
         self.directory = Path(directory).absolute()
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
         self.primary = primary  # the process that records checksums (process 0)
+        self.flag = flag  # how the user named this checkpoint, for error messages
         logging.getLogger("absl").addFilter(_ONE_LINE)  # once: a filter is added only once
         if not getattr(sys.unraisablehook, "jaxtrain_quiet", False):
             sys.unraisablehook = _quiet_closed_loop(sys.unraisablehook)
@@ -123,7 +137,7 @@ class Checkpointer:
         try:
             out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         except Exception as e:  # missing, truncated or garbled files: one user problem
-            raise unreadable(self.directory / str(step), e) from None
+            raise unreadable(self.directory / str(step), e, self.flag) from None
         return dict(out["meta"])
 
     def restore(self, step: int, target: Any = None) -> Any:
@@ -131,7 +145,7 @@ class Checkpointer:
         try:
             out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
         except Exception as e:  # missing, truncated or mismatched files: one user problem
-            raise unreadable(self.directory / str(step), e) from None
+            raise unreadable(self.directory / str(step), e, self.flag) from None
         return out["state"]
 
     def check_params(self, step: int, target: Any, flag: str) -> None:
@@ -142,7 +156,7 @@ class Checkpointer:
                 ocp.PyTreeCheckpointHandler().metadata(self.directory / str(step) / "state").tree["params"]
             )
         except Exception as e:  # missing or garbled files
-            raise unreadable(self.directory / str(step), e) from None
+            raise unreadable(self.directory / str(step), e, self.flag) from None
         _check_shapes(saved, target, f"{flag} {self.directory / str(step)}")
 
     def restore_params(self, step: int, target: Any, flag: str) -> Any:
@@ -155,7 +169,7 @@ class Checkpointer:
         try:
             out = self.manager.restore(step, args=ocp.args.Composite(state=restore))
         except Exception as e:
-            raise unreadable(self.directory / str(step), e) from None
+            raise unreadable(self.directory / str(step), e, self.flag) from None
         return out["state"]["params"]
 
     def wait(self) -> None:
@@ -229,12 +243,12 @@ class Checkpointer:
         self.manager.close()
 
 
-def unreadable(step_dir: Path, e: BaseException) -> UserError:
+def unreadable(step_dir: Path, e: BaseException, flag: str = "--resume_from") -> UserError:
     """The one-line error for a step dir that cannot be restored; the details go to the log."""
     log.warning(f"restoring {step_dir} failed: {type(e).__name__}: {e}")
     return UserError(
         f"checkpoint {step_dir} is unreadable ({type(e).__name__}): it is incomplete or corrupt; "
-        "pass --resume_from another checkpoint"
+        f"pass {flag} another checkpoint"
     )
 
 
@@ -268,7 +282,7 @@ def locate(path: str, flag: str = "--resume_from") -> tuple[Path, int | None]:
 def open_checkpoint(path: str, flag: str) -> tuple[Checkpointer, int]:
     """A read-only view of the checkpoint `path` names (a step dir, or the latest of a run)."""
     directory, step = locate(path, flag)
-    source = Checkpointer(directory, 1, read_only=True)
+    source = Checkpointer(directory, 1, read_only=True, flag=flag)
     step = step if step is not None else source.latest_step()
     if step is None:
         raise UserError(f"{flag} {path} holds no complete checkpoint")
@@ -280,7 +294,7 @@ def _check_shapes(saved: Any, target: Any, where: str) -> None:
 
     def shapes(tree: Any) -> dict[str, tuple[int, ...]]:
         leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-        return {"/".join(str(getattr(k, "key", k)) for k in path): tuple(x.shape) for path, x in leaves}
+        return {"/".join(path_names(path)): tuple(x.shape) for path, x in leaves}
 
     have, want = shapes(saved), shapes(target)
     fix = "give a checkpoint of this model, or the model keys it was trained with (its config.yaml)"
@@ -294,3 +308,78 @@ def _check_shapes(saved: Any, target: Any, where: str) -> None:
             raise UserError(
                 f"{where}: param {name} is {list(have[name])} there, {list(want[name])} in this model; {fix}"
             )
+
+
+# -------------------------------------------------------------------------- where a run starts
+
+
+def start_state(run: Run, ckpt: Checkpointer) -> tuple[Any, int]:
+    """The state a launch starts from, and its step: this run's newest readable checkpoint (newer,
+    damaged ones moved aside), else --resume_from's, else a fresh state (with --init_from's params:
+    step 0, fresh optimizer and schedule). Laid out as `run.target`."""
+    cfg, job = run.cfg, run.job
+    source, step = ckpt, _newest_readable(ckpt, job)
+    if cfg.resume_from and step is None:
+        source, step = open_checkpoint(cfg.resume_from, "--resume_from")
+        damage = source.damage(step) if job.is_main else None
+        if damage:  # the user asked for this one: no other is taken in its place
+            raise UserError(f"checkpoint {source.directory}/{step} is unreadable ({damage}); pass another")
+    if step is None:
+        state = run.init_state()
+        if cfg.init_from:
+            source, init_step = open_checkpoint(cfg.init_from, "--init_from")
+            params = source.restore_params(init_step, run.target.params, "--init_from")
+            state = state.replace(params=params)  # type: ignore[attr-defined]  # added by flax.struct
+            log.info(
+                f"params from {source.directory}/{init_step} (--init_from); optimizer and step start afresh"
+            )
+        return state, 0
+    diff = rundir.incompatibilities(source.read_meta(step).get("config", {}), cfg)
+    if diff:
+        raise UserError(
+            f"checkpoint {source.directory}/{step} was written by a different config "
+            f"({'; '.join(diff[:3])}); resume with the same model/batch/seed/data, or start a new --run_dir"
+        )
+    faults = Faults.of(run.faults, job.process_index)
+    if faults:
+        faults.during_restore()
+    state = source.restore(step, run.target)
+    log.info(f"resumed from {source.directory}/{step}")
+    return state, step
+
+
+def check_init_from(run: Run) -> None:
+    """--init_from's params have this model's shapes (before the run dir is made)."""
+    source, step = open_checkpoint(run.cfg.init_from, "--init_from")
+    source.check_params(step, run.abstract.params, "--init_from")
+
+
+def _newest_readable(ckpt: Checkpointer, job: Job) -> int | None:
+    """The run's newest checkpoint that passes its checks (process 0 judges, all follow); newer,
+    damaged ones are moved aside with a warning. None if there are none; UserError if none is
+    readable (then nothing is moved)."""
+    steps = sorted(ckpt.all_steps(), reverse=True)
+    if not steps:
+        return None
+    damaged: list[tuple[int, str]] = []
+    chosen = -1
+    if job.is_main:
+        for step in steps:
+            why = ckpt.damage(step)
+            if why is None:
+                chosen = step
+                break
+            damaged.append((step, why))
+    chosen = job.broadcast(chosen)
+    if chosen < 0:
+        said = "; ".join(f"{s}: {why}" for s, why in damaged) if job.is_main else "see train.log"
+        raise UserError(
+            f"no checkpoint in {ckpt.directory} is readable ({said}); they are left as they are: "
+            "pass --resume_from a good copy, or --overwrite to start afresh"
+        )
+    for step, why in damaged:
+        aside = ckpt.move_aside(step)
+        log.warning(f"checkpoint {ckpt.directory}/{step} is unreadable ({why}): moved aside to {aside}")
+    job.barrier("checkpoints_moved_aside")
+    ckpt.reload()
+    return chosen

@@ -60,11 +60,16 @@ def write_text(path: Path, text: str) -> None:
         f.write(text.encode("utf-8"))
 
 
+def existing_ancestor(path: Path) -> Path:
+    """`path` if it exists, else its nearest parent that does."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def require_writable(path: Path, what: str) -> None:
     """`path` is a directory this process can write, or can be created as one; `what` names it."""
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = existing_ancestor(path)
     if not existing.is_dir():
         raise UserError(f"{what} {path} cannot be made: {existing} is a file; pass another one")
     if not os.access(existing, os.W_OK | os.X_OK):

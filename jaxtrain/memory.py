@@ -11,7 +11,9 @@ from __future__ import annotations
 import re
 
 import jax
+from jax.sharding import Mesh
 
+from jaxtrain import mesh as mesh_lib
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
 
@@ -24,6 +26,29 @@ _UNITS = {"kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**2
 
 class OutOfMemory(UserError):
     """The step does not fit the device with these settings."""
+
+
+def limit_bytes(device: jax.Device) -> int | None:
+    """The memory XLA may use on `device`, where the device says (GPUs); None on CPUs."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    return (stats or {}).get("bytes_limit")
+
+
+def check_fits(state_bytes: int, device: jax.Device, mesh: Mesh, local_devices: int) -> None:
+    """Before compiling: refuse a state that alone overflows the device (GPUs report their memory)."""
+    limit = limit_bytes(device)
+    # Activations, gradients and XLA's workspace need room too: the state may take half.
+    if not limit or state_bytes <= limit // 2:
+        return
+    shape = mesh_lib.mesh_shape(mesh)
+    fsdp = shape["fsdp"]
+    while state_bytes * shape["fsdp"] // fsdp > limit // 2 and fsdp * shape["tensor"] < local_devices:
+        fsdp *= 2
+    raise UserError(
+        f"the train state needs {state_bytes / 2**30:.1f} GiB per device on mesh {mesh_lib.describe(mesh)}, "
+        f"over half of this {device.device_kind}'s {limit / 2**30:.1f} GiB; shard it: --mesh.fsdp {fsdp} "
+        f"--mesh.data -1 (state ~{state_bytes * shape['fsdp'] / fsdp / 2**30:.1f} GiB per device)"
+    )
 
 
 def usage(device: jax.Device) -> dict[str, float]:
@@ -52,11 +77,10 @@ def requested_bytes(error: BaseException) -> int | None:
 
 
 def out_of_memory(
-    error: BaseException, where: str, cfg: Config, peak_bytes: int, device: jax.Device
+    error: BaseException, where: str, cfg: Config, peak_bytes: int, device: jax.Device, local_devices: int
 ) -> OutOfMemory:
     """One line for an out-of-memory `error` at `where`: the peak, the limit, what lowers the peak."""
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    limit = (stats or {}).get("bytes_limit")
+    limit = limit_bytes(device)
     asked = requested_bytes(error)
     needs = (
         f"the compiled step peaks at {peak_bytes / _GIB:.1f} GiB per device"
@@ -68,10 +92,11 @@ def out_of_memory(
     has = (
         f"this {device.device_kind} has {limit / _GIB:.1f} GiB" if limit else "the device's limit is unknown"
     )
-    return OutOfMemory(f"out of device memory {where}: {needs}, {has}; lower the peak with {fixes(cfg)}")
+    fix = fixes(cfg, local_devices)
+    return OutOfMemory(f"out of device memory {where}: {needs}, {has}; lower the peak with {fix}")
 
 
-def fixes(cfg: Config) -> str:
+def fixes(cfg: Config, local_devices: int) -> str:
     """Settings that lower the peak per device, most effective first, with this run's numbers."""
     shards = cfg.mesh.data * cfg.mesh.fsdp
     micro = cfg.batch_size // cfg.gradient_accumulation_steps // shards  # rows per device per microbatch
@@ -84,6 +109,6 @@ def fixes(cfg: Config) -> str:
         )
     if cfg.model.remat != "full":
         out.append("--model.remat full (recompute activations in the backward)")
-    if cfg.mesh.fsdp * cfg.mesh.tensor < jax.local_device_count():
+    if cfg.mesh.fsdp * cfg.mesh.tensor < local_devices:
         out.append(f"--mesh.fsdp {2 * cfg.mesh.fsdp} (shard params, gradients and Adam moments)")
     return ", or ".join(out) if out else "a device with more memory, or more devices with --mesh.fsdp"

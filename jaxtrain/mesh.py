@@ -25,7 +25,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.config import MESH_AXES, MeshConfig
-from jaxtrain.errors import UserError
+from jaxtrain.model import path_names
 
 log = logging.getLogger("jaxtrain")
 
@@ -89,25 +89,6 @@ def describe(mesh: Mesh) -> str:
     return " x ".join(f"{a} {n}" for a, n in mesh_shape(mesh).items())
 
 
-def check_fits(state_bytes: int, device: jax.Device, mesh: Mesh) -> None:
-    """Before compiling: refuse a state that alone overflows the device (GPUs report their memory)."""
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    limit = (stats or {}).get("bytes_limit")
-    # Activations, gradients and XLA's workspace need room too: the state may take half.
-    if not limit or state_bytes <= limit // 2:
-        return
-    shape = mesh_shape(mesh)
-    per_process = jax.local_device_count()
-    fsdp = shape[FSDP_AXIS]
-    while state_bytes * shape[FSDP_AXIS] // fsdp > limit // 2 and fsdp * shape[TENSOR_AXIS] < per_process:
-        fsdp *= 2
-    raise UserError(
-        f"the train state needs {state_bytes / 2**30:.1f} GiB per device on mesh {describe(mesh)}, over half "
-        f"of this {device.device_kind}'s {limit / 2**30:.1f} GiB; shard it: --mesh.fsdp {fsdp} "
-        f"--mesh.data -1 (state ~{state_bytes * shape[FSDP_AXIS] / fsdp / 2**30:.1f} GiB per device)"
-    )
-
-
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
@@ -154,7 +135,7 @@ def state_specs(abstract_state: Any, param_axes: Any, mesh: Mesh, zero1: bool) -
         lambda ax, a: param_spec(ax, a.shape, mesh), param_axes, abstract_state.params, is_leaf=_is_axes
     )
     by_shape_path = {
-        _path_key(path): spec for path, spec in jax.tree_util.tree_flatten_with_path(param_specs)[0]
+        path_names(path): spec for path, spec in jax.tree_util.tree_flatten_with_path(param_specs)[0]
     }
 
     def opt_leaf(path: tuple, leaf: Any) -> P:
@@ -175,13 +156,9 @@ def _is_axes(x: Any) -> bool:
     return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
 
 
-def _path_key(path: tuple) -> tuple[str, ...]:
-    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
-
-
 def _match_param(path: tuple, param_paths: dict[tuple[str, ...], P]) -> P | None:
     """The spec of the param an optimizer leaf belongs to: its path ends with the param's path."""
-    key = _path_key(path)
+    key = path_names(path)
     for n in range(len(key), 0, -1):
         if key[-n:] in param_paths:
             return param_paths[key[-n:]]

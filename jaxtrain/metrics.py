@@ -89,20 +89,21 @@ def process_log_path(run_dir: Path, process_index: int) -> Path:
     return run_dir / "train.log" if process_index == 0 else run_dir / "logs" / f"process_{process_index}.log"
 
 
-def setup_logging(run_dir: Path, process_index: int) -> None:
-    """Process 0: INFO to the terminal and train.log. Others: WARNING to their own file."""
+def setup_logging(run_dir: Path | None, process_index: int) -> None:
+    """Process 0: INFO to the terminal (and train.log). Others: WARNING to stderr (and their own
+    file). run_dir None (--task test, predict): the terminal only, no file in any run dir."""
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
     root = logging.getLogger("jaxtrain")
     root.handlers.clear()
     root.propagate = False
-    if process_index == 0:
-        handlers: list[logging.Handler] = [_TqdmHandler(), _LineFileHandler(process_log_path(run_dir, 0))]
-        root.setLevel(logging.INFO)
-    else:
-        (run_dir / "logs").mkdir(exist_ok=True)
-        handlers = [_LineFileHandler(process_log_path(run_dir, process_index))]
-        handlers.append(logging.StreamHandler(sys.stderr))
-        root.setLevel(logging.WARNING)
+    handlers: list[logging.Handler] = [
+        _TqdmHandler() if process_index == 0 else logging.StreamHandler(sys.stderr)
+    ]
+    if run_dir is not None:
+        if process_index:
+            (run_dir / "logs").mkdir(exist_ok=True)
+        handlers.append(_LineFileHandler(process_log_path(run_dir, process_index)))
+    root.setLevel(logging.INFO if process_index == 0 else logging.WARNING)
     for h in handlers:
         h.setFormatter(fmt)
         root.addHandler(h)

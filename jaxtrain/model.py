@@ -47,9 +47,15 @@ def param_axes(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(lambda path, leaf: logical_axes(path, len(leaf.shape)), params)
 
 
+def path_names(path: tuple) -> tuple[str, ...]:
+    """A tree path's keys as names: ("block_0", "attn", "qkv", "kernel"); optax states' attribute
+    names (`mu`, `nu`) and sequence indices too."""
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
 def logical_axes(path: tuple, ndim: int) -> tuple[str | None, ...]:
     """Logical axes of the param at `path` (tree path keys); the first PARAM_AXES suffix wins."""
-    names = tuple(str(getattr(k, "key", k)) for k in path)
+    names = path_names(path)
     for suffix, logical in PARAM_AXES.items():
         if names[-len(suffix) :] == suffix:
             return ("layers",) * (ndim - len(logical)) + logical
@@ -109,6 +115,14 @@ def _rope(x: jax.Array, theta: float, positions: jax.Array | None = None) -> jax
     return out.astype(x.dtype)
 
 
+def attention_kernel(cfg: ModelConfig, platform: str) -> str:
+    """The attention implementation a model runs on `platform` (cpu | gpu): model.attention_impl,
+    with auto resolved: our two-einsum XLA attention on CPUs, jax's own choice elsewhere."""
+    if cfg.attention_impl == "auto" and platform == "cpu":
+        return "xla"
+    return cfg.attention_impl
+
+
 def _causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str) -> jax.Array:
     """Causal attention, [B, T, N, H] -> [B, T, N, H], softmax in float32.
 
@@ -117,7 +131,7 @@ def _causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str) -> ja
     jax's XLA path in two einsums, without its grouped-query vmap, whose layout changes cost
     XLA:CPU transposes and copies: +3.5% tok/s on the issue shape (bench_torch.py, 2 cores).
     """
-    if impl == "cudnn" or (impl == "auto" and jax.default_backend() != "cpu"):
+    if impl in ("cudnn", "auto"):  # auto: resolved by attention_kernel, so not on CPUs
         return jax.nn.dot_product_attention(
             q, k, v, is_causal=True, implementation=None if impl == "auto" else "cudnn"
         )
@@ -273,7 +287,7 @@ def param_summary(params: Any) -> str:
     """
     modules: dict[str, dict[str, int]] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        names = [str(getattr(k, "key", k)) for k in path]
+        names = path_names(path)
         parts = modules.setdefault(names[0], {})
         part = names[1] if names[0].startswith("block") and len(names) > 2 else ""
         parts[part] = parts.get(part, 0) + math.prod(leaf.shape)

@@ -19,6 +19,7 @@ import optax
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
 from jaxtrain.config import Config
+from jaxtrain.model import path_names
 
 # Leaves the model names `kernel` (matmuls) and `embedding` get weight decay; norm scales do not.
 _DECAYED = ("kernel", "embedding")
@@ -48,17 +49,13 @@ def lr_schedule(cfg: Config, peak: float | None = None) -> optax.Schedule:
     )
 
 
-def _names(path: tuple) -> tuple[str, ...]:
-    return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
-
-
 def decay_mask(params: Any) -> Any:
     """True for leaves that get weight decay."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: _names(path)[-1] in _DECAYED, params)
+    return jax.tree_util.tree_map_with_path(lambda path, _: path_names(path)[-1] in _DECAYED, params)
 
 
 def _muon_dims(path: tuple) -> MuonDimensionNumbers | None:
-    names = _names(path)
+    names = path_names(path)
     return next((dims for suffix, dims in _MUON_DIMS.items() if names[-len(suffix) :] == suffix), None)
 
 

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import logging
 import signal
+from collections.abc import Callable
 from types import FrameType
-
-import jax
-import numpy as np
 
 log = logging.getLogger("jaxtrain")
 
@@ -22,7 +20,8 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 class StopRequest:
     """Holds whether this process received a stop signal."""
 
-    def __init__(self) -> None:
+    def __init__(self, any_process: Callable[[bool], bool]) -> None:
+        self.any_process = any_process  # Job.any: whether a flag holds on any process (a collective)
         self.signal_name: str | None = None
         self.previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
 
@@ -31,12 +30,7 @@ class StopRequest:
 
     def agreed(self) -> bool:
         """True on every process if any process was signalled (a collective when multi-process)."""
-        local = self.signal_name is not None
-        if jax.process_count() == 1:
-            return local
-        from jax.experimental import multihost_utils
-
-        return bool(np.any(multihost_utils.process_allgather(np.int32(local))))
+        return self.any_process(self.signal_name is not None)
 
     def restore(self) -> None:
         for s, handler in self.previous.items():

@@ -24,19 +24,9 @@ from jaxtrain.files import require_writable, write_text
 RESUME_KEYS = ("model", "batch_size", "seed", "train_data_path", "token_dtype", "optim.name")
 
 
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def resume_fingerprint(cfg_dict: dict[str, Any]) -> dict[str, Any]:
     """The part of a config that must be equal for a checkpoint to be continued."""
-    flat = _flat(cfg_dict)
+    flat = config_lib.flatten(cfg_dict)
     if flat.get("total_batch_size"):
         # The global batch in sequences: a saved config holds the batch_size its topology derived
         # from total_batch_size, a relaunch's holds the unresolved default.

@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain import mesh as mesh_lib
 from jaxtrain.config import Config
-from jaxtrain.faults import poison_gradients
+from jaxtrain.faults import NO_FAULTS, FaultPlan, poison_gradients
 from jaxtrain.model import GPT, logical_axes
 from jaxtrain.optim import lr_schedule
 from jaxtrain.state import TrainState
@@ -132,7 +132,12 @@ def _reduce(tree: Any) -> Any:
 
 
 def make_train_step(
-    cfg: Config, model: GPT, tx: optax.GradientTransformation, mesh: Mesh, param_specs: Any
+    cfg: Config,
+    model: GPT,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    param_specs: Any,
+    faults: FaultPlan = NO_FAULTS,
 ) -> Callable:
     """train_step(state, batch) -> (state, metrics); batch is int32 [global_batch, T+1]."""
     layout = _Layout(mesh, param_specs)
@@ -144,8 +149,8 @@ def make_train_step(
     def device_grads(
         params: Any, rows: jax.Array, scale: jax.Array, step: jax.Array
     ) -> tuple[Any, jax.Array]:
-        if cfg.debug.nan_step > 0:  # test-only fault, traced only when asked for
-            scale = poison_gradients(cfg.debug, scale, step, jax.lax.axis_index(mesh_lib.BATCH_AXES) == 0)
+        if faults.nan_step > 0:  # test-only fault, traced only when asked for
+            scale = poison_gradients(faults, scale, step, jax.lax.axis_index(mesh_lib.BATCH_AXES) == 0)
         grads, loss = _local_grads(model, layout, accum, params, rows, scale)
         return layout.reduce_grads(grads), _reduce(loss)
 
@@ -224,14 +229,19 @@ def make_eval_step(model: GPT, mesh: Mesh, param_specs: Any) -> Callable:
 
 
 def jit_steps(
-    cfg: Config, model: GPT, tx: optax.GradientTransformation, mesh: Mesh, state_shardings: Any
+    cfg: Config,
+    model: GPT,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    state_shardings: Any,
+    faults: FaultPlan = NO_FAULTS,
 ) -> tuple[jax.stages.Wrapped, jax.stages.Wrapped]:
     """Jit both steps once with explicit shardings; the train step donates the old state."""
     replicated = mesh_lib.replicated(mesh)
     batch = mesh_lib.batch_sharding(mesh)
     param_specs = jax.tree.map(lambda s: s.spec, state_shardings.params)
     train = jax.jit(
-        make_train_step(cfg, model, tx, mesh, param_specs),
+        make_train_step(cfg, model, tx, mesh, param_specs, faults),
         in_shardings=(state_shardings, batch),
         out_shardings=(state_shardings, replicated),
         donate_argnums=0,

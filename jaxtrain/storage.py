@@ -11,6 +11,8 @@ import re
 import shutil
 from pathlib import Path
 
+from jaxtrain.files import existing_ancestor
+
 # The failures of storage, not of the program: each ends a save with its own exit code.
 REASONS = {
     errno.ENOSPC: "no space left on the device",
@@ -36,9 +38,7 @@ def failure_reason(e: BaseException) -> str | None:
 
 def free_bytes(path: Path) -> int:
     """Free bytes on the filesystem that holds `path` (or would hold it, once created)."""
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return shutil.disk_usage(path).free
+    return shutil.disk_usage(existing_ancestor(path)).free
 
 
 def tree_bytes(path: Path) -> int:

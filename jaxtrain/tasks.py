@@ -1,5 +1,8 @@
 """What scripts/train.py does, by --task: train (loop.py), test or predict a checkpoint.
 
+Each builds the same run (run.py) as training does, for the checkpoint's model, then does its one
+thing.
+
     --task test --resume_from runs/x/checkpoints/300 [--test_data_path data/test.bin]
         loss and perplexity over every window of the data, on every device of every process;
         printed and written to <run dir>/test_step<N>.json
@@ -17,7 +20,6 @@ import dataclasses
 import json
 import logging
 import math
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,33 +27,34 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
 
 from jaxtrain import checkpoint as ckpt_lib
 from jaxtrain import config as config_lib
-from jaxtrain import data, sources
+from jaxtrain import evaluate, metrics
 from jaxtrain import mesh as mesh_lib
-from jaxtrain.cluster import join
+from jaxtrain.cluster.detect import LaunchSpec
 from jaxtrain.config import Config, ModelConfig
+from jaxtrain.data import loader, sources
+from jaxtrain.data.default import run_paths
 from jaxtrain.errors import UserError
 from jaxtrain.files import require_writable, write_text
+from jaxtrain.job import Job
 from jaxtrain.loop import train
-from jaxtrain.model import GPT, generate
-from jaxtrain.optim import make_optimizer
-from jaxtrain.state import abstract_state, state_sharding
-from jaxtrain.step import compute_dtype, jit_steps
-from jaxtrain.tokenizer import ByteTokenizer, load_tokenizer
+from jaxtrain.model import generate
+from jaxtrain.run import Run, build
+from jaxtrain.step import compute_dtype
+from jaxtrain.tokenizer import for_data
 
 log = logging.getLogger("jaxtrain")
 
 
-def run(cfg: Config, launch_time: float | None = None) -> Any:
-    """Run the configured task (launch_time: see loop.train)."""
+def run(cfg: Config, launch: LaunchSpec, launch_time: float | None = None) -> Any:
+    """Run the configured task (launch: cluster.detect's; launch_time: see loop.train)."""
     if cfg.task == "test":
-        return test(cfg)
+        return evaluate_checkpoint(cfg, launch)
     if cfg.task == "predict":
-        return predict(cfg)
-    return train(cfg, launch_time)
+        return predict(cfg, launch)
+    return train(cfg, launch, launch_time)
 
 
 @dataclasses.dataclass
@@ -70,10 +73,10 @@ class _Checkpoint:
         return d.parent if d.name == "checkpoints" else d
 
 
-def _start(cfg: Config) -> tuple[Config, _Checkpoint, Path]:
-    """Join the job, open the checkpoint, take its model shape; the output dir."""
-    join.initialize(cfg.dist)
-    _log_to_terminal(jax.process_index())
+def _start(cfg: Config, launch: LaunchSpec) -> tuple[Run, _Checkpoint, Path, Any]:
+    """Join the job, open the checkpoint, build the run of its model; the output dir and its params."""
+    job = Job.join(cfg, launch)
+    metrics.setup_logging(None, job.process_index)
     source, step = ckpt_lib.open_checkpoint(cfg.resume_from, "--resume_from")
     ckpt = _Checkpoint(source, step, source.read_meta(step).get("config", {}))
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -83,72 +86,36 @@ def _start(cfg: Config) -> tuple[Config, _Checkpoint, Path]:
     out_dir = Path(cfg.run_dir) if cfg.run_dir else ckpt.run_dir
     require_writable(out_dir, "run dir")
     log.info(f"{cfg.task}: checkpoint {ckpt.where}; model {model}")
-    return cfg, ckpt, out_dir
-
-
-def _log_to_terminal(process_index: int) -> None:
-    """Process 0 logs INFO to stdout, others warnings to stderr; no log file in any run dir."""
-    root = logging.getLogger("jaxtrain")
-    root.handlers.clear()
-    root.propagate = False
-    handler = logging.StreamHandler(sys.stdout if process_index == 0 else sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
-    root.addHandler(handler)
-    root.setLevel(logging.INFO if process_index == 0 else logging.WARNING)
-
-
-def _params(cfg: Config, mesh: Mesh, ckpt: _Checkpoint) -> tuple[Any, Any, GPT]:
-    """The checkpoint's params laid out on the mesh, the train state's shardings, and the model."""
-    model, tx = GPT(cfg.model, dtype=compute_dtype(cfg)), make_optimizer(cfg)
-    abstract = abstract_state(cfg, model, tx)
-    shardings = state_sharding(mesh, abstract, cfg.mesh.zero1)
-    target = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract.params, shardings.params
-    )
-    return ckpt.source.restore_params(ckpt.step, target, "--resume_from"), shardings, model
-
-
-def _test_path(cfg: Config, saved: dict[str, Any]) -> str:
-    """--test_data_path, else --valid_data_path, else the checkpoint run's validation data."""
-    path = cfg.test_data_path or cfg.valid_data_path
-    path = path or saved.get("valid_data_path") or saved.get("train_data_path") or ""
-    return path or str(data.default_dataset()[1])
+    run = build(job.reconfigured(cfg))
+    params = ckpt.source.restore_params(ckpt.step, run.target.params, "--resume_from")
+    return run, ckpt, out_dir, params
 
 
 def _windows(source: sources.Source, batch_size: int, pid: int, nproc: int) -> Iterator[np.ndarray]:
     """This process's rows of consecutive batches covering every window (a last partial batch wraps)."""
-    rows = data.process_rows(batch_size, pid, nproc)
+    rows = loader.process_rows(batch_size, pid, nproc)
     n = source.shards.n_windows
     for b in range(math.ceil(n / batch_size)):
         yield source.shards.read((np.arange(b * batch_size, (b + 1) * batch_size) % n)[rows])
 
 
-def test(cfg: Config) -> dict[str, Any]:
-    """Loss and perplexity of a checkpoint on the test data; process 0 writes them as JSON."""
-    cfg, ckpt, out_dir = _start(cfg)
-    path = _test_path(cfg, ckpt.saved)
-    seq = cfg.model.seq_len
-    test_sources = sources.open_sources(path, "val", cfg.model.vocab_size, cfg.token_dtype, seq)
-    cfg = config_lib.with_topology(cfg, jax.device_count(), jax.process_count(), jax.devices()[0].platform)
-    mesh = mesh_lib.make_mesh(shape=cfg.mesh)
-    params, shardings, model = _params(cfg, mesh, ckpt)
-    _, evaluate = jit_steps(cfg, model, make_optimizer(cfg), mesh, shardings)
-    pid, nproc = jax.process_index(), jax.process_count()
+def evaluate_checkpoint(cfg: Config, launch: LaunchSpec) -> dict[str, Any]:
+    """--task test: loss and perplexity of a checkpoint on the test data; process 0 writes them as JSON."""
+    run, ckpt, out_dir, params = _start(cfg, launch)
+    cfg, job = run.cfg, run.job
+    path = cfg.test_data_path or run_paths(cfg, ckpt.saved)[1]
+    m = cfg.model
+    test_sources = sources.open_sources(path, "val", m.vocab_size, cfg.token_dtype, m.seq_len)
     t0 = time.perf_counter()
-    per_source = {}
+    per_source: dict[str, dict[str, Any]] = {}
     for s in test_sources:
-        losses = [
-            evaluate(params, mesh_lib.global_batch(rows, mesh, cfg.batch_size))
-            for rows in _windows(s, cfg.batch_size, pid, nproc)
-        ]
-        loss = float(np.mean(jax.device_get(losses)))
-        per_source[s.name] = {
-            "loss": loss,
-            "perplexity": math.exp(loss),
-            "tokens": len(losses) * cfg.batch_size * seq,
-        }
+        loss = evaluate.mean_loss(
+            run, params, _windows(s, cfg.batch_size, job.process_index, job.process_count)
+        )
+        n_tokens = math.ceil(s.shards.n_windows / cfg.batch_size) * cfg.batch_size * m.seq_len
+        per_source[s.name] = {"loss": loss, "perplexity": math.exp(loss), "tokens": n_tokens}
+    loss = evaluate.overall({name: r["loss"] for name, r in per_source.items()}, test_sources)
     tokens = sum(r["tokens"] for r in per_source.values())
-    loss = sum(r["loss"] * r["tokens"] for r in per_source.values()) / tokens
     result = {
         "task": "test",
         "checkpoint": str(ckpt.where),
@@ -160,11 +127,11 @@ def test(cfg: Config) -> dict[str, Any]:
         "sources": per_source,
     }
     out = out_dir / f"test_step{ckpt.step}.json"
-    if pid == 0:
+    if job.is_main:
         write_text(out, json.dumps(result, indent=2) + "\n")
     log.info(
         f"test: loss {loss:.4f}, perplexity {math.exp(loss):.3f} over {tokens:,} tokens of {path} "
-        f"({time.perf_counter() - t0:.1f} s, {jax.device_count()} devices); written to {out}"
+        f"({time.perf_counter() - t0:.1f} s, {len(job.devices)} devices); written to {out}"
     )
     return result
 
@@ -182,26 +149,20 @@ def _prompts(cfg: Config) -> list[str]:
     return prompts
 
 
-def _tokenizer(cfg: Config, saved: dict[str, Any]) -> Any:
-    """The tokenizer of the checkpoint run's training data (tokenizer.json beside it, else bytes)."""
-    train_path = str(saved.get("train_data_path") or "")
-    tokenizer = load_tokenizer(train_path) if train_path else ByteTokenizer()
-    if isinstance(tokenizer, ByteTokenizer) and cfg.model.vocab_size != ByteTokenizer.vocab_size:
+def predict(cfg: Config, launch: LaunchSpec) -> list[dict[str, Any]]:
+    """Generate after each prompt with the checkpoint's model; process 0 prints and writes them."""
+    prompts = _prompts(cfg)
+    run, ckpt, out_dir, params = _start(cfg, launch)
+    cfg = run.cfg
+    train_path = str(ckpt.saved.get("train_data_path") or "")
+    tokenizer = for_data(train_path, cfg.model.vocab_size)
+    if tokenizer is None:
         raise UserError(
             f"the checkpoint's model has vocab_size {cfg.model.vocab_size} but no tokenizer.json sits beside "
             f"its training data {train_path or '(the embedded byte dataset)'}; put the tokenizer there"
         )
-    return tokenizer
-
-
-def predict(cfg: Config) -> list[dict[str, Any]]:
-    """Generate after each prompt with the checkpoint's model; process 0 prints and writes them."""
-    cfg, ckpt, out_dir = _start(cfg)
-    prompts, tokenizer = _prompts(cfg), _tokenizer(cfg, ckpt.saved)
-    cfg = config_lib.with_topology(cfg, jax.device_count(), jax.process_count(), jax.devices()[0].platform)
-    mesh = mesh_lib.make_mesh(shape=cfg.mesh)
-    params = mesh_lib.host_copy(_params(cfg, mesh, ckpt)[0])  # a collective: every process takes part
-    if jax.process_index() != 0:
+    params = mesh_lib.host_copy(params)  # a collective: every process takes part
+    if not run.job.is_main:
         return []
     records = []
     for i, prompt in enumerate(prompts):

@@ -18,7 +18,7 @@ per core (at most MAX_CPU_DEVICES), the batch split over them as over GPUs. XLA:
 non-matmul fusions on one thread, so one device per core puts every core on the whole step, not
 only on the matmuls: bench_torch.py, issue shape, 2 cores, interleaved rounds: bare jax 5,286 ->
 6,679 tok/s, jaxtrain 5,156 -> 6,295, same global batch. Chosen only where the batch splits evenly
-(config.with_topology decides, as it would for any device count); else, or when XLA_FLAGS names
+(job.batch_plan decides, as it would for any device count); else, or when XLA_FLAGS names
 a device count, or several processes share the host, or the mesh is set, nothing changes.
 XLA reads XLA_FLAGS once, when the first backend starts, so these must be in the environment
 before then. A flag the user already put in XLA_FLAGS wins: ours is only added when its name is
@@ -35,12 +35,13 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
 from pathlib import Path
 
-from jaxtrain.cluster.detect import detect
-from jaxtrain.config import Config, MeshConfig, with_topology
+from jaxtrain.cluster.detect import LaunchSpec
+from jaxtrain.config import Config, MeshConfig
+from jaxtrain.data.format import cache_root
 from jaxtrain.errors import UserError
+from jaxtrain.job import batch_plan
 
 # When this process started its work, for goodput: imported first by scripts/train.py.
 LAUNCH_TIME = time.time()
@@ -60,37 +61,33 @@ def merged_flags(user_flags: str, defaults: tuple[str, ...] = CPU_FLAGS) -> str:
     return " ".join([*added, *user_flags.split()])
 
 
-def cpu_device_count(cfg: Config, environ: Mapping[str, str] = os.environ) -> int:
+def cpu_device_count(cfg: Config, launch: LaunchSpec) -> int:
     """CPU devices for this process when jaxtrain may choose: one per core that the batch splits
     evenly over (1 when the choice is not ours: see the module docstring)."""
-    try:
-        alone = detect(cfg.dist, environ).num_processes == 1
-    except UserError:
-        return 1  # the run itself reports the launch error
-    if cfg.task != "train" or not alone or cfg.mesh != MeshConfig():
+    if cfg.task != "train" or launch.num_processes != 1 or cfg.mesh != MeshConfig():
         return 1
     cores = min(len(os.sched_getaffinity(0)), MAX_CPU_DEVICES)
     for n in range(cores, 1, -1):
         try:
-            with_topology(cfg, n, 1)
+            batch_plan(cfg, n, n)  # the default mesh is pure data parallelism: n batch shards
             return n
         except UserError:
             continue
     return 1
 
 
-def set_cpu_flags(cfg: Config | None = None) -> None:
-    """Put jaxtrain's CPU flags into XLA_FLAGS (the user's own settings win), and with a config,
-    the CPU device count it trains fastest on (cpu_device_count)."""
+def set_cpu_flags(cfg: Config | None = None, launch: LaunchSpec | None = None) -> None:
+    """Put jaxtrain's CPU flags into XLA_FLAGS (the user's own settings win), and with a config
+    and its launch, the CPU device count it trains fastest on (cpu_device_count)."""
     defaults: tuple[str, ...] = CPU_FLAGS
-    if cfg is not None and (n := cpu_device_count(cfg)) > 1:
+    if cfg is not None and launch is not None and (n := cpu_device_count(cfg, launch)) > 1:
         defaults = (*defaults, f"{DEVICE_COUNT_FLAG}={n}")
     os.environ["XLA_FLAGS"] = merged_flags(os.environ.get("XLA_FLAGS", ""), defaults)
 
 
 def default_cache_dir() -> Path:
     """$XDG_CACHE_HOME/jaxtrain/xla, else ~/.cache/jaxtrain/xla."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxtrain" / "xla"
+    return cache_root() / "xla"
 
 
 def enable_compile_cache(setting: str) -> Path | None:

@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 
 from jaxtrain import goodput
-from jaxtrain.cli import Parser
 from jaxtrain.errors import UserError, exit_on_user_error
+from jaxtrain.parser import Parser
 
 
 def run_split(run_dir: Path) -> dict:

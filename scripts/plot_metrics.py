@@ -11,8 +11,8 @@ from pathlib import Path
 import matplotlib
 
 from jaxtrain import goodput
-from jaxtrain.cli import Parser
 from jaxtrain.errors import UserError, exit_on_user_error
+from jaxtrain.parser import Parser
 
 matplotlib.use("Agg")  # no display needed
 import matplotlib.pyplot as plt  # noqa: E402

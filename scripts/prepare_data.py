@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import argparse
 
-from jaxtrain.cli import Parser
-from jaxtrain.corpus import DEFAULT_GLOB, prepare_corpus
 from jaxtrain.errors import exit_on_user_error
+from jaxtrain.parser import Parser
+from jaxtrain.prepare.shards import DEFAULT_GLOB, prepare_corpus
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

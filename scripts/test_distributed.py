@@ -33,10 +33,10 @@ import argparse
 import re
 import sys
 
-from jaxtrain.cli import Parser as _Parser
 from jaxtrain.config import DistConfig
 from jaxtrain.errors import exit_on_user_error
-from jaxtrain.health import check as health
+from jaxtrain.health import runner as health
+from jaxtrain.parser import Parser as _Parser
 
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 

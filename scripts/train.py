@@ -20,18 +20,20 @@ Evaluate or sample a checkpoint (jaxtrain/tasks.py), or start a new run from its
 import sys
 
 from jaxtrain import xla_env  # isort: skip  (first: it records the launch time)
+from jaxtrain.cluster.detect import detect
 from jaxtrain.config import load_config
 from jaxtrain.errors import exit_on_user_error
 
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
-    cfg = load_config(sys.argv[1:] if argv is None else argv)
+    cfg = load_config(sys.argv[1:] if argv is None else argv, usage=__doc__ or "")
+    launch = detect(cfg.dist)  # where this process sits: once per launch, before jax starts
     # Before jax starts a backend: XLA reads XLA_FLAGS once (jaxtrain/xla_env.py).
-    xla_env.set_cpu_flags(cfg)
+    xla_env.set_cpu_flags(cfg, launch)
     from jaxtrain.tasks import run  # imports jax
 
-    run(cfg, launch_time=xla_env.LAUNCH_TIME)
+    run(cfg, launch, launch_time=xla_env.LAUNCH_TIME)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxtrain.config import ConfigError, load_config, to_yaml, with_topology
+from jaxtrain.config import ConfigError, load_config, to_yaml
+from jaxtrain.job import with_topology
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,6 +88,6 @@ def test_train_script_exits_2_with_one_line(tmp_path):
     assert out.returncode == 2
     assert (
         out.stderr.strip() == "error: unknown config key 'batch_sise' (did you mean 'batch_size'?); "
-        "see jaxtrain/config.py for all keys"
+        "scripts/train.py --help lists every key"
     )
     assert not list(tmp_path.iterdir())

@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxtrain import data, sources
+from jaxtrain.data import default, sources
+from jaxtrain.data import loader as data
 from jaxtrain.errors import UserError
 from jaxtrain.tokenizer import ByteTokenizer
 
@@ -384,7 +385,7 @@ def test_a_run_refuses_shards_missing_truncated_changed_or_added(tmp_path: Path)
 
 
 def test_default_dataset_builds_once(tmp_path: Path) -> None:
-    train, val = data.default_dataset(tmp_path, max_bytes=2**20)
+    train, val = default.default_dataset(tmp_path, max_bytes=2**20)
     assert train.is_file() and val.is_file() and train.parent.is_relative_to(tmp_path)
     mtime = train.stat().st_mtime_ns
     tr, va = _tokens(train), _tokens(val)
@@ -393,10 +394,10 @@ def test_default_dataset_builds_once(tmp_path: Path) -> None:
     assert b"def " in ByteTokenizer().decode(tr[:20000]).encode()
     assert not [p for p in train.parent.iterdir() if p.name.endswith(".tmp")]
     time.sleep(0.01)
-    assert data.default_dataset(tmp_path, max_bytes=2**20) == (train, val)
+    assert default.default_dataset(tmp_path, max_bytes=2**20) == (train, val)
     assert train.stat().st_mtime_ns == mtime  # cached, not rebuilt
     # Deterministic: a fresh build elsewhere gives the same bytes.
-    train2, _ = data.default_dataset(tmp_path / "again", max_bytes=2**20)
+    train2, _ = default.default_dataset(tmp_path / "again", max_bytes=2**20)
     assert train2.read_bytes() == train.read_bytes()
 
 

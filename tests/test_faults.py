@@ -33,8 +33,9 @@ TINY = ["--config", "configs/tiny.yaml", "--log_interval", "1", "--eval_interval
 pytestmark = pytest.mark.slow
 
 
-def _env(devices: int, marker: str = "") -> dict[str, str]:
-    return clean_env(devices, JAXTRAIN_TEST_MARKER=marker or uuid.uuid4().hex)
+def _env(devices: int, marker: str = "", faults: str = "") -> dict[str, str]:
+    """`faults`: $JAXTRAIN_FAULTS (jaxtrain/faults.py), e.g. "stall_step=15,stall_process=1"."""
+    return clean_env(devices, JAXTRAIN_TEST_MARKER=marker or uuid.uuid4().hex, JAXTRAIN_FAULTS=faults)
 
 
 def _cmd(run_dir: Path, procs: int, *extra: str) -> list[str]:
@@ -54,10 +55,10 @@ def _cmd(run_dir: Path, procs: int, *extra: str) -> list[str]:
 
 
 def _run(
-    run_dir: Path, procs: int, devices: int, *extra: str, timeout: float = 300
+    run_dir: Path, procs: int, devices: int, *extra: str, faults: str = "", timeout: float = 300
 ) -> subprocess.CompletedProcess:
-    cmd = _cmd(run_dir, procs, *extra)
-    return subprocess.run(cmd, cwd=ROOT, env=_env(devices), capture_output=True, text=True, timeout=timeout)
+    cmd, env = _cmd(run_dir, procs, *extra), _env(devices, faults=faults)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def _ok(out: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -65,9 +66,11 @@ def _ok(out: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return out
 
 
-def _start(run_dir: Path, procs: int, devices: int, marker: str, *extra: str) -> subprocess.Popen:
+def _start(
+    run_dir: Path, procs: int, devices: int, marker: str, *extra: str, faults: str = ""
+) -> subprocess.Popen:
     return subprocess.Popen(
-        _cmd(run_dir, procs, *extra), cwd=ROOT, env=_env(devices, marker),
+        _cmd(run_dir, procs, *extra), cwd=ROOT, env=_env(devices, marker, faults),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
 
@@ -114,7 +117,7 @@ def reference(tmp_path_factory) -> Path:
 
 def test_kill_9_a_worker_then_relaunch_is_bitwise_identical(reference, tmp_path):
     run_dir, marker = tmp_path / "run", uuid.uuid4().hex
-    proc = _start(run_dir, 2, 4, marker, "--debug.stall_step", "15", "--debug.stall_process", "1")
+    proc = _start(run_dir, 2, 4, marker, faults="stall_step=15,stall_process=1")
     _wait_for_step(run_dir, 15, proc)
     os.kill(rank_pid(marker, 1), signal.SIGKILL)
     t0 = time.monotonic()
@@ -141,7 +144,7 @@ def test_resume_on_another_topology(reference, tmp_path, procs, devices):
 def test_kill_during_a_checkpoint_write_keeps_the_last_complete_one(tmp_path):
     whole, run_dir = tmp_path / "whole", tmp_path / "run"
     _ok(_run(whole, 1, 2))
-    out = _run(run_dir, 1, 2, "--debug.kill_during_save", "20")
+    out = _run(run_dir, 1, 2, faults="kill_during_save=20")
     assert out.returncode == -signal.SIGKILL
     ckpts = run_dir / "checkpoints"
     assert (ckpts / "10").is_dir() and not (ckpts / "20").exists()
@@ -183,9 +186,8 @@ def test_stop_signal_on_one_process_stops_all_at_the_same_step(tmp_path):
 
 def test_a_stalled_process_is_found_and_the_job_ends(tmp_path):
     run_dir, marker = tmp_path / "run", uuid.uuid4().hex
-    extra = ["--total_steps", "60", "--debug.stall_step", "40", "--debug.stall_process", "1"]
     t0 = time.monotonic()
-    proc = _start(run_dir, 2, 2, marker, *extra)
+    proc = _start(run_dir, 2, 2, marker, "--total_steps", "60", faults="stall_step=40,stall_process=1")
     _, err = proc.communicate(timeout=180)
     assert proc.returncode != 0
     assert time.monotonic() - t0 < 120  # start-up + 40 steps + the 5 s minimum limit + teardown
@@ -200,17 +202,8 @@ def test_a_stalled_process_is_found_and_the_job_ends(tmp_path):
 
 def test_repeated_nan_steps_stop_the_run_naming_the_step(tmp_path):
     run_dir = tmp_path / "run"
-    extra = [
-        "--checkpoint_interval",
-        "5",
-        "--debug.nan_step",
-        "12",
-        "--debug.nan_count",
-        "100",
-        "--max_bad_steps",
-        "3",
-    ]
-    out = _run(run_dir, 1, 2, *extra)
+    extra = ["--checkpoint_interval", "5", "--max_bad_steps", "3"]
+    out = _run(run_dir, 1, 2, *extra, faults="nan_step=12,nan_count=100")
     assert out.returncode == 4, out.stderr[-2000:]
     line = out.stderr.strip().splitlines()[-1]
     assert "3 non-finite steps in a row (last at step 14" in line and "last good checkpoint: step 10" in line
@@ -219,7 +212,7 @@ def test_repeated_nan_steps_stop_the_run_naming_the_step(tmp_path):
 
 def test_one_nan_step_is_skipped_and_training_goes_on(tmp_path):
     run_dir = tmp_path / "run"
-    _ok(_run(run_dir, 1, 2, "--debug.nan_step", "7"))
+    _ok(_run(run_dir, 1, 2, faults="nan_step=7"))
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     skipped = {r["step"]: r["skipped_steps"] for r in records if "loss" in r}
     assert skipped[6] == 0 and skipped[7] == 1 and skipped[20] == 1

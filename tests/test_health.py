@@ -23,8 +23,8 @@ from processes import clean_env
 from jaxtrain.cluster.detect import LaunchSpec
 from jaxtrain.config import DistConfig
 from jaxtrain.health import checks as hc
-from jaxtrain.health.check import HealthCheck, HealthOptions
 from jaxtrain.health.exchange import Exchange
+from jaxtrain.health.runner import HealthCheck, HealthOptions
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "test_distributed.py"
@@ -163,7 +163,7 @@ def test_bad_arguments_exit_2(capsys):
 def test_watchdog_ends_a_hung_step_naming_it():
     code = (
         "import time; from jaxtrain.cluster.watchdog import Watchdog\n"
-        "from jaxtrain.health.check import EXIT_FAILED\n"
+        "from jaxtrain.health.runner import EXIT_FAILED\n"
         "report = lambda step, s: print(f'{step} hung after {s} s', flush=True)\n"
         "w = Watchdog(on_expiry=report, exit_code=EXIT_FAILED)\n"
         "with w.deadline('collectives', 0.3):\n"

@@ -17,7 +17,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "jaxtrain"
 ON_TOP = ("jaxtrain.launch", "jaxtrain.health")
-NO_JAX = ("jaxtrain.cli", "jaxtrain.launch.cli", "jaxtrain.launch.local", "jaxtrain.launch.supervise")
+NO_JAX = ("jaxtrain.parser", "jaxtrain.launch.cli", "jaxtrain.launch.local", "jaxtrain.launch.supervise")
 
 
 def _module_name(path: Path, root: Path = REPO) -> str:

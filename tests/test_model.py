@@ -170,7 +170,9 @@ def test_own_attention_matches_jax_xla_attention(dtype):
     assert ours.dtype == theirs.dtype == dtype
     tol = 1e-6 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(np.float32(ours), np.float32(theirs), rtol=tol, atol=tol)
-    assert jnp.array_equal(model_lib._causal_attention(q, k, v, "auto"), ours)  # auto on CPU
+    cfg = ModelConfig(attention_impl="auto")
+    assert model_lib.attention_kernel(cfg, "cpu") == "xla"  # auto on CPU runs ours
+    assert model_lib.attention_kernel(cfg, "gpu") == "auto"  # elsewhere jax chooses
 
 
 def test_generate():

@@ -14,7 +14,8 @@ import pytest
 from tensorboardX.proto import event_pb2
 
 from jaxtrain import goodput
-from jaxtrain.config import load_config
+from jaxtrain.cluster.detect import detect
+from jaxtrain.config import DistConfig, load_config
 from jaxtrain.xla_env import cpu_device_count, merged_flags
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,8 +84,8 @@ def test_profile_tensorboard_flops_and_default_cache(tmp_path, tokens):
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["compile", "step"])
 def test_out_of_memory_is_one_line_with_settings_that_fit(tmp_path, tokens, where):
-    flags = ("--debug.oom", where, "--batch_size", "32", "--compile_cache_dir", "off")
-    out = _train(tmp_path / "run", tokens, *flags)
+    flags = ("--batch_size", "32", "--compile_cache_dir", "off")
+    out = _train(tmp_path / "run", tokens, *flags, env={**os.environ, "JAXTRAIN_FAULTS": f"oom={where}"})
     assert out.returncode == 2, out.stderr[-3000:]
     (line,) = out.stderr.strip().splitlines()
     assert line.startswith("error: out of device memory")
@@ -96,7 +97,7 @@ def test_out_of_memory_is_one_line_with_settings_that_fit(tmp_path, tokens, wher
 def test_goodput_of_a_run_killed_and_resumed(tmp_path, tokens):
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
     common = ("--log_interval", "1", "--checkpoint_interval", "5", "--compile_cache_dir", str(cache))
-    killed = _train(run_dir, tokens, *common, "--debug.kill_during_save", "15")
+    killed = _train(run_dir, tokens, *common, env={**os.environ, "JAXTRAIN_FAULTS": "kill_during_save=15"})
     assert killed.returncode == -9
     resumed = _train(run_dir, tokens, *common)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -161,21 +162,23 @@ def test_xla_flags_are_added_unless_the_user_set_them():
 def test_cpu_devices_one_per_core_only_where_the_choice_is_ours(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(6)))
     tiny = ["--config", "configs/tiny.yaml"]  # batch 16
-    env = {"PATH": os.environ["PATH"]}
-    assert cpu_device_count(load_config(tiny), env) == 4  # 6 cores, but 16 rows split evenly over 4
-    assert cpu_device_count(load_config([*tiny, "--batch_size", "15"]), env) == 5
-    assert cpu_device_count(load_config([*tiny, "--batch_size", "7"]), env) == 1
-    assert cpu_device_count(load_config([*tiny, "--mesh.data", "1"]), env) == 1  # a mesh the user sized
-    assert cpu_device_count(load_config([*tiny, "--task", "test", "--resume_from", "runs/x"]), env) == 1
+    alone = detect(DistConfig(), {"PATH": os.environ["PATH"]})
+    assert cpu_device_count(load_config(tiny), alone) == 4  # 6 cores, but 16 rows split evenly over 4
+    assert cpu_device_count(load_config([*tiny, "--batch_size", "15"]), alone) == 5
+    assert cpu_device_count(load_config([*tiny, "--batch_size", "7"]), alone) == 1
+    assert cpu_device_count(load_config([*tiny, "--mesh.data", "1"]), alone) == 1  # a mesh the user sized
+    assert cpu_device_count(load_config([*tiny, "--task", "test", "--resume_from", "runs/x"]), alone) == 1
     torchrun = {
-        **env,
+        "PATH": os.environ["PATH"],
         "WORLD_SIZE": "2",
         "RANK": "0",
         "LOCAL_RANK": "0",
         "MASTER_ADDR": "h",
         "MASTER_PORT": "1",
     }
-    assert cpu_device_count(load_config(tiny), torchrun) == 1  # processes share the host's cores
+    assert (
+        cpu_device_count(load_config(tiny), detect(DistConfig(), torchrun)) == 1
+    )  # processes share the host's cores
 
 
 @pytest.mark.slow

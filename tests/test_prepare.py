@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxtrain import sources
-from jaxtrain.corpus import prepare_corpus
+from jaxtrain.data import format, sources
 from jaxtrain.errors import UserError
+from jaxtrain.prepare.shards import prepare_corpus
 from jaxtrain.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -105,7 +105,7 @@ def test_jsonl_and_parquet_shards_the_same_for_any_worker_count(tmp_path: Path) 
     text = ByteTokenizer().decode(train) + ByteTokenizer().decode(val)
     assert text == "".join(d + "\n\n" for d in code + web)  # every document once, in order
     header = np.fromfile(outs[0] / "train_00000.bin", "<i4", count=3)
-    assert list(header) == [sources.HEADER_MAGIC, 1, 3000]
+    assert list(header) == [format.HEADER_MAGIC, 1, 3000]
     m = json.loads((outs[0] / "manifest.json").read_text())
     assert m["header"] == "llm.c" and sum(s["tokens"] for s in m["splits"]["train"]["shards"]) == len(train)
     assert max(s["max_id"] for s in m["splits"]["train"]["shards"]) == int(train.max())
@@ -152,7 +152,7 @@ def test_bpe_without_tokenizers_package_is_a_user_error(
 def test_long_lines_and_unit_edges_never_cut_a_character(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from jaxtrain import inputs
+    from jaxtrain.prepare import inputs
 
     monkeypatch.setattr(inputs, "_SCAN", 7)  # a "long line" is anything over 7 bytes
     text = "ab✓ü" * 50 + "\nshort\n" + "é" * 41 + "\n" + "x" * 30

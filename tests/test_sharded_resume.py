@@ -64,7 +64,7 @@ def test_sharded_checkpoint_resumes_on_other_meshes(sharded_reference, tmp_path,
 
 def test_kill_9_under_fsdp_then_relaunch_is_bitwise_identical(sharded_reference, tmp_path):
     run_dir, marker = tmp_path / "run", uuid.uuid4().hex
-    proc = _start(run_dir, 2, 4, marker, *FSDP, "--debug.stall_step", "15", "--debug.stall_process", "1")
+    proc = _start(run_dir, 2, 4, marker, *FSDP, faults="stall_step=15,stall_process=1")
     _wait_for_step(run_dir, 15, proc)
     os.kill(rank_pid(marker, 1), signal.SIGKILL)
     t0 = time.monotonic()

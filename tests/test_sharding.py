@@ -11,8 +11,11 @@ import numpy as np
 import pytest
 
 from jaxtrain import mesh as mesh_lib
-from jaxtrain.config import ConfigError, load_config, with_topology
+from jaxtrain.config import ConfigError, load_config
 from jaxtrain.errors import UserError
+from jaxtrain.faults import NO_FAULTS, FaultPlan
+from jaxtrain.job import with_topology
+from jaxtrain.memory import check_fits
 from jaxtrain.model import GPT
 from jaxtrain.optim import make_optimizer
 from jaxtrain.state import create_state, state_sharding
@@ -23,13 +26,13 @@ TINY = ["--config", "configs/tiny.yaml", "--optim.warmup_steps", "0", "--model.n
 STEPS = 10
 
 
-def _setup(argv):
+def _setup(argv, faults=NO_FAULTS):
     cfg = with_topology(load_config(TINY + argv), 8, 1)
     mesh = mesh_lib.make_mesh(shape=cfg.mesh)
     model, tx = GPT(cfg.model, dtype=compute_dtype(cfg)), make_optimizer(cfg)
     state = create_state(cfg, model, tx, mesh)
     shardings = state_sharding(mesh, state, cfg.mesh.zero1)
-    train_step, eval_step = jit_steps(cfg, model, tx, mesh, shardings)
+    train_step, eval_step = jit_steps(cfg, model, tx, mesh, shardings, faults)
     return cfg, mesh, state, shardings, train_step, eval_step
 
 
@@ -175,11 +178,10 @@ def test_non_finite_skip_and_bfloat16_under_fsdp_and_tensor():
             "4",
             "--mesh.tensor",
             "2",
-            "--debug.nan_step",
-            "2",
             "--dtype",
             "bfloat16",
-        ]
+        ],
+        FaultPlan(nan_step=2),
     )
     rows = np.random.default_rng(0).integers(0, 256, (cfg.batch_size, cfg.model.seq_len + 1), dtype=np.int32)
     batch = mesh_lib.global_batch(rows, mesh, cfg.batch_size)
@@ -207,12 +209,12 @@ class _Gpu:
 
 def test_a_state_too_big_for_the_gpu_is_refused_before_compiling():
     mesh = mesh_lib.make_mesh(shape=with_topology(load_config(TINY), 8, 1).mesh)
-    mesh_lib.check_fits(30 * 2**30, _Gpu(), mesh)  # 30 GiB: fits under half of 80
+    check_fits(30 * 2**30, _Gpu(), mesh, 8)  # 30 GiB: fits under half of 80
     with pytest.raises(
         UserError, match=r"needs 84.0 GiB per device on mesh data 8 x fsdp 1 x tensor 1.*--mesh.fsdp 4"
     ):
-        mesh_lib.check_fits(84 * 2**30, _Gpu(), mesh)  # a 7B model's state: fsdp 4 brings it to 21 GiB
-    mesh_lib.check_fits(84 * 2**30, jax.devices()[0], mesh)  # a CPU reports no limit: nothing to judge
+        check_fits(84 * 2**30, _Gpu(), mesh, 8)  # a 7B model's state: fsdp 4 brings it to 21 GiB
+    check_fits(84 * 2**30, jax.devices()[0], mesh, 8)  # a CPU reports no limit: nothing to judge
 
 
 MUON = ["--optim.name", "muon"]

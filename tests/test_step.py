@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 
 from jaxtrain import mesh as mesh_lib
-from jaxtrain.config import load_config, with_topology
+from jaxtrain.config import load_config
 from jaxtrain.errors import UserError
+from jaxtrain.faults import FaultPlan
+from jaxtrain.job import with_topology
 from jaxtrain.model import GPT
 from jaxtrain.optim import decay_mask, make_optimizer
 from jaxtrain.state import create_state, state_sharding
@@ -113,11 +115,11 @@ def test_weight_decay_touches_matrices_only():
 
 
 def test_a_non_finite_step_changes_nothing_and_is_counted():
-    cfg = load_config(TINY + ["--debug.nan_step", "2"])
+    cfg = load_config(TINY)
     mesh = mesh_lib.make_mesh()
     model, tx = GPT(cfg.model), make_optimizer(cfg)
     state = create_state(cfg, model, tx, mesh)
-    train_step, _ = jit_steps(cfg, model, tx, mesh, state_sharding(mesh, state))
+    train_step, _ = jit_steps(cfg, model, tx, mesh, state_sharding(mesh, state), FaultPlan(nan_step=2))
     batch = mesh_lib.global_batch(_batches(1)[0], mesh, 16)
     state, m1 = train_step(state, batch)
     before = jax.device_get((state.params, state.opt_state))

@@ -24,10 +24,11 @@ TINY = ["--config", "configs/tiny.yaml", "--eval_interval", "0", "--log_interval
 pytestmark = pytest.mark.slow
 
 
-def _train(run_dir: Path, *extra: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def _train(run_dir: Path, *extra: str, faults: str = "", timeout: float = 120) -> subprocess.CompletedProcess:
+    """`faults`: $JAXTRAIN_FAULTS (jaxtrain/faults.py)."""
     return subprocess.run(
         [sys.executable, "scripts/train.py", *TINY, "--run_dir", str(run_dir), *extra],
-        cwd=ROOT, env=clean_env(2), capture_output=True, text=True, timeout=timeout,
+        cwd=ROOT, env=clean_env(2, JAXTRAIN_FAULTS=faults), capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
 
 
@@ -86,7 +87,7 @@ def test_a_newest_checkpoint_truncated_after_kill_9_is_moved_aside(tmp_path):
     whole, run_dir = tmp_path / "whole", tmp_path / "run"
     assert _train(whole, "--checkpoint_interval", "5").returncode == 0
     # SIGKILL just after the save of step 15 starts: 10 is the newest complete checkpoint.
-    killed = _train(run_dir, "--checkpoint_interval", "5", "--debug.kill_during_save", "15")
+    killed = _train(run_dir, "--checkpoint_interval", "5", faults="kill_during_save=15")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     ckpts = run_dir / "checkpoints"
     assert (ckpts / "10" / "checksums.json").exists()
@@ -172,7 +173,7 @@ def test_a_save_or_restore_hung_on_storage_ends_the_run_with_the_watchdogs_code(
 
     # The relaunch: the restore hangs (a debug fault: a sleep inside it, as reading dead storage).
     t0 = time.monotonic()
-    again = _train(run_dir, "--debug.stall_restore", "true", "--watchdog_timeout", "8", timeout=120)
+    again = _train(run_dir, "--watchdog_timeout", "8", faults="stall_restore=true", timeout=120)
     restore_s = time.monotonic() - t0
     assert again.returncode == 3, again.stderr[-3000:]
     assert re.search(r"watchdog: checkpoint restore has taken \d+ s, over the 8 s limit", again.stderr)

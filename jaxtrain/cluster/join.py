@@ -61,11 +61,14 @@ def _exit_at_once_on_crash() -> None:
     sys.excepthook = hook
 
 
-def initialize(dist: DistConfig, environ: Mapping[str, str] = os.environ) -> LaunchSpec:
-    """detect(), then join the other processes (gloo collectives on CPU) within dist.init_timeout."""
+def initialize(
+    dist: DistConfig, spec: LaunchSpec | None = None, environ: Mapping[str, str] = os.environ
+) -> LaunchSpec:
+    """Join the other processes of `spec` (default: detect()) within dist.init_timeout, gloo
+    collectives on CPU."""
     import jax
 
-    spec = detect(dist, environ)
+    spec = spec or detect(dist, environ)
     if spec.num_processes == 1:
         if spec.local_device_ids:
             jax.config.update("jax_cuda_visible_devices", ",".join(map(str, spec.local_device_ids)))

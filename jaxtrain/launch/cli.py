@@ -14,10 +14,10 @@ import shlex
 import sys
 from pathlib import Path
 
-from jaxtrain.cli import Parser
 from jaxtrain.errors import ArgumentError
 from jaxtrain.launch import slurm
 from jaxtrain.launch.local import plan_manual, run_local
+from jaxtrain.parser import Parser
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_SCRIPT = "scripts/train.py"

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from jaxtrain.cli import Parser
 from jaxtrain.errors import EXIT_PREEMPTED, ArgumentError, UserError, exit_on_user_error
+from jaxtrain.parser import Parser
 
 _SETTLE_S = 1.0  # after a first failure, how long the others get to report theirs
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)

@@ -29,13 +29,12 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from jaxtrain import inputs
+from jaxtrain.data.format import HEADER_BYTES, HEADER_MAGIC, MANIFEST, MANIFEST_FORMAT
 from jaxtrain.errors import UserError
 from jaxtrain.files import require_writable, write_text
-from jaxtrain.sources import HEADER_BYTES, HEADER_MAGIC, MANIFEST_FORMAT
+from jaxtrain.prepare import inputs
 from jaxtrain.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer
 
-MANIFEST = "manifest.json"
 DEFAULT_GLOB = "*.txt,*.jsonl,*.parquet"
 
 

@@ -157,7 +157,7 @@ class HealthCheck:
         start = time.monotonic()
         with self.watchdog.deadline("init", self.dist.init_timeout):
             try:
-                join.initialize(dist, self.environ)
+                join.initialize(dist, spec)
             except UserError as e:
                 return self.report.add(hc.Check("init", False, str(e), {spec.process_id: str(e)})).ok
         took = time.monotonic() - start

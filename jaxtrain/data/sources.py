@@ -32,14 +32,17 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from jaxtrain.data.format import (
+    HEADER_BYTES,
+    HEADER_DTYPES,
+    HEADER_INTS,
+    HEADER_MAGIC,
+    MANIFEST_FORMAT,
+    cache_root,
+)
 from jaxtrain.errors import UserError
 from jaxtrain.files import write_text
 
-HEADER_MAGIC = 20240520  # llm.c token files: 256 int32 header, then the tokens
-HEADER_INTS = 256
-HEADER_BYTES = HEADER_INTS * 4
-HEADER_DTYPES = {1: "uint16", 2: "uint32"}
-MANIFEST_FORMAT = "jaxtrain.tokens"
 RUN_RECORD = "data.json"  # in the run dir: the shards the run started with
 _CHECK_CHUNK = 16 * 2**20  # tokens per chunk when scanning a file for its largest id
 _SAMPLE_BYTES = 4096  # head and tail bytes hashed to tell a shard's content changed
@@ -157,10 +160,6 @@ def memmap(info: ShardInfo) -> np.ndarray:
     """The tokens of a shard, memory-mapped read-only (nothing is read until indexed)."""
     dtype = np.dtype(info.dtype).newbyteorder("<")
     return np.memmap(info.path, dtype=dtype, mode="r", offset=info.offset, shape=(info.count,))
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxtrain"
 
 
 def _remember(record: Path, content: object) -> None:

@@ -18,20 +18,13 @@ One source reads exactly as the single token file of earlier versions did.
 
 from __future__ import annotations
 
-import os
-import sys
-import sysconfig
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 import grain
 import numpy as np
 
-from jaxtrain import inputs
-from jaxtrain.config import check_batch_split
-from jaxtrain.corpus import MANIFEST, prepare_files
-from jaxtrain.sources import DataError, Source, cache_root
-from jaxtrain.tokenizer import ByteTokenizer
+from jaxtrain.data.sources import DataError, Source
+from jaxtrain.job import check_batch_split
 
 _ROUNDS = 6  # Feistel rounds; 4 already give a pseudorandom permutation, 6 for margin
 _MASK64 = 2**64 - 1
@@ -181,53 +174,3 @@ def eval_batches(
     return [
         source.shards.read(windows[b * batch_size : (b + 1) * batch_size][rows]) for b in range(n_batches)
     ]
-
-
-# ---------------------------------------------------------------- the default dataset
-
-
-def _stdlib_sources(max_bytes: int) -> list[Path]:
-    """The standard library's own .py files in sorted order, without tests, up to max_bytes."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "dist-packages", "test", "tests", "__pycache__", "idle_test"}
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in skip]
-        found += [Path(dirpath, f) for f in filenames if f.endswith(".py")]
-    files, total = [], 0
-    # Sorted by path relative to the root, so the order is the same on every run.
-    for path in sorted(found, key=lambda p: p.relative_to(root).as_posix()):
-        size = path.stat().st_size
-        if total + size > max_bytes:
-            break
-        if not size:  # empty __init__.py files add nothing, and preparation refuses empty inputs
-            continue
-        files.append(path)
-        total += size
-    return files
-
-
-def default_dataset(cache_dir: str | Path | None = None, max_bytes: int = 32 * 2**20) -> tuple[Path, Path]:
-    """(train.bin, val.bin) of the Python standard library's sources as bytes (vocab 256), built once."""
-    if cache_dir is None:
-        cache_dir = cache_root()
-    version = f"py{sys.version_info.major}.{sys.version_info.minor}"
-    out_dir = Path(cache_dir) / "stdlib_bytes" / f"{version}-max{max_bytes}"
-    train, val = out_dir / "train.bin", out_dir / "val.bin"
-    if (out_dir / MANIFEST).is_file():
-        return train, val
-    files = _stdlib_sources(max_bytes)
-    if not files:
-        raise DataError(
-            f"no Python sources found under {sysconfig.get_paths()['stdlib']} to build the default "
-            "dataset; pass --train_data_path (see scripts/prepare_data.py)"
-        )
-    # Several processes may build at once: each stages its own files and the renames of
-    # identical bytes are harmless. The manifest lands last, so its presence means done.
-    described = inputs.describe(files, "text")
-    units = inputs.plan(described, 0.01)
-    prepare_files(
-        described, units, out_dir, ByteTokenizer(), {"kind": "byte", "vocab_size": 256},
-        shard_tokens=0, workers=1, text_key="text", text_column="text", val_fraction=0.01,
-    )  # fmt: skip
-    return train, val

@@ -1,0 +1,409 @@
+"""The run configuration's schema: frozen dataclasses, one comment per key, and the checks of
+values alone. `scripts/train.py --help` prints this file's keys with their comments.
+
+Loading (YAML, flags, aliases) is jaxtrain/config/load.py; rules that need the launch or the
+devices (process count, mesh, batch split) are jaxtrain/job.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from jaxtrain.data.format import TOKEN_DTYPES
+from jaxtrain.data.sources import parse_spec
+from jaxtrain.errors import UserError
+
+
+class ConfigError(UserError):
+    """A config key, type or value that cannot be used."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256  # token ids the model knows (256: bytes)
+    seq_len: int = 256  # tokens per training sequence (the context)
+    n_layer: int = 4  # transformer blocks
+    n_head: int = 4  # attention heads
+    d_model: int = 256  # width of the residual stream
+    d_ff: int = 0  # 0 means 4 * d_model
+    pos_embedding: str = "rope"  # rope | learned
+    rope_theta: float = 10000.0  # rotary base frequency
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    init_std: float = 0.02  # std of the initial weights (residual outputs scaled by depth)
+    # Unrolled layers ran the backward 1.46x faster than scan on a 2-core CPU; scan keeps
+    # compile time flat in depth, which matters for deep models. Measure both (bench/).
+    scan_layers: bool = False
+    remat: str = "none"  # none | full | dots (save matmul outputs, recompute the rest)
+    attention_impl: str = "auto"  # auto | xla | cudnn  (jax.nn.dot_product_attention)
+
+    @property
+    def ff_dim(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 6e-4  # peak learning rate (after warmup, then cosine)
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 100  # linear warmup from 0 to lr
+    weight_decay: float = 0.1  # matrices only
+    b1: float = 0.9  # Adam beta1
+    b2: float = 0.95  # Adam beta2
+    eps: float = 1e-8  # Adam epsilon
+    name: str = "adamw"  # adamw | muon (Muon for hidden matrices, AdamW at lr for the rest: optim.py)
+    matrix_lr: float = 0.02  # Muon's peak lr (nanochat's matrix_lr)
+    muon_momentum: float = 0.95  # Muon's momentum
+
+
+@dataclass(frozen=True)
+class DistConfig:
+    """Explicit multi-process settings; unset values fall back to env vars, then SLURM."""
+
+    coordinator_address: str = ""  # host:port
+    num_processes: int = 0  # 0 = detect
+    process_id: int = -1  # -1 = detect
+    local_device_ids: str = ""  # comma-separated, "" = detect
+    init_timeout: int = 300  # seconds to wait for every process to join
+
+
+MESH_AXES = ("data", "fsdp", "tensor")  # outer to inner
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """The device mesh, data x fsdp x tensor; its product is the device count.
+
+    -1 means "the devices left over" (at most one axis). `data` is the outer axis and spans
+    processes; `fsdp` and `tensor` stay inside a process (one NVLink domain) wherever they fit.
+    """
+
+    data: int = -1  # data parallel: replicas of the (fsdp x tensor)-sharded state
+    fsdp: int = 1  # ZeRO-3: params, gradients and optimizer state sharded, batch split too
+    tensor: int = 1  # Megatron: heads, MLP hidden and vocab split; the batch is not
+    zero1: bool = False  # ZeRO-1: also shard the optimizer state over `data` (params replicated)
+
+
+@dataclass(frozen=True)
+class CompatConfig:
+    """Flags of the PyTorch/DDP guides our users already type (README: "coming from torchrun/DDP").
+
+    Each is checked against the job or mapped onto our own keys; one without effect in JAX says
+    so once in the log (compat_notes).
+    """
+
+    distributed: bool = False  # distribution is detected from the launcher
+    local_rank: int = -1  # -1 = not given; else must equal the launcher's local rank
+    world_size: int = 0  # 0 = not given; else must equal the process count
+    backend: str = "auto"  # auto | nccl | gloo: checked against the platform
+    single_gpu: bool = False  # one process on one device
+    skip_invalid_loss: bool = False  # what jaxtrain always does: non-finite steps are skipped
+    continue_on_error: bool = False  # never stop for non-finite steps: max_bad_steps = total_steps
+    find_unused_parameters: bool = False  # no effect: every parameter gets a gradient in JAX
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str = "default"  # the run's name: its run dir (runs/<name>) and wandb name
+    # train | test (loss and perplexity of --resume_from) | predict (generate from --resume_from)
+    task: str = "train"
+    run_dir: str = ""  # "" means runs/<name> (test, predict: the checkpoint's run dir)
+    overwrite: bool = False  # start fresh even if run_dir holds a different run
+    # data: token files (nanoGPT raw uint16/uint32, or llm.c header): a file, a glob, a comma list
+    # or a manifest.json; or a YAML list of {path, weight, name} sources (jaxtrain/sources.py);
+    # "" = embedded default
+    train_data_path: str = ""
+    valid_data_path: str = ""  # validation tokens, same forms; "" = the training path's val shards
+    token_dtype: str = "auto"  # auto | uint16 | uint32 (auto: header, else by vocab size)
+    data_threads: int = 4  # 0: read in the training thread (torch's num_workers=0)
+    prefetch: int = 4  # batches prepared ahead of the step
+    # batch: batch_size is GLOBAL, in sequences, per optimizer step
+    batch_size: int = 32
+    total_batch_size: int = 0  # tokens per optimizer step; when set, derives accumulation
+    device_batch_size: int = 0  # sequences per device per microbatch (with total_batch_size)
+    gradient_accumulation_steps: int = 1  # microbatches per optimizer step (one gradient reduction)
+    total_steps: int = 1000  # optimizer steps of the whole run
+    epochs: float = 0  # > 0 replaces total_steps: epochs x windows in the training data / batch
+    dtype: str = "float32"  # compute dtype: float32 | bfloat16 | float16 (params stay float32)
+    gradient_clip_val: float = 1.0  # global-norm clip; 0 disables
+    max_bad_steps: int = 10  # stop after this many non-finite (skipped) steps in a row
+    # fault tolerance
+    watchdog_factor: float = 20.0  # a step over this many typical step times is a hang
+    watchdog_timeout: float = 1800.0  # seconds any step, eval, save or restore may take; 0 disables
+    preemption_check_interval: int = 10  # steps between multi-process checks for a stop signal
+    lock_stale_s: float = 60.0  # a run dir lock whose heartbeat is this old (s) was left by a dead job
+    seed: int = 0  # init and data order; the batch at a step depends only on data, seed, step
+    # checkpoints
+    resume_from: str = ""  # a checkpoint step dir, or a run's checkpoints/ dir
+    init_from: str = ""  # a new run starting from that checkpoint's params (fresh optimizer, step 0)
+    # test and predict tasks (jaxtrain/tasks.py)
+    test_data_path: str = ""  # "" = valid_data_path, else the checkpoint's validation data
+    prompt: str = ""  # --task predict: text to continue
+    prompt_file: str = ""  # one prompt per line
+    max_new_tokens: int = 256  # tokens --task predict generates per prompt
+    temperature: float = 0.8  # sampling temperature (predict and the end-of-run sample)
+    top_k: int = 40  # 0 = sample from the whole vocabulary
+    # nanochat's one-number model: n_layer = depth, d_model = 64 * depth, heads of 128, optim.lr
+    # 0.004 * (d_model / 768) ** -0.5; keys given beside it win. 0 = off
+    depth: int = 0
+    checkpoint_interval: int = 500  # steps between checkpoints (and one at the end)
+    keep_checkpoints: int = 3  # newest checkpoints kept; older ones are deleted
+    # logging (process 0 only)
+    log_interval: int = 10  # steps between metric lines (process 0 logs, every process can warn)
+    eval_interval: int = 200  # 0 disables
+    eval_batches: int = 8  # validation batches per evaluation (the same ones every time)
+    use_wandb: bool = False  # log metrics to Weights & Biases (process 0)
+    wandb_project: str = "jaxtrain"  # wandb project
+    wandb_run_name: str = ""  # wandb run name; "" = name
+    wandb_mode: str = "online"  # online | offline (no network needed)
+    progress_bar: bool = True  # a tqdm bar on process 0
+    sample_tokens: int = 0  # tokens generated from the final model; 0 disables
+    sample_prompt: str = "def "  # prompt of the end-of-run sample
+    # where the time goes (see README: Profiling, memory, goodput)
+    profile_steps: str = ""  # "A:B" traces steps A..B-1 into <run_dir>/profile/ with jax.profiler
+    profile_processes: str = "0"  # comma-separated process ids that trace, or "all"
+    tensorboard: bool = False  # also write the training scalars as TensorBoard events (process 0)
+    compile_cache_dir: str = ""  # persistent compile cache; "" = $XDG_CACHE_HOME/jaxtrain/xla; "off"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    verbose: bool = False  # every process logs at DEBUG level, and JAX logs each compilation
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    compat: CompatConfig = field(default_factory=CompatConfig)
+
+    @property
+    def resolved_run_dir(self) -> Path:
+        return Path(self.run_dir or f"runs/{self.name}")
+
+
+_CHOICES = {
+    "task": ("train", "test", "predict"),
+    "optim.name": ("adamw", "muon"),
+    "dtype": ("float32", "bfloat16", "float16"),
+    "token_dtype": TOKEN_DTYPES,
+    "wandb_mode": ("online", "offline"),
+    "model.pos_embedding": ("rope", "learned"),
+    "model.remat": ("none", "full", "dots"),
+    "model.attention_impl": ("auto", "xla", "cudnn"),
+    "compat.backend": ("auto", "nccl", "gloo"),
+}
+SOURCE_LISTS = ("train_data_path", "valid_data_path")  # a YAML list of sources is a mixture
+_POSITIVE = (
+    "batch_size", "total_steps", "gradient_accumulation_steps", "log_interval",
+    "checkpoint_interval", "keep_checkpoints", "eval_batches", "prefetch",
+    "model.vocab_size", "model.seq_len", "model.n_layer", "model.n_head", "model.d_model",
+    "optim.matrix_lr", "max_new_tokens", "temperature",
+    "optim.lr", "dist.init_timeout", "max_bad_steps", "preemption_check_interval", "lock_stale_s",
+)  # fmt: skip
+_NON_NEGATIVE = (
+    "total_batch_size", "device_batch_size", "eval_interval", "gradient_clip_val", "top_k", "depth",
+    "sample_tokens", "model.d_ff", "optim.warmup_steps", "optim.weight_decay",
+    "optim.min_lr_ratio", "dist.num_processes", "watchdog_factor", "watchdog_timeout",
+    "data_threads", "epochs", "compat.world_size",
+)  # fmt: skip
+# What the guides' flags without an effect of their own do here, said once in the log when set.
+_COMPAT_NOTES = {
+    "compat.distributed": "--distributed: accepted; jaxtrain detects distribution from its launcher",
+    "compat.local_rank": "--local_rank {}: accepted, checked against the launcher's local rank",
+    "compat.world_size": "--world_size {}: accepted, equals the process count (JAX needs no size flag)",
+    "compat.backend": "--backend {}: accepted; JAX picks NCCL between GPUs and gloo between CPU processes",
+    "compat.skip_invalid_loss": "--skip_invalid_loss: accepted, jaxtrain always skips non-finite steps "
+    "(params unchanged) and stops after max_bad_steps in a row",
+    "compat.find_unused_parameters": "--find_unused_parameters: no effect, every parameter gets a "
+    "gradient in JAX",
+}
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain nested dict of a config, for YAML and wandb."""
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{key}."))
+        else:
+            out[key] = v
+    return out
+
+
+def get(cfg: Config, path: str) -> Any:
+    obj: Any = cfg
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+# ------------------------------------------------------------------------------------- checks
+# Values alone, at load time on every process. What needs the launch or the devices is job.py's.
+
+
+def check(cfg: Config) -> None:
+    """Value checks that need no devices."""
+    for path in SOURCE_LISTS:
+        parse_spec(get(cfg, path), path)
+    for path, choices in _CHOICES.items():
+        if get(cfg, path) not in choices:
+            raise ConfigError(
+                f"config key '{path}' must be one of {'|'.join(choices)}, got {get(cfg, path)!r}"
+            )
+    for path in _POSITIVE:
+        if get(cfg, path) <= 0:
+            raise ConfigError(f"config key '{path}' must be > 0, got {get(cfg, path)}")
+    for path in _NON_NEGATIVE:
+        if get(cfg, path) < 0:
+            raise ConfigError(f"config key '{path}' must be >= 0, got {get(cfg, path)}")
+    m = cfg.model
+    if cfg.depth and m.d_model % m.n_head:
+        raise ConfigError(
+            f"--depth {cfg.depth} gives d_model {m.d_model}, which {m.n_head} heads of ~128 do not divide; "
+            "use an even depth or set --model.n_head"
+        )
+    if m.d_model % m.n_head:
+        raise ConfigError(f"model.d_model {m.d_model} is not divisible by model.n_head {m.n_head}")
+    if m.pos_embedding == "rope" and (m.d_model // m.n_head) % 2:
+        raise ConfigError(f"rotary positions need an even head size, got {m.d_model // m.n_head}")
+    if cfg.batch_size % cfg.gradient_accumulation_steps:
+        raise ConfigError(
+            f"batch_size {cfg.batch_size} is not divisible by gradient_accumulation_steps "
+            f"{cfg.gradient_accumulation_steps}"
+        )
+    if cfg.total_batch_size and not cfg.device_batch_size:
+        raise ConfigError("total_batch_size needs device_batch_size (sequences per device per microbatch)")
+    if cfg.total_batch_size and cfg.total_batch_size % m.seq_len:
+        raise ConfigError(
+            f"total_batch_size {cfg.total_batch_size} tokens is not a multiple of seq_len {m.seq_len}"
+        )
+    if cfg.eval_interval and not cfg.eval_batches:
+        raise ConfigError("eval_interval is set but eval_batches is 0")
+    if cfg.compat.local_rank < -1:
+        raise ConfigError(f"--local_rank must be >= 0, got {cfg.compat.local_rank}")
+    _check_task(cfg)
+    if not 0 <= cfg.optim.muon_momentum < 1:
+        raise ConfigError(f"optim.muon_momentum must be in [0, 1), got {cfg.optim.muon_momentum}")
+    if cfg.optim.min_lr_ratio > 1:
+        raise ConfigError(f"optim.min_lr_ratio must be <= 1, got {cfg.optim.min_lr_ratio}")
+    profile_range(cfg.profile_steps)
+    profile_processes(cfg.profile_processes)
+    _check_mesh_values(cfg)
+
+
+def _check_task(cfg: Config) -> None:
+    if cfg.task != "train" and not cfg.resume_from:
+        raise ConfigError(
+            f"--task {cfg.task} needs --resume_from CHECKPOINT (a step dir, or a run's checkpoints/ dir)"
+        )
+    if cfg.task == "predict" and bool(cfg.prompt) == bool(cfg.prompt_file):
+        raise ConfigError(
+            "--task predict needs --prompt TEXT or --prompt_file FILE (one prompt a line), not both"
+        )
+    if cfg.init_from and (cfg.task != "train" or cfg.resume_from):
+        raise ConfigError(
+            "--init_from starts a new training run from a checkpoint's params; it goes with --task train "
+            "and without --resume_from"
+        )
+
+
+def profile_range(text: str) -> tuple[int, int] | None:
+    """--profile_steps A:B as (A, B), 0 <= A < B; None when unset."""
+    if not text:
+        return None
+    start, colon, stop = text.partition(":")
+    if colon and start.strip().isdigit() and stop.strip().isdigit() and int(start) < int(stop):
+        return int(start), int(stop)
+    raise ConfigError(f"config key 'profile_steps' must be A:B with 0 <= A < B (steps A..B-1), got {text!r}")
+
+
+def profile_processes(text: str) -> set[int] | None:
+    """--profile_processes as a set of process ids; None means all."""
+    if text.strip() == "all":
+        return None
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() for p in parts):
+        raise ConfigError(
+            f"config key 'profile_processes' must be comma-separated process ids or 'all', got {text!r}"
+        )
+    return {int(p) for p in parts}
+
+
+def mesh_str(sizes: dict[str, int]) -> str:
+    """{"data": 2, "fsdp": 4} -> "data 2 x fsdp 4"."""
+    return " x ".join(f"{a} {n}" for a, n in sizes.items())
+
+
+def _check_mesh_values(cfg: Config) -> None:
+    sizes = {a: getattr(cfg.mesh, a) for a in MESH_AXES}
+    for axis, size in sizes.items():
+        if size == 0 or size < -1:
+            raise ConfigError(f"config key 'mesh.{axis}' must be >= 1 or -1 (the devices left), got {size}")
+    if list(sizes.values()).count(-1) > 1:
+        raise ConfigError(f"at most one mesh axis may be -1, got {mesh_str(sizes)}")
+    m, tp = cfg.model, cfg.mesh.tensor
+    if tp > 1:
+        for what, n in (
+            ("model.n_head", m.n_head),
+            ("model.ff_dim", m.ff_dim),
+            ("model.vocab_size", m.vocab_size),
+        ):
+            if n % tp:
+                raise ConfigError(
+                    f"{what} {n} is not divisible by mesh.tensor {tp}: tensor parallelism splits it "
+                    f"evenly; use a mesh.tensor that divides {n}"
+                )
+
+
+def global_rows(cfg: Config) -> int:
+    """Sequences per optimizer step, as the user gave them (total_batch_size wins)."""
+    return cfg.total_batch_size // cfg.model.seq_len if cfg.total_batch_size else cfg.batch_size
+
+
+def with_data(cfg: Config, n_windows: int) -> Config:
+    """--epochs: total_steps from the training data's windows; --continue_on_error: never stop."""
+    if cfg.epochs:
+        cfg = dataclasses.replace(
+            cfg, total_steps=max(1, math.ceil(cfg.epochs * n_windows / global_rows(cfg)))
+        )
+    if cfg.compat.continue_on_error:
+        cfg = dataclasses.replace(cfg, max_bad_steps=cfg.total_steps)
+    return cfg
+
+
+def epoch_at(cfg: Config, step: int, n_windows: int) -> float:
+    """How many passes over the training data's windows `step` steps have made."""
+    return step * global_rows(cfg) / n_windows
+
+
+def compat_notes(cfg: Config, n_windows: int) -> list[str]:
+    """What the guides' flags that were set do here: one log line each."""
+    defaults = CompatConfig()
+    notes = [
+        note.format(get(cfg, path))
+        for path, note in _COMPAT_NOTES.items()
+        if get(cfg, path) != getattr(defaults, path.split(".")[1])
+    ]
+    if cfg.compat.single_gpu:
+        notes.append(f"--single_gpu: one process on device {cfg.dist.local_device_ids}")
+    if cfg.compat.continue_on_error:
+        notes.append(
+            f"--continue_on_error: max_bad_steps = total_steps {cfg.total_steps}: non-finite "
+            "steps are skipped (params unchanged) and never stop the run"
+        )
+    if cfg.epochs:
+        notes.append(
+            f"--epochs {cfg.epochs:g}: {n_windows:,} windows of {cfg.model.seq_len + 1} tokens "
+            f"per epoch / batch {global_rows(cfg)} = total_steps {cfg.total_steps}"
+        )
+    return notes

@@ -1,0 +1,31 @@
+"""The validation loss, one rule for training's evaluations and `--task test`.
+
+A source's loss is the mean over its batches; over several sources (a mixture's, or a manifest's
+named val sets) the loss is weighted as the sources are weighted in training, so the number
+`--task test` prints for a checkpoint is the number its run logged as val_loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxtrain import mesh as mesh_lib
+from jaxtrain.data.sources import Source
+from jaxtrain.run import Run
+
+
+def mean_loss(run: Run, params: Any, batches: Iterable[np.ndarray]) -> float:
+    """Mean loss of `params` over batches of this process's rows (every process calls it)."""
+    losses = [
+        run.eval_step(params, mesh_lib.global_batch(rows, run.mesh, run.cfg.batch_size)) for rows in batches
+    ]
+    return float(np.mean(jax.device_get(losses)))
+
+
+def overall(per_source: dict[str, float], sources: Sequence[Source]) -> float:
+    """The losses of several validation sets as one number: weighted as the sources are."""
+    return float(np.average([per_source[s.name] for s in sources], weights=[s.weight for s in sources]))

@@ -1,0 +1,220 @@
+"""Where this process sits in the job, resolved once per launch: the one holder of topology facts.
+
+    launch = detect(cfg.dist)              # no jax: who started us, how many processes, our rank
+    check_launch(cfg, launch)              # before joining, so every process fails alike
+    job = Job.join(cfg, launch)            # join the others; mesh and batch resolved on the devices
+    job = Job.of_devices(cfg, devices)     # a cluster that is not this one (the GPU planner)
+
+`job.cfg` is the config resolved against the devices (`with_topology`: mesh sizes, global batch in
+sequences, microbatches). Nothing else in the training core asks jax for devices, process ids or
+the backend: the job says them, and it does the multi-process chores (barrier, broadcast, any).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from jaxtrain.cluster import join
+from jaxtrain.cluster.detect import LaunchSpec
+from jaxtrain.config import MESH_AXES, Config, ConfigError, MeshConfig, global_rows
+from jaxtrain.config.schema import mesh_str
+
+
+@dataclass(frozen=True)
+class Job:
+    cfg: Config  # resolved against `devices`
+    launch: LaunchSpec | None  # None for a described cluster (nothing was launched)
+    devices: tuple[Any, ...]  # every device of the job
+    process_index: int
+    process_count: int
+
+    @classmethod
+    def join(cls, cfg: Config, launch: LaunchSpec) -> Job:
+        """Join the job's other processes (jax.distributed), then resolve the config on its devices."""
+        join.initialize(cfg.dist, launch)
+        import jax
+
+        devices = tuple(jax.devices())
+        return cls._resolved(cfg, launch, devices, jax.process_index(), jax.process_count())
+
+    @classmethod
+    def of_devices(cls, cfg: Config, devices: list[Any]) -> Job:
+        """A job over `devices` that need not be this process's (e.g. a GPU cluster's topology
+        description): process 0 of the processes the devices name. Joins nothing, touches nothing."""
+        n_processes = len({d.process_index for d in devices})
+        return cls._resolved(cfg, None, tuple(devices), 0, n_processes)
+
+    @classmethod
+    def _resolved(
+        cls, cfg: Config, launch: LaunchSpec | None, devices: tuple[Any, ...], index: int, count: int
+    ) -> Job:
+        platform = "cpu" if devices[0].platform == "cpu" else "gpu"
+        return cls(with_topology(cfg, len(devices), count, platform), launch, devices, index, count)
+
+    def reconfigured(self, cfg: Config) -> Job:
+        """This job running `cfg` instead (--task test|predict take the checkpoint's model)."""
+        return dataclasses.replace(
+            self, cfg=with_topology(cfg, len(self.devices), self.process_count, self.platform)
+        )
+
+    @property
+    def is_main(self) -> bool:
+        """Process 0: the one that talks to people and writes the run's shared files."""
+        return self.process_index == 0
+
+    @property
+    def local_devices(self) -> tuple[Any, ...]:
+        return tuple(d for d in self.devices if d.process_index == self.process_index)
+
+    @property
+    def platform(self) -> str:
+        return "cpu" if self.devices[0].platform == "cpu" else "gpu"
+
+    @property
+    def device_kind(self) -> str:
+        return str(self.devices[0].device_kind)
+
+    @property
+    def rows_per_process(self) -> int:
+        return self.cfg.batch_size // self.process_count
+
+    def describe(self) -> str:
+        return f"{self.process_count} process(es) x {len(self.local_devices)} {self.device_kind} device(s)"
+
+    def barrier(self, name: str) -> None:
+        """Every process waits here for the others (nothing to wait for alone)."""
+        if self.process_count > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(name)
+
+    def broadcast(self, value: int) -> int:
+        """Process 0's `value`, on every process."""
+        if self.process_count == 1:
+            return value
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
+
+    def any(self, flag: bool) -> bool:
+        """Whether `flag` holds on any process (a collective: every process must ask)."""
+        if self.process_count == 1:
+            return flag
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
+
+
+# ------------------------------------------------------------------------------------- checks
+# The rules that need the launch (before joining) or the devices (after): the config's own value
+# checks, which need neither, are in jaxtrain/config/schema.py.
+
+
+def check_launch(cfg: Config, launch: LaunchSpec) -> None:
+    """The global batch splits evenly between processes (each loads its own rows); the guides'
+    --world_size, --local_rank and --single_gpu agree with the launcher."""
+    c, n_processes = cfg.compat, launch.num_processes
+    start = f"torchrun --nproc_per_node={c.world_size} scripts/train.py ..."
+    if c.world_size and c.world_size != n_processes:
+        raise ConfigError(
+            f"--world_size {c.world_size} but this job has {n_processes} process(es); jaxtrain starts no "
+            f"processes itself: {start}, or drop --world_size"
+        )
+    if c.single_gpu and n_processes > 1:
+        raise ConfigError(f"--single_gpu but this job has {n_processes} processes; start one, or drop it")
+    local_rank = 0 if launch.local_rank is None and n_processes == 1 else launch.local_rank
+    if c.local_rank >= 0 and local_rank is not None and c.local_rank != local_rank:
+        raise ConfigError(
+            f"--local_rank {c.local_rank} but the launcher says this process's local rank is "
+            f"{local_rank}; drop --local_rank (jaxtrain reads it from the launcher)"
+        )
+    check_batch_split(global_rows(cfg), n_processes)
+
+
+def check_batch_split(rows: int, n_processes: int) -> None:
+    """Each process loads an equal share of the global batch."""
+    if rows % n_processes:
+        raise ConfigError(
+            f"global batch_size {rows} is not divisible by {n_processes} processes; "
+            f"use a multiple of {n_processes}"
+        )
+
+
+def resolve_mesh(mesh: MeshConfig, n_devices: int) -> MeshConfig:
+    """Fill in the -1 axis; the product must be the device count (the error gives one that is)."""
+    sizes = {a: getattr(mesh, a) for a in MESH_AXES}
+    known = math.prod(n for n in sizes.values() if n != -1)
+    free = [a for a, n in sizes.items() if n == -1]
+    if free and n_devices % known == 0:
+        sizes[free[0]] = n_devices // known
+    if math.prod(sizes.values()) != n_devices:
+        inner = {a: n for a, n in sizes.items() if a != "data" and n != -1}
+        fits = n_devices % math.prod(inner.values()) == 0
+        hint = (
+            f"--mesh.data -1 {' '.join(f'--mesh.{a} {n}' for a, n in inner.items())}"
+            if fits
+            else f"--mesh.data -1 --mesh.fsdp {n_devices} --mesh.tensor 1"
+        )
+        raise ConfigError(
+            f"mesh {mesh_str({a: getattr(mesh, a) for a in MESH_AXES})} does not multiply to the "
+            f"{n_devices} devices of this job; e.g. {hint}"
+        )
+    return dataclasses.replace(mesh, **sizes)
+
+
+def batch_plan(cfg: Config, shards: int, n_devices: int) -> tuple[int, int]:
+    """(global batch in sequences, microbatches) when the batch is split over `shards` batch shards
+    (mesh.data x mesh.fsdp) of `n_devices` devices; the error gives the numbers."""
+    where = "devices" if shards == n_devices else "batch shards (mesh.data x mesh.fsdp)"
+    batch, accum = cfg.batch_size, cfg.gradient_accumulation_steps
+    if cfg.total_batch_size:
+        rows = global_rows(cfg)
+        per_micro = cfg.device_batch_size * shards
+        if rows % per_micro:
+            raise ConfigError(
+                f"total_batch_size {cfg.total_batch_size} tokens = {rows} sequences is not divisible by "
+                f"device_batch_size {cfg.device_batch_size} x {shards} {where} = {per_micro}; "
+                "change total_batch_size or device_batch_size"
+            )
+        batch, accum = rows, rows // per_micro
+    micro = batch // accum
+    if micro % shards:
+        raise ConfigError(
+            f"microbatch {micro} (batch_size {batch} / gradient_accumulation_steps {accum}) is not "
+            f"divisible by {shards} {where}; use a batch_size that is a multiple of {accum * shards}"
+        )
+    return batch, accum
+
+
+def with_topology(cfg: Config, n_devices: int, n_processes: int, platform: str = "cpu") -> Config:
+    """Resolve the mesh and batch settings against the devices; errors give the numbers."""
+    check_batch_split(global_rows(cfg), n_processes)
+    if cfg.dtype == "float16" and platform == "cpu":
+        raise ConfigError(
+            "dtype float16 needs a GPU (XLA:CPU has no float16 matmul with float32 accumulation); "
+            "use --dtype bfloat16 on CPU"
+        )
+    if cfg.compat.backend == "nccl" and platform != "gpu":
+        raise ConfigError(
+            f"--backend nccl needs GPUs, but this job runs on {platform}; use --backend gloo or drop "
+            "--backend (JAX picks NCCL between GPUs, gloo between CPU processes)"
+        )
+    if cfg.compat.single_gpu and n_devices != 1:
+        raise ConfigError(
+            f"--single_gpu but this process sees {n_devices} {platform} devices; on CPU drop "
+            "--xla_force_host_platform_device_count from XLA_FLAGS, or drop --single_gpu"
+        )
+    mesh = resolve_mesh(cfg.mesh, n_devices)
+    if cfg.model.d_model % mesh.fsdp:
+        raise ConfigError(
+            f"model.d_model {cfg.model.d_model} is not divisible by mesh.fsdp {mesh.fsdp}: FSDP splits "
+            "every param along d_model; use an fsdp size that divides it"
+        )
+    # A tensor group shares its rows: the batch is split over data x fsdp only.
+    batch, accum = batch_plan(cfg, mesh.data * mesh.fsdp, n_devices)
+    return dataclasses.replace(cfg, batch_size=batch, gradient_accumulation_steps=accum, mesh=mesh)

@@ -1,0 +1,120 @@
+"""A run built once, from a job, before anything runs: model, optimizer, the state's shapes and
+shardings, the jitted steps.
+
+    run = build(job)                 # shapes only: no device is touched, no memory allocated
+    train_step = run.compile_train()     # compiled for the job's devices
+    state = run.init_state()             # or checkpoint.start_state(run, ckpt)
+
+Training (loop.py), `--task test|predict` (tasks.py) and the GPU planner (scripts/plan.py, whose
+job's devices are a described GPU cluster, not this machine's) all start from the same `build`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+
+from jaxtrain import faults as faults_lib
+from jaxtrain import memory as memory_lib
+from jaxtrain import mesh as mesh_lib
+from jaxtrain.config import Config
+from jaxtrain.faults import FaultPlan, Faults
+from jaxtrain.job import Job
+from jaxtrain.model import GPT, attention_kernel, flops_per_token, param_count
+from jaxtrain.optim import make_optimizer
+from jaxtrain.state import TrainState, abstract_state, init_state, state_sharding
+from jaxtrain.step import compute_dtype, jit_steps
+
+
+@dataclass(frozen=True)
+class Run:
+    job: Job
+    mesh: Mesh
+    model: GPT
+    tx: optax.GradientTransformation
+    abstract: TrainState  # shapes and dtypes of the state, no memory
+    shardings: Any  # a NamedSharding for each leaf of the state
+    train_step: jax.stages.Wrapped  # jitted, not yet compiled
+    eval_step: jax.stages.Wrapped
+    faults: FaultPlan
+
+    @property
+    def cfg(self) -> Config:
+        return self.job.cfg
+
+    @property
+    def target(self) -> Any:
+        """The state as abstract arrays with their shardings: what restore and compile are given."""
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self.abstract, self.shardings
+        )
+
+    @property
+    def batch_shape(self) -> jax.ShapeDtypeStruct:
+        """One global batch: [global batch, seq_len + 1] int32, rows split over the batch axes."""
+        rows, tokens = self.cfg.batch_size, self.cfg.model.seq_len + 1
+        return jax.ShapeDtypeStruct((rows, tokens), jnp.int32, sharding=mesh_lib.batch_sharding(self.mesh))
+
+    @property
+    def n_params(self) -> int:
+        return param_count(self.abstract.params)
+
+    @property
+    def flops_per_token(self) -> float:
+        return flops_per_token(self.cfg.model, self.n_params)
+
+    @property
+    def state_bytes_per_device(self) -> int:
+        specs = jax.tree.map(lambda s: s.spec, self.shardings)
+        return mesh_lib.bytes_per_device(self.abstract, specs, self.mesh)
+
+    def compile_train(self) -> jax.stages.Compiled:
+        """The train step compiled ahead of time (no stall in step 1); out of memory is one line."""
+        try:
+            faults = Faults.of(self.faults, self.job.process_index)
+            if faults:
+                faults.out_of_memory("compile")
+            return self.train_step.lower(self.target, self.batch_shape).compile()
+        except jax.errors.JaxRuntimeError as e:
+            if not memory_lib.is_out_of_memory(e):
+                raise
+            raise self.out_of_memory(e, "compiling the step", 0) from None
+
+    def compile_eval(self) -> jax.stages.Compiled:
+        return self.eval_step.lower(self.target.params, self.batch_shape).compile()
+
+    def out_of_memory(self, error: BaseException, where: str, peak_bytes: int) -> memory_lib.OutOfMemory:
+        """One line for a device out of memory at `where`, with the settings that lower the peak."""
+        device = self.job.local_devices[0]
+        return memory_lib.out_of_memory(
+            error, where, self.cfg, peak_bytes, device, len(self.job.local_devices)
+        )
+
+    def init_state(self) -> TrainState:
+        """A fresh state, initialised directly into its shardings: full params never sit on one device."""
+        cfg, model, tx = self.cfg, self.model, self.tx
+        init = jax.jit(lambda rng: init_state(cfg, model, tx, rng), out_shardings=self.shardings)
+        return init(jax.random.key(cfg.seed))
+
+
+def build(job: Job, faults: FaultPlan | None = None) -> Run:
+    """Everything of a run that depends only on its config and devices; `faults`: $JAXTRAIN_FAULTS."""
+    cfg = job.cfg
+    mesh = mesh_lib.make_mesh(list(job.devices), cfg.mesh)
+    mesh_lib.check_mesh(mesh)
+    # The model runs the attention kernel resolved for the job's platform; the config keeps the
+    # user's setting (a relaunch on other hardware compares configs).
+    kernel = attention_kernel(cfg.model, job.platform)
+    model = GPT(dataclasses.replace(cfg.model, attention_impl=kernel), dtype=compute_dtype(cfg))
+    tx = make_optimizer(cfg)
+    abstract = abstract_state(cfg, model, tx)
+    shardings = state_sharding(mesh, abstract, cfg.mesh.zero1)
+    faults = faults_lib.planned() if faults is None else faults
+    train_step, eval_step = jit_steps(cfg, model, tx, mesh, shardings, faults)
+    return Run(job, mesh, model, tx, abstract, shardings, train_step, eval_step, faults)

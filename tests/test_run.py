@@ -1,0 +1,57 @@
+"""The run built once (run.py, job.py) and a whole training run in this process (loop.py).
+
+The real-process tests (test_train_script.py, test_launch.py, ...) run the same code behind
+scripts/train.py; these run it in-process, so a failure shows its own traceback.
+"""
+
+import json
+import shutil
+
+import jax
+import pytest
+
+from jaxtrain import checkpoint as ckpt_lib
+from jaxtrain.cluster.detect import detect
+from jaxtrain.config import DistConfig, load_config
+from jaxtrain.job import Job
+from jaxtrain.loop import train
+from jaxtrain.run import build
+
+TINY = ["--config", "configs/tiny.yaml", "--log_interval", "1", "--eval_interval", "2", "--eval_batches", "1"]
+SINGLE = detect(DistConfig(), {})
+
+
+def test_building_touches_no_device():
+    cfg = load_config([*TINY, "--mesh.fsdp", "4"])
+    before = len(jax.live_arrays())
+    run = build(Job.of_devices(cfg, jax.devices()))
+    assert len(jax.live_arrays()) == before  # shapes and shardings only
+    assert run.cfg.mesh.data == 2 and run.cfg.mesh.fsdp == 4  # resolved on the 8 devices given
+    dp = build(Job.of_devices(load_config(TINY), jax.devices()))
+    assert run.state_bytes_per_device < dp.state_bytes_per_device / 3  # fsdp 4 splits the state
+    compiled = run.compile_train()  # compiling allocates nothing either
+    assert compiled.memory_analysis().temp_size_in_bytes > 0 and len(jax.live_arrays()) == before
+
+
+@pytest.mark.slow
+def test_a_whole_run_in_process_then_its_resume(tmp_path):
+    """Four steps through the builder and the loop; with its last checkpoint gone, a relaunch
+    resumes at step 2 and trains steps 3 and 4 to the same losses, bit for bit."""
+    run_dir = tmp_path / "run"
+    cfg = load_config([*TINY, "--total_steps", "4", "--checkpoint_interval", "2", "--run_dir", str(run_dir)])
+
+    def losses():
+        return {
+            r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").open()) if "loss" in r
+        }
+
+    first = train(cfg, SINGLE)
+    assert first.final_step == 4 and first.val_loss is not None
+    assert ckpt_lib.Checkpointer(run_dir / "checkpoints", 3, read_only=True).all_steps() == [2, 4]
+    unbroken = losses()
+    shutil.rmtree(run_dir / "checkpoints" / "4")
+    again = train(cfg, SINGLE)
+    assert again.final_step == 4 and again.val_loss == first.val_loss
+    assert losses() == unbroken  # steps 3 and 4 again, equal to the last bit
+    launches = [r for r in map(json.loads, (run_dir / "metrics.jsonl").open()) if r.get("event") == "launch"]
+    assert [r["step"] for r in launches] == [0, 2]
