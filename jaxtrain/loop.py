@@ -4,8 +4,8 @@
 
 `train` does the checks every process can make alone, joins the job (job.py), builds the run
 (run.py) and hands it to `_train`, which reads top to bottom in titled sections: start, step, log,
-eval, save, end. Its collaborators each own one concern: `_Tracker` per-step bookkeeping and
-logging, `_Evaluator` the validation loss, `_Saver` checkpoints and their goodput time; the
+eval, save, end. Its collaborators each own one concern: `metrics.StepTracker` per-step
+bookkeeping and logging, `_Evaluator` the validation loss, `_Saver` checkpoints and their goodput time; the
 watchdog, the profiler and the stop request are asked at fixed places.
 """
 
@@ -14,9 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +38,7 @@ from jaxtrain.job import Job, check_launch
 from jaxtrain.model import generate, param_summary
 from jaxtrain.preemption import StopRequest
 from jaxtrain.profiling import Profiler
-from jaxtrain.run import Run, build
+from jaxtrain.run import Background, Run, build
 from jaxtrain.tokenizer import for_data
 from jaxtrain.xla_env import enable_compile_cache
 
@@ -124,7 +122,7 @@ def _train(
     watchdog.watch_beside(lambda: ckpt.in_flight)  # a background write hung on storage
     # The step compiles from shapes alone, so it compiles (or is read from the compile cache) in a
     # thread while the state is restored or initialised: a relaunch waits for the longer of the two.
-    compiling = _Background(run.compile_train)
+    compiling = Background(run.compile_train)
     with compiling.joined_on_error(), watchdog.phase("checkpoint restore"):
         t_restore = time.perf_counter()
         state, step = ckpt_lib.start_state(run, ckpt)
@@ -135,7 +133,7 @@ def _train(
     batches = _Batches(run, data.train, step)
     evaluator = _Evaluator(run, data.val)
     saver = _Saver(run, ckpt, watchdog, timeline)
-    tracker = _Tracker(run, reporter, watchdog, step)
+    tracker = metrics.StepTracker(cfg, reporter, watchdog, job.local_devices[0], step)
     profiler = Profiler(cfg, run_dir, job.process_index)
     faults = Faults.of(run.faults, job.process_index)
     val_loss, stopped = None, False
@@ -183,8 +181,9 @@ def _train(
         raise Preempted(
             f"pre-empted: checkpoint {run_dir / 'checkpoints' / str(step)} saved; relaunch to resume"
         )
-    if cfg.sample_tokens:
-        _sample(run, state.params, str(data.train[0].shards.infos[0].path))  # tokenizer.json beside it
+    if cfg.sample_tokens:  # compiles generate: bounded as a phase, not as a step
+        with watchdog.phase("end-of-run sample"):
+            _sample(run, state.params, str(data.train[0].shards.infos[0].path))  # tokenizer.json beside it
     log.info(f"done: step {step}, run dir {run_dir}")
     return RunResult(step, tracker.last_loss, val_loss, run_dir)
 
@@ -301,59 +300,6 @@ def _warn_if_disk_short(cfg: Config, ckpt: ckpt_lib.Checkpointer, nbytes: int) -
 # ------------------------------------------------------------------------------ collaborators
 
 
-class _Tracker:
-    """Per-step bookkeeping on the host: logging intervals, non-finite steps, the watchdog."""
-
-    def __init__(self, run: Run, reporter: metrics.Reporter, watchdog: Watchdog, start_step: int) -> None:
-        self.cfg, self.reporter, self.watchdog = run.cfg, reporter, watchdog
-        self.pending: tuple[int, dict[str, jax.Array]] | None = None
-        self.device = run.job.local_devices[0]  # the memory of one device: the mesh loads them alike
-        self.last_loss: float | None = None
-        self.restart_clock(start_step)
-
-    def restart_clock(self, step: int) -> None:
-        """Start a timing interval at `step` (after eval too, so eval stays out of tokens/s)."""
-        self.t_last, self.data_wait, self.interval_start = time.perf_counter(), 0.0, step
-
-    def finish_pending(self) -> None:
-        """Wait for the step in flight; log it, judge it, tell the watchdog."""
-        if self.pending is None:
-            return
-        step, m = self.pending
-        self.pending = None
-        m = jax.device_get(m)
-        self.watchdog.beat(step)
-        self.reporter.step_done()
-        cfg = self.cfg
-        if not m["finite"]:
-            log.warning(f"step {step}: loss or gradient not finite; step skipped ({m['bad_steps']} in a row)")
-            if m["bad_steps"] >= cfg.max_bad_steps:
-                raise NonFiniteError(
-                    f"{m['bad_steps']} non-finite steps in a row (last at step {step}, max_bad_steps "
-                    f"{cfg.max_bad_steps})"
-                )
-        self.last_loss = float(m["loss"])
-        if step % cfg.log_interval == 0 or step == cfg.total_steps:
-            dt = time.perf_counter() - self.t_last
-            n = step - self.interval_start
-            record = {
-                "step": step,
-                "loss": self.last_loss,
-                "lr": float(m["lr"]),
-                "grad_norm": float(m["grad_norm"]),
-                "tokens_per_sec": n * cfg.batch_size * cfg.model.seq_len / dt,
-                "step_time_s": dt / n,
-                "data_wait_frac": self.data_wait / dt,
-                "skipped_steps": int(m["skipped_steps"]),
-                **memory_lib.usage(self.device),
-                "t": round(time.time(), 3),  # for goodput
-            }
-            if cfg.dtype == "float16":
-                record["loss_scale"] = float(m["loss_scale"])
-            self.reporter.train(record)
-            self.restart_clock(step)
-
-
 class _Batches:
     """This process's rows of each global batch, one batch ahead on the devices."""
 
@@ -369,14 +315,14 @@ class _Batches:
         self.ready: jax.Array | None = None
         self.start_step = start_step
 
-    def prefetch(self, step: int, tracker: _Tracker) -> None:
+    def prefetch(self, step: int, tracker: metrics.StepTracker) -> None:
         """Start the copy of step `step`'s batch (if there is one) while the devices work."""
         if step < self.cfg.total_steps:
             t0 = time.perf_counter()
             self.ready = mesh_lib.global_batch(next(self.rows), self.mesh, self.cfg.batch_size)
             tracker.data_wait += time.perf_counter() - t0
 
-    def next(self, tracker: _Tracker) -> jax.Array:
+    def next(self, tracker: metrics.StepTracker) -> jax.Array:
         if self.ready is None:  # the first step of a launch
             self.prefetch(self.start_step, tracker)
         batch, self.ready = self.ready, None
@@ -468,39 +414,3 @@ def _sample(run: Run, params: Any, train_path: str) -> None:
     )  # fmt: skip
     text = tokenizer.decode(np.concatenate([prompt, out]))
     log.info("sample from the trained model:\n" + "-" * 60 + f"\n{text}\n" + "-" * 60)
-
-
-class _Background:
-    """`fn()` run in a daemon thread (a run that fails meanwhile exits without waiting for it);
-    result() gives (its value, its seconds, the seconds waited for it) or raises what it raised."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self.value: Any = None
-        self.error: BaseException | None = None
-        self.seconds = 0.0
-        self.thread = threading.Thread(target=self._run, args=(fn,), name="compile", daemon=True)
-        self.thread.start()
-
-    def _run(self, fn: Callable[[], Any]) -> None:
-        t0 = time.perf_counter()
-        try:
-            self.value = fn()
-        except BaseException as e:  # re-raised in the waiting thread
-            self.error = e
-        self.seconds = time.perf_counter() - t0
-
-    @contextlib.contextmanager
-    def joined_on_error(self) -> Iterator[None]:
-        """The interpreter aborts (SIGABRT) if it exits while XLA compiles: a failure waits first."""
-        try:
-            yield
-        except BaseException:
-            self.thread.join()
-            raise
-
-    def result(self) -> tuple[Any, float, float]:
-        t0 = time.perf_counter()
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.value, self.seconds, time.perf_counter() - t0

@@ -14,13 +14,18 @@ import json
 import logging
 import secrets
 import sys
+import time
 from pathlib import Path
 from typing import Any, Literal, cast
 
+import jax
 from tqdm import tqdm
 
 from jaxtrain import config as config_lib
+from jaxtrain import memory as memory_lib
+from jaxtrain.cluster.watchdog import Watchdog
 from jaxtrain.config import Config
+from jaxtrain.errors import NonFiniteError
 from jaxtrain.files import LineFile
 from jaxtrain.tboard import ScalarWriter
 
@@ -214,3 +219,58 @@ def _start_wandb(cfg: Config, run_dir: Path) -> Any:
         mode=cast(Literal["online", "offline"], cfg.wandb_mode),  # the values config.py allows
         config=config_lib.to_dict(cfg),
     )
+
+
+class StepTracker:
+    """Per-step bookkeeping on the host: logging intervals, non-finite steps, the watchdog."""
+
+    def __init__(
+        self, cfg: Config, reporter: Reporter, watchdog: Watchdog, device: Any, start_step: int
+    ) -> None:
+        self.cfg, self.reporter, self.watchdog = cfg, reporter, watchdog
+        self.pending: tuple[int, dict[str, Any]] | None = None
+        self.device = device  # the memory of one device: the mesh loads them alike
+        self.last_loss: float | None = None
+        self.restart_clock(start_step)
+
+    def restart_clock(self, step: int) -> None:
+        """Start a timing interval at `step` (after eval too, so eval stays out of tokens/s)."""
+        self.t_last, self.data_wait, self.interval_start = time.perf_counter(), 0.0, step
+
+    def finish_pending(self) -> None:
+        """Wait for the step in flight; log it, judge it, tell the watchdog."""
+        if self.pending is None:
+            return
+        step, m = self.pending
+        self.pending = None
+        m = jax.device_get(m)
+        self.watchdog.beat(step)
+        self.reporter.step_done()
+        cfg = self.cfg
+        if not m["finite"]:
+            log.warning(f"step {step}: loss or gradient not finite; step skipped ({m['bad_steps']} in a row)")
+            if m["bad_steps"] >= cfg.max_bad_steps:
+                raise NonFiniteError(
+                    f"{m['bad_steps']} non-finite steps in a row (last at step {step}, max_bad_steps "
+                    f"{cfg.max_bad_steps})"
+                )
+        self.last_loss = float(m["loss"])
+        if step % cfg.log_interval == 0 or step == cfg.total_steps:
+            dt = time.perf_counter() - self.t_last
+            n = step - self.interval_start
+            record = {
+                "step": step,
+                "loss": self.last_loss,
+                "lr": float(m["lr"]),
+                "grad_norm": float(m["grad_norm"]),
+                "tokens_per_sec": n * cfg.batch_size * cfg.model.seq_len / dt,
+                "step_time_s": dt / n,
+                "data_wait_frac": self.data_wait / dt,
+                "skipped_steps": int(m["skipped_steps"]),
+                **memory_lib.usage(self.device),
+                "t": round(time.time(), 3),  # for goodput
+            }
+            if cfg.dtype == "float16":
+                record["loss_scale"] = float(m["loss_scale"])
+            self.reporter.train(record)
+            self.restart_clock(step)

@@ -96,3 +96,65 @@ def test_run_distributed_help_imports_no_jax():
     imported = [x.rpartition("|")[2].strip() for x in lines]
     assert "jaxtrain.launch.cli" in imported, done.stderr[-3000:]
     assert _jax_modules(imported) == []
+
+
+# What asks jax where this process sits: only the job (and the mesh, which lays devices out) may.
+TOPOLOGY_CALLS = {
+    "devices", "local_devices", "device_count", "local_device_count", "process_index", "process_count",
+    "default_backend",
+}  # fmt: skip
+TOPOLOGY_OWNERS = ("jaxtrain.job", "jaxtrain.mesh")
+CORE = [
+    p for p in sorted(PACKAGE.rglob("*.py")) if not _is_in(_module_name(p), (*ON_TOP, "jaxtrain.cluster"))
+]
+
+
+def _topology_calls(path: Path) -> list[str]:
+    """`jax.<topology query>(...)` calls in a file, as 'line: name'."""
+    return [
+        f"{node.lineno}: jax.{node.func.attr}()"
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in TOPOLOGY_CALLS
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "jax"
+    ]
+
+
+@pytest.mark.parametrize("path", CORE, ids=lambda p: str(p.relative_to(REPO)))
+def test_only_the_job_and_the_mesh_ask_jax_for_the_topology(path):
+    if _is_in(_module_name(path), TOPOLOGY_OWNERS):
+        return
+    calls = _topology_calls(path)
+    assert not calls, (
+        f"{path.relative_to(REPO)} asks jax where it runs ({calls}); ask the Job (jaxtrain/job.py)"
+    )
+
+
+def test_the_topology_rule_finds_a_query(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text("import jax\n\ndef f():\n    return jax.process_index() + len(jax.devices())\n")
+    assert _topology_calls(source) == ["4: jax.process_index()", "4: jax.devices()"]
+
+
+# Preparing data (scripts/prepare_data.py) needs no accelerator stack and nothing of training.
+PREPARE_MAY_IMPORT = (
+    "jaxtrain.prepare",
+    "jaxtrain.data.format",
+    "jaxtrain.tokenizer",
+    "jaxtrain.files",
+    "jaxtrain.errors",
+)
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "prepare").glob("*.py")), ids=lambda p: p.name)
+def test_prepare_imports_nothing_of_training(path):
+    ours = {m for m in imported_modules(path) if m.split(".")[0] == "jaxtrain"}
+    wrong = sorted(
+        m for m in ours if not _is_in(m, PREPARE_MAY_IMPORT) and m not in ("jaxtrain", "jaxtrain.data")
+    )
+    heavy = sorted(
+        m for m in imported_modules(path) if m.split(".")[0] in ("jax", "jaxlib", "flax", "optax", "orbax")
+    )
+    assert not wrong and not heavy, f"{path.name} imports {wrong + heavy}"
