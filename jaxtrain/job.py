@@ -38,6 +38,8 @@ class Job:
         import jax
 
         devices = tuple(jax.devices())
+        if cfg.compat.world_size and launch.num_processes == 1:
+            devices = _world_of_one_process(cfg.compat.world_size, devices)
         return cls._resolved(cfg, launch, devices, jax.process_index(), jax.process_count())
 
     @classmethod
@@ -110,6 +112,19 @@ class Job:
         return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
 
 
+def _world_of_one_process(world_size: int, devices: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The guides' `--world_size N` in one process (their one-process-per-GPU spawn): in JAX one
+    process drives its devices, so it trains on N of them, if there are N."""
+    if world_size > len(devices):
+        kind = devices[0].platform
+        raise ConfigError(
+            f"--world_size {world_size} but this process has {len(devices)} {kind} device(s); use at most "
+            f"{len(devices)}, start {world_size} processes (torchrun --nproc_per_node={world_size} "
+            "scripts/train.py ...), or drop --world_size"
+        )
+    return devices[:world_size]
+
+
 # ------------------------------------------------------------------------------------- checks
 # The rules that need the launch (before joining) or the devices (after): the config's own value
 # checks, which need neither, are in jaxtrain/config/schema.py.
@@ -120,7 +135,13 @@ def check_launch(cfg: Config, launch: LaunchSpec) -> None:
     --world_size, --local_rank and --single_gpu agree with the launcher."""
     c, n_processes = cfg.compat, launch.num_processes
     start = f"torchrun --nproc_per_node={c.world_size} scripts/train.py ..."
-    if c.world_size and c.world_size != n_processes:
+    if not cfg.ddp.enabled and n_processes > 1:
+        raise ConfigError(
+            f"ddp.enabled is false but this job has {n_processes} processes; start one process, or set "
+            "ddp.enabled true (distribution is detected from the launcher)"
+        )
+    # One process with --world_size N means N local devices (checked once they are known).
+    if c.world_size and c.world_size != n_processes and n_processes > 1:
         raise ConfigError(
             f"--world_size {c.world_size} but this job has {n_processes} process(es); jaxtrain starts no "
             f"processes itself: {start}, or drop --world_size"

@@ -74,6 +74,7 @@ def train(cfg: Config, launch: LaunchSpec, launch_time: float | None = None) -> 
     rundir.check(cfg)
     rundir.restrict_umask()  # nothing it writes into the run dir is world-writable
     check_launch(cfg, launch)
+    metrics.check_wandb(cfg)
     data = _open_data(cfg)
     cfg = config_lib.with_data(cfg, loader.epoch_windows(data.train))
     lock = runlock.RunLock(cfg.resolved_run_dir, cfg.lock_stale_s)
@@ -200,14 +201,17 @@ def _start_run_dir(run: Run, data: _Data) -> ckpt_lib.Checkpointer:
     if job.is_main:
         rundir.prepare(cfg)
     job.barrier("run_dir")
-    metrics.setup_logging(run_dir, job.process_index)
+    metrics.setup_logging(run_dir, job.process_index, cfg.ddp.log_level)
     if cfg.verbose:  # the guides' --debug: every process logs everything, JAX each compilation
         logging.getLogger("jaxtrain").setLevel(logging.DEBUG)
         jax.config.update("jax_log_compiles", True)
     chosen = "".join(f"\n  {k}: {v!r}" for k, v in config_lib.differences(cfg).items())
     log.info(f"config, where it differs from the defaults (all of it: {run_dir / 'config.yaml'}):{chosen}")
     log.info(f"compile cache: {enable_compile_cache(cfg.compile_cache_dir) or 'off'}")
-    for note in config_lib.compat_notes(cfg, loader.epoch_windows(data.train)):
+    notes = config_lib.compat_notes(
+        cfg, loader.epoch_windows(data.train), job.process_count, len(job.devices)
+    )
+    for note in notes:
         log.info(note)
     log.info(
         f"{job.describe()}; global batch {cfg.batch_size} x {cfg.model.seq_len} tokens, "

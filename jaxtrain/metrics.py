@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import json
 import logging
+import netrc
+import os
 import secrets
 import sys
 import time
+import urllib.parse
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -25,7 +29,7 @@ from jaxtrain import config as config_lib
 from jaxtrain import memory as memory_lib
 from jaxtrain.cluster.watchdog import Watchdog
 from jaxtrain.config import Config
-from jaxtrain.errors import NonFiniteError
+from jaxtrain.errors import NonFiniteError, UserError
 from jaxtrain.files import LineFile
 from jaxtrain.tboard import ScalarWriter
 
@@ -94,9 +98,10 @@ def process_log_path(run_dir: Path, process_index: int) -> Path:
     return run_dir / "train.log" if process_index == 0 else run_dir / "logs" / f"process_{process_index}.log"
 
 
-def setup_logging(run_dir: Path | None, process_index: int) -> None:
+def setup_logging(run_dir: Path | None, process_index: int, level: str = "") -> None:
     """Process 0: INFO to the terminal (and train.log). Others: WARNING to stderr (and their own
-    file). run_dir None (--task test, predict): the terminal only, no file in any run dir."""
+    file). run_dir None (--task test, predict): the terminal only, no file in any run dir.
+    `level` (ddp.log_level): every process logs at that level instead."""
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
     root = logging.getLogger("jaxtrain")
     root.handlers.clear()
@@ -108,7 +113,7 @@ def setup_logging(run_dir: Path | None, process_index: int) -> None:
         if process_index:
             (run_dir / "logs").mkdir(exist_ok=True)
         handlers.append(_LineFileHandler(process_log_path(run_dir, process_index)))
-    root.setLevel(logging.INFO if process_index == 0 else logging.WARNING)
+    root.setLevel(level or (logging.INFO if process_index == 0 else logging.WARNING))
     for h in handlers:
         h.setFormatter(fmt)
         root.addHandler(h)
@@ -203,22 +208,75 @@ class Reporter:
             self.tensorboard.close()
 
 
+# Seconds wandb may take to reach its server at start, and to upload at the end: past them the
+# run logs offline (`wandb sync` uploads later) rather than hang a job on a network.
+WANDB_INIT_TIMEOUT_S = 60.0
+WANDB_FINISH_TIMEOUT_S = 120.0
+
+
+def wandb_mode(cfg: Config, environ: Mapping[str, str] = os.environ) -> str:
+    """online | offline: --wandb_mode, unless WANDB_MODE asks for offline (or disabled) logging."""
+    return "offline" if environ.get("WANDB_MODE", "") in ("offline", "dryrun", "disabled") else cfg.wandb_mode
+
+
+def _wandb_key(environ: Mapping[str, str]) -> bool:
+    """Whether wandb has an API key here: WANDB_API_KEY, or `wandb login`'s entry in the netrc file."""
+    if environ.get("WANDB_API_KEY"):
+        return True
+    host = urllib.parse.urlparse(environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or ""
+    path = Path(environ.get("NETRC") or Path.home() / ".netrc")
+    try:
+        return netrc.netrc(str(path)).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def check_wandb(cfg: Config, environ: Mapping[str, str] = os.environ) -> None:
+    """At start, before anything is compiled or written: online logging needs an API key."""
+    if cfg.use_wandb and wandb_mode(cfg, environ) == "online" and not _wandb_key(environ):
+        raise UserError(
+            "--use_wandb logs online, but this machine has no wandb API key; run `wandb login`, set "
+            "WANDB_API_KEY, or pass --wandb_mode offline (`wandb sync <run_dir>/wandb/offline-run-*` "
+            "uploads it later)"
+        )
+
+
 def _start_wandb(cfg: Config, run_dir: Path) -> Any:
-    """One wandb run per run dir: a resumed run continues the same wandb run id."""
+    """One wandb run per run dir: a resumed run continues the same wandb run id. A server that
+    does not answer within WANDB_INIT_TIMEOUT_S leaves the run logging offline, with a warning."""
     import wandb  # imported only when asked for: it is slow to import
 
     id_file = run_dir / "wandb_id"
     run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
     id_file.write_text(run_id)
-    return wandb.init(
-        project=cfg.wandb_project,
-        name=cfg.wandb_run_name or cfg.name,
-        id=run_id,
-        resume="allow",
-        dir=str(run_dir),
-        mode=cast(Literal["online", "offline"], cfg.wandb_mode),  # the values config.py allows
-        config=config_lib.to_dict(cfg),
-    )
+    # wandb's own WANDB_INIT_TIMEOUT, when set, is the user's choice of the first limit.
+    init_timeout = float(os.environ.get("WANDB_INIT_TIMEOUT") or WANDB_INIT_TIMEOUT_S)
+    settings = wandb.Settings(init_timeout=init_timeout, finish_timeout=WANDB_FINISH_TIMEOUT_S)
+    mode = wandb_mode(cfg)
+
+    def init(mode: str) -> Any:
+        return wandb.init(
+            project=cfg.wandb_project,
+            name=cfg.wandb_run_name or cfg.name,
+            id=run_id,
+            resume="allow",
+            dir=str(run_dir),
+            mode=cast(Literal["online", "offline"], mode),
+            config=config_lib.to_dict(cfg),
+            settings=settings,
+        )
+
+    if mode == "offline":
+        return init(mode)
+    try:
+        return init(mode)
+    except Exception as e:  # wandb raises several types for a server it cannot reach
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        log.warning(
+            f"wandb: cannot reach its server ({first}); logging offline to {run_dir / 'wandb'}; "
+            f"`wandb sync {run_dir / 'wandb'}/offline-run-*` uploads it later"
+        )
+        return init("offline")
 
 
 class StepTracker:

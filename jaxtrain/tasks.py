@@ -76,7 +76,7 @@ class _Checkpoint:
 def _start(cfg: Config, launch: LaunchSpec) -> tuple[Run, _Checkpoint, Path, Any]:
     """Join the job, open the checkpoint, build the run of its model; the output dir and its params."""
     job = Job.join(cfg, launch)
-    metrics.setup_logging(None, job.process_index)
+    metrics.setup_logging(None, job.process_index, cfg.ddp.log_level)
     source, step = ckpt_lib.open_checkpoint(cfg.resume_from, "--resume_from")
     ckpt = _Checkpoint(source, step, source.read_meta(step).get("config", {}))
     fields = {f.name for f in dataclasses.fields(ModelConfig)}

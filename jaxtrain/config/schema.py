@@ -97,14 +97,21 @@ class CompatConfig:
     so once in the log (compat_notes).
     """
 
-    distributed: bool = False  # distribution is detected from the launcher
     local_rank: int = -1  # -1 = not given; else must equal the launcher's local rank
-    world_size: int = 0  # 0 = not given; else must equal the process count
+    world_size: int = 0  # 0 = not given; else the process count, or in one process its devices
     backend: str = "auto"  # auto | nccl | gloo: checked against the platform
     single_gpu: bool = False  # one process on one device
     skip_invalid_loss: bool = False  # what jaxtrain always does: non-finite steps are skipped
     continue_on_error: bool = False  # never stop for non-finite steps: max_bad_steps = total_steps
     find_unused_parameters: bool = False  # no effect: every parameter gets a gradient in JAX
+
+
+@dataclass(frozen=True)
+class DdpConfig:
+    """The `ddp:` section of the PyTorch guides' YAML files."""
+
+    enabled: bool = True  # --distributed: distribution is detected; false refuses a multi-process job
+    log_level: str = ""  # DEBUG | INFO | WARNING | ERROR on every process; "" = INFO on 0, WARNING elsewhere
 
 
 @dataclass(frozen=True)
@@ -175,6 +182,7 @@ class Config:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     compat: CompatConfig = field(default_factory=CompatConfig)
+    ddp: DdpConfig = field(default_factory=DdpConfig)
 
     @property
     def resolved_run_dir(self) -> Path:
@@ -191,6 +199,7 @@ _CHOICES = {
     "model.remat": ("none", "full", "dots"),
     "model.attention_impl": ("auto", "xla", "cudnn"),
     "compat.backend": ("auto", "nccl", "gloo"),
+    "ddp.log_level": ("", "DEBUG", "INFO", "WARNING", "ERROR"),
 }
 SOURCE_LISTS = ("train_data_path", "valid_data_path")  # a YAML list of sources is a mixture
 _POSITIVE = (
@@ -208,9 +217,7 @@ _NON_NEGATIVE = (
 )  # fmt: skip
 # What the guides' flags without an effect of their own do here, said once in the log when set.
 _COMPAT_NOTES = {
-    "compat.distributed": "--distributed: accepted; jaxtrain detects distribution from its launcher",
     "compat.local_rank": "--local_rank {}: accepted, checked against the launcher's local rank",
-    "compat.world_size": "--world_size {}: accepted, equals the process count (JAX needs no size flag)",
     "compat.backend": "--backend {}: accepted; JAX picks NCCL between GPUs and gloo between CPU processes",
     "compat.skip_invalid_loss": "--skip_invalid_loss: accepted, jaxtrain always skips non-finite steps "
     "(params unchanged) and stops after max_bad_steps in a row",
@@ -386,7 +393,7 @@ def epoch_at(cfg: Config, step: int, n_windows: int) -> float:
     return step * global_rows(cfg) / n_windows
 
 
-def compat_notes(cfg: Config, n_windows: int) -> list[str]:
+def compat_notes(cfg: Config, n_windows: int, n_processes: int, n_devices: int) -> list[str]:
     """What the guides' flags that were set do here: one log line each."""
     defaults = CompatConfig()
     notes = [
@@ -394,6 +401,13 @@ def compat_notes(cfg: Config, n_windows: int) -> list[str]:
         for path, note in _COMPAT_NOTES.items()
         if get(cfg, path) != getattr(defaults, path.split(".")[1])
     ]
+    if cfg.compat.world_size and n_processes > 1:
+        notes.append(f"--world_size {cfg.compat.world_size}: accepted, equals the process count")
+    elif cfg.compat.world_size:
+        notes.append(
+            f"--world_size {cfg.compat.world_size}: in JAX one process drives every local device, so this "
+            f"one process trains on {n_devices} devices (no process per device is started)"
+        )
     if cfg.compat.single_gpu:
         notes.append(f"--single_gpu: one process on device {cfg.dist.local_device_ids}")
     if cfg.compat.continue_on_error:
