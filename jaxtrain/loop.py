@@ -23,7 +23,7 @@ from jaxtrain import mesh as mesh_lib
 from jaxtrain.cluster import detect, join
 from jaxtrain.cluster.watchdog import Watchdog
 from jaxtrain.config import Config
-from jaxtrain.errors import NonFiniteError, Preempted, StorageError, UserError
+from jaxtrain.errors import NonFiniteError, StorageError, UserError
 from jaxtrain.faults import Faults
 from jaxtrain.goodput import Timeline, end_reason
 from jaxtrain.model import GPT, flops_per_token, generate, param_count, param_summary
@@ -428,7 +428,7 @@ def _run(
                         ckpt.wait()
                     reporter.close()
                     saved = run_dir / "checkpoints" / str(step)
-                    raise Preempted(f"pre-empted: checkpoint {saved} saved; relaunch to resume")
+                    raise stop.error(saved)
         tracker.finish_pending()
         profiler.stop(state)
     except jax.errors.JaxRuntimeError as e:
