@@ -149,6 +149,8 @@ def test_preemption_on_one_host_stops_both_at_one_step_and_exits_75(hosts, tmp_p
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
+    if not (run_dir / "metrics.jsonl").exists():
+        return {}
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
