@@ -51,7 +51,7 @@ def _start_time(pid: int) -> str | None:
         return None
 
 
-_PF_EXITING = 0x4  # task flag (linux/sched.h): the process is in exit()
+_PF_DYING = 0x4 | 0x400  # task flags (linux/sched.h): PF_EXITING (in exit), PF_SIGNALED (killed)
 _SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
 
 
@@ -78,7 +78,7 @@ def _life(pid: int, pid_start: str | None) -> str:
     if state in "ZX" and threads <= 1:
         return "gone"  # a zombie: only its exit status is left, everything else is released
     pending = int(status.get("SigPnd", "0"), 16) | int(status.get("ShdPnd", "0"), 16)
-    if state in "ZX" or flags & _PF_EXITING or pending & _SIGKILL_BIT:
+    if state in "ZX" or flags & _PF_DYING or pending & _SIGKILL_BIT:
         return "exiting"  # e.g. tearing down a large address space after a kill -9
     return "alive"
 
