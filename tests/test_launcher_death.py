@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from processes import clean_env, processes_marked, reaped, wait_for_training
 
+from jaxtrain.launch.local import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 150  # ~5 s in one process, long enough for a start in between in two
 CFG = ["--config", "configs/tiny.yaml", "--total_steps", str(STEPS), "--eval_interval", "0"]
@@ -132,3 +134,32 @@ def test_kill_9_of_the_launcher_ends_its_workers_and_the_same_command_resumes(ta
     assert len(resumed) == 1 and 20 <= int(resumed[0]) <= killed_at, (resumed, killed_at)
     assert losses(run_dir) == pytest.approx(unbroken, abs=1e-4)  # every step once, the unbroken run's
     print(f"kill -9 of the {target} at step {killed_at}: workers gone {outlived_s:.2f} s later")
+
+
+@pytest.mark.multiprocess
+def test_kill_9_of_torchrun_ends_its_workers(tmp_path):
+    """torchrun leaves its workers running when it is killed; ours notice and stop."""
+    pytest.importorskip("torch.distributed.run")
+    run_dir, marker, said = tmp_path / "run", uuid.uuid4().hex, tmp_path / "said.txt"
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+    ]
+    with open(said, "w") as out:  # a file: the workers would hold a pipe open after torchrun is gone
+        launcher = subprocess.Popen(
+            [*torchrun, "scripts/train.py", *CFG, "--total_steps", "100000", "--run_dir", str(run_dir)],
+            cwd=REPO, env=clean_env(JAXTRAIN_TEST_MARK=marker), stdout=out, stderr=out,
+        )  # fmt: skip
+    with reaped(launcher, marker):
+        wait_for_training(run_dir, launcher)
+        t0 = time.monotonic()
+        launcher.kill()
+        while processes_marked(marker) and time.monotonic() - t0 < 15:
+            time.sleep(0.05)
+        outlived_s = time.monotonic() - t0
+        assert processes_marked(marker) == [], f"workers left {outlived_s:.0f} s after the kill"
+    assert said.read_text().count(f"jaxtrain: torchrun (pid {launcher.pid}) is gone; stopping") == 2
+    print(f"kill -9 of torchrun: workers gone {outlived_s:.2f} s later")
