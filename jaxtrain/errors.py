@@ -3,12 +3,14 @@
 Exit codes of scripts/train.py (also in the README):
     0   done                      2   bad input, nothing changed     3   hung: the watchdog fired
     4   too many non-finite steps 5   storage failed during a save  75  pre-empted: relaunch
+    130 Ctrl-C (the process ends by SIGINT; a checkpoint was saved if training had begun)
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -19,6 +21,7 @@ EXIT_HUNG = 3
 EXIT_NONFINITE = 4
 EXIT_STORAGE = 5
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: try again later
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # what a shell reports for a process ended by Ctrl-C
 
 
 class StopError(Exception):
@@ -55,6 +58,12 @@ class Preempted(StopError):
     code = EXIT_PREEMPTED
 
 
+class Interrupted(Preempted):
+    """Ctrl-C arrived; a checkpoint was saved. The process ends by SIGINT (see _end)."""
+
+    code = EXIT_INTERRUPTED
+
+
 def _joined_to_peers() -> bool:
     """Whether this process joined a multi-process JAX job (asked without starting a backend)."""
     if "jax" not in sys.modules:
@@ -78,13 +87,28 @@ def _leave_together(timeout_s: float = 10.0) -> None:
     leaving.join(timeout_s)
 
 
+def _end(code: int) -> None:
+    """Exit with `code` at once; Ctrl-C's code by SIGINT itself, so a shell running this in a loop
+    or script stops there as it does for any program ended by Ctrl-C (exit(130) would not do)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code == EXIT_INTERRUPTED:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(code)
+
+
 def exit_on_user_error(main: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap a script's main so a StopError prints one line and exits with its code."""
+    """Wrap a script's main so a StopError prints one line and exits with its code, and Ctrl-C
+    outside training (which saves first, jaxtrain/preemption.py) ends it without a traceback."""
 
     @functools.wraps(main)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return main(*args, **kwargs)
+        except KeyboardInterrupt:
+            print("interrupted (Ctrl-C)", file=sys.stderr)
+            _end(EXIT_INTERRUPTED)
         except StopError as e:
             said = f"error: {e}" if isinstance(e, UserError | NonFiniteError | StorageError) else str(e)
             print(said, file=sys.stderr)
@@ -99,7 +123,9 @@ def exit_on_user_error(main: Callable[..., Any]) -> Callable[..., Any]:
                     _leave_together()
                 # JAX's exit handler would wait minutes in a shutdown barrier for peers that
                 # may never come; the launcher or SLURM tears the rest down.
-                os._exit(e.code)
+                _end(e.code)
+            if isinstance(e, Interrupted):
+                _end(e.code)
             sys.exit(e.code)
 
     return wrapper

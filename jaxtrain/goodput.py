@@ -51,16 +51,16 @@ class Timeline:
 
 def end_reason(error: BaseException | None) -> str:
     """The `reason` of an end event for the exception that ended the launch (None: done)."""
-    from jaxtrain.errors import NonFiniteError, Preempted
+    from jaxtrain.errors import Interrupted, NonFiniteError, Preempted
 
     if error is None:
         return "done"
+    if isinstance(error, Interrupted | KeyboardInterrupt):  # Ctrl-C, checkpoint saved or not
+        return "interrupted"
     if isinstance(error, Preempted):
         return "preempted"
     if isinstance(error, NonFiniteError):
         return "non-finite"
-    if isinstance(error, KeyboardInterrupt):
-        return "interrupted"
     return "error"
 
 

@@ -102,14 +102,14 @@ class Job:
 
         return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
 
-    def any(self, flag: bool) -> bool:
-        """Whether `flag` holds on any process (a collective: every process must ask)."""
+    def gather(self, value: int) -> list[int]:
+        """Every process's `value`, in process order (a collective: every process must ask)."""
         if self.process_count == 1:
-            return flag
+            return [value]
         import numpy as np
         from jax.experimental import multihost_utils
 
-        return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
+        return [int(v) for v in np.ravel(multihost_utils.process_allgather(np.int32(value)))]
 
 
 def _world_of_one_process(world_size: int, devices: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -31,7 +31,7 @@ from jaxtrain.cluster.watchdog import Watchdog
 from jaxtrain.config import Config
 from jaxtrain.data import loader, sources
 from jaxtrain.data.default import run_paths
-from jaxtrain.errors import NonFiniteError, Preempted, StorageError
+from jaxtrain.errors import NonFiniteError, StorageError
 from jaxtrain.faults import Faults
 from jaxtrain.goodput import Timeline, end_reason
 from jaxtrain.job import Job, check_launch
@@ -84,7 +84,7 @@ def train(cfg: Config, launch: LaunchSpec, launch_time: float | None = None) -> 
         log_path = metrics.process_log_path(cfg.resolved_run_dir, job.process_index)
         # From here on barriers, restore and compile get the absolute limit, steps a tighter one.
         watchdog = Watchdog(cfg.watchdog_factor, cfg.watchdog_timeout, log_path)
-        stop = StopRequest(job.any)
+        stop = StopRequest(job.is_main, job.gather)
         timeline = Timeline()
         try:
             result = _train(build(job), data, watchdog, stop, timeline, launch_time)
@@ -179,9 +179,7 @@ def _train(
     saver.save_last(step, state, faults)
     reporter.close()
     if stopped:
-        raise Preempted(
-            f"pre-empted: checkpoint {run_dir / 'checkpoints' / str(step)} saved; relaunch to resume"
-        )
+        raise stop.error(run_dir / "checkpoints" / str(step))  # Preempted, or Interrupted by Ctrl-C
     if cfg.sample_tokens:  # compiles generate: bounded as a phase, not as a step
         with watchdog.phase("end-of-run sample"):
             _sample(run, state.params, str(data.train[0].shards.infos[0].path))  # tokenizer.json beside it

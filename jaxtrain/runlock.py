@@ -4,7 +4,9 @@ The lock is a file created with O_CREAT|O_EXCL (atomic on local disks and on NFS
 unlike flock, which may not reach other hosts) holding who took it: host, pid, the pid's start
 time, SLURM job id, since when. The holder touches its mtime every `stale_s / 10` seconds. A
 second start is refused (exit 2) unless the lock was left by a job that is gone:
-  same host      the pid is dead, or now belongs to another process (start time differs): at once
+  same host      the pid is dead, or now belongs to another process (start time differs): at once;
+                 a holder that is exiting (a zombie, in exit, or with a SIGKILL pending: the usual
+                 state right after a kill -9) is waited for, at most `stale_s`, then taken over
   same SLURM job a requeue of the job that held it (a higher SLURM_RESTART_COUNT; SLURM runs a
                  job once at a time): at once
   other host     the heartbeat is `stale_s` old: at once if the mtime is that old by this host's
@@ -24,6 +26,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -48,17 +51,36 @@ def _start_time(pid: int) -> str | None:
         return None
 
 
-def _alive(pid: int, pid_start: str | None) -> bool:
-    """Whether `pid` on this host is still the process that took the lock."""
+_PF_DYING = 0x4 | 0x400  # task flags (linux/sched.h): PF_EXITING (in exit), PF_SIGNALED (killed)
+_SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
+
+
+def _life(pid: int, pid_start: str | None) -> str:
+    """Whether `pid` on this host, the process that took the lock, is "alive", "exiting" or "gone"."""
     if pid_start is None:  # no /proc here (not Linux): the pid alone
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
-            return False
+            return "gone"
         except PermissionError:
-            return True
-        return True
-    return _start_time(pid) == pid_start
+            return "alive"
+        return "alive"
+    proc = Path(f"/proc/{pid}")
+    try:
+        fields = (proc / "stat").read_text().rpartition(")")[2].split()
+        status = dict(x.split(":", 1) for x in (proc / "status").read_text().splitlines() if ":" in x)
+        threads = len(os.listdir(proc / "task"))
+    except OSError:
+        return "gone"
+    if len(fields) < 20 or fields[19] != pid_start:
+        return "gone"  # the pid now belongs to another process
+    state, flags = fields[0], int(fields[6])
+    if state in "ZX" and threads <= 1:
+        return "gone"  # a zombie: only its exit status is left, everything else is released
+    pending = int(status.get("SigPnd", "0"), 16) | int(status.get("ShdPnd", "0"), 16)
+    if state in "ZX" or flags & _PF_DYING or pending & _SIGKILL_BIT:
+        return "exiting"  # e.g. tearing down a large address space after a kill -9
+    return "alive"
 
 
 def _read(path: Path) -> tuple[dict[str, Any], float] | None:
@@ -145,7 +167,14 @@ class RunLock:
     def _gone(self, holder: dict[str, Any], mtime: float) -> bool:
         """Whether the job that wrote `holder` has ended (see the module docstring)."""
         if holder.get("host") == self.me["host"] and "pid" in holder:
-            return not _alive(int(holder["pid"]), holder.get("pid_start"))
+            pid, pid_start = int(holder["pid"]), holder.get("pid_start")
+            life, end = _life(pid, pid_start), time.monotonic() + self.stale_s
+            if life == "exiting":
+                log.info(f"waiting for pid {pid}, which held {self.path.parent}, to finish exiting")
+            while life == "exiting" and time.monotonic() < end:
+                time.sleep(POLL_S / 2)
+                life = _life(pid, pid_start)
+            return life != "alive"  # still exiting after stale_s: stuck (dead NFS?), and no job
         if holder.get("slurm_job") and holder["slurm_job"] == self.me["slurm_job"]:
             return int(holder.get("slurm_restart", 0)) < self.me["slurm_restart"]  # an earlier run of it
         if time.time() - mtime > self.stale_s:

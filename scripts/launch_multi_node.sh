@@ -25,14 +25,21 @@
 # Why one process per host: JAX drives all of a host's GPUs from one process, so there are fewer
 # processes to start, watch and connect; use run_distributed.py --node-rank/--nproc-per-node for
 # one process per GPU.
-# If any host fails, the others are stopped (each host stops its processes when the launcher's
-# connection to it closes) and this exits with the first failing host's exit code, naming it:
+# If any host fails, the others are stopped (the launcher asks each host to stop its processes,
+# and they save a checkpoint first) and this exits with the first failing host's exit code, naming it:
 # 75 when training was pre-empted (a checkpoint is saved: run the same command again to resume),
 # 2 bad input, 128+N when a process was killed by signal N (see scripts/run_distributed.py).
+# Ctrl-C stops every host the same way (Ctrl-C again: at once). If this launcher dies, however
+# (kill -9 too), its connections close and every host kills its processes within a second.
 # Health check of the hosts, the same way:
 #     HOSTFILE=hosts.txt JAXTRAIN_SCRIPT=scripts/test_distributed.py scripts/launch_multi_node.sh \
 #         10.0.0.1 2 8 -- --checkpoint_dir /shared/ckpt --json health.json
 set -euo pipefail
+
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then  # the comment above is the help
+  sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
+  exit 0
+fi
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 SELF=scripts/launch_multi_node.sh
@@ -91,13 +98,17 @@ run_node() {
     if [[ ${JAXTRAIN_STOP_ON_EOF:-0} != 1 ]]; then
         exec "${cmd[@]}"
     fi
-    # Started by the launcher: stop when its connection (our stdin) closes, for any reason.
+    # Started by the launcher: a `stop` line on its connection (our stdin) asks for an orderly stop
+    # (training saves a checkpoint); the connection closing means the launcher died or gave up, so
+    # kill at once (the ranks die with their launcher, jaxtrain/cluster/lifeline.py).
     exec 3<&0
     "${cmd[@]}" </dev/null 3<&- &
     local child=$!
     (
-        while read -r -u 3 _; do :; done
-        kill -TERM "$child" 2>/dev/null || true
+        while read -r -u 3 line; do
+            [[ $line == stop ]] && kill -TERM "$child" 2>/dev/null
+        done
+        kill -KILL "$child" 2>/dev/null || true
     ) &
     local watcher=$! rc=0
     trap 'kill -TERM "$child" 2>/dev/null || true' TERM INT HUP

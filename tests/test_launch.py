@@ -112,13 +112,21 @@ def test_a_failure_stops_every_process(how, tmp_path):
             os.kill(workers[0], signal.SIGKILL)
         else:
             launcher.send_signal(signal.SIGINT)
-        _, err = launcher.communicate(timeout=30)
+        out, err = launcher.communicate(timeout=30)
         assert time.monotonic() - t0 < 30
     if how == "kill -9 a worker":
         assert launcher.returncode == 128 + signal.SIGKILL, err.decode()[-3000:]
         assert f"error: rank 1 (pid {workers[0]}) was killed by SIGKILL" in err.decode()
     else:
         assert launcher.returncode == 128 + signal.SIGINT
+        # Every rank saved the same step first, as on SIGTERM.
+        saving = r"^\S+ WARNING stop signal \(SIGTERM\): saving step (\d+)$"
+        said = [
+            re.findall(saving, text, re.M)
+            for text in (out.decode(), (tmp_path / "logs/rank_1.log").read_text())
+        ]
+        assert len(said[0]) == 1 and said[0] == said[1], (said, err.decode()[-3000:])
+        assert (run_dir / "checkpoints" / said[0][0] / "checksums.json").is_file()
     time.sleep(0.5)
     assert processes_marked(marker) == [], "processes left behind"
 

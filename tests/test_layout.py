@@ -145,6 +145,7 @@ PREPARE_MAY_IMPORT = (
     "jaxtrain.tokenizer",
     "jaxtrain.files",
     "jaxtrain.errors",
+    "jaxtrain.cluster.lifeline",  # tokenizing workers die with their parent
 )
 
 
@@ -158,3 +159,12 @@ def test_prepare_imports_nothing_of_training(path):
         m for m in imported_modules(path) if m.split(".")[0] in ("jax", "jaxlib", "flax", "optax", "orbax")
     )
     assert not wrong and not heavy, f"{path.name} imports {wrong + heavy}"
+
+
+@pytest.mark.parametrize(
+    "script", sorted(p.name for p in (REPO / "scripts").iterdir() if p.suffix in (".py", ".sh"))
+)
+def test_every_script_answers_help(script):
+    cmd = [sys.executable if script.endswith(".py") else "bash", f"scripts/{script}", "--help"]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and len(done.stdout.splitlines()) > 3, done.stdout + done.stderr[-2000:]

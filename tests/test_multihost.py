@@ -148,6 +148,55 @@ def test_preemption_on_one_host_stops_both_at_one_step_and_exits_75(hosts, tmp_p
     assert processes_marked(marker) == [], "processes left behind"
 
 
+def _losses(run_dir: Path) -> dict[int, float]:
+    if not (run_dir / "metrics.jsonl").exists():
+        return {}
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+@pytest.mark.multihost
+@pytest.mark.slow
+def test_kill_9_of_the_launching_script_ends_every_host_and_the_same_command_resumes(hosts, tmp_path):
+    (host0, _), hostfile = hosts
+    marker, run_dir = uuid.uuid4().hex, tmp_path / "run"
+    args = [*TINY, "--total_steps", "150", "--log_interval", "1", "--checkpoint_interval", "20"]
+    command = [*LAUNCH, host0, "2", "0", "--", *args, "--run_dir", str(run_dir)]
+    said = tmp_path / "first.txt"  # a file, not a pipe: nobody reads it while the job trains
+    with open(said, "w") as out:
+        launcher = subprocess.Popen(
+            command, cwd=REPO, env=marked_env(hostfile, marker), stdout=out, stderr=out
+        )
+    with reaped(launcher, marker):
+        deadline = time.monotonic() + 120
+        while (
+            max(_losses(run_dir), default=0) < 23 or not (run_dir / "checkpoints/20/checksums.json").exists()
+        ):
+            assert launcher.poll() is None, said.read_text()[-3000:]
+            assert time.monotonic() < deadline, "never got past the checkpoint of step 20"
+            time.sleep(0.1)
+        before = _losses(run_dir)  # steps past the checkpoint, to be computed again after the resume
+        assert max(before) < 150, "the run ended before the kill"
+        t0 = time.monotonic()
+        os.kill(launcher.pid, signal.SIGKILL)  # the script's pid: it execs the supervising python
+        again = subprocess.Popen(
+            command, cwd=REPO, env=marked_env(hostfile, uuid.uuid4().hex), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        while processes_marked(marker) and time.monotonic() - t0 < 15:
+            time.sleep(0.05)
+        outlived_s = time.monotonic() - t0
+        assert processes_marked(marker) == [], f"processes left {outlived_s:.0f} s after the kill"
+        out, err = again.communicate(timeout=240)
+    assert again.returncode == 0, err[-3000:]
+    resumed = re.findall(rf"resumed from {run_dir}/checkpoints/(\d+)$", out, re.M)
+    assert len(resumed) == 1 and 20 <= int(resumed[0]) <= max(before), (resumed, max(before))
+    after = _losses(run_dir)
+    assert sorted(after) == list(range(1, 151))  # every step once
+    assert {s: after[s] for s in before} == pytest.approx(before, abs=1e-5)  # as the killed run had them
+    print(f"kill -9 of launch_multi_node.sh at step {max(before)}: all gone {outlived_s:.2f} s later")
+
+
 def _host_name(address: str) -> str:
     done = subprocess.run(
         [FAKE_HOSTS, "rsh", address, "hostname"], capture_output=True, text=True, timeout=30

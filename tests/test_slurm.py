@@ -3,17 +3,20 @@
 pytest -m slurm tests/test_slurm.py      # root; about 80 s (installs SLURM with apt the first time)
 """
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
-from processes import clean_env
+from processes import clean_env, processes_marked
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCHER = [sys.executable, "scripts/run_distributed.py"]
@@ -213,3 +216,42 @@ def test_preempted_job_saves_requeues_resumes_and_completes(tmp_path):
         print(f"{how}: signal at {at:.1f} s; checkpoint saved +{save:.1f} s, requeued +{requeue:.1f} s, "
               f"resumed +{resume:.1f} s")  # fmt: skip
     print(f"completed {done - t0:.1f} s after submission")
+
+
+def test_kill_9_of_the_launcher_inside_salloc_ends_the_step(tmp_path):
+    """srun gets SIGTERM when our launcher dies and ends the step; SLURM alone would leave its tasks
+    running until the allocation ends."""
+    script, said, marker = tmp_path / "sleeper.py", tmp_path / "said.txt", uuid.uuid4().hex
+    script.write_text("import time\nprint('task up', flush=True)\ntime.sleep(300)\n")
+
+    def running(kind: str) -> list[int]:
+        found = []
+        for pid in processes_marked(marker):
+            with contextlib.suppress(OSError):
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                if (kind == "task" and argv[1:2] == [str(script).encode()]) or kind.encode() in argv[1]:
+                    found.append(pid)
+        return found
+
+    with open(said, "w") as out:
+        salloc = subprocess.Popen(
+            ["salloc", "--ntasks=2", "--ntasks-per-node=2", *LAUNCHER, "--mode", "slurm"]
+            + ["--script", str(script)],
+            cwd=REPO, env=clean_env(JAXTRAIN_TEST_MARK=marker), stdout=out, stderr=out,
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while len(running("task")) < 2:
+            assert salloc.poll() is None and time.monotonic() < deadline, said.read_text()[-3000:]
+            time.sleep(0.2)
+        (launcher,) = running("run_distributed.py")
+        t0 = time.monotonic()
+        os.kill(launcher, signal.SIGKILL)
+        while running("task") and time.monotonic() - t0 < 30:
+            time.sleep(0.1)
+        assert running("task") == [], f"tasks left {time.monotonic() - t0:.0f} s after the kill"
+        print(f"kill -9 of run_distributed.py --mode slurm: tasks gone {time.monotonic() - t0:.1f} s later")
+    finally:
+        os.killpg(salloc.pid, signal.SIGKILL)
+        salloc.wait()

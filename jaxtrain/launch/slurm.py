@@ -10,14 +10,18 @@ checkpoint on the SIGTERM that follows, exits 75, and the requeued job resumes f
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from jaxtrain.cluster.lifeline import die_with_parent
 from jaxtrain.errors import EXIT_PREEMPTED, ArgumentError, UserError
 
 DEFAULT_SBATCH = "slurm_scripts/run_slurm.sh"
@@ -167,7 +171,24 @@ def run_srun(args: argparse.Namespace, script_args: list[str], environ: dict[str
     command = ["srun", "--kill-on-bad-exit=1", *(f"--{k}={v}" for k, v in layout.items())]
     command += [args.python, script, *script_args]
     print(f"jaxtrain launch: {shlex.join(command)}", file=sys.stderr, flush=True)
-    return subprocess.run(command).returncode  # srun forwards Ctrl-C to its tasks itself
+    # srun shares our process group, so it gets Ctrl-C itself and handles it its way (twice within
+    # a second: passed on to the tasks). SIGTERM ends the step (the tasks get SIGTERM and save
+    # first): we pass ours and SIGHUP on, and the kernel sends it to srun if we die, kill -9 too;
+    # SLURM itself leaves the tasks of a killed srun running until the allocation ends.
+    srun = subprocess.Popen(
+        command, preexec_fn=functools.partial(die_with_parent, os.getpid(), signal.SIGTERM)
+    )
+
+    def stop(_signum: int, _frame: object) -> None:
+        srun.send_signal(signal.SIGTERM)
+
+    before = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    before[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return srun.wait()
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
 
 
 def _job_state(job_id: str) -> tuple[str, str]:

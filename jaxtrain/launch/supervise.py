@@ -7,8 +7,11 @@ supervise through here:
   - --mode manual of scripts/run_distributed.py (jaxtrain/launch/local.py): one process per local
     rank, each in its own session, stopped by SIGTERM then SIGKILL to its process group;
   - scripts/launch_multi_node.sh, through `python -m jaxtrain.launch.supervise --rsh RSH -- HOST
-    COMMAND ...`: one remote shell per host, stopped by closing its stdin, on which the host stops
-    its own processes (the script sets JAXTRAIN_STOP_ON_EOF=1 there).
+    COMMAND ...`: one remote shell per host, asked to stop by a `stop` line on its stdin (the host
+    stops its processes in order) and killed by closing it (the host kills them at once; the
+    script sets JAXTRAIN_STOP_ON_EOF=1 there).
+The launcher's own death, even by SIGKILL, ends its processes too: a local one gets SIGKILL from
+the kernel (jaxtrain/cluster/lifeline.py), a host sees its stdin close.
 Under SLURM, srun --kill-on-bad-exit applies the same rule itself (jaxtrain/launch/slurm.py).
 Never imports jax.
 """
@@ -16,6 +19,8 @@ Never imports jax.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import os
 import queue
 import shlex
@@ -30,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from jaxtrain.cluster.lifeline import die_with_parent
 from jaxtrain.errors import EXIT_PREEMPTED, ArgumentError, UserError, exit_on_user_error
 from jaxtrain.parser import Parser
 
@@ -109,14 +115,17 @@ def _ignoring(*signums: int) -> Iterator[None]:
 
 def _popen(spec: Spec, stdout: IO[bytes] | int | None, stderr: int | None) -> subprocess.Popen:
     if spec.host is None:
-        # Own session: Ctrl-C reaches only the launcher, which stops the children in order.
+        # Own session: Ctrl-C reaches only the launcher, which stops the children in order. And the
+        # kernel kills the child when the launcher dies, whatever kills it (a kill -9 of our process
+        # group misses the child's own).
         return subprocess.Popen(
             spec.command, env=spec.env, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
-            start_new_session=True,
+            start_new_session=True, preexec_fn=functools.partial(die_with_parent, os.getpid()),
         )  # fmt: skip
     # A remote shell stays in our session, as a shell script's background job would, so ssh can
     # still ask for a password on the terminal; and like one it ignores Ctrl-C, which only the
-    # launcher handles: it closes every remote shell's stdin, and each host stops its processes.
+    # launcher handles: it writes `stop` to every remote shell, and each host stops its processes.
+    # Its stdin closes when we die, however we die: then each host kills its processes at once.
     with _ignoring(signal.SIGINT, signal.SIGQUIT):
         return subprocess.Popen(
             spec.command, env=spec.env, stdin=subprocess.PIPE, stdout=stdout, stderr=stderr
@@ -124,11 +133,12 @@ def _popen(spec: Spec, stdout: IO[bytes] | int | None, stderr: int | None) -> su
 
 
 def _stop_all(children: list[_Child], grace: float) -> None:
-    """Ask every child to stop, then SIGKILL what is left after `grace` seconds.
+    """Ask every child to stop, then kill what is left after `grace` seconds.
 
-    Asking is SIGTERM to a local child's process group (also its own helpers), or closing a remote
-    shell's stdin. JAX processes ignore SIGTERM (its preemption notifier takes it), so for local
-    ones the SIGKILL is what usually ends them; a second Ctrl-C skips the rest of the grace period.
+    Asking is SIGTERM to a local child's process group (also its own helpers), or a `stop` line to
+    a remote shell; a training process then saves a checkpoint at a step all processes agree on and
+    exits 75. Killing is SIGKILL to the group, or closing the remote shell's stdin (its host kills
+    its processes) and SIGKILL to the shell. A second Ctrl-C kills at once, skipping that save.
     """
     hurry = threading.Event()
     for s in _STOP_SIGNALS:
@@ -137,7 +147,9 @@ def _stop_all(children: list[_Child], grace: float) -> None:
     for c in running:
         if c.spec.host is not None:
             assert c.proc.stdin is not None  # a remote shell is started with stdin=PIPE
-            c.proc.stdin.close()
+            with contextlib.suppress(OSError):  # its host has ended meanwhile
+                c.proc.stdin.write(b"stop\n")
+                c.proc.stdin.flush()
         else:
             try:
                 os.killpg(c.proc.pid, signal.SIGTERM)
@@ -146,9 +158,15 @@ def _stop_all(children: list[_Child], grace: float) -> None:
     deadline = time.monotonic() + grace
     while any(c.proc.poll() is None for c in running) and time.monotonic() < deadline:
         if hurry.wait(0.1):
+            print(
+                "jaxtrain launch: stop signal again: killing every process now, without the "
+                "checkpoint they were saving (a relaunch resumes from the last one saved)",
+                file=sys.stderr,
+                flush=True,
+            )
             break
     late = [c for c in running if c.proc.poll() is None]
-    if any(c.spec.host is not None for c in late):  # its host did not stop its processes: say so
+    if any(c.spec.host is not None for c in late) and not hurry.is_set():  # a host did not stop: say so
         print(
             f"jaxtrain launch: nodes still running after {grace:g} s; killing their remote shells",
             file=sys.stderr,
@@ -157,6 +175,9 @@ def _stop_all(children: list[_Child], grace: float) -> None:
     for c in late:
         try:
             if c.spec.host is not None:
+                assert c.proc.stdin is not None
+                with contextlib.suppress(OSError):
+                    c.proc.stdin.close()  # its host kills its processes
                 os.kill(c.proc.pid, signal.SIGKILL)  # it shares our process group
             else:
                 os.killpg(c.proc.pid, signal.SIGKILL)
@@ -164,6 +185,9 @@ def _stop_all(children: list[_Child], grace: float) -> None:
             pass
     for c in children:
         c.proc.wait()
+        if c.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                c.proc.stdin.close()
 
 
 def _first_failure(children: list[_Child], ended: list[_Child]) -> int:
@@ -251,7 +275,9 @@ def supervise(specs: list[Spec], grace: float, log_dir: Path | None = None, bann
     except _Stop as stop:
         noun = specs[0].tag.split()[0]  # rank, node
         print(
-            f"jaxtrain launch: got {signal.Signals(stop.signum).name}, stopping all {noun}s", file=sys.stderr
+            f"jaxtrain launch: got {signal.Signals(stop.signum).name}, stopping all {noun}s (training "
+            f"saves a checkpoint first; {signal.Signals(stop.signum).name} again to stop at once)",
+            file=sys.stderr,
         )
         _stop_all(children, grace)
         return 128 + stop.signum
@@ -269,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m jaxtrain.launch.supervise",
         description="Run COMMAND on each HOST through a remote shell, one per node, under the rule "
         "above; scripts/launch_multi_node.sh is the way to call it. Each COMMAND must stop its "
-        "processes when its stdin closes.",
+        "processes in order when a `stop` line arrives on its stdin, and kill them when it closes.",
     )
     p.add_argument("--rsh", default="ssh", help="remote shell, called as RSH HOST COMMAND (split on spaces)")
     # The hosts' own launchers give their ranks 10 s between SIGTERM and SIGKILL; this is more.

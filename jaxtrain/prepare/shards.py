@@ -29,6 +29,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from jaxtrain.cluster.lifeline import die_with_parent
 from jaxtrain.data.format import HEADER_BYTES, HEADER_MAGIC, MANIFEST, MANIFEST_FORMAT
 from jaxtrain.errors import UserError
 from jaxtrain.files import require_writable, write_text
@@ -63,6 +64,9 @@ _worker: dict[str, Any] = {}
 def _start_worker(
     tokenizer_json: str | None, text_key: str, text_column: str, dtype: str, files: list[Any]
 ) -> None:
+    parent = multiprocessing.parent_process()
+    if parent is not None and parent.pid is not None:  # a pool's worker dies with its process, kill -9 too
+        die_with_parent(parent.pid)
     # Parallelism comes from the processes; tokenizers' own threads would only contend with them.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     tok = ByteTokenizer() if tokenizer_json is None else BPETokenizer.from_json(tokenizer_json)
