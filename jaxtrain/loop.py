@@ -26,7 +26,7 @@ from jaxtrain.config import Config
 from jaxtrain.errors import NonFiniteError, Preempted, StorageError, UserError
 from jaxtrain.faults import Faults
 from jaxtrain.goodput import Timeline, end_reason
-from jaxtrain.model import GPT, flops_per_token, generate, param_count, param_summary
+from jaxtrain.model import GPT, attention_kernel, flops_per_token, generate, param_count, param_summary
 from jaxtrain.optim import make_optimizer
 from jaxtrain.preemption import StopRequest
 from jaxtrain.profiling import Profiler
@@ -346,6 +346,7 @@ def _run(
             "processes": nproc,
             "devices": jax.device_count(),
             "n_params": n_params,
+            "attention": attention_kernel(cfg.model, mesh.devices.flat[0].platform, cfg.dtype),
             "state_bytes_per_device": state_bytes,
             "peak_bytes_per_device": peak_bytes,
             "compile_s": round(compile_s, 3),
