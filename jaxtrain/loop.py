@@ -277,6 +277,7 @@ def _reporter(
             "processes": job.process_count,
             "devices": n_devices,
             "n_params": run.n_params,
+            "attention": run.attention,
             "state_bytes_per_device": run.state_bytes_per_device,
             "peak_bytes_per_device": peak_bytes,
             "compile_s": round(compile_s, 3),

@@ -24,6 +24,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jaxtrain.config import ModelConfig
 
@@ -115,31 +116,65 @@ def _rope(x: jax.Array, theta: float, positions: jax.Array | None = None) -> jax
     return out.astype(x.dtype)
 
 
-def attention_kernel(cfg: ModelConfig, platform: str) -> str:
-    """The attention implementation a model runs on `platform` (cpu | gpu): model.attention_impl,
-    with auto resolved: our two-einsum XLA attention on CPUs, jax's own choice elsewhere."""
-    if cfg.attention_impl == "auto" and platform == "cpu":
-        return "xla"
-    return cfg.attention_impl
+# cuDNN's fused (flash) attention: half or bfloat16 inputs, head dim a multiple of 8 up to 128
+# (256 on Hopper and later; 128 holds on every GPU jax supports). jax's own checks, in
+# jax/_src/cudnn/fused_attention_stablehlo.py (check_layout, check_is_flash_attention).
+_CUDNN_DTYPES = ("bfloat16", "float16")
+_CUDNN_MAX_HEAD_DIM = 128
+
+
+def attention_kernel(cfg: ModelConfig, platform: str, dtype: Any) -> str:
+    """The causal attention kernel a run compiles to, "cudnn" or "xla" (resolves attention_impl auto).
+
+    `platform` is the devices' ("gpu", "cpu", ...: jax's Device.platform), `dtype` the compute
+    dtype. auto picks cuDNN on GPUs wherever it supports the dtype and head dim, XLA elsewhere
+    (jax's own `implementation=None` always takes XLA's path, which materialises T x T scores).
+    """
+    if cfg.attention_impl != "auto":
+        return cfg.attention_impl
+    return _auto_kernel(platform, jnp.dtype(dtype).name, cfg.d_model // cfg.n_head)
+
+
+def _auto_kernel(platform: str, dtype: str, head_dim: int) -> str:
+    fits = dtype in _CUDNN_DTYPES and head_dim % 8 == 0 and head_dim <= _CUDNN_MAX_HEAD_DIM
+    return "cudnn" if platform == "gpu" and fits else "xla"
 
 
 def _causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str) -> jax.Array:
     """Causal attention, [B, T, N, H] -> [B, T, N, H], softmax in float32.
 
-    cudnn, or auto off CPU: jax.nn.dot_product_attention (auto lets it pick cuDNN's fused kernel
-    on GPUs and fall back to XLA where cuDNN cannot run). xla, or auto on CPU: the same math as
-    jax's XLA path in two einsums, without its grouped-query vmap, whose layout changes cost
-    XLA:CPU transposes and copies: +3.5% tok/s on the issue shape (bench_torch.py, 2 cores).
+    auto is resolved by `attention_kernel` (the train and eval steps resolve it for their mesh's
+    devices; a model applied outside them, as in tests, runs XLA's attention for auto). cudnn: cuDNN's fused
+    kernel, run per device (`_per_device`). xla: the same math as jax's XLA path in two einsums,
+    without its grouped-query vmap, whose layout changes cost XLA:CPU transposes and copies: +3.5%
+    tok/s on the issue shape (bench_torch.py, 2 cores).
     """
-    if impl in ("cudnn", "auto"):  # auto: resolved by attention_kernel, so not on CPUs
-        return jax.nn.dot_product_attention(
-            q, k, v, is_causal=True, implementation=None if impl == "auto" else "cudnn"
-        )
+    if impl == "cudnn":
+        kernel = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
+        return _per_device(kernel, q, k, v)
     t, h = q.shape[1], q.shape[3]
     q = q * jnp.asarray(1.0 / math.sqrt(h), q.dtype)
     logits = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32)
     logits = jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits, jnp.finfo(jnp.float32).min)
     return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(logits, axis=-1).astype(v.dtype), v)
+
+
+def _per_device(kernel: Callable[..., jax.Array], *qkv: jax.Array) -> jax.Array:
+    """kernel(q, k, v) on each device's own rows and heads, manual over the mesh axes still automatic.
+
+    cuDNN attention's custom partitioner cannot place a call inside a partly manual shard_map (the
+    train step is manual over data and fsdp, automatic over tensor): XLA's GPU compiler stops on an
+    AssertionError in it. With every mesh axis manual, jax lowers the kernel as is, so the
+    automatic axes (tensor) become manual here, splitting heads (and any other dim) as the model's
+    logical activation axes place them. Outside any mesh the kernel runs as is.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    auto = set(mesh.axis_names) - set(mesh.manual_axes)
+    if mesh.empty or not auto:
+        return kernel(*qkv)
+    placed = nn.logical_to_mesh_axes(("batch", "length", "heads", None)) or P()
+    spec = P(*(axis if axis in auto else None for axis in placed))
+    return jax.shard_map(kernel, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, axis_names=auto)(*qkv)
 
 
 class Attention(nn.Module):

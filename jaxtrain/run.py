@@ -12,7 +12,6 @@ job's devices are a described GPU cluster, not this machine's) all start from th
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -66,6 +65,11 @@ class Run:
         return jax.ShapeDtypeStruct((rows, tokens), jnp.int32, sharding=mesh_lib.batch_sharding(self.mesh))
 
     @property
+    def attention(self) -> str:
+        """The attention kernel the steps compile to on the job's devices: cudnn or xla."""
+        return attention_kernel(self.cfg.model, self.job.platform, compute_dtype(self.cfg))
+
+    @property
     def n_params(self) -> int:
         return param_count(self.abstract.params)
 
@@ -112,11 +116,7 @@ def build(job: Job, faults: FaultPlan | None = None) -> Run:
     cfg = job.cfg
     mesh = mesh_lib.make_mesh(list(job.devices), cfg.mesh)
     mesh_lib.check_mesh(mesh)
-    # The model runs the attention kernel resolved for the job's platform; the config keeps the
-    # user's setting (a relaunch on other hardware compares configs).
-    kernel = attention_kernel(cfg.model, job.platform)
-    model = GPT(dataclasses.replace(cfg.model, attention_impl=kernel), dtype=compute_dtype(cfg))
-    tx = make_optimizer(cfg)
+    model, tx = GPT(cfg.model, dtype=compute_dtype(cfg)), make_optimizer(cfg)
     abstract = abstract_state(cfg, model, tx)
     shardings = state_sharding(mesh, abstract, cfg.mesh.zero1)
     faults = faults_lib.planned() if faults is None else faults

@@ -20,6 +20,7 @@ process decides identically because it judges reduced values.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtrain import mesh as mesh_lib
 from jaxtrain.config import Config
 from jaxtrain.faults import NO_FAULTS, FaultPlan, poison_gradients
-from jaxtrain.model import GPT, logical_axes
+from jaxtrain.model import GPT, attention_kernel, logical_axes
 from jaxtrain.optim import lr_schedule
 from jaxtrain.state import TrainState
 
@@ -64,6 +65,7 @@ class _Layout:
         self.fsdp = int(mesh.shape[mesh_lib.FSDP_AXIS])
         self.data = int(mesh.shape[mesh_lib.DATA_AXIS])
         self.rules = mesh_lib.ACTIVATION_RULES if mesh.shape[mesh_lib.TENSOR_AXIS] > 1 else ()
+        self.platform = mesh.devices.flat[0].platform  # what the step compiles for, not jax's default
 
     def gather(self, variables: Any) -> Any:
         """Whole params of one layer (or embedding) from this device's fsdp shards.
@@ -82,8 +84,10 @@ class _Layout:
         return jax.tree_util.tree_map_with_path(one, variables)
 
     def model(self, model: GPT) -> GPT:
-        """The model with FSDP's per-layer gather (as is without fsdp)."""
-        return model.clone(gather=self.gather) if self.fsdp > 1 else model
+        """The model with its attention kernel chosen for the mesh's devices, and FSDP's per-layer gather."""
+        kernel = attention_kernel(model.cfg, self.platform, model.dtype)
+        cfg = dataclasses.replace(model.cfg, attention_impl=kernel)
+        return model.clone(cfg=cfg, gather=self.gather if self.fsdp > 1 else None)
 
     def loss(self, model: GPT, params: Any, rows: jax.Array) -> jax.Array:
         with nn.logical_axis_rules(self.rules):

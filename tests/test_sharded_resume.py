@@ -39,7 +39,7 @@ def test_each_process_writes_its_own_shards(sharded_reference):
     assert all(n > 0.3 * sum(written.values()) for n in written.values()), written
     records = [json.loads(x) for x in (sharded_reference / "metrics.jsonl").read_text().splitlines()]
     start = next(r for r in records if r.get("event") == "start")  # after goodput's "launch" event
-    assert start["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1}
+    assert start["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1} and start["attention"] == "xla"  # auto on CPU
     assert (start["processes"], start["devices"], start["step"]) == (2, 8, 0)
     # float32 params + two moments, split 4 ways (norm scales stay whole, hence not exactly 12N/4)
     assert 12 * start["n_params"] / 4 <= start["state_bytes_per_device"] < 12 * start["n_params"] / 3
