@@ -313,10 +313,10 @@ def _check_shapes(saved: Any, target: Any, where: str) -> None:
 # -------------------------------------------------------------------------- where a run starts
 
 
-def start_state(run: Run, ckpt: Checkpointer) -> tuple[Any, int]:
-    """The state a launch starts from, and its step: this run's newest readable checkpoint (newer,
-    damaged ones moved aside), else --resume_from's, else a fresh state (with --init_from's params:
-    step 0, fresh optimizer and schedule). Laid out as `run.target`."""
+def find_start(run: Run, ckpt: Checkpointer) -> tuple[Checkpointer, int] | None:
+    """The checkpoint a launch resumes: this run's newest readable one (newer, damaged ones moved
+    aside), else --resume_from's; None for a fresh start. Checked against the config here, so a
+    wrong checkpoint is refused before anything is compiled."""
     cfg, job = run.cfg, run.job
     source, step = ckpt, _newest_readable(ckpt, job)
     if cfg.resume_from and step is None:
@@ -325,22 +325,31 @@ def start_state(run: Run, ckpt: Checkpointer) -> tuple[Any, int]:
         if damage:  # the user asked for this one: no other is taken in its place
             raise UserError(f"checkpoint {source.directory}/{step} is unreadable ({damage}); pass another")
     if step is None:
-        state = run.init_state()
-        if cfg.init_from:
-            source, init_step = open_checkpoint(cfg.init_from, "--init_from")
-            params = source.restore_params(init_step, run.target.params, "--init_from")
-            state = state.replace(params=params)  # type: ignore[attr-defined]  # added by flax.struct
-            log.info(
-                f"params from {source.directory}/{init_step} (--init_from); optimizer and step start afresh"
-            )
-        return state, 0
+        return None
     diff = rundir.incompatibilities(source.read_meta(step).get("config", {}), cfg)
     if diff:
         raise UserError(
             f"checkpoint {source.directory}/{step} was written by a different config "
             f"({'; '.join(diff[:3])}); resume with the same model/batch/seed/data, or start a new --run_dir"
         )
-    faults = Faults.of(run.faults, job.process_index)
+    return source, step
+
+
+def start_state(run: Run, found: tuple[Checkpointer, int] | None) -> tuple[Any, int]:
+    """The state a launch starts from and its step, laid out as `run.target`: `found`'s checkpoint
+    (find_start), else a fresh state (with --init_from's params: step 0, fresh optimizer)."""
+    if found is None:
+        state = run.init_state()
+        if run.cfg.init_from:
+            source, init_step = open_checkpoint(run.cfg.init_from, "--init_from")
+            params = source.restore_params(init_step, run.target.params, "--init_from")
+            state = state.replace(params=params)  # type: ignore[attr-defined]  # added by flax.struct
+            log.info(
+                f"params from {source.directory}/{init_step} (--init_from); optimizer and step start afresh"
+            )
+        return state, 0
+    source, step = found
+    faults = Faults.of(run.faults, run.job.process_index)
     if faults:
         faults.during_restore()
     state = source.restore(step, run.target)

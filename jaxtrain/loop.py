@@ -121,12 +121,14 @@ def _train(
     # ------------------------------------------------------------------------------- start
     ckpt = _start_run_dir(run, data)
     watchdog.watch_beside(lambda: ckpt.in_flight)  # a background write hung on storage
+    t_restore = time.perf_counter()
+    with watchdog.phase("checkpoint restore"):
+        found = ckpt_lib.find_start(run, ckpt)  # a wrong checkpoint is refused before compiling
     # The step compiles from shapes alone, so it compiles (or is read from the compile cache) in a
     # thread while the state is restored or initialised: a relaunch waits for the longer of the two.
     compiling = Background(run.compile_train)
     with compiling.joined_on_error(), watchdog.phase("checkpoint restore"):
-        t_restore = time.perf_counter()
-        state, step = ckpt_lib.start_state(run, ckpt)
+        state, step = ckpt_lib.start_state(run, found)
         _record_start(run, data, timeline, step, launch_time, time.perf_counter() - t_restore)
     with watchdog.phase("compile"):
         train_step, compile_s, waited_s = compiling.result()

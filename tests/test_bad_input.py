@@ -275,7 +275,7 @@ CASES = [
     Case("train-zero-steps", [*TINY, "--total_steps", "0"], "config key 'total_steps' must be > 0"),
     Case("train-bad-choice", [*TINY, "--dtype", "fp8"], "config key 'dtype' must be one of float32|bfloat16|float16"),
     # -- train.py: the PyTorch guides' flags, checked against the job
-    Case("guide-world-size", [*TINY, "--distributed", "--world_size", "4"], "--world_size 4 but this job has 1 process(es)"),
+    Case("guide-world-size", [*TINY, "--distributed", "--world_size", "4"], "--world_size 4 but this process has 2 cpu device(s)"),
     Case("guide-local-rank", [*TINY, "--local-rank=1"], "--local_rank 1 but the launcher says this process's local rank is 0"),
     Case("guide-nccl-on-cpu", [*TINY, "--backend", "nccl"], "--backend nccl needs GPUs, but this job runs on cpu"),
     Case("guide-bad-backend", [*TINY, "--backend", "mpi"], "config key 'compat.backend' must be one of auto|nccl|gloo"),
