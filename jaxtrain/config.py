@@ -441,6 +441,9 @@ def from_dict(values: dict[str, Any]) -> Config:
         path = _resolve_key(key)
         flat[path] = _convert(path, _PATHS[path], value)
     flat = _sized_by_depth(flat)
+    from jaxtrain.hf.config import with_hf_model  # here: jaxtrain.hf imports this module
+
+    flat = with_hf_model(flat)  # --init_from hf:DIR: the model keys come from its config.json
     cfg = _build(Config, flat)
     check(cfg)
     if cfg.compat.single_gpu and not cfg.dist.local_device_ids:
@@ -546,9 +549,9 @@ def _check_task(cfg: Config) -> None:
         raise ConfigError(
             f"--task {cfg.task} needs --resume_from CHECKPOINT (a step dir, or a run's checkpoints/ dir)"
         )
-    if cfg.task == "predict" and bool(cfg.prompt) == bool(cfg.prompt_file):
+    if cfg.task == "predict" and cfg.prompt and cfg.prompt_file:
         raise ConfigError(
-            "--task predict needs --prompt TEXT or --prompt_file FILE (one prompt a line), not both"
+            "--task predict takes --prompt TEXT or --prompt_file FILE (one prompt a line), not both"
         )
     if cfg.init_from and (cfg.task != "train" or cfg.resume_from):
         raise ConfigError(

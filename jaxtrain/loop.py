@@ -26,6 +26,7 @@ from jaxtrain.config import Config
 from jaxtrain.errors import NonFiniteError, Preempted, StorageError, UserError
 from jaxtrain.faults import Faults
 from jaxtrain.goodput import Timeline, end_reason
+from jaxtrain.hf import load as hf_load
 from jaxtrain.model import GPT, flops_per_token, generate, param_count, param_summary
 from jaxtrain.optim import make_optimizer
 from jaxtrain.preemption import StopRequest
@@ -82,15 +83,13 @@ def _restore_or_init(
     if step is None:
         state = create_state(cfg, model, tx, mesh)
         if cfg.init_from:
-            source, init_step = ckpt_lib.open_checkpoint(cfg.init_from, "--init_from")
+            init_source, init_step = hf_load.open_checkpoint(cfg.init_from, "--init_from")
             target = jax.tree.map(
                 lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state.params
             )
-            params = source.restore_params(init_step, target, "--init_from")
+            params = init_source.restore_params(init_step, target, "--init_from")
             state = state.replace(params=params)  # type: ignore[attr-defined]  # added by flax.struct
-            log.info(
-                f"params from {source.directory}/{init_step} (--init_from); optimizer and step start afresh"
-            )
+            log.info(f"params from {cfg.init_from} (--init_from); optimizer and step start afresh")
         return state, 0
     meta = source.read_meta(step)
     diff = rundir.incompatibilities(meta.get("config", {}), cfg)
@@ -243,7 +242,7 @@ def _run(
     seq = cfg.model.seq_len
     if cfg.init_from and not (run_dir / "checkpoints").exists():
         # Refuse other shapes before the run dir is made (a relaunch resumes its own checkpoints).
-        source, init_step = ckpt_lib.open_checkpoint(cfg.init_from, "--init_from")
+        source, init_step = hf_load.open_checkpoint(cfg.init_from, "--init_from")
         source.check_params(
             init_step, abstract_state(cfg, GPT(cfg.model), make_optimizer(cfg)).params, "--init_from"
         )

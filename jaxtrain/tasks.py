@@ -5,7 +5,9 @@
         printed and written to <run dir>/test_step<N>.json
     --task predict --resume_from runs/x --prompt "def " [--prompt_file F] [--max_new_tokens 256]
         text from the checkpoint's model and its run's tokenizer (KV-cached sampling, process 0);
-        printed and written to <run dir>/predict_step<N>.jsonl
+        printed and written to <run dir>/predict_step<N>.jsonl. No prompt: unconditional samples
+        (from the tokenizer's begin-of-text, else a newline); --temperature 0: greedy
+    --resume_from hf:DIR reads a Hugging Face model dir (jaxtrain/hf/), its tokenizer.json too
 
 Both read the model shape from the checkpoint's saved config, and change nothing of its run:
 the run dir is --run_dir, else the checkpoint's own run dir, which only gains the result file.
@@ -27,7 +29,6 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxtrain import checkpoint as ckpt_lib
 from jaxtrain import config as config_lib
 from jaxtrain import data, sources
 from jaxtrain import mesh as mesh_lib
@@ -35,12 +36,13 @@ from jaxtrain.cluster import join
 from jaxtrain.config import Config, ModelConfig
 from jaxtrain.errors import UserError
 from jaxtrain.files import require_writable, write_text
+from jaxtrain.hf import load as hf_load
 from jaxtrain.loop import train
 from jaxtrain.model import GPT, generate
 from jaxtrain.optim import make_optimizer
 from jaxtrain.state import abstract_state, state_sharding
 from jaxtrain.step import compute_dtype, jit_steps
-from jaxtrain.tokenizer import ByteTokenizer, load_tokenizer
+from jaxtrain.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
 
 log = logging.getLogger("jaxtrain")
 
@@ -56,7 +58,7 @@ def run(cfg: Config, launch_time: float | None = None) -> Any:
 
 @dataclasses.dataclass
 class _Checkpoint:
-    source: ckpt_lib.Checkpointer
+    source: hf_load.ParamSource
     step: int
     saved: dict[str, Any]  # the config the checkpoint was written with
 
@@ -74,7 +76,7 @@ def _start(cfg: Config) -> tuple[Config, _Checkpoint, Path]:
     """Join the job, open the checkpoint, take its model shape; the output dir."""
     join.initialize(cfg.dist)
     _log_to_terminal(jax.process_index())
-    source, step = ckpt_lib.open_checkpoint(cfg.resume_from, "--resume_from")
+    source, step = hf_load.open_checkpoint(cfg.resume_from, "--resume_from")
     ckpt = _Checkpoint(source, step, source.read_meta(step).get("config", {}))
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     model = ModelConfig(**{k: v for k, v in ckpt.saved.get("model", {}).items() if k in fields})
@@ -170,8 +172,8 @@ def test(cfg: Config) -> dict[str, Any]:
 
 
 def _prompts(cfg: Config) -> list[str]:
-    if cfg.prompt:
-        return [cfg.prompt]
+    if not cfg.prompt_file:
+        return [cfg.prompt]  # "" samples unconditionally
     try:
         lines = Path(cfg.prompt_file).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
@@ -184,6 +186,8 @@ def _prompts(cfg: Config) -> list[str]:
 
 def _tokenizer(cfg: Config, saved: dict[str, Any]) -> Any:
     """The tokenizer of the checkpoint run's training data (tokenizer.json beside it, else bytes)."""
+    if saved.get("tokenizer"):  # a Hugging Face model dir's own
+        return BPETokenizer.from_file(saved["tokenizer"])
     train_path = str(saved.get("train_data_path") or "")
     tokenizer = load_tokenizer(train_path) if train_path else ByteTokenizer()
     if isinstance(tokenizer, ByteTokenizer) and cfg.model.vocab_size != ByteTokenizer.vocab_size:
@@ -205,7 +209,15 @@ def predict(cfg: Config) -> list[dict[str, Any]]:
         return []
     records = []
     for i, prompt in enumerate(prompts):
-        ids = tokenizer.encode(prompt).astype(np.int32)
+        # No prompt: what the tokenizer starts every text with (a begin-of-text token), else "\n".
+        ids = (
+            tokenizer.encode(prompt)
+            if prompt
+            else tokenizer.encode("")
+            if len(tokenizer.encode(""))
+            else None
+        )
+        ids = (tokenizer.encode("\n") if ids is None else ids).astype(np.int32)
         t0 = time.perf_counter()
         new = generate(
             params, cfg.model, ids, cfg.max_new_tokens, jax.random.fold_in(jax.random.key(cfg.seed), i),
@@ -213,8 +225,13 @@ def predict(cfg: Config) -> list[dict[str, Any]]:
         )  # fmt: skip
         seconds = time.perf_counter() - t0
         completion = tokenizer.decode(new)
-        records.append({"prompt": prompt, "completion": completion, "tokens": len(new)})
-        print(f"--- prompt {i + 1}/{len(prompts)} ({len(new) / seconds:,.0f} tokens/s)\n{prompt}{completion}")
+        records.append(
+            {"checkpoint": str(ckpt.where), "prompt": prompt, "completion": completion, "tokens": len(new)}
+        )
+        print(
+            f"--- {ckpt.where}, prompt {i + 1}/{len(prompts)} ({len(new) / seconds:,.0f} tokens/s)\n"
+            f"{prompt}{completion}"
+        )
     out = out_dir / f"predict_step{ckpt.step}.jsonl"
     write_text(out, "".join(json.dumps(r) + "\n" for r in records))
     log.info(f"predict: {len(records)} completion(s) of {cfg.max_new_tokens} tokens written to {out}")
