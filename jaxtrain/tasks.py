@@ -198,6 +198,13 @@ def _tokenizer(cfg: Config, saved: dict[str, Any]) -> Any:
     return tokenizer
 
 
+def _unconditional_start(tokenizer: Any) -> np.ndarray:
+    """What a sample without a prompt starts from: the begin-of-text token a tokenizer puts before
+    every text (what it encodes "" to), else a newline, as nanoGPT's sample.py does."""
+    ids = tokenizer.encode("")
+    return ids if len(ids) else tokenizer.encode("\n")
+
+
 def predict(cfg: Config) -> list[dict[str, Any]]:
     """Generate after each prompt with the checkpoint's model; process 0 prints and writes them."""
     cfg, ckpt, out_dir = _start(cfg)
@@ -209,15 +216,7 @@ def predict(cfg: Config) -> list[dict[str, Any]]:
         return []
     records = []
     for i, prompt in enumerate(prompts):
-        # No prompt: what the tokenizer starts every text with (a begin-of-text token), else "\n".
-        ids = (
-            tokenizer.encode(prompt)
-            if prompt
-            else tokenizer.encode("")
-            if len(tokenizer.encode(""))
-            else None
-        )
-        ids = (tokenizer.encode("\n") if ids is None else ids).astype(np.int32)
+        ids = (tokenizer.encode(prompt) if prompt else _unconditional_start(tokenizer)).astype(np.int32)
         t0 = time.perf_counter()
         new = generate(
             params, cfg.model, ids, cfg.max_new_tokens, jax.random.fold_in(jax.random.key(cfg.seed), i),

@@ -20,7 +20,6 @@ import orbax.checkpoint as ocp
 
 from jaxtrain import checkpoint as ckpt_lib
 from jaxtrain.config import ModelConfig
-from jaxtrain.errors import UserError
 from jaxtrain.hf import config as hf_config
 from jaxtrain.hf import weights
 from jaxtrain.hf.store import Writer

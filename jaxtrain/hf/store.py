@@ -122,7 +122,8 @@ class Writer:
             raise ValueError(f"{name}: shape {tensor.shape}, planned {shape}")
         with open(path, "r+b") as f:
             f.seek(offset)
-            f.write(np.ascontiguousarray(tensor, dtype=self.dtype).tobytes())
+            # A view of the array's own buffer: tobytes() would hold a second copy of the tensor.
+            f.write(np.ascontiguousarray(tensor, dtype=self.dtype).reshape(-1).view(np.uint8).data)
         self.written.add(name)
 
     def close(self) -> None:
