@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_export.py --dir /tmp/export_bench    # ~5 min on 2 cores, ~3 GB disk
 
-Saves the train state (params + both Adam moments, float32) of a 380M-parameter Llama-shaped model
+Saves the train state (params + both Adam moments, float32) of a 337M-parameter Llama-shaped model
 (d_model 1024, 24 layers, 32k vocabulary, untied head, unrolled layers) as a jaxtrain checkpoint,
 then exports it in a fresh process in 200 MB safetensors shards, sampling that process's resident
 memory every 5 ms, and prints its growth over the export beside the checkpoint's size and the

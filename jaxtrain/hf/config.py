@@ -99,13 +99,14 @@ def with_hf_model(flat: dict[str, Any]) -> dict[str, Any]:
         return flat
     directory = Path(init_from[3:])
     where = f"--init_from {init_from}"
-    keys = model_keys(read(directory), where)
+    hf = read(directory)
+    keys = model_keys(hf, where)
     for key, value in keys.items():
         if key in flat and flat[key] != value and not (key == "model.n_kv_head" and flat[key] == 0):
             raise UserError(
                 f"{where} sets {key} {value!r} (its config.json), but {flat[key]!r} was given; drop {key}"
             )
-    keys["model.seq_len"] = seq_len(read(directory), flat.get("model.seq_len"), where)
+    keys["model.seq_len"] = seq_len(hf, flat.get("model.seq_len"), where)
     return {**flat, **keys}
 
 
