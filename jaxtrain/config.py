@@ -50,6 +50,11 @@ class ModelConfig:
     tie_embeddings: bool = True  # False: a separate output head (lm_head)
     qk_norm: bool = False  # RMSNorm of each head's q and k before rotary positions (Qwen3)
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+    # Llama 3.1's rotary frequencies (rope_type llama3) when > 0: the long ones slowed by this factor
+    rope_scaling_factor: float = 0.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_context: int = 8192
 
     @property
     def ff_dim(self) -> int:

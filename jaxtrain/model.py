@@ -108,11 +108,30 @@ def _norm(x: jax.Array, eps: float, name: str) -> jax.Array:
     return y.astype(x.dtype)
 
 
-def _rope(x: jax.Array, theta: float, positions: jax.Array | None = None) -> jax.Array:
-    """Rotate [B, T, N, H] by position (default 0..T-1; rotate-half layout), in float32."""
+def _inv_freq(cfg: ModelConfig, h: int) -> jax.Array:
+    """Rotary frequencies of a head of size h; with rope_scaling_factor, Llama 3.1's: wavelengths
+    past the original context divided by the factor, those under original / high_freq_factor
+    kept, a smooth blend between (as transformers' rope_type llama3)."""
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    factor = cfg.rope_scaling_factor
+    if not factor:
+        return inv_freq
+    low, high, context = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_context
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= context / high) & (wavelen <= context / low)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def _rope(x: jax.Array, theta: float, positions: jax.Array | None = None, inv_freq: Any = None) -> jax.Array:
+    """Rotate [B, T, N, H] by position (default 0..T-1; rotate-half layout), in float32; inv_freq:
+    the frequencies (default theta's plain ones)."""
     t, h = x.shape[1], x.shape[3]
     positions = jnp.arange(t) if positions is None else positions
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    if inv_freq is None:
+        inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
     cos = jnp.cos(angles)[None, :, None, :]
     sin = jnp.sin(angles)[None, :, None, :]
@@ -179,7 +198,11 @@ class Attention(nn.Module):
         start = _cache_index(self, t) if self.decode else 0
         if cfg.pos_embedding == "rope":
             positions = start + jnp.arange(t)
-            q, k = _rope(q, cfg.rope_theta, positions), _rope(k, cfg.rope_theta, positions)
+            inv_freq = _inv_freq(cfg, head_dim)
+            q, k = (
+                _rope(q, cfg.rope_theta, positions, inv_freq),
+                _rope(k, cfg.rope_theta, positions, inv_freq),
+            )
         if self.decode:
             shape = (b, cfg.seq_len, kv_heads, head_dim)
             cached_k = self.variable("cache", "k", jnp.zeros, shape, k.dtype)

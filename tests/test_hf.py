@@ -57,6 +57,21 @@ FAMILIES = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True)),  # q/k/v biases
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(head_dim=32)),  # q/k norms, head_dim 32 != 64 / 4
     "mistral": (MistralConfig, MistralForCausalLM, dict(num_key_value_heads=1, sliding_window=None)),
+    # Llama 3.1's rotary scaling, an original context of 16 so positions 0..39 use all three bands
+    "llama3.1": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        dict(
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,
+            )
+        ),
+    ),  # fmt: skip
 }
 
 

@@ -35,12 +35,21 @@ def read(directory: Path) -> dict[str, Any]:
     return out
 
 
-def _rope_theta(hf: dict[str, Any], where: str) -> float:
+def _rope_keys(hf: dict[str, Any], where: str) -> dict[str, Any]:
+    """model.rope_* keys: plain rotary positions, or Llama 3.1's scaled ones (rope_type llama3)."""
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
+    keys = {"model.rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+    if kind == "llama3":
+        return keys | {
+            "model.rope_scaling_factor": float(rope["factor"]),
+            "model.rope_low_freq_factor": float(rope["low_freq_factor"]),
+            "model.rope_high_freq_factor": float(rope["high_freq_factor"]),
+            "model.rope_original_context": int(rope["original_max_position_embeddings"]),
+        }
     if kind != "default":
-        raise UserError(f"{where}: rope_type {kind!r} is not supported (only plain rotary positions)")
-    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        raise UserError(f"{where}: rope_type {kind!r} is not supported (plain rotary positions, or llama3)")
+    return keys
 
 
 def model_keys(hf: dict[str, Any], where: str) -> dict[str, Any]:
@@ -67,7 +76,7 @@ def model_keys(hf: dict[str, Any], where: str) -> dict[str, Any]:
         "model.d_ff": hf["intermediate_size"],
         "model.mlp": "swiglu",
         "model.pos_embedding": "rope",
-        "model.rope_theta": _rope_theta(hf, where),
+        **_rope_keys(hf, where),
         "model.norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "model.tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "model.qkv_bias": qwen2,
@@ -123,6 +132,19 @@ def architecture(m: ModelConfig) -> str:
     return "Qwen3ForCausalLM" if m.qk_norm else "Qwen2ForCausalLM" if m.qkv_bias else "LlamaForCausalLM"
 
 
+def _rope_parameters(m: ModelConfig) -> dict[str, Any]:
+    if not m.rope_scaling_factor:
+        return {"rope_type": "default", "rope_theta": m.rope_theta}
+    return {
+        "rope_type": "llama3",
+        "rope_theta": m.rope_theta,
+        "factor": m.rope_scaling_factor,
+        "low_freq_factor": m.rope_low_freq_factor,
+        "high_freq_factor": m.rope_high_freq_factor,
+        "original_max_position_embeddings": m.rope_original_context,
+    }
+
+
 def to_hf(m: ModelConfig, dtype: str) -> dict[str, Any]:
     """config.json for these model options (transformers 4 and 5 read it)."""
     arch = architecture(m)
@@ -140,7 +162,8 @@ def to_hf(m: ModelConfig, dtype: str) -> dict[str, Any]:
         "max_position_embeddings": m.seq_len,
         "rms_norm_eps": m.norm_eps,
         "rope_theta": m.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+        "rope_parameters": _rope_parameters(m),
+        "rope_scaling": _rope_parameters(m) if m.rope_scaling_factor else None,  # transformers 4's name
         "tie_word_embeddings": m.tie_embeddings,
         "initializer_range": m.init_std,
         "attention_bias": m.qkv_bias and arch == "Qwen2ForCausalLM",
