@@ -33,6 +33,7 @@ from jaxtrain.files import write_text
 from jaxtrain.model import path_names
 
 if TYPE_CHECKING:
+    from jaxtrain.hf.load import ParamSource
     from jaxtrain.job import Job
     from jaxtrain.run import Run
 
@@ -341,12 +342,10 @@ def start_state(run: Run, found: tuple[Checkpointer, int] | None) -> tuple[Any, 
     if found is None:
         state = run.init_state()
         if run.cfg.init_from:
-            source, init_step = open_checkpoint(run.cfg.init_from, "--init_from")
-            params = source.restore_params(init_step, run.target.params, "--init_from")
+            init_source, init_step = open_params(run.cfg.init_from, "--init_from")
+            params = init_source.restore_params(init_step, run.target.params, "--init_from")
             state = state.replace(params=params)  # type: ignore[attr-defined]  # added by flax.struct
-            log.info(
-                f"params from {source.directory}/{init_step} (--init_from); optimizer and step start afresh"
-            )
+            log.info(f"params from {run.cfg.init_from} (--init_from); optimizer and step start afresh")
         return state, 0
     source, step = found
     faults = Faults.of(run.faults, run.job.process_index)
@@ -359,8 +358,15 @@ def start_state(run: Run, found: tuple[Checkpointer, int] | None) -> tuple[Any, 
 
 def check_init_from(run: Run) -> None:
     """--init_from's params have this model's shapes (before the run dir is made)."""
-    source, step = open_checkpoint(run.cfg.init_from, "--init_from")
+    source, step = open_params(run.cfg.init_from, "--init_from")
     source.check_params(step, run.abstract.params, "--init_from")
+
+
+def open_params(path: str, flag: str) -> tuple[ParamSource, int]:
+    """Where `flag` takes params from: a Hugging Face model dir (hf:DIR), else a checkpoint of ours."""
+    from jaxtrain.hf import load as hf_load  # here: jaxtrain.hf reads our checkpoints through this module
+
+    return hf_load.open_checkpoint(path, flag)
 
 
 def _newest_readable(ckpt: Checkpointer, job: Job) -> int | None:

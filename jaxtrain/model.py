@@ -1,5 +1,9 @@
 """GPT decoder in flax.linen: pre-norm blocks, rotary or learned positions, tied output.
 
+Options for the Llama family (config.ModelConfig): a SwiGLU MLP, grouped-query attention,
+an untied output head, q/k norms (Qwen3), q/k/v biases (Qwen2). Rotary positions rotate the
+two contiguous halves of each head (rotate-half), the layout Hugging Face checkpoints use.
+
 Params are always float32; `dtype` is the compute dtype of activations and matmuls.
 Norms and rotary angles run in float32 and logits come back as float32.
 
@@ -30,12 +34,21 @@ from jaxtrain.config import ModelConfig
 
 # Logical axes of every param, by the end of its path; jaxtrain/mesh.py maps them to mesh axes.
 # Attention kernels keep (heads, head_dim) apart so tensor parallelism splits whole heads.
+# Grouped-query attention keeps q ([d, heads, head_dim]) apart from k and v ([d, 2, kv heads,
+# head_dim]); both head axes are `heads`, so tensor parallelism splits whole groups.
 PARAM_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     ("wte", "embedding"): ("vocab", "embed"),
+    ("lm_head", "embedding"): ("vocab", "embed"),  # untied output head, laid out as wte
     ("wpe", "embedding"): (None, "embed"),
     ("attn", "qkv", "kernel"): ("embed", None, "heads", None),
+    ("attn", "qkv", "bias"): (None, "heads", None),
+    ("attn", "q", "kernel"): ("embed", "heads", None),
+    ("attn", "q", "bias"): ("heads", None),
+    ("attn", "kv", "kernel"): ("embed", None, "heads", None),
+    ("attn", "kv", "bias"): (None, "heads", None),
     ("attn", "out", "kernel"): ("heads", None, "embed"),
     ("mlp", "fc", "kernel"): ("embed", "mlp"),
+    ("mlp", "gate_up", "kernel"): ("embed", None, "mlp"),
     ("mlp", "out", "kernel"): ("mlp", "embed"),
     ("scale",): (None,),  # norm scales: small, replicated
     ("embedding",): (None, "embed"),  # an embedding's own params, as `GPT.gather` sees them
@@ -77,12 +90,12 @@ def _cache_index(module: nn.Module, length: int) -> jax.Array:
 
 
 def _dense(
-    features: int | tuple[int, ...], std: float, dtype: Any, name: str, axis: Any = -1
+    features: int | tuple[int, ...], std: float, dtype: Any, name: str, axis: Any = -1, bias: bool = False
 ) -> nn.DenseGeneral:
     return nn.DenseGeneral(
         features,
         axis=axis,
-        use_bias=False,
+        use_bias=bias,
         dtype=dtype,
         param_dtype=jnp.float32,
         kernel_init=nn.initializers.normal(std),
@@ -102,11 +115,30 @@ def _norm(x: jax.Array, eps: float, name: str) -> jax.Array:
     return y.astype(x.dtype)
 
 
-def _rope(x: jax.Array, theta: float, positions: jax.Array | None = None) -> jax.Array:
-    """Rotate [B, T, N, H] by position (default 0..T-1; rotate-half layout), in float32."""
+def _inv_freq(cfg: ModelConfig, h: int) -> jax.Array:
+    """Rotary frequencies of a head of size h; with rope_scaling_factor, Llama 3.1's: wavelengths
+    past the original context divided by the factor, those under original / high_freq_factor
+    kept, a smooth blend between (as transformers' rope_type llama3)."""
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    factor = cfg.rope_scaling_factor
+    if not factor:
+        return inv_freq
+    low, high, context = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_context
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= context / high) & (wavelen <= context / low)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def _rope(x: jax.Array, theta: float, positions: jax.Array | None = None, inv_freq: Any = None) -> jax.Array:
+    """Rotate [B, T, N, H] by position (default 0..T-1; rotate-half layout), in float32; inv_freq:
+    the frequencies (default theta's plain ones)."""
     t, h = x.shape[1], x.shape[3]
     positions = jnp.arange(t) if positions is None else positions
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    if inv_freq is None:
+        inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
     cos = jnp.cos(angles)[None, :, None, :]
     sin = jnp.sin(angles)[None, :, None, :]
@@ -132,7 +164,7 @@ def attention_kernel(cfg: ModelConfig, platform: str, dtype: Any) -> str:
     """
     if cfg.attention_impl != "auto":
         return cfg.attention_impl
-    return _auto_kernel(platform, jnp.dtype(dtype).name, cfg.d_model // cfg.n_head)
+    return _auto_kernel(platform, jnp.dtype(dtype).name, cfg.head_size)
 
 
 def _auto_kernel(platform: str, dtype: str, head_dim: int) -> str:
@@ -141,7 +173,8 @@ def _auto_kernel(platform: str, dtype: str, head_dim: int) -> str:
 
 
 def _causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str) -> jax.Array:
-    """Causal attention, [B, T, N, H] -> [B, T, N, H], softmax in float32.
+    """Causal attention, q [B, T, N, H], k and v [B, T, K, H] (K divides N) -> [B, T, N, H],
+    softmax in float32. With K < N each key/value head serves N / K consecutive query heads.
 
     auto is resolved by `attention_kernel` (the train and eval steps resolve it for their mesh's
     devices; a model applied outside them, as in tests, runs XLA's attention for auto). cudnn: cuDNN's fused
@@ -152,11 +185,19 @@ def _causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str) -> ja
     if impl == "cudnn":
         kernel = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
         return _per_device(kernel, q, k, v)
-    t, h = q.shape[1], q.shape[3]
+    b, t, n, h = q.shape
     q = q * jnp.asarray(1.0 / math.sqrt(h), q.dtype)
-    logits = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32)
-    logits = jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits, jnp.finfo(jnp.float32).min)
-    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(logits, axis=-1).astype(v.dtype), v)
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    if k.shape[2] == n:
+        logits = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32)
+        logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
+        return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(logits, axis=-1).astype(v.dtype), v)
+    # Grouped: query heads as [kv head, group], so k and v are read once per group, not copied.
+    q = q.reshape(b, t, k.shape[2], n // k.shape[2], h)
+    logits = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
+    logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
+    y = jnp.einsum("bkgts,bskh->btkgh", jax.nn.softmax(logits, axis=-1).astype(v.dtype), v)
+    return y.reshape(b, t, n, h)
 
 
 def _per_device(kernel: Callable[..., jax.Array], *qkv: jax.Array) -> jax.Array:
@@ -178,7 +219,7 @@ def _per_device(kernel: Callable[..., jax.Array], *qkv: jax.Array) -> jax.Array:
 
 
 class Attention(nn.Module):
-    """Causal multi-head self-attention through jax.nn.dot_product_attention."""
+    """Causal multi-head (or grouped-query) self-attention."""
 
     cfg: ModelConfig
     dtype: Any
@@ -188,18 +229,31 @@ class Attention(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg
         b, t, d = x.shape
-        head_dim = d // cfg.n_head
-        qkv = _dense((3, cfg.n_head, head_dim), cfg.init_std, self.dtype, "qkv")(x)  # [B, T, 3, N, H]
-        qkv = _constrain(qkv, "batch", "length", None, "heads", None)
-        # One split, not three index slices: its gradient is one concatenate, where the slices'
-        # is three zero-padded copies added up (XLA:CPU keeps those pads: ~4% of a step).
-        q, k, v = (x[:, :, 0] for x in jnp.split(qkv, 3, axis=2))  # [B, T, N, H]
+        n, kv_heads, head_dim, bias = cfg.n_head, cfg.kv_heads, cfg.head_size, cfg.qkv_bias
+        if kv_heads == n:
+            qkv = _dense((3, n, head_dim), cfg.init_std, self.dtype, "qkv", bias=bias)(x)  # [B, T, 3, N, H]
+            qkv = _constrain(qkv, "batch", "length", None, "heads", None)
+            # One split, not three index slices: its gradient is one concatenate, where the slices'
+            # is three zero-padded copies added up (XLA:CPU keeps those pads: ~4% of a step).
+            q, k, v = (x[:, :, 0] for x in jnp.split(qkv, 3, axis=2))  # [B, T, N, H]
+        else:
+            q = _dense((n, head_dim), cfg.init_std, self.dtype, "q", bias=bias)(x)  # [B, T, N, H]
+            q = _constrain(q, "batch", "length", "heads", None)
+            kv = _dense((2, kv_heads, head_dim), cfg.init_std, self.dtype, "kv", bias=bias)(x)
+            kv = _constrain(kv, "batch", "length", None, "heads", None)
+            k, v = (x[:, :, 0] for x in jnp.split(kv, 2, axis=2))  # [B, T, K, H]
+        if cfg.qk_norm:
+            q, k = _norm(q, cfg.norm_eps, "q_norm"), _norm(k, cfg.norm_eps, "k_norm")
         start = _cache_index(self, t) if self.decode else 0
         if cfg.pos_embedding == "rope":
             positions = start + jnp.arange(t)
-            q, k = _rope(q, cfg.rope_theta, positions), _rope(k, cfg.rope_theta, positions)
+            inv_freq = _inv_freq(cfg, head_dim)
+            q, k = (
+                _rope(q, cfg.rope_theta, positions, inv_freq),
+                _rope(k, cfg.rope_theta, positions, inv_freq),
+            )
         if self.decode:
-            shape = (b, cfg.seq_len, cfg.n_head, head_dim)
+            shape = (b, cfg.seq_len, kv_heads, head_dim)
             cached_k = self.variable("cache", "k", jnp.zeros, shape, k.dtype)
             cached_v = self.variable("cache", "v", jnp.zeros, shape, v.dtype)
             cached_k.value = jax.lax.dynamic_update_slice(cached_k.value, k, (0, start, 0, 0))
@@ -218,14 +272,21 @@ class Attention(nn.Module):
 
 
 class Mlp(nn.Module):
-    """Two-layer GELU feed-forward."""
+    """Two-layer GELU feed-forward, or SwiGLU (gate and up as one [d, 2, ff] matmul, then down)."""
 
     cfg: ModelConfig
     dtype: Any
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = nn.gelu(_dense(self.cfg.ff_dim, self.cfg.init_std, self.dtype, "fc")(x))
+        cfg = self.cfg
+        if cfg.mlp == "swiglu":
+            gate_up = _dense((2, cfg.ff_dim), cfg.init_std, self.dtype, "gate_up")(x)  # [B, T, 2, ff]
+            gate_up = _constrain(gate_up, "batch", "length", None, "mlp")
+            gate, up = (x[:, :, 0] for x in jnp.split(gate_up, 2, axis=2))
+            h = nn.silu(gate) * up
+        else:
+            h = nn.gelu(_dense(cfg.ff_dim, cfg.init_std, self.dtype, "fc")(x))
         h = _constrain(h, "batch", "length", "mlp")
         out = _dense(x.shape[-1], _residual_std(self.cfg), self.dtype, "out")(h)
         return _constrain(out, "batch", "length", "embed")
@@ -305,7 +366,8 @@ class GPT(nn.Module):
             for i in range(cfg.n_layer):
                 x, _ = block(cfg, self.dtype, self.decode, name=f"block_{i}")(x)
         x = _norm(x, cfg.norm_eps, "ln_f")
-        return _constrain(wte.attend(x), "batch", "length", "vocab").astype(jnp.float32)
+        head = wte if cfg.tie_embeddings else embed(cfg.vocab_size, name="lm_head")
+        return _constrain(head.attend(x), "batch", "length", "vocab").astype(jnp.float32)
 
 
 def param_count(params: Any) -> int:
@@ -351,16 +413,20 @@ def flops_per_token(cfg: ModelConfig, n_params: int) -> float:
     """Training FLOPs per token: 6 * n_params + 12 * n_layer * d_model * seq_len.
 
     6N counts the forward (2N) and backward (4N) multiply-adds of every weight matmul,
-    with the tied embedding counted once as the output projection; 12 * L * d * T adds the
+    with the tied embedding counted once as the output projection (an untied input embedding
+    is a lookup: not counted); 12 * L * d * T (d: heads x head size) adds the
     attention scores and weighted sum (QK^T and AV, forward and backward), as in PaLM
     (Chowdhery et al. 2022, appendix B) and nanoGPT's estimate_mfu. Causal masking is
     not discounted, so this slightly overstates attention work.
     """
-    return 6.0 * n_params + 12.0 * cfg.n_layer * cfg.d_model * cfg.seq_len
+    matmul_params = n_params - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
+    return 6.0 * matmul_params + 12.0 * cfg.n_layer * cfg.n_head * cfg.head_size * cfg.seq_len
 
 
 def _sample(logits: jax.Array, rng: jax.Array, temperature: float, top_k: int | None) -> jax.Array:
-    """One token id from float32 logits [vocab]."""
+    """One token id from float32 logits [vocab]; temperature 0 is greedy (the argmax)."""
+    if temperature == 0:
+        return jnp.argmax(logits).astype(jnp.int32)
     logits = logits / temperature
     if top_k is not None:
         kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][-1]
@@ -434,8 +500,8 @@ def generate(
     """
     if len(prompt) == 0:
         raise ValueError("generate needs a prompt of at least one token")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
     cfg = dataclasses.replace(cfg, remat="none")  # no backward pass: nothing to rematerialise
     static = {"cfg": cfg, "dtype": dtype, "temperature": float(temperature), "top_k": top_k}
     tokens = [int(t) for t in prompt]

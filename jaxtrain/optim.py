@@ -29,8 +29,11 @@ _DECAYED = ("kernel", "embedding")
 # qkv's q/k/v axis (nanochat keeps q, k and v as three matrices). Shapes: model.py.
 _MUON_DIMS = {
     ("attn", "qkv", "kernel"): MuonDimensionNumbers(-4, (-2, -1)),  # [d, 3, heads, head_dim]
+    ("attn", "q", "kernel"): MuonDimensionNumbers(-3, (-2, -1)),  # [d, heads, head_dim]
+    ("attn", "kv", "kernel"): MuonDimensionNumbers(-4, (-2, -1)),  # [d, 2, kv heads, head_dim]
     ("attn", "out", "kernel"): MuonDimensionNumbers((-3, -2), -1),  # [heads, head_dim, d]
     ("mlp", "fc", "kernel"): MuonDimensionNumbers(-2, -1),  # [d, ff]
+    ("mlp", "gate_up", "kernel"): MuonDimensionNumbers(-3, -1),  # [d, 2, ff]: gate and up apart
     ("mlp", "out", "kernel"): MuonDimensionNumbers(-2, -1),  # [ff, d]
 }
 

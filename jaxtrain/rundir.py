@@ -36,7 +36,9 @@ def resume_fingerprint(cfg_dict: dict[str, Any]) -> dict[str, Any]:
 
 def incompatibilities(saved: dict[str, Any], cfg: Config) -> list[str]:
     """`key: saved -> now` for each resume key that differs."""
-    old, new = resume_fingerprint(saved), resume_fingerprint(config_lib.to_dict(cfg))
+    # A key the saved config lacks was added since it was written: it ran with the default.
+    defaults = resume_fingerprint(config_lib.to_dict(Config()))
+    old, new = {**defaults, **resume_fingerprint(saved)}, resume_fingerprint(config_lib.to_dict(cfg))
     return [
         f"{k}: {old.get(k)!r} -> {new.get(k)!r}"
         for k in sorted(set(old) | set(new))

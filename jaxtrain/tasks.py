@@ -8,7 +8,9 @@ thing.
         printed and written to <run dir>/test_step<N>.json
     --task predict --resume_from runs/x --prompt "def " [--prompt_file F] [--max_new_tokens 256]
         text from the checkpoint's model and its run's tokenizer (KV-cached sampling, process 0);
-        printed and written to <run dir>/predict_step<N>.jsonl
+        printed and written to <run dir>/predict_step<N>.jsonl. No prompt: unconditional samples
+        (from the tokenizer's begin-of-text, else a newline); --temperature 0: greedy
+    --resume_from hf:DIR reads a Hugging Face model dir (jaxtrain/hf/), its tokenizer.json too
 
 Both read the model shape from the checkpoint's saved config, and change nothing of its run:
 the run dir is --run_dir, else the checkpoint's own run dir, which only gains the result file.
@@ -38,6 +40,7 @@ from jaxtrain.data import loader, sources
 from jaxtrain.data.default import run_paths
 from jaxtrain.errors import UserError
 from jaxtrain.files import require_writable, write_text
+from jaxtrain.hf.load import ParamSource
 from jaxtrain.job import Job
 from jaxtrain.loop import train
 from jaxtrain.model import generate
@@ -59,7 +62,7 @@ def run(cfg: Config, launch: LaunchSpec, launch_time: float | None = None) -> An
 
 @dataclasses.dataclass
 class _Checkpoint:
-    source: ckpt_lib.Checkpointer
+    source: ParamSource
     step: int
     saved: dict[str, Any]  # the config the checkpoint was written with
 
@@ -77,7 +80,7 @@ def _start(cfg: Config, launch: LaunchSpec) -> tuple[Run, _Checkpoint, Path, Any
     """Join the job, open the checkpoint, build the run of its model; the output dir and its params."""
     job = Job.join(cfg, launch)
     metrics.setup_logging(None, job.process_index, cfg.ddp.log_level)
-    source, step = ckpt_lib.open_checkpoint(cfg.resume_from, "--resume_from")
+    source, step = ckpt_lib.open_params(cfg.resume_from, "--resume_from")
     ckpt = _Checkpoint(source, step, source.read_meta(step).get("config", {}))
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     model = ModelConfig(**{k: v for k, v in ckpt.saved.get("model", {}).items() if k in fields})
@@ -137,8 +140,8 @@ def evaluate_checkpoint(cfg: Config, launch: LaunchSpec) -> dict[str, Any]:
 
 
 def _prompts(cfg: Config) -> list[str]:
-    if cfg.prompt:
-        return [cfg.prompt]
+    if not cfg.prompt_file:
+        return [cfg.prompt]  # "" samples unconditionally
     try:
         lines = Path(cfg.prompt_file).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
@@ -149,13 +152,21 @@ def _prompts(cfg: Config) -> list[str]:
     return prompts
 
 
+def _unconditional_start(tokenizer: Any) -> np.ndarray:
+    """What a sample without a prompt starts from: the begin-of-text token a tokenizer puts before
+    every text (what it encodes "" to), else a newline, as nanoGPT's sample.py does."""
+    ids = tokenizer.encode("")
+    return ids if len(ids) else tokenizer.encode("\n")
+
+
 def predict(cfg: Config, launch: LaunchSpec) -> list[dict[str, Any]]:
     """Generate after each prompt with the checkpoint's model; process 0 prints and writes them."""
     prompts = _prompts(cfg)
     run, ckpt, out_dir, params = _start(cfg, launch)
     cfg = run.cfg
     train_path = str(ckpt.saved.get("train_data_path") or "")
-    tokenizer = for_data(train_path, cfg.model.vocab_size)
+    # A Hugging Face model dir's own tokenizer.json, else the one beside the training data.
+    tokenizer = for_data(ckpt.saved.get("tokenizer") or train_path, cfg.model.vocab_size)
     if tokenizer is None:
         raise UserError(
             f"the checkpoint's model has vocab_size {cfg.model.vocab_size} but no tokenizer.json sits beside "
@@ -166,7 +177,7 @@ def predict(cfg: Config, launch: LaunchSpec) -> list[dict[str, Any]]:
         return []
     records = []
     for i, prompt in enumerate(prompts):
-        ids = tokenizer.encode(prompt).astype(np.int32)
+        ids = (tokenizer.encode(prompt) if prompt else _unconditional_start(tokenizer)).astype(np.int32)
         t0 = time.perf_counter()
         new = generate(
             params, cfg.model, ids, cfg.max_new_tokens, jax.random.fold_in(jax.random.key(cfg.seed), i),
@@ -174,8 +185,13 @@ def predict(cfg: Config, launch: LaunchSpec) -> list[dict[str, Any]]:
         )  # fmt: skip
         seconds = time.perf_counter() - t0
         completion = tokenizer.decode(new)
-        records.append({"prompt": prompt, "completion": completion, "tokens": len(new)})
-        print(f"--- prompt {i + 1}/{len(prompts)} ({len(new) / seconds:,.0f} tokens/s)\n{prompt}{completion}")
+        records.append(
+            {"checkpoint": str(ckpt.where), "prompt": prompt, "completion": completion, "tokens": len(new)}
+        )
+        print(
+            f"--- {ckpt.where}, prompt {i + 1}/{len(prompts)} ({len(new) / seconds:,.0f} tokens/s)\n"
+            f"{prompt}{completion}"
+        )
     out = out_dir / f"predict_step{ckpt.step}.jsonl"
     write_text(out, "".join(json.dumps(r) + "\n" for r in records))
     log.info(f"predict: {len(records)} completion(s) of {cfg.max_new_tokens} tokens written to {out}")

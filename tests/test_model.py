@@ -213,3 +213,37 @@ def test_cached_generate_equals_uncached_greedy(pos_embedding, scan_layers):
     n = cfg.seq_len - len(prompt)
     out = generate(params, cfg, prompt, n, jax.random.key(0), top_k=1)
     assert out.tolist() == _uncached_greedy(cfg, params, prompt, n)
+
+
+# Every Llama-family option at once: SwiGLU, 2 kv heads for 4 query heads, untied head, q/k norms
+# and q/k/v biases (Qwen3 and Qwen2 style).
+LLAMA = dataclasses.replace(
+    TINY, n_head=4, n_kv_head=2, mlp="swiglu", d_ff=48, tie_embeddings=False, qk_norm=True, qkv_bias=True
+)
+
+
+def test_llama_options_param_count_scan_and_cached_decoding():
+    params, tokens = _init(LLAMA), _tokens(LLAMA)
+    v, d, f, n, h = LLAMA.vocab_size, LLAMA.d_model, LLAMA.ff_dim, LLAMA.n_layer, LLAMA.head_size
+    q_kv = d * (4 + 2 * 2) * h + (4 + 2 * 2) * h  # q, k, v kernels and biases
+    expected = 2 * v * d + n * (q_kv + 4 * h * d + 3 * d * f + 2 * d + 2 * h) + d
+    assert param_count(params) == expected
+    scanned = dataclasses.replace(LLAMA, scan_layers=True, remat="full")
+    stacked = _stack_layers(params, LLAMA.n_layer)
+    np.testing.assert_allclose(
+        _apply(scanned, jnp.float32, stacked, tokens),
+        _apply(LLAMA, jnp.float32, params, tokens),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    prompt = np.array([5, 9, 1, 33], np.int32)
+    n_new = LLAMA.seq_len - len(prompt)
+    greedy = generate(params, LLAMA, prompt, n_new, jax.random.key(0), temperature=0)
+    assert greedy.tolist() == _uncached_greedy(LLAMA, params, prompt, n_new)
+
+
+def test_grouped_query_attention_matches_jax():
+    q = jax.random.normal(jax.random.key(0), (2, 24, 6, 16))
+    k, v = (jax.random.normal(jax.random.key(i), (2, 24, 2, 16)) for i in (1, 2))
+    theirs = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    np.testing.assert_allclose(model_lib._causal_attention(q, k, v, "xla"), theirs, rtol=1e-5, atol=1e-6)

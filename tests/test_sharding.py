@@ -156,6 +156,10 @@ def test_zero1_splits_only_the_optimizer_state_over_data():
         ),
         (["--mesh.data", "-1", "--mesh.fsdp", "-1"], "at most one mesh axis may be -1"),
         (["--mesh.tensor", "3"], "model.n_head 4 is not divisible by mesh.tensor 3"),
+        (
+            ["--model.n_kv_head", "1", "--mesh.tensor", "2"],
+            "model.n_kv_head 1 is not divisible by mesh.tensor 2",
+        ),
         (["--mesh.fsdp", "0"], "'mesh.fsdp' must be >= 1 or -1"),
         (["--mesh.fsdp", "8", "--batch_size", "4"], "not divisible by 8 devices"),
         (
@@ -254,3 +258,26 @@ def test_muon_momentum_is_split_like_its_param():
         assert mu.spec == param.spec and "fsdp" in jax.tree.leaves(tuple(param.spec)), path
     adam_nu = groups["adamw"].inner_state[0].nu
     assert adam_nu["wte"]["embedding"].spec == params["wte"]["embedding"].spec
+
+
+# SwiGLU, grouped-query attention (2 kv heads), an untied head, q/k norms and biases, scanned and
+# rematerialised: the layouts split kv heads, the head and the gate/up matrix like the rest.
+LLAMA = [
+    "--model.mlp", "swiglu", "--model.n_kv_head", "2", "--model.tie_embeddings", "false",
+    "--model.qk_norm", "true", "--model.qkv_bias", "true", "--model.scan_layers", "true",
+    "--model.remat", "full",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optim", ["adamw", "muon"])
+def test_llama_options_train_under_fsdp_and_tensor_like_data_parallelism(optim):
+    argv = LLAMA + ["--optim.name", optim]
+    dp_losses, dp_bytes, dp_params = _train(argv)
+    losses, state_bytes, params = _train(
+        argv + ["--mesh.data", "1", "--mesh.fsdp", "4", "--mesh.tensor", "2"]
+    )
+    np.testing.assert_allclose(losses, dp_losses, rtol=1e-4 if optim == "adamw" else 1e-3)
+    assert losses[-1] < losses[0] and state_bytes < dp_bytes
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(dp_params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-4)

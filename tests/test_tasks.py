@@ -131,7 +131,10 @@ def test_init_from_with_another_model_shape_is_a_one_line_error(trained, tmp_pat
     "argv,message",
     [
         (["--task", "test"], "--task test needs --resume_from"),
-        (["--task", "predict", "--resume_from", "x"], "--task predict needs --prompt TEXT or --prompt_file"),
+        (
+            ["--task", "predict", "--resume_from", "x", "--prompt", "a", "--prompt_file", "f"],
+            "--task predict takes --prompt TEXT or --prompt_file FILE",
+        ),
         (
             ["--init_from", "x", "--task", "test", "--resume_from", "y"],
             "--init_from starts a new training run",

@@ -198,6 +198,9 @@ def from_dict(values: dict[str, Any]) -> Config:
         path = _resolve_key(key)
         flat[path] = _convert(path, _PATHS[path], value)
     flat = _sized_by_depth(flat)
+    from jaxtrain.hf.config import with_hf_model  # here: jaxtrain.hf imports this package
+
+    flat = with_hf_model(flat)  # --init_from hf:DIR: the model keys come from its config.json
     cfg = _build(Config, flat)
     check(cfg)
     if cfg.compat.single_gpu and not cfg.dist.local_device_ids:

@@ -31,7 +31,7 @@ class ModelConfig:
     n_layer: int = 4  # transformer blocks
     n_head: int = 4  # attention heads
     d_model: int = 256  # width of the residual stream
-    d_ff: int = 0  # 0 means 4 * d_model
+    d_ff: int = 0  # 0 means 4 * d_model (gelu), or Llama's 2/3 of that rounded up to 256 (swiglu)
     pos_embedding: str = "rope"  # rope | learned
     rope_theta: float = 10000.0  # rotary base frequency
     norm_eps: float = 1e-5  # RMSNorm epsilon
@@ -41,10 +41,34 @@ class ModelConfig:
     scan_layers: bool = False
     remat: str = "none"  # none | full | dots (save matmul outputs, recompute the rest)
     attention_impl: str = "auto"  # auto | xla | cudnn  (jax.nn.dot_product_attention)
+    # The Llama family (jaxtrain/hf/ maps these to and from Hugging Face classes)
+    mlp: str = "gelu"  # gelu | swiglu (silu(x W_gate) * x W_up, then W_down)
+    n_kv_head: int = 0  # key/value heads, grouped-query attention (1: multi-query); 0 = n_head
+    head_dim: int = 0  # 0 = d_model // n_head
+    tie_embeddings: bool = True  # False: a separate output head (lm_head)
+    qk_norm: bool = False  # RMSNorm of each head's q and k before rotary positions (Qwen3)
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+    # Llama 3.1's rotary frequencies (rope_type llama3) when > 0: the long ones slowed by this factor
+    rope_scaling_factor: float = 0.0
+    rope_low_freq_factor: float = 1.0  # Llama 3.1 rotary scaling: low-frequency factor
+    rope_high_freq_factor: float = 4.0  # Llama 3.1 rotary scaling: high-frequency factor
+    rope_original_context: int = 8192  # Llama 3.1 rotary scaling: the context it was trained at
 
     @property
     def ff_dim(self) -> int:
-        return self.d_ff or 4 * self.d_model
+        if self.d_ff:
+            return self.d_ff
+        if self.mlp == "swiglu":  # Llama: int(2/3 * 4d) rounded up to a multiple of 256
+            return 256 * math.ceil(int(8 * self.d_model / 3) / 256)
+        return 4 * self.d_model
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.d_model // self.n_head
 
 
 @dataclass(frozen=True)
@@ -198,6 +222,7 @@ _CHOICES = {
     "model.pos_embedding": ("rope", "learned"),
     "model.remat": ("none", "full", "dots"),
     "model.attention_impl": ("auto", "xla", "cudnn"),
+    "model.mlp": ("gelu", "swiglu"),
     "compat.backend": ("auto", "nccl", "gloo"),
     "ddp.log_level": ("", "DEBUG", "INFO", "WARNING", "ERROR"),
 }
@@ -206,12 +231,13 @@ _POSITIVE = (
     "batch_size", "total_steps", "gradient_accumulation_steps", "log_interval",
     "checkpoint_interval", "keep_checkpoints", "eval_batches", "prefetch",
     "model.vocab_size", "model.seq_len", "model.n_layer", "model.n_head", "model.d_model",
-    "optim.matrix_lr", "max_new_tokens", "temperature",
+    "optim.matrix_lr", "max_new_tokens",
     "optim.lr", "dist.init_timeout", "max_bad_steps", "preemption_check_interval", "lock_stale_s",
 )  # fmt: skip
 _NON_NEGATIVE = (
     "total_batch_size", "device_batch_size", "eval_interval", "gradient_clip_val", "top_k", "depth",
-    "sample_tokens", "model.d_ff", "optim.warmup_steps", "optim.weight_decay",
+    "sample_tokens", "model.d_ff", "model.n_kv_head", "model.head_dim", "temperature",
+    "optim.warmup_steps", "optim.weight_decay",
     "optim.min_lr_ratio", "dist.num_processes", "watchdog_factor", "watchdog_timeout",
     "data_threads", "epochs", "compat.world_size",
 )  # fmt: skip
@@ -279,10 +305,15 @@ def check(cfg: Config) -> None:
             f"--depth {cfg.depth} gives d_model {m.d_model}, which {m.n_head} heads of ~128 do not divide; "
             "use an even depth or set --model.n_head"
         )
-    if m.d_model % m.n_head:
+    if m.d_model % m.n_head and not m.head_dim:
         raise ConfigError(f"model.d_model {m.d_model} is not divisible by model.n_head {m.n_head}")
-    if m.pos_embedding == "rope" and (m.d_model // m.n_head) % 2:
-        raise ConfigError(f"rotary positions need an even head size, got {m.d_model // m.n_head}")
+    if m.n_head % m.kv_heads:
+        raise ConfigError(
+            f"model.n_head {m.n_head} is not a multiple of model.n_kv_head {m.n_kv_head}: each key/value "
+            "head serves a whole group of query heads"
+        )
+    if m.pos_embedding == "rope" and m.head_size % 2:
+        raise ConfigError(f"rotary positions need an even head size, got {m.head_size}")
     if cfg.batch_size % cfg.gradient_accumulation_steps:
         raise ConfigError(
             f"batch_size {cfg.batch_size} is not divisible by gradient_accumulation_steps "
@@ -313,9 +344,9 @@ def _check_task(cfg: Config) -> None:
         raise ConfigError(
             f"--task {cfg.task} needs --resume_from CHECKPOINT (a step dir, or a run's checkpoints/ dir)"
         )
-    if cfg.task == "predict" and bool(cfg.prompt) == bool(cfg.prompt_file):
+    if cfg.task == "predict" and cfg.prompt and cfg.prompt_file:
         raise ConfigError(
-            "--task predict needs --prompt TEXT or --prompt_file FILE (one prompt a line), not both"
+            "--task predict takes --prompt TEXT or --prompt_file FILE (one prompt a line), not both"
         )
     if cfg.init_from and (cfg.task != "train" or cfg.resume_from):
         raise ConfigError(
@@ -362,6 +393,7 @@ def _check_mesh_values(cfg: Config) -> None:
     if tp > 1:
         for what, n in (
             ("model.n_head", m.n_head),
+            ("model.n_kv_head", m.kv_heads),
             ("model.ff_dim", m.ff_dim),
             ("model.vocab_size", m.vocab_size),
         ):

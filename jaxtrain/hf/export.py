@@ -1,0 +1,155 @@
+"""A checkpoint of ours as a Hugging Face model dir: config.json, safetensors, tokenizer, generation.
+
+Each param is read from the orbax checkpoint alone (a partial restore of one leaf, as a host
+numpy array) and written at once into its place in the safetensors files, so the host holds one
+param (a scanned stack holds every layer's) and its HF tensors, never the whole model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jaxtrain import checkpoint as ckpt_lib
+from jaxtrain.config import ModelConfig
+from jaxtrain.data.sources import parse_spec
+from jaxtrain.hf import config as hf_config
+from jaxtrain.hf import weights
+from jaxtrain.hf.store import Writer
+from jaxtrain.tokenizer import TOKENIZER_FILE
+
+log = logging.getLogger("jaxtrain")
+
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+
+
+class _Leaves:
+    """One param at a time from an orbax step dir's `state` item, as a host numpy array."""
+
+    def __init__(self, step_dir: Path) -> None:
+        self.state_dir = step_dir / "state"
+        try:
+            meta = ocp.PyTreeCheckpointHandler().metadata(self.state_dir).tree["params"]
+        except Exception as e:  # missing or garbled files
+            raise ckpt_lib.unreadable(step_dir, e) from None
+        self.shapes = {
+            tuple(str(getattr(k, "key", k)) for k in path): tuple(leaf.shape) for path, leaf in _flatten(meta)
+        }
+        self.checkpointer = ocp.PyTreeCheckpointer()
+
+    def get(self, path: tuple[str, ...]) -> np.ndarray:
+        item: Any = np.empty(0)  # only its place in the tree matters
+        args: Any = ocp.RestoreArgs(restore_type=np.ndarray)
+        for key in reversed(("params", *path)):
+            item, args = {key: item}, {key: args}
+        out = self.checkpointer.restore(
+            self.state_dir, args=ocp.args.PyTreeRestore(item=item, restore_args=args, partial_restore=True)
+        )
+        for key in ("params", *path):
+            out = out[key]
+        return np.asarray(out)
+
+
+def _flatten(tree: Any) -> list[tuple[tuple, Any]]:
+    import jax
+
+    return jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
+
+
+def _tokenizer_files(saved: dict[str, Any], model: ModelConfig, out: Path) -> str:
+    """tokenizer.json and tokenizer_config.json for the run's data; which one it was."""
+    train = str(saved.get("train_data_path") or "")
+    first = parse_spec(train, "train_data_path")[0].path.split(",")[0] if train else ""
+    beside = Path(first).parent / TOKENIZER_FILE if first else None
+    if beside is not None and beside.is_file():
+        shutil.copyfile(beside, out / TOKENIZER_FILE)
+        kind = f"BPE ({beside})"
+    elif model.vocab_size == 256:
+        (out / TOKENIZER_FILE).write_text(byte_tokenizer_json())
+        kind = "bytes"
+    else:
+        log.warning(f"no {TOKENIZER_FILE} beside the training data: exported without a tokenizer")
+        return "none"
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": model.seq_len,
+        "clean_up_tokenization_spaces": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return kind
+
+
+def byte_tokenizer_json() -> str:
+    """tokenizer.json whose token ids are the UTF-8 bytes, as our ByteTokenizer's: a byte-level
+    BPE without merges, each byte's printable stand-in (GPT-2's byte-to-unicode map) as its id."""
+    import tokenizers as tk
+
+    by_byte = _gpt2_bytes_to_unicode()
+    vocab = {c: b for b, c in by_byte.items()}
+    tok = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = tk.decoders.ByteLevel()
+    return str(tok.to_str())
+
+
+def _gpt2_bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's map of the 256 bytes to printable characters (what ByteLevel pre-tokenizes into)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+def export(path: str, out: Path, max_shard_bytes: int = 5 * 2**30, dtype: str = "float32") -> dict[str, Any]:
+    """Write checkpoint `path` (a run dir, its checkpoints/ dir or one step dir) to `out`."""
+    source, step = ckpt_lib.open_checkpoint(path, "checkpoint")
+    saved = source.read_meta(step).get("config", {})
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    model = ModelConfig(**{k: v for k, v in saved.get("model", {}).items() if k in fields})
+    config = hf_config.to_hf(model, dtype)  # refuses models no class matches, before writing
+    leaves = _Leaves(source.directory / str(step))
+    entries = weights.entries(model)
+    shapes = {e.name: weights.hf_shape(e, leaves.shapes[e.path]) for e in entries}
+    out.mkdir(parents=True, exist_ok=True)
+    writer = Writer(out, shapes, DTYPES[dtype], max_shard_bytes)
+    by_leaf: dict[tuple[str, ...], list[weights.Entry]] = {}
+    for e in entries:
+        by_leaf.setdefault(e.path, []).append(e)
+    for leaf_path, group in by_leaf.items():
+        leaf = leaves.get(leaf_path)
+        for e in group:
+            writer.write(e.name, weights.to_hf(e, leaf))
+        del leaf
+    writer.close()
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {
+        "do_sample": True,
+        "temperature": saved.get("temperature", 0.8),
+        "top_k": saved.get("top_k", 40),
+    }
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    tokenizer = _tokenizer_files(saved, model, out)
+    return {
+        "checkpoint": str(source.directory / str(step)),
+        "out": str(out),
+        "architecture": config["architectures"][0],
+        "files": [p.name for p in writer.files],
+        "tokenizer": tokenizer,
+    }

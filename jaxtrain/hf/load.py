@@ -1,0 +1,104 @@
+"""`hf:DIR` as a checkpoint: --init_from hf:DIR (train from it), --resume_from hf:DIR (test, predict).
+
+    source, step = open_checkpoint(cfg.init_from, "--init_from")   # hf:DIR or our own checkpoint
+    params = source.restore_params(step, target, "--init_from")    # target: abstract params, sharded
+
+Each of our params is assembled on the host from its memory-mapped HF tensors, then placed on the
+devices shard by shard (each process reads only the slices it holds).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+
+from jaxtrain import checkpoint as ckpt_lib
+from jaxtrain.config import ModelConfig
+from jaxtrain.errors import UserError
+from jaxtrain.hf import PREFIX, is_hf, weights
+from jaxtrain.hf import config as hf_config
+from jaxtrain.hf.store import Reader
+from jaxtrain.model import path_names
+from jaxtrain.tokenizer import TOKENIZER_FILE
+
+
+class ParamSource(Protocol):
+    """What --init_from and --resume_from read: our checkpoints or a Hugging Face model dir."""
+
+    directory: Path
+
+    def read_meta(self, step: int) -> dict[str, Any]: ...
+
+    def check_params(self, step: int, target: Any, flag: str) -> None: ...
+
+    def restore_params(self, step: int, target: Any, flag: str) -> Any: ...
+
+
+def open_checkpoint(path: str, flag: str) -> tuple[ParamSource, int]:
+    """A read-only view of what `path` names: hf:DIR, else a checkpoint of ours (checkpoint.py)."""
+    if is_hf(path):
+        return HFCheckpoint(Path(path[len(PREFIX) :]), flag), 0
+    return ckpt_lib.open_checkpoint(path, flag)
+
+
+class HFCheckpoint:
+    """A Hugging Face model dir, read as if it were a checkpoint of step 0."""
+
+    def __init__(self, directory: Path, flag: str) -> None:
+        self.directory = directory.absolute()
+        self.where = f"{flag} {PREFIX}{directory}"
+        if not directory.is_dir():
+            raise UserError(f"{self.where}: no such directory; give a Hugging Face model dir")
+        self.hf = hf_config.read(directory)
+        self.keys = hf_config.model_keys(self.hf, self.where)
+        self.reader = Reader(directory)
+
+    def read_meta(self, step: int) -> dict[str, Any]:
+        """What tasks.py reads of a checkpoint: its model config (and here its tokenizer)."""
+        model = {k.split(".", 1)[1]: v for k, v in self.keys.items()}
+        model["seq_len"] = hf_config.seq_len(self.hf, None, self.where)
+        tokenizer = self.directory / TOKENIZER_FILE
+        return {"config": {"model": model, "tokenizer": str(tokenizer) if tokenizer.is_file() else ""}}
+
+    def _entries(self, target: Any) -> dict[tuple[str, ...], list[weights.Entry]]:
+        """The HF tensors of each of target's params, checked: all there, shaped as they must be."""
+        leaves = {path_names(p): x.shape for p, x in jax.tree_util.tree_flatten_with_path(target)[0]}
+        blocks = [k for k in leaves if k[0].startswith("block")]
+        cfg = ModelConfig(
+            **{k.split(".", 1)[1]: v for k, v in self.keys.items()},
+            scan_layers=("blocks",) in {k[:1] for k in blocks},
+        )
+        by_leaf: dict[tuple[str, ...], list[weights.Entry]] = {}
+        for e in weights.entries(cfg):
+            if e.name not in self.reader.names():
+                raise UserError(f"{self.where} has no tensor {e.name}; its weights are incomplete")
+            want = weights.hf_shape(e, leaves[e.path])
+            if self.reader.shape(e.name) != want:
+                raise UserError(
+                    f"{self.where}: tensor {e.name} is {list(self.reader.shape(e.name))}, config.json "
+                    f"says {list(want)}"
+                )
+            by_leaf.setdefault(e.path, []).append(e)
+        missing = set(leaves) - set(by_leaf)
+        if missing:
+            raise UserError(f"{self.where} gives no value for param {'/'.join(sorted(missing)[0])}")
+        return by_leaf
+
+    def check_params(self, step: int, target: Any, flag: str) -> None:
+        """Every param of target comes from a tensor of the dir, shaped right."""
+        self._entries(target)
+
+    def restore_params(self, step: int, target: Any, flag: str) -> Any:
+        """target's params (abstract arrays with shardings) from the dir's tensors."""
+        by_leaf = self._entries(target)
+
+        def load(path: tuple, leaf: Any) -> jax.Array:
+            host = np.empty(leaf.shape, np.float32)
+            for e in by_leaf[path_names(path)]:
+                weights.put(e, host, self.reader.get(e.name).astype(np.float32))
+            return jax.make_array_from_callback(leaf.shape, leaf.sharding, lambda index: host[index])
+
+        return jax.tree_util.tree_map_with_path(load, target)

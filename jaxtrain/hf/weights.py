@@ -1,0 +1,109 @@
+"""Every Hugging Face tensor name and where it sits in our params: one table, read both ways.
+
+Our kernels are [in..., out...] with heads apart ([d, N, H]); torch's Linear weights are
+[out, in] with heads flattened. Fused params split into several HF tensors: qkv [d, 3, N, H]
+into q/k/v_proj, kv [d, 2, K, H] into k/v_proj, gate_up [d, 2, ff] into gate/up_proj. Rotary
+positions need no permutation: ours rotate contiguous halves (rotate_half), as HF's do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from jaxtrain.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    name: str  # the Hugging Face tensor name
+    path: tuple[str, ...]  # our param's path
+    layer: int | None  # index into a scanned stack (leading axis), else None
+    part: tuple[int, int] | None  # (axis, index) of a fused param, counted in one layer's view
+    kind: str  # same | flat | in ([d, *out] <-> [out, d]) | out ([*in, d] <-> [d, in])
+
+
+def _layer(cfg: ModelConfig) -> list[tuple[str, tuple[str, ...], tuple[int, int] | None, str]]:
+    """(HF name after model.layers.i., our path inside the block, part, kind) for one layer."""
+    out: list[tuple[str, tuple[str, ...], tuple[int, int] | None, str]] = [
+        ("input_layernorm.weight", ("ln_1", "scale"), None, "flat"),
+        ("post_attention_layernorm.weight", ("ln_2", "scale"), None, "flat"),
+    ]
+    if cfg.kv_heads == cfg.n_head:
+        qkv = [("q", "qkv", 0), ("k", "qkv", 1), ("v", "qkv", 2)]
+    else:
+        qkv = [("q", "q", -1), ("k", "kv", 0), ("v", "kv", 1)]
+    for x, module, i in qkv:
+        w_part, b_part = ((1, i), (0, i)) if i >= 0 else (None, None)
+        out.append((f"self_attn.{x}_proj.weight", ("attn", module, "kernel"), w_part, "in"))
+        if cfg.qkv_bias:
+            out.append((f"self_attn.{x}_proj.bias", ("attn", module, "bias"), b_part, "flat"))
+    out.append(("self_attn.o_proj.weight", ("attn", "out", "kernel"), None, "out"))
+    if cfg.qk_norm:
+        out.append(("self_attn.q_norm.weight", ("attn", "q_norm", "scale"), None, "flat"))
+        out.append(("self_attn.k_norm.weight", ("attn", "k_norm", "scale"), None, "flat"))
+    out.append(("mlp.gate_proj.weight", ("mlp", "gate_up", "kernel"), (1, 0), "in"))
+    out.append(("mlp.up_proj.weight", ("mlp", "gate_up", "kernel"), (1, 1), "in"))
+    out.append(("mlp.down_proj.weight", ("mlp", "out", "kernel"), None, "out"))
+    return out
+
+
+def entries(cfg: ModelConfig) -> list[Entry]:
+    """Every HF tensor of the model, in the order Hugging Face writes them."""
+    out = [Entry("model.embed_tokens.weight", ("wte", "embedding"), None, None, "same")]
+    for i in range(cfg.n_layer):
+        block, layer = (("blocks",), i) if cfg.scan_layers else ((f"block_{i}",), None)
+        for name, path, part, kind in _layer(cfg):
+            out.append(Entry(f"model.layers.{i}.{name}", block + path, layer, part, kind))
+    out.append(Entry("model.norm.weight", ("ln_f", "scale"), None, None, "flat"))
+    if not cfg.tie_embeddings:
+        out.append(Entry("lm_head.weight", ("lm_head", "embedding"), None, None, "same"))
+    return out
+
+
+def _index(e: Entry, ndim: int) -> tuple[int | slice, ...]:
+    """Where in our leaf (ndim dims) the entry's tensor sits."""
+    index: list[int | slice] = [slice(None)] * ndim
+    offset = 0
+    if e.layer is not None:
+        index[0], offset = e.layer, 1
+    if e.part is not None:
+        index[offset + e.part[0]] = e.part[1]
+    return tuple(index)
+
+
+def hf_shape(e: Entry, leaf_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The HF tensor's shape, from our leaf's."""
+    index = _index(e, len(leaf_shape))
+    view = tuple(n for n, i in zip(leaf_shape, index, strict=True) if isinstance(i, slice))
+    kind = e.kind
+    if kind == "in":
+        return (math.prod(view[1:]), view[0])
+    if kind == "out":
+        return (view[-1], math.prod(view[:-1]))
+    if kind == "flat":
+        return (math.prod(view),)
+    return view
+
+
+def to_hf(e: Entry, leaf: np.ndarray) -> np.ndarray:
+    """The entry's HF tensor (contiguous) from our whole leaf."""
+    x = leaf[_index(e, leaf.ndim)]
+    if e.kind == "in":
+        x = x.reshape(x.shape[0], -1).T
+    elif e.kind == "out":
+        x = x.reshape(-1, x.shape[-1]).T
+    elif e.kind == "flat":
+        x = x.reshape(-1)
+    return np.ascontiguousarray(x)
+
+
+def put(e: Entry, leaf: np.ndarray, tensor: np.ndarray) -> None:
+    """Write the entry's HF tensor into our leaf, in place."""
+    index = _index(e, leaf.ndim)
+    view_shape = leaf[index].shape
+    if e.kind in ("in", "out"):
+        tensor = tensor.T
+    leaf[index] = np.asarray(tensor).reshape(view_shape)
