@@ -144,8 +144,8 @@ def _groups(attrs: str, n_devices: int) -> list[list[int]]:
     pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
     if pairs:
         return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)", pairs.group(1) + "}")]
-    explicit = re.search(r"replica_groups=\{(.*?)\}(?:,|$)", attrs)
-    groups = re.findall(r"\{([\d,]+)\}", explicit.group(1) + "}") if explicit else []
+    explicit = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", attrs)
+    groups = re.findall(r"\{([\d,]+)\}", explicit.group(1)) if explicit else []
     return [[int(x) for x in g.split(",")] for g in groups] or [list(range(n_devices))]
 
 
@@ -173,7 +173,7 @@ class _Tally:
         for key, c in other.collectives.items():
             mine = self.collectives.setdefault(key, dict.fromkeys(c, 0.0))
             for k, v in c.items():
-                mine[k] += v
+                mine[k] = max(mine[k], v) if k == "largest_bytes" else mine[k] + v
 
 
 class _Walker:
@@ -258,9 +258,11 @@ class _Walker:
                 network = ring * (n_hosts - 1) / n_hosts * size / per_host
             axis = self.layout.axis_of(group)
         c = tally.collectives.setdefault(
-            (kind, axis, crosses), {"count": 0.0, "bytes": 0.0, "nvlink_bytes": 0.0, "network_bytes": 0.0}
+            (kind, axis, crosses),
+            {"count": 0.0, "bytes": 0.0, "largest_bytes": 0.0, "nvlink_bytes": 0.0, "network_bytes": 0.0},
         )
         c["count"] += mult
+        c["largest_bytes"] = max(c["largest_bytes"], size)
         c["bytes"] += mult * size
         c["nvlink_bytes"] += mult * nvlink
         c["network_bytes"] += mult * network
@@ -295,6 +297,7 @@ def analyze(train: Any, evaluate: Any | None, facts: Facts, compile_s: float) ->
     hbm_bytes = 2 * tally.written - outputs + mem["argument_bytes"]
     collectives: list[dict[str, Any]] = [
         {"kind": k, "axis": a, "crosses_hosts": x, "count": int(round(c["count"])), "bytes": int(c["bytes"]),
+         "largest_bytes": int(c["largest_bytes"]),
          "nvlink_bytes": int(c["nvlink_bytes"]), "network_bytes": int(c["network_bytes"])}
         for (k, a, x), c in sorted(tally.collectives.items())
     ]  # fmt: skip
