@@ -32,7 +32,9 @@ $(CUDA_PLUGIN)/.stamp: $(STAMP)
 train: $(STAMP)
 	$(PY) scripts/train.py --config configs/default.yaml $(ARGS)
 
-test: $(STAMP)
+# The GPU compile tests (tests/test_gpu_compile.py) need the CUDA plugin: installed first, so they
+# fail, never skip, when it is missing.
+test: $(STAMP) $(CUDA_PLUGIN)/.stamp
 	$(PY) -m pytest -q $(ARGS)
 
 lint: $(STAMP)

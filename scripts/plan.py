@@ -200,7 +200,7 @@ def _print(p: dict[str, Any]) -> None:
     bound, limit = p["step_time_lower_bound_s"] * 1e3, p["bound_limited_by"]
     print(f"step time lower bound     {bound:.1f} ms ({limit}-bound; {terms})")
     print(
-        f"MFU ceiling               {100 * p['mfu_ceiling']:.1f}% (from the bound: a ceiling, not a prediction)"
+        f"MFU ceiling               {100 * p['mfu_ceiling']:.1f}% (from the bound: a ceiling, no prediction)"
     )
 
 

@@ -1,3 +1,4 @@
+# ruff: noqa: E501  (HLO lines as the compiler prints them)
 """jaxtrain/plan.py's reading of compiled HLO text: replica groups, loop trips, host crossings."""
 
 from jaxtrain import plan
