@@ -292,9 +292,8 @@ def analyze(train: Any, evaluate: Any | None, facts: Facts, compile_s: float) ->
     n_devices = len(facts.device_hosts)
     limit = int(t.memory_bytes * mem_fraction())
     eval_total = memory(evaluate)["total_bytes"] if evaluate is not None else 0
-    m = train.memory_analysis()
-    outputs = int(m.output_size_in_bytes) - int(m.alias_size_in_bytes)
-    hbm_bytes = 2 * tally.written - outputs + mem["argument_bytes"]
+    # Outputs (the new state, donated or not) are written, never read back within the step.
+    hbm_bytes = 2 * tally.written - int(train.memory_analysis().output_size_in_bytes) + mem["argument_bytes"]
     collectives: list[dict[str, Any]] = [
         {"kind": k, "axis": a, "crosses_hosts": x, "count": int(round(c["count"])), "bytes": int(c["bytes"]),
          "largest_bytes": int(c["largest_bytes"]),
