@@ -16,7 +16,8 @@ from gpu_plans import CI_CASES
 from processes import clean_env
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.slow
+# The first test waits for every compile: minutes on a loaded 2-core machine.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 H100 = "gpt2_124m_h100x8_"
 MESHES = ["data8", "fsdp8", "fsdp4_tensor2_fp16", "zero1"]
 # Bytes of gpt2_124m's largest parameter (the 50304 x 768 float32 embedding), one fsdp-8 shard of it.
@@ -25,7 +26,8 @@ LARGEST_PARAM = 50304 * 768 * 4
 
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory):
-    out = tmp_path_factory.mktemp("plans")
+    # JAXTRAIN_PLANS_DIR=bench/results keeps them (how bench/results/plan_*.json were made).
+    out = Path(os.environ.get("JAXTRAIN_PLANS_DIR") or tmp_path_factory.mktemp("plans"))
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "gpu_plans.py"), str(out), *CI_CASES],
         cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=1800,
