@@ -143,6 +143,8 @@ def _nearer(cfg: Config, resolved: dict[str, Any], gpus_per_host: int) -> list[d
 
 def _search(cfg: Config, target: targets.GpuTarget, hosts: int, gpus_per_host: int) -> list[dict[str, Any]]:
     """Every data x fsdp x tensor mesh (fsdp x tensor inside a host) x remat that compiles and fits."""
+    import jax
+
     from jaxtrain.errors import UserError
 
     results = []
@@ -153,8 +155,8 @@ def _search(cfg: Config, target: targets.GpuTarget, hosts: int, gpus_per_host: i
                 o = {"mesh.data": -1, "mesh.fsdp": fsdp, "mesh.tensor": tensor, "model.remat": remat}
                 try:
                     p = plan_one(_with(cfg, o), target, hosts, gpus_per_host)
-                except UserError as e:
-                    print(f"  {o}: {e}", flush=True)
+                except (UserError, jax.errors.JaxRuntimeError) as e:  # rejected, or the compiler failed
+                    print(f"  fsdp {fsdp} tensor {tensor} remat {remat}: {str(e).splitlines()[0]}")
                     continue
                 print(f"  fsdp {fsdp} tensor {tensor} remat {remat}: {_gb(p['total_bytes_per_device'])} "
                       f"bound {p['step_time_lower_bound_s'] * 1e3:.1f} ms {'fits' if p['fits'] else ''}",
