@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 ARGS ?=
 
-.PHONY: train test lint bench clean-runs
+.PHONY: train test lint bench clean-runs gpu-plugin
 
 # Re-install only when pyproject.toml changes.
 $(STAMP): pyproject.toml
@@ -14,10 +14,27 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+# The CUDA plugin of the installed jax, for compiling the GPU program without a GPU (scripts/plan.py,
+# tests/test_gpu_compile.py). It lives outside .venv, so CPU runs and the CPU tests never load it;
+# only code that puts it on sys.path does (jaxtrain/targets.py: use_plugin). ~3.2 GB downloaded,
+# 4.9 GB on disk; again only when jax's version changes.
+CUDA_PLUGIN := .cuda-plugin
+gpu-plugin: $(CUDA_PLUGIN)/.stamp
+$(CUDA_PLUGIN)/.stamp: $(STAMP)
+	v=$$($(PY) -c 'import jax; print(jax.__version__)'); \
+	if [ "$$(cat $@ 2>/dev/null)" != "$$v" ]; then \
+	  rm -rf $(CUDA_PLUGIN) && \
+	  $(PY) -m pip install -q --target $(CUDA_PLUGIN) "jax-cuda12-plugin[with-cuda]==$$v" "jax-cuda12-pjrt==$$v" && \
+	  echo "$$v" > $@; \
+	fi
+	touch $@
+
 train: $(STAMP)
 	$(PY) scripts/train.py --config configs/default.yaml $(ARGS)
 
-test: $(STAMP)
+# The GPU compile tests (tests/test_gpu_compile.py) need the CUDA plugin: installed first, so they
+# fail, never skip, when it is missing.
+test: $(STAMP) $(CUDA_PLUGIN)/.stamp
 	$(PY) -m pytest -q $(ARGS)
 
 lint: $(STAMP)

@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 from jaxtrain import mesh as mesh_lib  # noqa: E402
 from jaxtrain.config import load_config  # noqa: E402
 from jaxtrain.job import with_topology  # noqa: E402
-from jaxtrain.metrics import compiled_peak_bytes  # noqa: E402
+from jaxtrain.memory import compiled_bytes  # noqa: E402
 from jaxtrain.model import GPT, flops_per_token, param_count  # noqa: E402
 from jaxtrain.optim import make_optimizer  # noqa: E402
 from jaxtrain.state import abstract_state, create_state, state_sharding  # noqa: E402
@@ -75,7 +75,7 @@ class Layout:
         t0 = time.perf_counter()
         self.step = train_step.lower(abstract, batch).compile()
         self.compile_s = time.perf_counter() - t0
-        self.peak_bytes = compiled_peak_bytes(self.step)
+        self.peak_bytes = compiled_bytes(self.step)["total_bytes"]
         self.temp_bytes = int(self.step.memory_analysis().temp_size_in_bytes)  # activations, grads
         self.tokens = cfg.batch_size * cfg.model.seq_len
         self.state = self.batch = None

@@ -9,11 +9,10 @@ naming the peak, the device's limit and the settings that lower the peak.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import jax
-from jax.sharding import Mesh
 
-from jaxtrain import mesh as mesh_lib
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
 
@@ -34,20 +33,33 @@ def limit_bytes(device: jax.Device) -> int | None:
     return (stats or {}).get("bytes_limit")
 
 
-def check_fits(state_bytes: int, device: jax.Device, mesh: Mesh, local_devices: int) -> None:
-    """Before compiling: refuse a state that alone overflows the device (GPUs report their memory)."""
+def compiled_bytes(compiled: Any) -> dict[str, int]:
+    """Per-device bytes of a compiled step: arguments (state + batch), temporaries, and the total
+    it needs at once (arguments + temporaries + outputs not aliased to arguments)."""
+    m = compiled.memory_analysis()
+    if m is None:  # a backend that does not say
+        return {"argument_bytes": 0, "temp_bytes": 0, "total_bytes": 0}
+    args, temp = int(m.argument_size_in_bytes), int(m.temp_size_in_bytes)
+    out = int(m.output_size_in_bytes) - int(m.alias_size_in_bytes)
+    return {"argument_bytes": args, "temp_bytes": temp, "total_bytes": args + temp + out}
+
+
+def fits(total_bytes: int, limit: int) -> bool:
+    """The one memory rule, for a GPU at hand (its allocator's limit) and a planned one alike: the
+    compiled step's total bytes per device within what XLA may use of the device."""
+    return total_bytes <= limit
+
+
+def check_compiled(total_bytes: int, device: jax.Device, cfg: Config, local_devices: int) -> None:
+    """Refuse, before the first step, a compiled step the device cannot hold (GPUs report their
+    limit; CPUs do not, and are not judged)."""
     limit = limit_bytes(device)
-    # Activations, gradients and XLA's workspace need room too: the state may take half.
-    if not limit or state_bytes <= limit // 2:
+    if not limit or fits(total_bytes, limit):
         return
-    shape = mesh_lib.mesh_shape(mesh)
-    fsdp = shape["fsdp"]
-    while state_bytes * shape["fsdp"] // fsdp > limit // 2 and fsdp * shape["tensor"] < local_devices:
-        fsdp *= 2
-    raise UserError(
-        f"the train state needs {state_bytes / 2**30:.1f} GiB per device on mesh {mesh_lib.describe(mesh)}, "
-        f"over half of this {device.device_kind}'s {limit / 2**30:.1f} GiB; shard it: --mesh.fsdp {fsdp} "
-        f"--mesh.data -1 (state ~{state_bytes * shape['fsdp'] / fsdp / 2**30:.1f} GiB per device)"
+    raise OutOfMemory(
+        f"the compiled step needs {total_bytes / _GIB:.1f} GiB per device, over the {limit / _GIB:.1f} GiB "
+        f"XLA may use on this {device.device_kind}; lower it with {fixes(cfg, local_devices)} "
+        "(scripts/plan.py with the same flags and --search compiles the settings that fit)"
     )
 
 

@@ -57,16 +57,6 @@ def peak_flops(device_kind: str) -> float | None:
     return next((peak for key, peak in PEAK_FLOPS if key in device_kind), None)
 
 
-def compiled_peak_bytes(compiled: Any) -> int:
-    """Peak bytes per device of a compiled step: arguments + temporaries + outputs not aliased."""
-    m = compiled.memory_analysis()
-    if m is None:  # a backend that does not say
-        return 0
-    return int(
-        m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-    )
-
-
 class _TqdmHandler(logging.StreamHandler):
     """Console lines that do not break the progress bar."""
 

@@ -1,0 +1,82 @@
+"""Plans of the jobs CI compiles for GPUs (tests/test_gpu_compile.py), several in one process.
+
+    .venv/bin/python tests/gpu_plans.py OUT_DIR [CASE ...]     # writes OUT_DIR/plan_<case>.json
+
+Each plan is what `scripts/plan.py <flags> --json F` writes; one process compiles them all, since
+starting jax with the CUDA plugin costs seconds each time. bench/results/plan_*.json come from here.
+"""
+
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+GPT2 = ["--config", "configs/gpt2_124m.yaml"]
+# 6.6B: 32 layers of 4096, T 2048; 65B: 80 layers of 8192, T 4096. One sequence per batch shard,
+# scanned layers (compile time flat in depth), full remat.
+GPT_7B = [*GPT2, "--model.n_layer", "32", "--model.d_model", "4096", "--model.n_head", "32",
+          "--model.seq_len", "2048", "--model.scan_layers", "true", "--model.remat", "full",
+          "--device_batch_size", "1"]  # fmt: skip
+GPT_70B = [*GPT2, "--model.n_layer", "80", "--model.d_model", "8192", "--model.n_head", "64",
+           "--model.seq_len", "4096", "--model.scan_layers", "true", "--model.remat", "full",
+           "--device_batch_size", "1"]  # fmt: skip
+# case -> (flags, target, hosts, gpus per host)
+CASES = {
+    "gpt2_124m_h100x8_data8": (GPT2, "h100", 1, 8),
+    "gpt2_124m_h100x8_fsdp8": ([*GPT2, "--mesh.data", "1", "--mesh.fsdp", "8"], "h100", 1, 8),
+    "gpt2_124m_h100x8_fsdp4_tensor2_fp16": (
+        [*GPT2, "--mesh.fsdp", "4", "--mesh.tensor", "2", "--dtype", "float16"],
+        "h100",
+        1,
+        8,
+    ),  # fmt: skip
+    "gpt2_124m_h100x8_zero1": ([*GPT2, "--mesh.zero1", "true"], "h100", 1, 8),
+    "gpt2_124m_h100_2x8_data16": (GPT2, "h100", 2, 8),
+    "gpt_7b_h100x8_fsdp8": ([*GPT_7B, "--total_batch_size", "16384", "--mesh.fsdp", "8"], "h100", 1, 8),
+    "gpt_70b_h100_128x8_data2_fsdp64_tensor8": (
+        [
+            *GPT_70B,
+            "--total_batch_size",
+            "524288",
+            "--mesh.data",
+            "2",
+            "--mesh.fsdp",
+            "64",
+            "--mesh.tensor",
+            "8",
+        ],
+        "h100",
+        128,
+        8,
+    ),  # fmt: skip
+    # Not compiled in CI: one GPU, and the bfloat16 twin of the fp16 tensor-parallel case.
+    "gpt2_124m_h100x1": (GPT2, "h100", 1, 1),
+    "gpt2_124m_h100x8_fsdp4_tensor2": ([*GPT2, "--mesh.fsdp", "4", "--mesh.tensor", "2"], "h100", 1, 8),
+}
+CI_CASES = list(CASES)[:7]
+
+
+def main(out_dir: Path, names: list[str]) -> None:
+    spec = importlib.util.spec_from_file_location("plan_script", ROOT / "scripts" / "plan.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    from jaxtrain import targets
+
+    targets.use_plugin()
+    from jaxtrain.config import load_config
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        flags, target, hosts, gpus = CASES[name]
+        t0 = time.perf_counter()
+        plan = script.plan_one(load_config(flags), targets.get(target), hosts, gpus)
+        where = ["--target", target, "--hosts", str(hosts), "--gpus_per_host", str(gpus)]
+        plan["command"] = " ".join(["scripts/plan.py", *flags, *where])
+        (out_dir / f"plan_{name}.json").write_text(json.dumps(plan, indent=1) + "\n")
+        print(f"{name}: {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:] or CI_CASES)

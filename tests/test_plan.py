@@ -1,0 +1,67 @@
+# ruff: noqa: E501  (HLO lines as the compiler prints them)
+"""jaxtrain/plan.py's reading of compiled HLO text: replica groups, loop trips, host crossings."""
+
+from jaxtrain import plan
+
+# The shapes XLA's GPU compiler prints (tests/test_gpu_compile.py compiles the real thing).
+HLO = """HloModule jit_step, is_scheduled=true
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %sum = f32[] add(%x, %y)
+}
+
+%fused_update (p0: f32[64,1024], p1: f32[1,1024], p2: s32[]) -> f32[64,1024] {
+  %p0 = f32[64,1024]{1,0} parameter(0)
+  %p1 = f32[1,1024]{1,0} parameter(1)
+  %p2 = s32[] parameter(2)
+  %zero = s32[] constant(0)
+  ROOT %dus = f32[64,1024]{1,0} dynamic-update-slice(%p0, %p1, %p2, %zero)
+}
+
+%body (carry: (s32[], f32[64,1024], f32[1,1024])) -> (s32[], f32[64,1024], f32[1,1024]) {
+  %carry = (s32[], f32[64,1024]{1,0}, f32[1,1024]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%carry), index=0
+  %acc = f32[64,1024]{1,0} get-tuple-element(%carry), index=1
+  %row = f32[1,1024]{1,0} get-tuple-element(%carry), index=2
+  %gathered = f32[8,1024]{1,0} all-gather(%row), channel_id=2, replica_groups=[2,8]<=[16], dimensions={0}, use_global_device_ids=true
+  %update = f32[64,1024]{1,0} fusion(%acc, %row, %i), kind=kLoop, calls=%fused_update
+  ROOT %out = (s32[], f32[64,1024]{1,0}, f32[1,1024]{1,0}) tuple(%i, %update, %row)
+}
+
+%cond (carry: (s32[], f32[64,1024], f32[1,1024])) -> pred[] {
+  %carry = (s32[], f32[64,1024]{1,0}, f32[1,1024]{1,0}) parameter(0)
+  ROOT %lt = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[1024,1024], b: (s32[], f32[64,1024], f32[1,1024])) -> f32[1024,1024] {
+  %a = f32[1024,1024]{1,0} parameter(0)
+  %b = (s32[], f32[64,1024]{1,0}, f32[1,1024]{1,0}) parameter(1)
+  %loop = (s32[], f32[64,1024]{1,0}, f32[1,1024]{1,0}) while(%b), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"12"}}
+  %ar = f32[1024,1024]{1,0} all-reduce-start(%a), channel_id=1, replica_groups=[8,2]<=[2,8]T(1,0), use_global_device_ids=true, to_apply=%add
+  ROOT %done = f32[1024,1024]{1,0} all-reduce-done(%ar)
+}
+"""
+
+
+def test_replica_groups_in_every_form():
+    assert plan._groups("replica_groups=[2,4]<=[8], x", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert plan._groups("replica_groups=[4,2]<=[2,4]T(1,0), x", 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert plan._groups("replica_groups={{0,2},{1,3}}, x", 4) == [[0, 2], [1, 3]]
+    assert plan._groups("replica_groups={}, x", 3) == [[0, 1, 2]]
+
+
+def test_walk_counts_loop_trips_axes_hosts_and_in_place_updates():
+    # 2 hosts x 8 GPUs as a data 2 x fsdp 8 mesh: fsdp inside a host, data across.
+    layout = plan._Layout(("data", "fsdp", "tensor"), (2, 8, 1), [0] * 8 + [1] * 8)
+    tally = plan._Walker(HLO, layout).tally()
+    gather = tally.collectives[("all-gather", "fsdp", False)]
+    assert gather["count"] == 12 and gather["bytes"] == 12 * 8 * 1024 * 4
+    assert gather["nvlink_bytes"] == 12 * 7 * 1024 * 4 and gather["network_bytes"] == 0
+    reduce = tally.collectives[("all-reduce", "data", True)]
+    assert reduce["count"] == 1 and reduce["largest_bytes"] == 1024 * 1024 * 4
+    # One host's half of a 2-host all-reduce leaves through its GPU's own NIC (1 GPU per host in the group).
+    assert reduce["network_bytes"] == 2 * 0.5 * 1024 * 1024 * 4
+    # The in-place update writes one row per trip, not the whole buffer.
+    assert tally.written == 12 * 1024 * 4
