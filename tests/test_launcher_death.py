@@ -163,3 +163,25 @@ def test_kill_9_of_torchrun_ends_its_workers(tmp_path):
         assert processes_marked(marker) == [], f"workers left {outlived_s:.0f} s after the kill"
     assert said.read_text().count(f"jaxtrain: torchrun (pid {launcher.pid}) is gone; stopping") == 2
     print(f"kill -9 of torchrun: workers gone {outlived_s:.2f} s later")
+
+
+@pytest.mark.multiprocess
+def test_kill_9_of_the_launcher_ends_a_health_check_too(tmp_path):
+    marker, said = uuid.uuid4().hex, tmp_path / "said.txt"
+    check = ["--script", "scripts/test_distributed.py", "--", "--max_bytes", "64M", "--iters", "1000"]
+    with open(said, "w") as out:
+        launcher = subprocess.Popen(
+            [*LAUNCH[:-1], *check, "--step_timeout", "600", "--checkpoint_dir", str(tmp_path / "ckpt")],
+            cwd=REPO, env=clean_env(JAXTRAIN_TEST_MARK=marker), stdout=out, stderr=out,
+        )  # fmt: skip
+    with reaped(launcher, marker):
+        deadline = time.monotonic() + 120
+        while "Rank 1 is connected" not in said.read_text():  # both joined, checks under way
+            assert launcher.poll() is None and time.monotonic() < deadline, said.read_text()[-3000:]
+            time.sleep(0.2)
+        t0 = time.monotonic()
+        launcher.kill()
+        while processes_marked(marker) and time.monotonic() - t0 < 15:
+            time.sleep(0.05)
+        assert processes_marked(marker) == [], said.read_text()[-3000:]
+    print(f"kill -9 of the launcher of a health check: its ranks gone {time.monotonic() - t0:.2f} s later")
