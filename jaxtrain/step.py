@@ -93,6 +93,12 @@ class _Layout:
         with nn.logical_axis_rules(self.rules):
             return _token_loss(self.model(model), params, rows)
 
+    def mean(self, tree: Any) -> Any:
+        """Mean over the batch shards. With one shard there is nothing to average, and a pmean
+        over size-1 manual axes beside an automatic tensor axis fails XLA's SPMD partitioner
+        ("Cross-partition allreduce must be in (partial) manual partitioning mode")."""
+        return tree if self.data * self.fsdp == 1 else jax.lax.pmean(tree, mesh_lib.BATCH_AXES)
+
     def reduce_grads(self, grads: Any) -> Any:
         """Mean over every batch shard: fsdp-split grads arrive summed over fsdp already."""
 
@@ -100,7 +106,7 @@ class _Layout:
             return g if self.data == 1 else jax.lax.pmean(g, mesh_lib.DATA_AXIS)
 
         return jax.tree.map(
-            lambda g, dim: jax.lax.pmean(g, mesh_lib.BATCH_AXES) if dim is None else over_data(g) / self.fsdp,
+            lambda g, dim: self.mean(g) if dim is None else over_data(g) / self.fsdp,
             grads,
             self.fsdp_dims,
             is_leaf=lambda x: x is None,
@@ -131,10 +137,6 @@ def _local_grads(
     return jax.tree.map(lambda g: g / accum, g_sum), l_sum / accum
 
 
-def _reduce(tree: Any) -> Any:
-    return jax.lax.pmean(tree, mesh_lib.BATCH_AXES)
-
-
 def make_train_step(
     cfg: Config,
     model: GPT,
@@ -156,7 +158,7 @@ def make_train_step(
         if faults.nan_step > 0:  # test-only fault, traced only when asked for
             scale = poison_gradients(faults, scale, step, jax.lax.axis_index(mesh_lib.BATCH_AXES) == 0)
         grads, loss = _local_grads(model, layout, accum, params, rows, scale)
-        return layout.reduce_grads(grads), _reduce(loss)
+        return layout.reduce_grads(grads), layout.mean(loss)
 
     # check_vma=False: we reduce explicitly, exactly once per step. `tensor` stays automatic.
     sharded_grads = jax.shard_map(
@@ -220,7 +222,7 @@ def make_eval_step(model: GPT, mesh: Mesh, param_specs: Any) -> Callable:
     layout = _Layout(mesh, param_specs)
 
     def device_loss(params: Any, rows: jax.Array) -> jax.Array:
-        return _reduce(layout.loss(model, params, rows))
+        return layout.mean(layout.loss(model, params, rows))
 
     return jax.shard_map(
         device_loss,

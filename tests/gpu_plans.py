@@ -22,6 +22,9 @@ GPT_7B = [*GPT2, "--model.n_layer", "32", "--model.d_model", "4096", "--model.n_
 GPT_70B = [*GPT2, "--model.n_layer", "80", "--model.d_model", "8192", "--model.n_head", "64",
            "--model.seq_len", "4096", "--model.scan_layers", "true", "--model.remat", "full",
            "--device_batch_size", "1"]  # fmt: skip
+# GPT-2 XL's shape (1.56B): 48 layers of 1600, 25 heads of 64, T 1024; 8 sequences per device.
+GPT_1P5B = [*GPT2, "--model.n_layer", "48", "--model.d_model", "1600", "--model.n_head", "25",
+            "--model.scan_layers", "true", "--model.remat", "full", "--device_batch_size", "8"]  # fmt: skip
 # case -> (flags, target, hosts, gpus per host)
 CASES = {
     "gpt2_124m_h100x8_data8": (GPT2, "h100", 1, 8),
@@ -51,7 +54,21 @@ CASES = {
         128,
         8,
     ),  # fmt: skip
-    # Not compiled in CI: one GPU, and the bfloat16 twin of the fp16 tensor-parallel case.
+    # Not compiled in CI: one GPU, the bfloat16 twin of the fp16 tensor-parallel case, and the
+    # shapes of docs/scaling.md.
+    "gpt_1p5b_h100x8_fsdp8": ([*GPT_1P5B, "--total_batch_size", "524288", "--mesh.fsdp", "8"], "h100", 1, 8),
+    "gpt_1p5b_h100_8x8_data8_fsdp8": (
+        [*GPT_1P5B, "--total_batch_size", "524288", "--mesh.fsdp", "8"],
+        "h100",
+        8,
+        8,
+    ),  # fmt: skip
+    "gpt_7b_h100_8x8_data8_fsdp8": (
+        [*GPT_7B, "--total_batch_size", "131072", "--mesh.fsdp", "8"],
+        "h100",
+        8,
+        8,
+    ),  # fmt: skip
     "gpt2_124m_h100x1": (GPT2, "h100", 1, 1),
     "gpt2_124m_h100x8_fsdp4_tensor2": ([*GPT2, "--mesh.fsdp", "4", "--mesh.tensor", "2"], "h100", 1, 8),
 }

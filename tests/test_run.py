@@ -33,6 +33,15 @@ def test_building_touches_no_device():
     assert compiled.memory_analysis().temp_size_in_bytes > 0 and len(jax.live_arrays()) == before
 
 
+def test_pure_tensor_parallelism_compiles():
+    """data 1 x fsdp 1 x tensor 2: no batch axis to average over (a pmean over its size-1 axes once
+    failed XLA's partitioner, on CPUs and GPUs alike)."""
+    cfg = load_config([*TINY, "--mesh.data", "1", "--mesh.tensor", "2"])
+    run = build(Job.of_devices(cfg, jax.devices()[:2]))
+    assert run.compile_train().memory_analysis().temp_size_in_bytes > 0
+    assert run.compile_eval() is not None
+
+
 @pytest.mark.slow
 def test_a_whole_run_in_process_then_its_resume(tmp_path):
     """Four steps through the builder and the loop; with its last checkpoint gone, a relaunch
