@@ -44,11 +44,17 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in train}
 
 
+def _as_from_a_terminal() -> None:
+    """Ctrl-C's default, as a terminal's shell gives it: a suite started in the background (`&` in
+    a script) hands its children SIGINT ignored, and a process started so keeps ignoring it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(command: list[str], marker: str) -> subprocess.Popen:
     """`command` in its own process group (so a test can kill that group), output to pipes."""
     return subprocess.Popen(
         command, cwd=REPO, env=clean_env(JAXTRAIN_TEST_MARK=marker), start_new_session=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_as_from_a_terminal,
     )  # fmt: skip
 
 
@@ -161,7 +167,9 @@ def test_kill_9_of_torchrun_ends_its_workers(tmp_path):
             time.sleep(0.05)
         outlived_s = time.monotonic() - t0
         assert processes_marked(marker) == [], f"workers left {outlived_s:.0f} s after the kill"
-    assert said.read_text().count(f"jaxtrain: torchrun (pid {launcher.pid}) is gone; stopping") == 2
+    # At least one worker sees torchrun gone first; the other may die of its peer's exit (a gloo
+    # collective reset) before it looks: either way none is left (asserted above).
+    assert said.read_text().count(f"jaxtrain: torchrun (pid {launcher.pid}) is gone; stopping") >= 1
     print(f"kill -9 of torchrun: workers gone {outlived_s:.2f} s later")
 
 

@@ -30,7 +30,6 @@ ALIASES = {
     "num_workers": "data_threads",
     "grad_accumulation_steps": "gradient_accumulation_steps",
     "debug": "verbose",
-    "distributed": "ddp.enabled",  # distribution is detected; the flag only says it is wanted
 }
 
 

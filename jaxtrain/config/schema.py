@@ -121,6 +121,7 @@ class CompatConfig:
     so once in the log (compat_notes).
     """
 
+    distributed: bool = False  # distribution is detected from the launcher
     local_rank: int = -1  # -1 = not given; else must equal the launcher's local rank
     world_size: int = 0  # 0 = not given; else the process count, or in one process its devices
     backend: str = "auto"  # auto | nccl | gloo: checked against the platform
@@ -134,7 +135,7 @@ class CompatConfig:
 class DdpConfig:
     """The `ddp:` section of the PyTorch guides' YAML files."""
 
-    enabled: bool = True  # --distributed: distribution is detected; false refuses a multi-process job
+    enabled: bool = True  # as --distributed: distribution is detected; false refuses a multi-process job
     log_level: str = ""  # DEBUG | INFO | WARNING | ERROR on every process; "" = INFO on 0, WARNING elsewhere
 
 
@@ -243,6 +244,7 @@ _NON_NEGATIVE = (
 )  # fmt: skip
 # What the guides' flags without an effect of their own do here, said once in the log when set.
 _COMPAT_NOTES = {
+    "compat.distributed": "--distributed: accepted; jaxtrain detects distribution from its launcher",
     "compat.local_rank": "--local_rank {}: accepted, checked against the launcher's local rank",
     "compat.backend": "--backend {}: accepted; JAX picks NCCL between GPUs and gloo between CPU processes",
     "compat.skip_invalid_loss": "--skip_invalid_loss: accepted, jaxtrain always skips non-finite steps "
