@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 
 # The CUDA plugin of the installed jax, for compiling the GPU program without a GPU (scripts/plan.py,
 # tests/test_gpu_compile.py). It lives outside .venv, so CPU runs and the CPU tests never load it;
-# only code that puts it on sys.path does (jaxtrain/targets.py: use_plugin). ~3.2 GB downloaded,
+# only code that puts it on sys.path does (jaxtrain/plan/targets.py: use_plugin). ~3.2 GB downloaded,
 # 4.9 GB on disk; again only when jax's version changes.
 CUDA_PLUGIN := .cuda-plugin
 gpu-plugin: $(CUDA_PLUGIN)/.stamp

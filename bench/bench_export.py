@@ -36,13 +36,13 @@ def _rss_mb() -> float:
 def _save(directory: Path) -> None:
     import jax
 
-    from jaxtrain import mesh as mesh_lib
-    from jaxtrain.checkpoint import Checkpointer
     from jaxtrain.config import load_config, to_dict
-    from jaxtrain.job import with_topology
-    from jaxtrain.model import GPT
-    from jaxtrain.optim import make_optimizer
-    from jaxtrain.state import create_state
+    from jaxtrain.disk.checkpoint import Checkpointer
+    from jaxtrain.model.transformer import GPT
+    from jaxtrain.run import mesh as mesh_lib
+    from jaxtrain.run.job import with_topology
+    from jaxtrain.run.optim import make_optimizer
+    from jaxtrain.run.state import create_state
 
     cfg = with_topology(load_config(MODEL), jax.device_count(), 1)
     mesh = mesh_lib.make_mesh(shape=cfg.mesh)

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain.config import ModelConfig
-from jaxtrain.model import GPT, generate
+from jaxtrain.model.generate import generate
+from jaxtrain.model.transformer import GPT
 
 NEW_TOKENS = 256
 SHAPES = {

@@ -46,7 +46,7 @@ def _config(shape: str, data: Path, extra: list[str]):
     import jax
 
     from jaxtrain.config import load_config
-    from jaxtrain.job import with_topology
+    from jaxtrain.run.job import with_topology
 
     argv = ["--config", "configs/gpt2_124m.yaml", "--train_data_path", str(data / "train.bin"),
             "--valid_data_path", str(data / "val.bin"), *SHAPES[shape], *extra]  # fmt: skip
@@ -81,8 +81,8 @@ def _torch(shape: str, args: argparse.Namespace, extra: list[str]) -> dict:
     sys.path.insert(0, str(Path(__file__).parent))
     from torch_gpt import TorchGPT
 
-    from jaxtrain.metrics import peak_flops
-    from jaxtrain.model import flops_per_token
+    from jaxtrain.model.transformer import flops_per_token
+    from jaxtrain.observe.metrics import peak_flops
 
     cfg = _config(shape, args.data, extra)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True

@@ -24,9 +24,9 @@ import numpy as np
 import optax
 
 from jaxtrain.config import Config, load_config
-from jaxtrain.job import with_topology
-from jaxtrain.loop import train
-from jaxtrain.model import GPT
+from jaxtrain.model.transformer import GPT
+from jaxtrain.run.job import with_topology
+from jaxtrain.run.loop import train
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 

@@ -23,14 +23,14 @@ from pathlib import Path
 
 import jax
 
-from jaxtrain import mesh as mesh_lib
-from jaxtrain.checkpoint import Checkpointer
 from jaxtrain.cluster.join import initialize
 from jaxtrain.config import DistConfig, load_config
-from jaxtrain.job import with_topology
-from jaxtrain.model import GPT
-from jaxtrain.optim import make_optimizer
-from jaxtrain.state import abstract_state, create_state, state_sharding
+from jaxtrain.disk.checkpoint import Checkpointer
+from jaxtrain.model.transformer import GPT
+from jaxtrain.run import mesh as mesh_lib
+from jaxtrain.run.job import with_topology
+from jaxtrain.run.optim import make_optimizer
+from jaxtrain.run.state import abstract_state, create_state, state_sharding
 
 MODEL = [
     "--model.n_layer",

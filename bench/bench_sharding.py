@@ -33,14 +33,15 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxtrain import mesh as mesh_lib  # noqa: E402
 from jaxtrain.config import load_config  # noqa: E402
-from jaxtrain.job import with_topology  # noqa: E402
-from jaxtrain.memory import compiled_bytes  # noqa: E402
-from jaxtrain.model import GPT, flops_per_token, param_count  # noqa: E402
-from jaxtrain.optim import make_optimizer  # noqa: E402
-from jaxtrain.state import abstract_state, create_state, state_sharding  # noqa: E402
-from jaxtrain.step import compute_dtype, jit_steps  # noqa: E402
+from jaxtrain.model.params import param_count
+from jaxtrain.model.transformer import GPT, flops_per_token  # noqa: E402
+from jaxtrain.observe.memory import compiled_bytes  # noqa: E402
+from jaxtrain.run import mesh as mesh_lib  # noqa: E402
+from jaxtrain.run.job import with_topology  # noqa: E402
+from jaxtrain.run.optim import make_optimizer  # noqa: E402
+from jaxtrain.run.state import abstract_state, create_state, state_sharding  # noqa: E402
+from jaxtrain.run.step import compute_dtype, jit_steps  # noqa: E402
 
 LAYOUTS = {
     "DP": ["--mesh.data", "8"],

@@ -34,7 +34,7 @@ from bench_loop import bare_loop, jaxtrain_loop  # noqa: E402
 from torch_gpt import TorchGPT  # noqa: E402
 
 from jaxtrain.config import Config  # noqa: E402
-from jaxtrain.job import with_topology  # noqa: E402
+from jaxtrain.run.job import with_topology  # noqa: E402
 
 SHAPES = {  # name -> train.py flags
     "issue": ["--model.n_layer", "4", "--model.d_model", "256", "--model.n_head", "4",

@@ -1,7 +1,7 @@
 """jaxtrain's GPT in PyTorch, for the side-by-side benchmarks (bench_torch.py on CPU, bench_gpu.py).
 
 Pre-norm RMSNorm blocks, rotary or learned positions, causal scaled-dot-product attention, GELU
-MLP (4x), no biases, tied embeddings: the same function and the same FLOPs as jaxtrain.model.GPT.
+MLP (4x), no biases, tied embeddings: the same function and the same FLOPs as jaxtrain.model.transformer.GPT.
 """
 
 import torch

@@ -41,7 +41,7 @@ from jaxtrain.cluster.detect import LaunchSpec
 from jaxtrain.config import Config, MeshConfig
 from jaxtrain.data.format import cache_root
 from jaxtrain.errors import UserError
-from jaxtrain.job import batch_plan
+from jaxtrain.run.job import batch_plan
 
 # When this process started its work, for goodput: imported first by scripts/train.py.
 LAUNCH_TIME = time.time()

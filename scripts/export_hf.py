@@ -16,7 +16,8 @@ import os
 import sys
 from pathlib import Path
 
-from jaxtrain.errors import UserError, exit_on_user_error
+from jaxtrain.cluster.shutdown import exit_on_user_error
+from jaxtrain.errors import UserError
 
 
 @exit_on_user_error

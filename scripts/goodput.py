@@ -9,8 +9,9 @@ import argparse
 import json
 from pathlib import Path
 
-from jaxtrain import goodput
-from jaxtrain.errors import UserError, exit_on_user_error
+from jaxtrain.cluster.shutdown import exit_on_user_error
+from jaxtrain.errors import UserError
+from jaxtrain.observe import goodput
 from jaxtrain.parser import Parser
 
 

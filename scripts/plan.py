@@ -1,7 +1,7 @@
 """Plan a training job on GPUs you do not have: compile its train and eval steps for the target
 with XLA's real GPU compiler (no GPU, no CUDA driver), then print per-device memory, whether it
 fits, the attention kernel, the collectives of one optimizer step and a step-time LOWER BOUND
-(jaxtrain/plan.py says how it is computed; it is a floor, not a prediction).
+(jaxtrain/plan/compiled.py says how it is computed; it is a floor, not a prediction).
 
     make gpu-plugin                                   # once: the CUDA plugin, in .cuda-plugin/
     .venv/bin/python scripts/plan.py --config configs/gpt2_124m.yaml --target h100          # 1 x 8
@@ -9,7 +9,7 @@ fits, the attention kernel, the collectives of one optimizer step and a step-tim
         --mesh.fsdp 8 --json plan.json
     .venv/bin/python scripts/plan.py --config configs/gpt2_124m.yaml --target a100 --search
 
-Takes every flag of scripts/train.py, plus --target (jaxtrain/targets.py), --hosts N,
+Takes every flag of scripts/train.py, plus --target (jaxtrain/plan/targets.py), --hosts N,
 --gpus_per_host G (default 8), --json FILE, --search (compile the meshes and remat settings that
 fit, ranked by the bound). Exit 0: fits; 1: does not fit (the nearest settings that fit are
 printed); 2: bad input.
@@ -26,9 +26,11 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from jaxtrain import targets  # noqa: E402
+from jaxtrain.cluster.shutdown import exit_on_user_error
 from jaxtrain.config import Config, load_config  # noqa: E402
-from jaxtrain.errors import ArgumentError, exit_on_user_error  # noqa: E402
+from jaxtrain.errors import ArgumentError  # noqa: E402
+from jaxtrain.hf.config import with_hf_model  # noqa: E402
+from jaxtrain.plan import targets  # noqa: E402
 
 EXIT_DOES_NOT_FIT = 1
 
@@ -44,10 +46,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def compile_for(cfg: Config, devices: list[Any]) -> tuple[Any, Any, dict[str, Any]]:
-    """The run training would build (jaxtrain/run.py), built for `devices`, its steps compiled."""
-    from jaxtrain import mesh as mesh_lib
-    from jaxtrain.job import Job
-    from jaxtrain.run import build
+    """The run training would build (jaxtrain/run/build.py), built for `devices`, its steps compiled."""
+    from jaxtrain.run import mesh as mesh_lib
+    from jaxtrain.run.build import build
+    from jaxtrain.run.job import Job
 
     run = build(Job.of_devices(cfg, devices))
     cfg = run.cfg  # resolved on the devices: mesh, global batch, microbatches
@@ -70,8 +72,8 @@ def compile_for(cfg: Config, devices: list[Any]) -> tuple[Any, Any, dict[str, An
 
 
 def plan_one(cfg: Config, target: targets.GpuTarget, hosts: int, gpus_per_host: int) -> dict[str, Any]:
-    """The plan (jaxtrain/plan.py: analyze) of `cfg` on hosts x gpus_per_host of `target`."""
-    from jaxtrain import plan
+    """The plan (jaxtrain/plan/compiled.py: analyze) of `cfg` on hosts x gpus_per_host of `target`."""
+    from jaxtrain.plan import compiled as plan
 
     devices = targets.target_devices(target, hosts, gpus_per_host)
     train, evaluate, f = compile_for(cfg, devices)
@@ -191,12 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     target = targets.get(args.target)
     if args.hosts < 1 or args.gpus_per_host < 1:
         raise ArgumentError(f"--hosts {args.hosts} --gpus_per_host {args.gpus_per_host}: both must be >= 1")
-    cfg = load_config(rest, usage=__doc__ or "")
+    cfg = load_config(rest, __doc__ or "", fill=with_hf_model)
     if "jax" not in sys.modules:
         targets.use_plugin()
     p = plan_one(cfg, target, args.hosts, args.gpus_per_host)
     if not p["fits"]:
-        from jaxtrain import plan
+        from jaxtrain.plan import compiled as plan
 
         candidates = _nearer(cfg, p, args.gpus_per_host)
         p["fits_with"] = plan.nearest_fits(

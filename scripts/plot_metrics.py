@@ -10,8 +10,9 @@ from pathlib import Path
 
 import matplotlib
 
-from jaxtrain import goodput
-from jaxtrain.errors import UserError, exit_on_user_error
+from jaxtrain.cluster.shutdown import exit_on_user_error
+from jaxtrain.errors import UserError
+from jaxtrain.observe import goodput
 from jaxtrain.parser import Parser
 
 matplotlib.use("Agg")  # no display needed

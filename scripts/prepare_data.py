@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import argparse
 
-from jaxtrain.errors import exit_on_user_error
+from jaxtrain.cluster.shutdown import exit_on_user_error
 from jaxtrain.parser import Parser
 from jaxtrain.prepare.shards import DEFAULT_GLOB, prepare_corpus
 

@@ -25,7 +25,7 @@ or 128+N when it was killed by signal N; 128+N when this launcher itself got sig
 
 import sys
 
-from jaxtrain.errors import exit_on_user_error
+from jaxtrain.cluster.shutdown import exit_on_user_error
 from jaxtrain.launch.cli import main
 
 if __name__ == "__main__":

@@ -33,8 +33,8 @@ import argparse
 import re
 import sys
 
+from jaxtrain.cluster.shutdown import exit_on_user_error
 from jaxtrain.config import DistConfig
-from jaxtrain.errors import exit_on_user_error
 from jaxtrain.health import runner as health
 from jaxtrain.parser import Parser as _Parser
 

@@ -79,7 +79,7 @@ def main(out_dir: Path, names: list[str]) -> None:
     spec = importlib.util.spec_from_file_location("plan_script", ROOT / "scripts" / "plan.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    from jaxtrain import targets
+    from jaxtrain.plan import targets
 
     targets.use_plugin()
     from jaxtrain.config import load_config

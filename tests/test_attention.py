@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain import mesh as mesh_lib
-from jaxtrain import model as model_lib
 from jaxtrain.config import MeshConfig, ModelConfig
-from jaxtrain.model import attention_kernel
+from jaxtrain.model import attention
+from jaxtrain.model.attention import attention_kernel
+from jaxtrain.run import mesh as mesh_lib
 
 
 def test_auto_picks_cudnn_on_gpus_where_it_runs_and_xla_elsewhere():
@@ -37,11 +37,11 @@ def test_kernel_runs_on_each_devices_rows_and_heads_inside_the_steps_shard_map()
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
 
     def loss(q, k, v):
-        return jnp.sum(model_lib._per_device(kernel, q, k, v) ** 2)
+        return jnp.sum(attention._per_device(kernel, q, k, v) ** 2)
 
     def local(q, k, v):  # as the step runs the model: manual over the batch axes, tensor automatic
         with nn.logical_axis_rules(mesh_lib.ACTIVATION_RULES):
-            out = model_lib._per_device(kernel, q, k, v)
+            out = attention._per_device(kernel, q, k, v)
             return out, *jax.grad(loss, (0, 1, 2))(q, k, v)  # differentiated inside, as the step does
 
     batch = P(mesh_lib.BATCH_AXES)

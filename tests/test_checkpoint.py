@@ -10,12 +10,12 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain import mesh as mesh_lib
-from jaxtrain.checkpoint import Checkpointer
 from jaxtrain.config import load_config
-from jaxtrain.model import GPT
-from jaxtrain.optim import make_optimizer
-from jaxtrain.state import abstract_state, create_state, state_sharding
+from jaxtrain.disk.checkpoint import Checkpointer
+from jaxtrain.model.transformer import GPT
+from jaxtrain.run import mesh as mesh_lib
+from jaxtrain.run.optim import make_optimizer
+from jaxtrain.run.state import abstract_state, create_state, state_sharding
 
 ROOT = Path(__file__).resolve().parents[1]
 

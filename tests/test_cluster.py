@@ -214,7 +214,7 @@ WORKER = """
 import sys
 from jaxtrain.config import DistConfig
 from jaxtrain.cluster.join import initialize
-from jaxtrain.errors import exit_on_user_error
+from jaxtrain.cluster.shutdown import exit_on_user_error
 spec = exit_on_user_error(initialize)(DistConfig(init_timeout=int(sys.argv[1])))
 import jax, jax.numpy as jnp
 from jax.experimental import multihost_utils

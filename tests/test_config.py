@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from jaxtrain.config import ConfigError, load_config, to_yaml
-from jaxtrain.job import with_topology
+from jaxtrain.run.job import with_topology
 
 ROOT = Path(__file__).resolve().parents[1]
 

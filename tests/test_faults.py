@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 from processes import clean_env, processes_marked, rank_pid
 
-from jaxtrain.checkpoint import Checkpointer
 from jaxtrain.config import load_config
-from jaxtrain.model import GPT
-from jaxtrain.optim import make_optimizer
-from jaxtrain.state import abstract_state
+from jaxtrain.disk.checkpoint import Checkpointer
+from jaxtrain.model.transformer import GPT
+from jaxtrain.run.optim import make_optimizer
+from jaxtrain.run.state import abstract_state
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--config", "configs/tiny.yaml", "--log_interval", "1", "--eval_interval", "0"]

@@ -32,13 +32,15 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from jaxtrain import checkpoint as ckpt_lib
 from jaxtrain.config import ModelConfig, load_config, to_dict
+from jaxtrain.disk import checkpoint as ckpt_lib
 from jaxtrain.errors import UserError
 from jaxtrain.hf import config as hf_config
+from jaxtrain.hf.config import with_hf_model
 from jaxtrain.hf.export import byte_tokenizer_json, export
 from jaxtrain.hf.load import HFCheckpoint
-from jaxtrain.model import GPT, param_count
+from jaxtrain.model.params import param_count
+from jaxtrain.model.transformer import GPT
 from jaxtrain.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -203,12 +205,12 @@ def test_predict_without_prompt_is_greedy_from_a_newline_with_the_dirs_tokenizer
 def test_unsupported_models_are_one_line_errors(tmp_path, config, message):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(UserError, match=message):
-        load_config(["--init_from", f"hf:{tmp_path}"])
+        load_config(["--init_from", f"hf:{tmp_path}"], fill=with_hf_model)
 
 
 def test_model_keys_come_from_the_hf_config_and_others_are_refused(hf_models, tmp_path):
     directory = hf_models["qwen3"][0]
-    cfg = load_config(["--init_from", f"hf:{directory}", "--model.scan_layers", "true"])
+    cfg = load_config(["--init_from", f"hf:{directory}", "--model.scan_layers", "true"], fill=with_hf_model)
     assert (cfg.model.head_size, cfg.model.kv_heads, cfg.model.qk_norm, cfg.model.seq_len) == (
         32,
         2,
@@ -216,7 +218,7 @@ def test_model_keys_come_from_the_hf_config_and_others_are_refused(hf_models, tm
         64,
     )
     with pytest.raises(UserError, match=r"sets model.n_layer 2 \(its config.json\), but 4 was given"):
-        load_config(["--init_from", f"hf:{directory}", "--model.n_layer", "4"])
+        load_config(["--init_from", f"hf:{directory}", "--model.n_layer", "4"], fill=with_hf_model)
     (tmp_path / "config.json").write_text((directory / "config.json").read_text())
     with pytest.raises(UserError, match="holds no \\*.safetensors"):
         HFCheckpoint(tmp_path, "--init_from")

@@ -31,8 +31,8 @@ pytestmark = pytest.mark.slow
 TAKE_LOCK = """
 import sys
 from pathlib import Path
-from jaxtrain.errors import exit_on_user_error
-from jaxtrain.runlock import RunLock
+from jaxtrain.cluster.shutdown import exit_on_user_error
+from jaxtrain.disk.runlock import RunLock
 exit_on_user_error(RunLock(Path(sys.argv[1]), 60).acquire)()
 """
 

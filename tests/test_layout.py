@@ -103,7 +103,7 @@ TOPOLOGY_CALLS = {
     "devices", "local_devices", "device_count", "local_device_count", "process_index", "process_count",
     "default_backend",
 }  # fmt: skip
-TOPOLOGY_OWNERS = ("jaxtrain.job", "jaxtrain.mesh")
+TOPOLOGY_OWNERS = ("jaxtrain.run.job", "jaxtrain.run.mesh")
 CORE = [
     p for p in sorted(PACKAGE.rglob("*.py")) if not _is_in(_module_name(p), (*ON_TOP, "jaxtrain.cluster"))
 ]
@@ -128,7 +128,7 @@ def test_only_the_job_and_the_mesh_ask_jax_for_the_topology(path):
         return
     calls = _topology_calls(path)
     assert not calls, (
-        f"{path.relative_to(REPO)} asks jax where it runs ({calls}); ask the Job (jaxtrain/job.py)"
+        f"{path.relative_to(REPO)} asks jax where it runs ({calls}); ask the Job (jaxtrain/run/job.py)"
     )
 
 
@@ -143,7 +143,7 @@ PREPARE_MAY_IMPORT = (
     "jaxtrain.prepare",
     "jaxtrain.data.format",
     "jaxtrain.tokenizer",
-    "jaxtrain.files",
+    "jaxtrain.disk.files",
     "jaxtrain.errors",
     "jaxtrain.cluster.lifeline",  # tokenizing workers die with their parent
 )
@@ -168,3 +168,72 @@ def test_every_script_answers_help(script):
     cmd = [sys.executable if script.endswith(".py") else "bash", f"scripts/{script}", "--help"]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and len(done.stdout.splitlines()) > 3, done.stdout + done.stderr[-2000:]
+
+
+def _import_graph(root: Path = REPO) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports, at any depth (TYPE_CHECKING and in-function too).
+    `from a import b` counts as an import of a.b when b is a module, else of a."""
+    files = sorted((root / "jaxtrain").rglob("*.py"))
+    modules = {_module_name(p, root) for p in files}
+    graph = {}
+    for p in files:
+        name = _module_name(p, root)
+        found = set()
+        for m in imported_modules(p, root):
+            if m in modules:
+                found.add(m)
+            elif m.rpartition(".")[0] in modules:  # `from pkg.mod import name`: the module
+                found.add(m.rpartition(".")[0])
+        graph[name] = found - {name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Import cycles, one per strongly connected component (Tarjan), each as a path that closes."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles_inside_the_package():
+    """A package's __init__ counts as importing nothing but what it names, so `jaxtrain.x.y` importing
+    `jaxtrain.x` (its docstring-only parent) is no cycle; any other loop is, whether its imports sit at
+    the top or inside functions (a deferred import only hides a cycle, it does not break it)."""
+    cycles = _cycles(_import_graph())
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_the_cycle_rule_finds_a_cycle_hidden_in_a_function(tmp_path):
+    pkg = tmp_path / "jaxtrain"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from jaxtrain import b\n")
+    (pkg / "b.py").write_text("def f():\n    from jaxtrain.c import g\n")
+    (pkg / "c.py").write_text("from jaxtrain.a import x\n")
+    (pkg / "d.py").write_text("import jaxtrain.a\n")
+    assert _cycles(_import_graph(tmp_path)) == [["jaxtrain.a", "jaxtrain.b", "jaxtrain.c"]]

@@ -8,9 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtrain import model as model_lib
 from jaxtrain.config import ModelConfig
-from jaxtrain.model import GPT, flops_per_token, generate, param_count
+from jaxtrain.model import attention, layers
+from jaxtrain.model import generate as generate_lib
+from jaxtrain.model.generate import generate
+from jaxtrain.model.params import param_count
+from jaxtrain.model.transformer import GPT, flops_per_token
 
 TINY = ModelConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
 
@@ -97,7 +100,7 @@ def test_rope_depends_only_on_relative_position():
     rng = np.random.default_rng(0)
     q = jnp.asarray(np.broadcast_to(rng.normal(size=(1, 1, 1, 8)), (1, 12, 1, 8)), jnp.float32)
     k = jnp.asarray(np.broadcast_to(rng.normal(size=(1, 1, 1, 8)), (1, 12, 1, 8)), jnp.float32)
-    rq, rk = model_lib._rope(q, 10000.0), model_lib._rope(k, 10000.0)
+    rq, rk = layers.rope(q, 10000.0), layers.rope(k, 10000.0)
     score = jnp.einsum("bqnh,bknh->qk", rq, rk)
     np.testing.assert_allclose(score[5, 2], score[9, 6], rtol=1e-5)
     np.testing.assert_allclose(jnp.linalg.norm(rq, axis=-1), jnp.linalg.norm(q, axis=-1), rtol=1e-5)
@@ -165,19 +168,19 @@ def test_flops_per_token_formula():
 def test_own_attention_matches_jax_xla_attention(dtype):
     # The xla path (and auto on CPU) is our two-einsum attention: the same function as jax's.
     q, k, v = (jax.random.normal(jax.random.key(i), (2, 24, 3, 16), dtype) for i in range(3))
-    ours = model_lib._causal_attention(q, k, v, "xla")
+    ours = attention._causal_attention(q, k, v, "xla")
     theirs = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
     assert ours.dtype == theirs.dtype == dtype
     tol = 1e-6 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(np.float32(ours), np.float32(theirs), rtol=tol, atol=tol)
-    assert jnp.array_equal(model_lib._causal_attention(q, k, v, "auto"), ours)  # outside the steps
-    assert model_lib.attention_kernel(ModelConfig(attention_impl="auto"), "cpu", dtype) == "xla"  # on CPU
+    assert jnp.array_equal(attention._causal_attention(q, k, v, "auto"), ours)  # outside the steps
+    assert attention.attention_kernel(ModelConfig(attention_impl="auto"), "cpu", dtype) == "xla"  # on CPU
 
 
 def test_generate():
     params = _init(TINY)
     prompt = np.array([1, 2, 3], np.int32)
-    before = model_lib._prefill._cache_size(), model_lib._extend._cache_size()
+    before = generate_lib._prefill._cache_size(), generate_lib._extend._cache_size()
     # 20 new tokens after 3 prompt tokens runs past seq_len 16, so the cache is refilled.
     out = generate(params, TINY, prompt, 20, jax.random.key(1))
     assert out.shape == (20,) and out.dtype == np.int32
@@ -185,7 +188,7 @@ def test_generate():
     np.testing.assert_array_equal(out, generate(params, TINY, prompt, 20, jax.random.key(1)))
     assert not np.array_equal(out, generate(params, TINY, prompt, 20, jax.random.key(2)))
     # Fixed shapes: one compile of the prefill and one of the step for every token and call.
-    after = model_lib._prefill._cache_size(), model_lib._extend._cache_size()
+    after = generate_lib._prefill._cache_size(), generate_lib._extend._cache_size()
     assert after == (before[0] + 1, before[1] + 1)
 
 
@@ -246,4 +249,4 @@ def test_grouped_query_attention_matches_jax():
     q = jax.random.normal(jax.random.key(0), (2, 24, 6, 16))
     k, v = (jax.random.normal(jax.random.key(i), (2, 24, 2, 16)) for i in (1, 2))
     theirs = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
-    np.testing.assert_allclose(model_lib._causal_attention(q, k, v, "xla"), theirs, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(attention._causal_attention(q, k, v, "xla"), theirs, rtol=1e-5, atol=1e-6)

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from jaxtrain import goodput
 from jaxtrain.cluster.detect import detect
 from jaxtrain.config import DistConfig, load_config
+from jaxtrain.observe import goodput
 from jaxtrain.xla_env import cpu_device_count, merged_flags
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,7 +1,7 @@
 # ruff: noqa: E501  (HLO lines as the compiler prints them)
-"""jaxtrain/plan.py's reading of compiled HLO text: replica groups, loop trips, host crossings."""
+"""jaxtrain/plan/compiled.py's reading of compiled HLO text: replica groups, loop trips, host crossings."""
 
-from jaxtrain import plan
+from jaxtrain.plan import compiled as plan
 
 # The shapes XLA's GPU compiler prints (tests/test_gpu_compile.py compiles the real thing).
 HLO = """HloModule jit_step, is_scheduled=true

@@ -10,12 +10,12 @@ import shutil
 import jax
 import pytest
 
-from jaxtrain import checkpoint as ckpt_lib
 from jaxtrain.cluster.detect import detect
 from jaxtrain.config import DistConfig, load_config
-from jaxtrain.job import Job
-from jaxtrain.loop import train
-from jaxtrain.run import build
+from jaxtrain.disk import checkpoint as ckpt_lib
+from jaxtrain.run.build import build
+from jaxtrain.run.job import Job
+from jaxtrain.run.loop import train
 
 TINY = ["--config", "configs/tiny.yaml", "--log_interval", "1", "--eval_interval", "2", "--eval_batches", "1"]
 SINGLE = detect(DistConfig(), {})

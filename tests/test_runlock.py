@@ -1,4 +1,4 @@
-"""One live job per run dir (jaxtrain/runlock.py): a second start is refused; a dead holder's lock
+"""One live job per run dir (jaxtrain/disk/runlock.py): a second start is refused; a dead holder's lock
 is taken over at once on its own host. (From a second host: tests/test_multihost.py.)
 
     pytest tests/test_runlock.py      # about 40 s on 2 cores
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from processes import clean_env, reaped, wait_for_training
 
-from jaxtrain import runlock
+from jaxtrain.disk import runlock
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--config", "configs/tiny.yaml", "--eval_interval", "0", "--log_interval", "1"]
@@ -72,7 +72,7 @@ def test_a_second_start_is_refused_and_a_dead_holders_lock_is_taken_over(tmp_pat
 HOLD = """
 import sys, time
 from pathlib import Path
-from jaxtrain.runlock import RunLock
+from jaxtrain.disk.runlock import RunLock
 RunLock(Path(sys.argv[1]), 60).acquire()
 print("held", flush=True)
 time.sleep(600)

@@ -10,16 +10,16 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain import mesh as mesh_lib
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.errors import UserError
 from jaxtrain.faults import NO_FAULTS, FaultPlan
-from jaxtrain.job import with_topology
-from jaxtrain.memory import check_compiled
-from jaxtrain.model import GPT
-from jaxtrain.optim import make_optimizer
-from jaxtrain.state import create_state, state_sharding
-from jaxtrain.step import compute_dtype, jit_steps
+from jaxtrain.model.transformer import GPT
+from jaxtrain.observe.memory import check_compiled
+from jaxtrain.run import mesh as mesh_lib
+from jaxtrain.run.job import with_topology
+from jaxtrain.run.optim import make_optimizer
+from jaxtrain.run.state import create_state, state_sharding
+from jaxtrain.run.step import compute_dtype, jit_steps
 
 # 4 heads so tensor 2 splits them; clipping on, so the global norm must agree across layouts.
 TINY = ["--config", "configs/tiny.yaml", "--optim.warmup_steps", "0", "--model.n_head", "4"]

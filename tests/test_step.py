@@ -7,15 +7,15 @@ import jax
 import numpy as np
 import pytest
 
-from jaxtrain import mesh as mesh_lib
 from jaxtrain.config import load_config
 from jaxtrain.errors import UserError
 from jaxtrain.faults import FaultPlan
-from jaxtrain.job import with_topology
-from jaxtrain.model import GPT
-from jaxtrain.optim import decay_mask, make_optimizer
-from jaxtrain.state import create_state, state_sharding
-from jaxtrain.step import compute_dtype, jit_steps
+from jaxtrain.model.transformer import GPT
+from jaxtrain.run import mesh as mesh_lib
+from jaxtrain.run.job import with_topology
+from jaxtrain.run.optim import decay_mask, make_optimizer
+from jaxtrain.run.state import create_state, state_sharding
+from jaxtrain.run.step import compute_dtype, jit_steps
 
 TINY = ["--config", "configs/tiny.yaml", "--optim.warmup_steps", "0", "--gradient_clip_val", "0"]
 

@@ -12,7 +12,7 @@ allocation runs out, and a hung collective cannot be interrupted from Python. Th
 When a limit passes, the watchdog reports (by default every thread's Python stack and the last
 completed step, on stderr and in the process log; or the caller's `on_expiry`), then exits with
 `exit_code` at once, so the launcher or SLURM tears the job down. Users: training
-(jaxtrain/loop.py, EXIT_HUNG), the health check (jaxtrain/health/runner.py) and joining the job
+(jaxtrain/run/loop.py, EXIT_HUNG), the health check (jaxtrain/health/runner.py) and joining the job
 (jaxtrain/cluster/join.py).
 """
 

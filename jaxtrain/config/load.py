@@ -17,6 +17,7 @@ import re
 import sys
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -190,16 +191,22 @@ def _sized_by_depth(flat: dict[str, Any]) -> dict[str, Any]:
     return {**derived, **flat}
 
 
-def from_dict(values: dict[str, Any]) -> Config:
-    """Build and check a Config from a (possibly nested) mapping of keys to values."""
+Fill = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def from_dict(values: dict[str, Any], fill: Fill | None = None) -> Config:
+    """Build and check a Config from a (possibly nested) mapping of keys to values.
+
+    `fill` maps the given keys (dotted) to the keys to build from; scripts pass
+    jaxtrain.hf.config.with_hf_model, which reads --init_from hf:DIR's config.json for the model
+    keys. Without it nothing is read: a config is built from what it was given."""
     flat: dict[str, Any] = {}
     for key, value in flatten(values).items():
         path = _resolve_key(key)
         flat[path] = _convert(path, _PATHS[path], value)
     flat = _sized_by_depth(flat)
-    from jaxtrain.hf.config import with_hf_model  # here: jaxtrain.hf imports this package
-
-    flat = with_hf_model(flat)  # --init_from hf:DIR: the model keys come from its config.json
+    if fill is not None:
+        flat = fill(flat)
     cfg = _build(Config, flat)
     check(cfg)
     if cfg.compat.single_gpu and not cfg.dist.local_device_ids:
@@ -207,9 +214,9 @@ def from_dict(values: dict[str, Any]) -> Config:
     return cfg
 
 
-def load_config(argv: list[str], usage: str = "") -> Config:
+def load_config(argv: list[str], usage: str = "", fill: Fill | None = None) -> Config:
     """Config from `--config FILE` plus command-line overrides (the command line wins); `--help`
-    prints `usage` and every key, then exits."""
+    prints `usage` and every key, then exits. `fill`: see from_dict."""
     if "--help" in argv or "-h" in argv:
         print(help_text(usage))
         sys.exit(0)
@@ -221,7 +228,7 @@ def load_config(argv: list[str], usage: str = "") -> Config:
         merged = {k: v for k, v in merged.items() if k not in _DEPTH_KEYS}
     for key, raw in overrides:
         merged[_resolve_key(key)] = raw
-    return from_dict(merged)
+    return from_dict(merged, fill)
 
 
 def differences(cfg: Config) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 values alone. `scripts/train.py --help` prints this file's keys with their comments.
 
 Loading (YAML, flags, aliases) is jaxtrain/config/load.py; rules that need the launch or the
-devices (process count, mesh, batch split) are jaxtrain/job.py.
+devices (process count, mesh, batch split) are jaxtrain/run/job.py.
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ class Config:
     # checkpoints
     resume_from: str = ""  # a checkpoint step dir, or a run's checkpoints/ dir
     init_from: str = ""  # a new run starting from that checkpoint's params (fresh optimizer, step 0)
-    # test and predict tasks (jaxtrain/tasks.py)
+    # test and predict tasks (jaxtrain/run/tasks.py)
     test_data_path: str = ""  # "" = valid_data_path, else the checkpoint's validation data
     prompt: str = ""  # --task predict: text to continue
     prompt_file: str = ""  # one prompt per line

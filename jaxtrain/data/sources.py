@@ -40,8 +40,8 @@ from jaxtrain.data.format import (
     MANIFEST_FORMAT,
     cache_root,
 )
+from jaxtrain.disk.files import write_text
 from jaxtrain.errors import UserError
-from jaxtrain.files import write_text
 
 RUN_RECORD = "data.json"  # in the run dir: the shards the run started with
 _CHECK_CHUNK = 16 * 2**20  # tokens per chunk when scanning a file for its largest id

@@ -29,8 +29,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.cluster import detect
-from jaxtrain.files import write_text
-from jaxtrain.mesh import DATA_AXIS
+from jaxtrain.disk.files import write_text
+from jaxtrain.run.mesh import DATA_AXIS
 
 _PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain")
 _PLUGIN = re.compile(r"jax-(cuda\d+|rocm\d*)-(plugin|pjrt)|libtpu(-nightly)?")

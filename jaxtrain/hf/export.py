@@ -18,9 +18,9 @@ import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxtrain import checkpoint as ckpt_lib
 from jaxtrain.config import ModelConfig
 from jaxtrain.data.sources import parse_spec
+from jaxtrain.disk import checkpoint as ckpt_lib
 from jaxtrain.hf import config as hf_config
 from jaxtrain.hf import weights
 from jaxtrain.hf.store import Writer

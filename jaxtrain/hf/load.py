@@ -1,6 +1,6 @@
 """`hf:DIR` as a checkpoint: --init_from hf:DIR (train from it), --resume_from hf:DIR (test, predict).
 
-    source, step = open_checkpoint(cfg.init_from, "--init_from")   # hf:DIR or our own checkpoint
+    source, step = jaxtrain.run.start.open_params(cfg.init_from, "--init_from")  # hf:DIR or ours
     params = source.restore_params(step, target, "--init_from")    # target: abstract params, sharded
 
 Each of our params is assembled on the host from its memory-mapped HF tensors, then placed on the
@@ -10,38 +10,18 @@ devices shard by shard (each process reads only the slices it holds).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import numpy as np
 
-from jaxtrain import checkpoint as ckpt_lib
 from jaxtrain.config import ModelConfig
 from jaxtrain.errors import UserError
-from jaxtrain.hf import PREFIX, is_hf, weights
+from jaxtrain.hf import PREFIX, weights
 from jaxtrain.hf import config as hf_config
 from jaxtrain.hf.store import Reader
-from jaxtrain.model import path_names
+from jaxtrain.model.params import path_names
 from jaxtrain.tokenizer import TOKENIZER_FILE
-
-
-class ParamSource(Protocol):
-    """What --init_from and --resume_from read: our checkpoints or a Hugging Face model dir."""
-
-    directory: Path
-
-    def read_meta(self, step: int) -> dict[str, Any]: ...
-
-    def check_params(self, step: int, target: Any, flag: str) -> None: ...
-
-    def restore_params(self, step: int, target: Any, flag: str) -> Any: ...
-
-
-def open_checkpoint(path: str, flag: str) -> tuple[ParamSource, int]:
-    """A read-only view of what `path` names: hf:DIR, else a checkpoint of ours (checkpoint.py)."""
-    if is_hf(path):
-        return HFCheckpoint(Path(path[len(PREFIX) :]), flag), 0
-    return ckpt_lib.open_checkpoint(path, flag)
 
 
 class HFCheckpoint:

@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import IO
 
 from jaxtrain.cluster.lifeline import die_with_parent
-from jaxtrain.errors import EXIT_PREEMPTED, ArgumentError, UserError, exit_on_user_error
+from jaxtrain.cluster.shutdown import exit_on_user_error
+from jaxtrain.errors import EXIT_PREEMPTED, ArgumentError, UserError
 from jaxtrain.parser import Parser
 
 _SETTLE_S = 1.0  # after a first failure, how long the others get to report theirs

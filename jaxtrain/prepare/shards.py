@@ -31,8 +31,8 @@ import numpy as np
 
 from jaxtrain.cluster.lifeline import die_with_parent
 from jaxtrain.data.format import HEADER_BYTES, HEADER_MAGIC, MANIFEST, MANIFEST_FORMAT
+from jaxtrain.disk.files import require_writable, write_text
 from jaxtrain.errors import UserError
-from jaxtrain.files import require_writable, write_text
 from jaxtrain.prepare import inputs
 from jaxtrain.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer
 

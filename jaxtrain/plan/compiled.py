@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 from jaxtrain.errors import UserError
-from jaxtrain.memory import compiled_bytes, fits
-from jaxtrain.targets import GpuTarget, peak_flops
+from jaxtrain.observe.memory import compiled_bytes, fits
+from jaxtrain.plan.targets import GpuTarget, peak_flops
 
 # jax's GPU client preallocates this fraction of device memory for XLA's allocator by default
 # (jax docs, "GPU memory allocation"); XLA_PYTHON_CLIENT_MEM_FRACTION changes it.

@@ -16,8 +16,8 @@ import yaml
 
 from jaxtrain import config as config_lib
 from jaxtrain.config import Config
+from jaxtrain.disk.files import require_writable, write_text
 from jaxtrain.errors import UserError
-from jaxtrain.files import require_writable, write_text
 
 # Keys that must match to continue a run: they fix the model shapes and the data stream.
 # optim.name too: AdamW's and Muon's optimizer states have different trees.
@@ -99,7 +99,7 @@ def save_config(cfg: Config) -> None:
 def truncate_metrics(path: Path, step: int) -> None:
     """Drop records logged after `step`, so a resumed run does not log a step twice.
 
-    Timed events (launch, eval, checkpoint, end: jaxtrain/goodput.py) stay, as they say where
+    Timed events (launch, eval, checkpoint, end: jaxtrain/observe/goodput.py) stay, as they say where
     time went; a dropped timed record leaves a `redone` marker at its time, so goodput counts
     the time of the steps computed again as lost.
     """

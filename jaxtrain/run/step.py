@@ -31,12 +31,14 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain import mesh as mesh_lib
 from jaxtrain.config import Config
 from jaxtrain.faults import NO_FAULTS, FaultPlan, poison_gradients
-from jaxtrain.model import GPT, attention_kernel, logical_axes
-from jaxtrain.optim import lr_schedule
-from jaxtrain.state import TrainState
+from jaxtrain.model.attention import attention_kernel
+from jaxtrain.model.params import logical_axes
+from jaxtrain.model.transformer import GPT
+from jaxtrain.run import mesh as mesh_lib
+from jaxtrain.run.optim import lr_schedule
+from jaxtrain.run.state import TrainState
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # Dynamic loss scaling (float16): double the scale after this many finite steps in a row.

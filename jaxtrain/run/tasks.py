@@ -30,28 +30,28 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxtrain import checkpoint as ckpt_lib
 from jaxtrain import config as config_lib
-from jaxtrain import evaluate, metrics
-from jaxtrain import mesh as mesh_lib
 from jaxtrain.cluster.detect import LaunchSpec
 from jaxtrain.config import Config, ModelConfig
 from jaxtrain.data import loader, sources
 from jaxtrain.data.default import run_paths
+from jaxtrain.disk.files import require_writable, write_text
 from jaxtrain.errors import UserError
-from jaxtrain.files import require_writable, write_text
-from jaxtrain.hf.load import ParamSource
-from jaxtrain.job import Job
-from jaxtrain.loop import train
-from jaxtrain.model import generate
-from jaxtrain.run import Run, build
-from jaxtrain.step import compute_dtype
+from jaxtrain.model.generate import generate
+from jaxtrain.observe import metrics
+from jaxtrain.run import evaluate, start
+from jaxtrain.run import mesh as mesh_lib
+from jaxtrain.run.build import Run, build
+from jaxtrain.run.job import Job
+from jaxtrain.run.loop import train
+from jaxtrain.run.start import ParamSource
+from jaxtrain.run.step import compute_dtype
 from jaxtrain.tokenizer import for_data
 
 log = logging.getLogger("jaxtrain")
 
 
-def run(cfg: Config, launch: LaunchSpec, launch_time: float | None = None) -> Any:
+def run_task(cfg: Config, launch: LaunchSpec, launch_time: float | None = None) -> Any:
     """Run the configured task (launch: cluster.detect's; launch_time: see loop.train)."""
     if cfg.task == "test":
         return evaluate_checkpoint(cfg, launch)
@@ -80,7 +80,7 @@ def _start(cfg: Config, launch: LaunchSpec) -> tuple[Run, _Checkpoint, Path, Any
     """Join the job, open the checkpoint, build the run of its model; the output dir and its params."""
     job = Job.join(cfg, launch)
     metrics.setup_logging(None, job.process_index, cfg.ddp.log_level)
-    source, step = ckpt_lib.open_params(cfg.resume_from, "--resume_from")
+    source, step = start.open_params(cfg.resume_from, "--resume_from")
     ckpt = _Checkpoint(source, step, source.read_meta(step).get("config", {}))
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     model = ModelConfig(**{k: v for k, v in ckpt.saved.get("model", {}).items() if k in fields})

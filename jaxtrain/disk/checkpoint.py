@@ -21,21 +21,15 @@ import sys
 import time
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
-from jaxtrain import rundir, storage
+from jaxtrain.disk import storage
+from jaxtrain.disk.files import write_text
 from jaxtrain.errors import StorageError, UserError
-from jaxtrain.faults import Faults
-from jaxtrain.files import write_text
-from jaxtrain.model import path_names
-
-if TYPE_CHECKING:
-    from jaxtrain.hf.load import ParamSource
-    from jaxtrain.job import Job
-    from jaxtrain.run import Run
+from jaxtrain.model.params import path_names
 
 log = logging.getLogger(__name__)
 
@@ -309,92 +303,3 @@ def _check_shapes(saved: Any, target: Any, where: str) -> None:
             raise UserError(
                 f"{where}: param {name} is {list(have[name])} there, {list(want[name])} in this model; {fix}"
             )
-
-
-# -------------------------------------------------------------------------- where a run starts
-
-
-def find_start(run: Run, ckpt: Checkpointer) -> tuple[Checkpointer, int] | None:
-    """The checkpoint a launch resumes: this run's newest readable one (newer, damaged ones moved
-    aside), else --resume_from's; None for a fresh start. Checked against the config here, so a
-    wrong checkpoint is refused before anything is compiled."""
-    cfg, job = run.cfg, run.job
-    source, step = ckpt, _newest_readable(ckpt, job)
-    if cfg.resume_from and step is None:
-        source, step = open_checkpoint(cfg.resume_from, "--resume_from")
-        damage = source.damage(step) if job.is_main else None
-        if damage:  # the user asked for this one: no other is taken in its place
-            raise UserError(f"checkpoint {source.directory}/{step} is unreadable ({damage}); pass another")
-    if step is None:
-        return None
-    diff = rundir.incompatibilities(source.read_meta(step).get("config", {}), cfg)
-    if diff:
-        raise UserError(
-            f"checkpoint {source.directory}/{step} was written by a different config "
-            f"({'; '.join(diff[:3])}); resume with the same model/batch/seed/data, or start a new --run_dir"
-        )
-    return source, step
-
-
-def start_state(run: Run, found: tuple[Checkpointer, int] | None) -> tuple[Any, int]:
-    """The state a launch starts from and its step, laid out as `run.target`: `found`'s checkpoint
-    (find_start), else a fresh state (with --init_from's params: step 0, fresh optimizer)."""
-    if found is None:
-        state = run.init_state()
-        if run.cfg.init_from:
-            init_source, init_step = open_params(run.cfg.init_from, "--init_from")
-            params = init_source.restore_params(init_step, run.target.params, "--init_from")
-            state = state.replace(params=params)  # type: ignore[attr-defined]  # added by flax.struct
-            log.info(f"params from {run.cfg.init_from} (--init_from); optimizer and step start afresh")
-        return state, 0
-    source, step = found
-    faults = Faults.of(run.faults, run.job.process_index)
-    if faults:
-        faults.during_restore()
-    state = source.restore(step, run.target)
-    log.info(f"resumed from {source.directory}/{step}")
-    return state, step
-
-
-def check_init_from(run: Run) -> None:
-    """--init_from's params have this model's shapes (before the run dir is made)."""
-    source, step = open_params(run.cfg.init_from, "--init_from")
-    source.check_params(step, run.abstract.params, "--init_from")
-
-
-def open_params(path: str, flag: str) -> tuple[ParamSource, int]:
-    """Where `flag` takes params from: a Hugging Face model dir (hf:DIR), else a checkpoint of ours."""
-    from jaxtrain.hf import load as hf_load  # here: jaxtrain.hf reads our checkpoints through this module
-
-    return hf_load.open_checkpoint(path, flag)
-
-
-def _newest_readable(ckpt: Checkpointer, job: Job) -> int | None:
-    """The run's newest checkpoint that passes its checks (process 0 judges, all follow); newer,
-    damaged ones are moved aside with a warning. None if there are none; UserError if none is
-    readable (then nothing is moved)."""
-    steps = sorted(ckpt.all_steps(), reverse=True)
-    if not steps:
-        return None
-    damaged: list[tuple[int, str]] = []
-    chosen = -1
-    if job.is_main:
-        for step in steps:
-            why = ckpt.damage(step)
-            if why is None:
-                chosen = step
-                break
-            damaged.append((step, why))
-    chosen = job.broadcast(chosen)
-    if chosen < 0:
-        said = "; ".join(f"{s}: {why}" for s, why in damaged) if job.is_main else "see train.log"
-        raise UserError(
-            f"no checkpoint in {ckpt.directory} is readable ({said}); they are left as they are: "
-            "pass --resume_from a good copy, or --overwrite to start afresh"
-        )
-    for step, why in damaged:
-        aside = ckpt.move_aside(step)
-        log.warning(f"checkpoint {ckpt.directory}/{step} is unreadable ({why}): moved aside to {aside}")
-    job.barrier("checkpoints_moved_aside")
-    ckpt.reload()
-    return chosen

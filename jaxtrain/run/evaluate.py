@@ -13,9 +13,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxtrain import mesh as mesh_lib
 from jaxtrain.data.sources import Source
-from jaxtrain.run import Run
+from jaxtrain.run import mesh as mesh_lib
+from jaxtrain.run.build import Run
 
 
 def mean_loss(run: Run, params: Any, batches: Iterable[np.ndarray]) -> float:

@@ -26,12 +26,12 @@ import jax
 from tqdm import tqdm
 
 from jaxtrain import config as config_lib
-from jaxtrain import memory as memory_lib
 from jaxtrain.cluster.watchdog import Watchdog
 from jaxtrain.config import Config
+from jaxtrain.disk.files import LineFile
 from jaxtrain.errors import NonFiniteError, UserError
-from jaxtrain.files import LineFile
-from jaxtrain.tboard import ScalarWriter
+from jaxtrain.observe import memory as memory_lib
+from jaxtrain.observe.tboard import ScalarWriter
 
 log = logging.getLogger("jaxtrain")
 

@@ -11,10 +11,6 @@ job's devices are a described GPU cluster, not this machine's) all start from th
 
 from __future__ import annotations
 
-import contextlib
-import threading
-import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,15 +20,17 @@ import optax
 from jax.sharding import Mesh
 
 from jaxtrain import faults as faults_lib
-from jaxtrain import memory as memory_lib
-from jaxtrain import mesh as mesh_lib
 from jaxtrain.config import Config
 from jaxtrain.faults import FaultPlan, Faults
-from jaxtrain.job import Job
-from jaxtrain.model import GPT, attention_kernel, flops_per_token, param_count
-from jaxtrain.optim import make_optimizer
-from jaxtrain.state import TrainState, abstract_state, init_state, state_sharding
-from jaxtrain.step import compute_dtype, jit_steps
+from jaxtrain.model.attention import attention_kernel
+from jaxtrain.model.params import param_count
+from jaxtrain.model.transformer import GPT, flops_per_token
+from jaxtrain.observe import memory as memory_lib
+from jaxtrain.run import mesh as mesh_lib
+from jaxtrain.run.job import Job
+from jaxtrain.run.optim import make_optimizer
+from jaxtrain.run.state import TrainState, abstract_state, init_state, state_sharding
+from jaxtrain.run.step import compute_dtype, jit_steps
 
 
 @dataclass(frozen=True)
@@ -122,39 +120,3 @@ def build(job: Job, faults: FaultPlan | None = None) -> Run:
     faults = faults_lib.planned() if faults is None else faults
     train_step, eval_step = jit_steps(cfg, model, tx, mesh, shardings, faults)
     return Run(job, mesh, model, tx, abstract, shardings, train_step, eval_step, faults)
-
-
-class Background:
-    """`fn()` run in a daemon thread (a run that fails meanwhile exits without waiting for it);
-    result() gives (its value, its seconds, the seconds waited for it) or raises what it raised."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self.value: Any = None
-        self.error: BaseException | None = None
-        self.seconds = 0.0
-        self.thread = threading.Thread(target=self._run, args=(fn,), name="compile", daemon=True)
-        self.thread.start()
-
-    def _run(self, fn: Callable[[], Any]) -> None:
-        t0 = time.perf_counter()
-        try:
-            self.value = fn()
-        except BaseException as e:  # re-raised in the waiting thread
-            self.error = e
-        self.seconds = time.perf_counter() - t0
-
-    @contextlib.contextmanager
-    def joined_on_error(self) -> Iterator[None]:
-        """The interpreter aborts (SIGABRT) if it exits while XLA compiles: a failure waits first."""
-        try:
-            yield
-        except BaseException:
-            self.thread.join()
-            raise
-
-    def result(self) -> tuple[Any, float, float]:
-        t0 = time.perf_counter()
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.value, self.seconds, time.perf_counter() - t0

@@ -25,7 +25,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.config import MESH_AXES, MeshConfig
-from jaxtrain.model import path_names
+from jaxtrain.model.params import path_names
 
 log = logging.getLogger("jaxtrain")
 

@@ -11,7 +11,7 @@ import re
 import shutil
 from pathlib import Path
 
-from jaxtrain.files import existing_ancestor
+from jaxtrain.disk.files import existing_ancestor
 
 # The failures of storage, not of the program: each ends a save with its own exit code.
 REASONS = {

@@ -21,24 +21,28 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxtrain import checkpoint as ckpt_lib
 from jaxtrain import config as config_lib
-from jaxtrain import evaluate, metrics, rundir, runlock, storage
-from jaxtrain import memory as memory_lib
-from jaxtrain import mesh as mesh_lib
 from jaxtrain.cluster.detect import LaunchSpec
 from jaxtrain.cluster.watchdog import Watchdog
 from jaxtrain.config import Config
 from jaxtrain.data import loader, sources
 from jaxtrain.data.default import run_paths
+from jaxtrain.disk import checkpoint as ckpt_lib
+from jaxtrain.disk import rundir, runlock, storage
 from jaxtrain.errors import NonFiniteError, StorageError
 from jaxtrain.faults import Faults
-from jaxtrain.goodput import Timeline, end_reason
-from jaxtrain.job import Job, check_launch
-from jaxtrain.model import generate, param_summary
-from jaxtrain.preemption import StopRequest
-from jaxtrain.profiling import Profiler
-from jaxtrain.run import Background, Run, build
+from jaxtrain.model.generate import generate
+from jaxtrain.model.params import param_summary
+from jaxtrain.observe import memory as memory_lib
+from jaxtrain.observe import metrics
+from jaxtrain.observe.goodput import Timeline, end_reason
+from jaxtrain.observe.profiling import Profiler
+from jaxtrain.run import evaluate, start
+from jaxtrain.run import mesh as mesh_lib
+from jaxtrain.run.background import Background
+from jaxtrain.run.build import Run, build
+from jaxtrain.run.job import Job, check_launch
+from jaxtrain.run.preemption import StopRequest
 from jaxtrain.tokenizer import for_data
 from jaxtrain.xla_env import enable_compile_cache
 
@@ -123,12 +127,12 @@ def _train(
     watchdog.watch_beside(lambda: ckpt.in_flight)  # a background write hung on storage
     t_restore = time.perf_counter()
     with watchdog.phase("checkpoint restore"):
-        found = ckpt_lib.find_start(run, ckpt)  # a wrong checkpoint is refused before compiling
+        found = start.find_start(run, ckpt)  # a wrong checkpoint is refused before compiling
     # The step compiles from shapes alone, so it compiles (or is read from the compile cache) in a
     # thread while the state is restored or initialised: a relaunch waits for the longer of the two.
     compiling = Background(run.compile_train)
     with compiling.joined_on_error(), watchdog.phase("checkpoint restore"):
-        state, step = ckpt_lib.start_state(run, found)
+        state, step = start.start_state(run, found)
         _record_start(run, data, timeline, step, launch_time, time.perf_counter() - t_restore)
     with watchdog.phase("compile"):
         train_step, compile_s, waited_s = compiling.result()
@@ -197,7 +201,7 @@ def _start_run_dir(run: Run, data: _Data) -> ckpt_lib.Checkpointer:
     cfg, job, run_dir = run.cfg, run.job, run.cfg.resolved_run_dir
     if cfg.init_from and not (run_dir / "checkpoints").exists():
         # Refuse other shapes before the run dir is made (a relaunch resumes its own checkpoints).
-        ckpt_lib.check_init_from(run)
+        start.check_init_from(run)
     if job.is_main:
         rundir.prepare(cfg)
     job.barrier("run_dir")

@@ -19,7 +19,7 @@ import optax
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
 from jaxtrain.config import Config
-from jaxtrain.model import path_names
+from jaxtrain.model.params import path_names
 
 # Leaves the model names `kernel` (matmuls) and `embedding` get weight decay; norm scales do not.
 _DECAYED = ("kernel", "embedding")

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jaxtrain.files import LineFile
+from jaxtrain.disk.files import LineFile
 
 PARTS = ("productive_s", "startup_s", "compile_s", "data_wait_s", "checkpoint_s", "eval_s", "lost_s")
 

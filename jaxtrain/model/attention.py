@@ -1,0 +1,140 @@
+"""Causal self-attention: the layer, and the kernel it runs (cuDNN's fused kernel per device, or XLA's)."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxtrain.config import ModelConfig
+from jaxtrain.model.layers import cache_index, constrain, dense, norm, residual_std, rope, rope_frequencies
+
+# cuDNN's fused (flash) attention: half or bfloat16 inputs, head dim a multiple of 8 up to 128
+# (256 on Hopper and later; 128 holds on every GPU jax supports). jax's own checks, in
+# jax/_src/cudnn/fused_attention_stablehlo.py (check_layout, check_is_flash_attention).
+_CUDNN_DTYPES = ("bfloat16", "float16")
+
+
+_CUDNN_MAX_HEAD_DIM = 128
+
+
+def attention_kernel(cfg: ModelConfig, platform: str, dtype: Any) -> str:
+    """The causal attention kernel a run compiles to, "cudnn" or "xla" (resolves attention_impl auto).
+
+    `platform` is the devices' ("gpu", "cpu", ...: jax's Device.platform), `dtype` the compute
+    dtype. auto picks cuDNN on GPUs wherever it supports the dtype and head dim, XLA elsewhere
+    (jax's own `implementation=None` always takes XLA's path, which materialises T x T scores).
+    """
+    if cfg.attention_impl != "auto":
+        return cfg.attention_impl
+    return _auto_kernel(platform, jnp.dtype(dtype).name, cfg.head_size)
+
+
+def _auto_kernel(platform: str, dtype: str, head_dim: int) -> str:
+    fits = dtype in _CUDNN_DTYPES and head_dim % 8 == 0 and head_dim <= _CUDNN_MAX_HEAD_DIM
+    return "cudnn" if platform == "gpu" and fits else "xla"
+
+
+def _causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str) -> jax.Array:
+    """Causal attention, q [B, T, N, H], k and v [B, T, K, H] (K divides N) -> [B, T, N, H],
+    softmax in float32. With K < N each key/value head serves N / K consecutive query heads.
+
+    auto is resolved by `attention_kernel` (the train and eval steps resolve it for their mesh's
+    devices; a model applied outside them, as in tests, runs XLA's attention for auto). cudnn: cuDNN's fused
+    kernel, run per device (`_per_device`). xla: the same math as jax's XLA path in two einsums,
+    without its grouped-query vmap, whose layout changes cost XLA:CPU transposes and copies: +3.5%
+    tok/s on the issue shape (bench_torch.py, 2 cores).
+    """
+    if impl == "cudnn":
+        kernel = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
+        return _per_device(kernel, q, k, v)
+    b, t, n, h = q.shape
+    q = q * jnp.asarray(1.0 / math.sqrt(h), q.dtype)
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    if k.shape[2] == n:
+        logits = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32)
+        logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
+        return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(logits, axis=-1).astype(v.dtype), v)
+    # Grouped: query heads as [kv head, group], so k and v are read once per group, not copied.
+    q = q.reshape(b, t, k.shape[2], n // k.shape[2], h)
+    logits = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
+    logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
+    y = jnp.einsum("bkgts,bskh->btkgh", jax.nn.softmax(logits, axis=-1).astype(v.dtype), v)
+    return y.reshape(b, t, n, h)
+
+
+def _per_device(kernel: Callable[..., jax.Array], *qkv: jax.Array) -> jax.Array:
+    """kernel(q, k, v) on each device's own rows and heads, manual over the mesh axes still automatic.
+
+    cuDNN attention's custom partitioner cannot place a call inside a partly manual shard_map (the
+    train step is manual over data and fsdp, automatic over tensor): XLA's GPU compiler stops on an
+    AssertionError in it. With every mesh axis manual, jax lowers the kernel as is, so the
+    automatic axes (tensor) become manual here, splitting heads (and any other dim) as the model's
+    logical activation axes place them. Outside any mesh the kernel runs as is.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    auto = set(mesh.axis_names) - set(mesh.manual_axes)
+    if mesh.empty or not auto:
+        return kernel(*qkv)
+    placed = nn.logical_to_mesh_axes(("batch", "length", "heads", None)) or P()
+    spec = P(*(axis if axis in auto else None for axis in placed))
+    return jax.shard_map(kernel, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, axis_names=auto)(*qkv)
+
+
+class Attention(nn.Module):
+    """Causal multi-head (or grouped-query) self-attention."""
+
+    cfg: ModelConfig
+    dtype: Any
+    decode: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        b, t, d = x.shape
+        n, kv_heads, head_dim, bias = cfg.n_head, cfg.kv_heads, cfg.head_size, cfg.qkv_bias
+        if kv_heads == n:
+            qkv = dense((3, n, head_dim), cfg.init_std, self.dtype, "qkv", bias=bias)(x)  # [B, T, 3, N, H]
+            qkv = constrain(qkv, "batch", "length", None, "heads", None)
+            # One split, not three index slices: its gradient is one concatenate, where the slices'
+            # is three zero-padded copies added up (XLA:CPU keeps those pads: ~4% of a step).
+            q, k, v = (x[:, :, 0] for x in jnp.split(qkv, 3, axis=2))  # [B, T, N, H]
+        else:
+            q = dense((n, head_dim), cfg.init_std, self.dtype, "q", bias=bias)(x)  # [B, T, N, H]
+            q = constrain(q, "batch", "length", "heads", None)
+            kv = dense((2, kv_heads, head_dim), cfg.init_std, self.dtype, "kv", bias=bias)(x)
+            kv = constrain(kv, "batch", "length", None, "heads", None)
+            k, v = (x[:, :, 0] for x in jnp.split(kv, 2, axis=2))  # [B, T, K, H]
+        if cfg.qk_norm:
+            q, k = norm(q, cfg.norm_eps, "q_norm"), norm(k, cfg.norm_eps, "k_norm")
+        start = cache_index(self, t) if self.decode else 0
+        if cfg.pos_embedding == "rope":
+            positions = start + jnp.arange(t)
+            inv_freq = rope_frequencies(cfg, head_dim)
+            q, k = (
+                rope(q, cfg.rope_theta, positions, inv_freq),
+                rope(k, cfg.rope_theta, positions, inv_freq),
+            )
+        if self.decode:
+            shape = (b, cfg.seq_len, kv_heads, head_dim)
+            cached_k = self.variable("cache", "k", jnp.zeros, shape, k.dtype)
+            cached_v = self.variable("cache", "v", jnp.zeros, shape, v.dtype)
+            cached_k.value = jax.lax.dynamic_update_slice(cached_k.value, k, (0, start, 0, 0))
+            cached_v.value = jax.lax.dynamic_update_slice(cached_v.value, v, (0, start, 0, 0))
+            # Query i sits at start + i and sees the cache up to there; later slots hold stale
+            # entries or padding. Decoding is memory-bound: the plain XLA kernel is enough.
+            mask = jnp.arange(cfg.seq_len)[None, :] <= (start + jnp.arange(t))[:, None]  # [T, S]
+            y = jax.nn.dot_product_attention(
+                q, cached_k.value, cached_v.value, mask=mask[None, None], implementation="xla"
+            )
+        else:
+            y = _causal_attention(q, k, v, cfg.attention_impl)
+        y = constrain(y, "batch", "length", "heads", None)
+        out = dense(d, residual_std(cfg), self.dtype, "out", axis=(-2, -1))(y)
+        return constrain(out, "batch", "length", "embed")

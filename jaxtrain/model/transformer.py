@@ -1,0 +1,144 @@
+"""GPT decoder in flax.linen: pre-norm blocks, rotary or learned positions, tied output.
+
+Options for the Llama family (config.ModelConfig): a SwiGLU MLP, grouped-query attention,
+an untied output head, q/k norms (Qwen3), q/k/v biases (Qwen2). Rotary positions rotate the
+two contiguous halves of each head (rotate-half), the layout Hugging Face checkpoints use.
+
+Params are always float32; `dtype` is the compute dtype of activations and matmuls.
+Norms and rotary angles run in float32 and logits come back as float32.
+
+    model = GPT(cfg.model, dtype=jnp.bfloat16)
+    params = model.init(rng, tokens)["params"]   # tokens: int32 [B, T], T <= seq_len
+    logits = model.apply({"params": params}, tokens)   # float32 [B, T, vocab]
+    new_tokens = generate(params, cfg.model, prompt, 256, rng)   # KV-cached sampling
+
+With `decode=True` the model keeps a key/value cache (flax collection "cache") of seq_len
+positions per layer, and each call appends its tokens at the cache's index.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxtrain.config import ModelConfig
+from jaxtrain.model.attention import Attention
+from jaxtrain.model.layers import cache_index, constrain, dense, norm, residual_std
+
+
+class Mlp(nn.Module):
+    """Two-layer GELU feed-forward, or SwiGLU (gate and up as one [d, 2, ff] matmul, then down)."""
+
+    cfg: ModelConfig
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        if cfg.mlp == "swiglu":
+            gate_up = dense((2, cfg.ff_dim), cfg.init_std, self.dtype, "gate_up")(x)  # [B, T, 2, ff]
+            gate_up = constrain(gate_up, "batch", "length", None, "mlp")
+            gate, up = (x[:, :, 0] for x in jnp.split(gate_up, 2, axis=2))
+            h = nn.silu(gate) * up
+        else:
+            h = nn.gelu(dense(cfg.ff_dim, cfg.init_std, self.dtype, "fc")(x))
+        h = constrain(h, "batch", "length", "mlp")
+        out = dense(x.shape[-1], residual_std(self.cfg), self.dtype, "out")(h)
+        return constrain(out, "batch", "length", "embed")
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block."""
+
+    cfg: ModelConfig
+    dtype: Any
+    decode: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _: None = None) -> tuple[jax.Array, None]:
+        # (carry, per-layer input) -> (carry, per-layer output): the signature nn.scan needs.
+        eps = self.cfg.norm_eps
+        x = x + Attention(self.cfg, self.dtype, self.decode, name="attn")(norm(x, eps, "ln_1"))
+        x = x + Mlp(self.cfg, self.dtype, name="mlp")(norm(x, eps, "ln_2"))
+        return x, None
+
+
+def _with_gather(cls: Any, gather: Callable[[Any], Any] | None, methods: list[str] | None = None) -> Any:
+    """`cls` whose params pass through `gather` each time it runs (no-op when gather is None)."""
+    if gather is None:
+        return cls
+    return nn.map_variables(cls, "params", trans_in_fn=gather, methods=methods)
+
+
+def _block_class(cfg: ModelConfig, gather: Callable[[Any], Any] | None) -> Any:
+    """Block, its params gathered as it runs, wrapped in nn.remat as cfg.remat asks."""
+    block = _with_gather(Block, gather)
+    if cfg.remat == "none":
+        return block
+    policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if cfg.remat == "dots" else None
+    # Under scan the loop body already stops CSE across the recomputation; outside it,
+    # prevent_cse keeps XLA from merging the recomputed forward into the saved one.
+    return nn.remat(block, policy=policy, prevent_cse=not cfg.scan_layers)
+
+
+class GPT(nn.Module):
+    """Decoder-only language model: int32 tokens [B, T] -> float32 logits [B, T, vocab]."""
+
+    cfg: ModelConfig
+    dtype: Any = jnp.float32
+    # Applied to each layer's (and each embedding's) params right before they are used. The
+    # step passes FSDP's all-gather here, so whole params exist one layer at a time; the model
+    # itself never knows how params are laid out.
+    gather: Callable[[Any], Any] | None = None
+    decode: bool = False  # keep a KV cache (collection "cache"): see `generate`
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        embed = functools.partial(
+            _with_gather(nn.Embed, self.gather, methods=["__call__", "attend"]),
+            features=cfg.d_model,
+            dtype=self.dtype,
+            param_dtype=jnp.float32,
+            embedding_init=nn.initializers.normal(cfg.init_std),
+        )
+        wte = embed(cfg.vocab_size, name="wte")
+        x = wte(tokens)
+        if cfg.pos_embedding == "learned":
+            start = cache_index(self, tokens.shape[1]) if self.decode else 0
+            x = x + embed(cfg.seq_len, name="wpe")(start + jnp.arange(tokens.shape[1]))[None]
+        block = _block_class(cfg, self.gather)
+        if cfg.scan_layers:
+            # One traced body for all layers: compile time stays flat in depth.
+            stack = nn.scan(
+                block,
+                variable_axes={"params": 0, "cache": 0},
+                split_rngs={"params": True},
+                length=cfg.n_layer,
+            )
+            x, _ = stack(cfg, self.dtype, self.decode, name="blocks")(x, None)
+        else:
+            for i in range(cfg.n_layer):
+                x, _ = block(cfg, self.dtype, self.decode, name=f"block_{i}")(x)
+        x = norm(x, cfg.norm_eps, "ln_f")
+        head = wte if cfg.tie_embeddings else embed(cfg.vocab_size, name="lm_head")
+        return constrain(head.attend(x), "batch", "length", "vocab").astype(jnp.float32)
+
+
+def flops_per_token(cfg: ModelConfig, n_params: int) -> float:
+    """Training FLOPs per token: 6 * n_params + 12 * n_layer * d_model * seq_len.
+
+    6N counts the forward (2N) and backward (4N) multiply-adds of every weight matmul,
+    with the tied embedding counted once as the output projection (an untied input embedding
+    is a lookup: not counted); 12 * L * d * T (d: heads x head size) adds the
+    attention scores and weighted sum (QK^T and AV, forward and backward), as in PaLM
+    (Chowdhery et al. 2022, appendix B) and nanoGPT's estimate_mfu. Causal masking is
+    not discounted, so this slightly overstates attention work.
+    """
+    matmul_params = n_params - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
+    return 6.0 * matmul_params + 12.0 * cfg.n_layer * cfg.n_head * cfg.head_size * cfg.seq_len
