@@ -133,12 +133,3 @@ def load_tokenizer(data_path: str | Path) -> ByteTokenizer | BPETokenizer:
     if json_path.is_file():
         return BPETokenizer.from_file(json_path)
     return ByteTokenizer()
-
-
-def for_data(data_path: str | Path, vocab_size: int) -> ByteTokenizer | BPETokenizer | None:
-    """The tokenizer of a model trained on `data_path`: its tokenizer.json, else bytes for a
-    256-token vocabulary, else None (the tokenizer is not where jaxtrain can find it)."""
-    tokenizer = load_tokenizer(data_path) if str(data_path) else ByteTokenizer()
-    if isinstance(tokenizer, ByteTokenizer) and vocab_size != ByteTokenizer.vocab_size:
-        return None
-    return tokenizer

@@ -106,3 +106,10 @@ def enable_compile_cache(setting: str) -> Path | None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", CACHE_MIN_COMPILE_S)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
+
+
+def compile_cache_dir() -> str | None:
+    """Where jax's persistent compile cache is (enable_compile_cache set it), None when off."""
+    import jax
+
+    return getattr(jax.config, "jax_compilation_cache_dir")  # noqa: B009  (typed stubs lack it)

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from jaxtrain.config.schema import SOURCE_LISTS, Config, ConfigError, check, flatten, to_dict
+from jaxtrain.config.schema import SOURCE_LISTS, Config, ConfigError, ModelConfig, check, flatten, to_dict
 
 # Other names for our keys, as the PyTorch guides spell them (README: "coming from torchrun/DDP").
 ALIASES = {
@@ -229,6 +229,13 @@ def load_config(argv: list[str], usage: str = "", fill: Fill | None = None) -> C
     for key, raw in overrides:
         merged[_resolve_key(key)] = raw
     return from_dict(merged, fill)
+
+
+def saved_model(saved: dict[str, Any]) -> ModelConfig:
+    """The model of a config saved with a checkpoint (its meta's `config`); keys this version does
+    not know (a checkpoint of another jaxtrain) are left out, missing ones take their defaults."""
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in saved.get("model", {}).items() if k in fields})
 
 
 def differences(cfg: Config) -> dict[str, Any]:

@@ -16,11 +16,11 @@ from typing import Any
 
 from jaxtrain.config import Config
 from jaxtrain.data.format import MANIFEST, cache_root
-from jaxtrain.data.sources import DataError
+from jaxtrain.data.sources import DataError, parse_spec
 from jaxtrain.errors import UserError
 from jaxtrain.prepare import inputs
 from jaxtrain.prepare.shards import prepare_files
-from jaxtrain.tokenizer import ByteTokenizer
+from jaxtrain.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer
 
 
 def run_paths(cfg: Config, saved: dict[str, Any] | None = None) -> tuple[str, str]:
@@ -30,9 +30,7 @@ def run_paths(cfg: Config, saved: dict[str, Any] | None = None) -> tuple[str, st
     Without a validation path the training path is read again as validation: a manifest gives its
     val shards, a mixture its sources' val shards (each evaluated apart), a plain file itself.
     """
-    saved = saved or {}
-    train = cfg.train_data_path or saved.get("train_data_path") or ""
-    val = cfg.valid_data_path or saved.get("valid_data_path") or ""
+    train, val = given_paths(saved or {}, cfg)
     if train:
         return train, val or train
     if cfg.model.vocab_size < 256:
@@ -42,6 +40,35 @@ def run_paths(cfg: Config, saved: dict[str, Any] | None = None) -> tuple[str, st
         )
     default_train, default_val = default_dataset()
     return str(default_train), val or str(default_val)
+
+
+def given_paths(saved: dict[str, Any], cfg: Config | None = None) -> tuple[str, str]:
+    """(training, validation) data paths as given: `cfg`'s, else `saved`'s (a checkpoint's config);
+    "" where none is (a run on the embedded dataset)."""
+    train = (cfg.train_data_path if cfg else "") or saved.get("train_data_path") or ""
+    val = (cfg.valid_data_path if cfg else "") or saved.get("valid_data_path") or ""
+    return str(train), str(val)
+
+
+def tokenizer_file(train_path: str) -> Path | None:
+    """The tokenizer.json beside the first file of training data `train_path` (a file, glob, comma
+    list, manifest or mixture: its first source), if there is one; scripts/prepare_data.py puts it
+    there."""
+    if not train_path:
+        return None
+    first = parse_spec(train_path, "train_data_path")[0].path.split(",")[0]
+    path = Path(first).parent / TOKENIZER_FILE
+    return path if path.is_file() else None
+
+
+def run_tokenizer(train_path: str, vocab_size: int, own: str = "") -> ByteTokenizer | BPETokenizer | None:
+    """The tokenizer of a model trained on `train_path` ("": the embedded byte dataset): `own` (a
+    checkpoint's own tokenizer.json, as a Hugging Face dir has) wins, then the one beside the
+    training data, else bytes for a 256-token vocabulary, else None (none jaxtrain can find)."""
+    path = Path(own) if own else tokenizer_file(train_path)
+    if path is not None:
+        return BPETokenizer.from_file(path)
+    return ByteTokenizer() if vocab_size == ByteTokenizer.vocab_size else None
 
 
 def _stdlib_sources(max_bytes: int) -> list[Path]:

@@ -11,7 +11,12 @@ HEADER_BYTES = HEADER_INTS * 4
 HEADER_DTYPES = {1: "uint16", 2: "uint32"}
 MANIFEST = "manifest.json"  # a prepared set's shards, tokenizer and counts (scripts/prepare_data.py)
 MANIFEST_FORMAT = "jaxtrain.tokens"
-TOKEN_DTYPES = ("auto", "uint16", "uint32")  # auto: the header's, else uint16 up to vocab 65,536
+TOKEN_DTYPES = ("auto", "uint16", "uint32")  # auto: the header's, else token_dtype_for(vocab size)
+
+
+def token_dtype_for(vocab_size: int) -> str:
+    """The dtype of a vocabulary's token files: uint16 while every id fits (nanoGPT's), else uint32."""
+    return "uint16" if vocab_size <= 65536 else "uint32"
 
 
 def cache_root() -> Path:

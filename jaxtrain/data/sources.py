@@ -38,7 +38,9 @@ from jaxtrain.data.format import (
     HEADER_INTS,
     HEADER_MAGIC,
     MANIFEST_FORMAT,
+    TOKEN_DTYPES,
     cache_root,
+    token_dtype_for,
 )
 from jaxtrain.disk.files import write_text
 from jaxtrain.errors import UserError
@@ -136,7 +138,7 @@ def inspect_file(path: Path, vocab_size: int, token_dtype: str, size: int) -> Sh
                 f"{token_dtype}; use --token_dtype auto"
             )
     else:
-        dtype = token_dtype if token_dtype != "auto" else ("uint16" if vocab_size <= 65536 else "uint32")
+        dtype = token_dtype if token_dtype != "auto" else token_dtype_for(vocab_size)
         offset = 0
     itemsize = np.dtype(dtype).itemsize
     if (size - offset) % itemsize:
@@ -317,8 +319,8 @@ def _stat(path: Path) -> os.stat_result:
 
 def open_shards(path_spec: str, role: str, vocab_size: int, token_dtype: str, seq_len: int) -> Shards:
     """One source's shards, validated (at most once per exact set of files: then one stat per shard)."""
-    if token_dtype not in ("auto", "uint16", "uint32"):
-        raise DataError(f"token_dtype must be auto|uint16|uint32, got {token_dtype!r}")
+    if token_dtype not in TOKEN_DTYPES:
+        raise DataError(f"token_dtype must be {'|'.join(TOKEN_DTYPES)}, got {token_dtype!r}")
     entries = _entries(path_spec, role)
     stats = [_stat(e.path) for e in entries]
     key = hashlib.sha1(

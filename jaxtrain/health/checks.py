@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.cluster import detect
 from jaxtrain.disk.files import write_text
+from jaxtrain.observe.memory import limit_bytes
 from jaxtrain.run.mesh import DATA_AXIS
 
 _PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain")
@@ -75,7 +76,7 @@ def software_versions() -> dict[str, str]:
 def local_record(spec: detect.LaunchSpec) -> dict[str, Any]:
     """This process's launch, software and device facts, as plain JSON values."""
     devices = jax.local_devices()
-    memory = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
+    memory = [limit_bytes(d) for d in devices]
     limits = [m for m in memory if m is not None]
     return {
         "process_id": spec.process_id,

@@ -7,7 +7,6 @@ param (a scanned stack holds every layer's) and its HF tensors, never the whole 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import shutil
@@ -18,12 +17,13 @@ import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxtrain.config import ModelConfig
-from jaxtrain.data.sources import parse_spec
+from jaxtrain.config import Config, ModelConfig, saved_model
+from jaxtrain.data.default import given_paths, tokenizer_file
 from jaxtrain.disk import checkpoint as ckpt_lib
 from jaxtrain.hf import config as hf_config
 from jaxtrain.hf import weights
 from jaxtrain.hf.store import Writer
+from jaxtrain.model.params import path_names
 from jaxtrain.tokenizer import TOKENIZER_FILE
 
 log = logging.getLogger("jaxtrain")
@@ -40,9 +40,7 @@ class _Leaves:
             meta = ocp.PyTreeCheckpointHandler().metadata(self.state_dir).tree["params"]
         except Exception as e:  # missing or garbled files
             raise ckpt_lib.unreadable(step_dir, e) from None
-        self.shapes = {
-            tuple(str(getattr(k, "key", k)) for k in path): tuple(leaf.shape) for path, leaf in _flatten(meta)
-        }
+        self.shapes = {path_names(path): tuple(leaf.shape) for path, leaf in _flatten(meta)}
         self.checkpointer = ocp.PyTreeCheckpointer()
 
     def get(self, path: tuple[str, ...]) -> np.ndarray:
@@ -66,10 +64,8 @@ def _flatten(tree: Any) -> list[tuple[tuple, Any]]:
 
 def _tokenizer_files(saved: dict[str, Any], model: ModelConfig, out: Path) -> str:
     """tokenizer.json and tokenizer_config.json for the run's data; which one it was."""
-    train = str(saved.get("train_data_path") or "")
-    first = parse_spec(train, "train_data_path")[0].path.split(",")[0] if train else ""
-    beside = Path(first).parent / TOKENIZER_FILE if first else None
-    if beside is not None and beside.is_file():
+    beside = tokenizer_file(given_paths(saved)[0])
+    if beside is not None:
         shutil.copyfile(beside, out / TOKENIZER_FILE)
         kind = f"BPE ({beside})"
     elif model.vocab_size == 256:
@@ -121,8 +117,7 @@ def export(path: str, out: Path, max_shard_bytes: int = 5 * 2**30, dtype: str = 
     """Write checkpoint `path` (a run dir, its checkpoints/ dir or one step dir) to `out`."""
     source, step = ckpt_lib.open_checkpoint(path, "checkpoint")
     saved = source.read_meta(step).get("config", {})
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    model = ModelConfig(**{k: v for k, v in saved.get("model", {}).items() if k in fields})
+    model = saved_model(saved)
     config = hf_config.to_hf(model, dtype)  # refuses models no class matches, before writing
     leaves = _Leaves(source.directory / str(step))
     entries = weights.entries(model)
@@ -139,10 +134,11 @@ def export(path: str, out: Path, max_shard_bytes: int = 5 * 2**30, dtype: str = 
         del leaf
     writer.close()
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    defaults = Config()  # the run's sampling settings, else jaxtrain's
     generation = {
         "do_sample": True,
-        "temperature": saved.get("temperature", 0.8),
-        "top_k": saved.get("top_k", 40),
+        "temperature": saved.get("temperature", defaults.temperature),
+        "top_k": saved.get("top_k", defaults.top_k),
     }
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     tokenizer = _tokenizer_files(saved, model, out)

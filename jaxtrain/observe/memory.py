@@ -27,10 +27,14 @@ class OutOfMemory(UserError):
     """The step does not fit the device with these settings."""
 
 
+def _stats(device: jax.Device) -> dict[str, Any]:
+    """The device's memory_stats(), {} where it keeps none (CPUs)."""
+    return (device.memory_stats() if hasattr(device, "memory_stats") else None) or {}
+
+
 def limit_bytes(device: jax.Device) -> int | None:
     """The memory XLA may use on `device`, where the device says (GPUs); None on CPUs."""
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    return (stats or {}).get("bytes_limit")
+    return _stats(device).get("bytes_limit")
 
 
 def compiled_bytes(compiled: Any) -> dict[str, int]:
@@ -65,8 +69,8 @@ def check_compiled(total_bytes: int, device: jax.Device, cfg: Config, local_devi
 
 def usage(device: jax.Device) -> dict[str, float]:
     """mem_in_use_gb and mem_peak_gb of a device that reports them (GPUs), else {}."""
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if not stats or "bytes_in_use" not in stats:
+    stats = _stats(device)
+    if "bytes_in_use" not in stats:
         return {}
     return {
         "mem_in_use_gb": round(stats["bytes_in_use"] / _GB, 3),

@@ -88,10 +88,11 @@ def process_log_path(run_dir: Path, process_index: int) -> Path:
     return run_dir / "train.log" if process_index == 0 else run_dir / "logs" / f"process_{process_index}.log"
 
 
-def setup_logging(run_dir: Path | None, process_index: int, level: str = "") -> None:
+def setup_logging(run_dir: Path | None, process_index: int, level: str = "", verbose: bool = False) -> None:
     """Process 0: INFO to the terminal (and train.log). Others: WARNING to stderr (and their own
     file). run_dir None (--task test, predict): the terminal only, no file in any run dir.
-    `level` (ddp.log_level): every process logs at that level instead."""
+    `level` (ddp.log_level): every process logs at that level instead. `verbose` (the guides'
+    --debug): every process logs everything, and JAX logs each compilation."""
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
     root = logging.getLogger("jaxtrain")
     root.handlers.clear()
@@ -103,10 +104,13 @@ def setup_logging(run_dir: Path | None, process_index: int, level: str = "") -> 
         if process_index:
             (run_dir / "logs").mkdir(exist_ok=True)
         handlers.append(_LineFileHandler(process_log_path(run_dir, process_index)))
-    root.setLevel(level or (logging.INFO if process_index == 0 else logging.WARNING))
+    root.setLevel(
+        logging.DEBUG if verbose else level or (logging.INFO if process_index == 0 else logging.WARNING)
+    )
     for h in handlers:
         h.setFormatter(fmt)
         root.addHandler(h)
+    jax.config.update("jax_log_compiles", verbose)
 
 
 class Reporter:

@@ -30,7 +30,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from jaxtrain.cluster.lifeline import die_with_parent
-from jaxtrain.data.format import HEADER_BYTES, HEADER_MAGIC, MANIFEST, MANIFEST_FORMAT
+from jaxtrain.data.format import HEADER_BYTES, HEADER_MAGIC, MANIFEST, MANIFEST_FORMAT, token_dtype_for
 from jaxtrain.disk.files import require_writable, write_text
 from jaxtrain.errors import UserError
 from jaxtrain.prepare import inputs
@@ -277,7 +277,7 @@ def prepare_files(
     val_fraction: float,
 ) -> PreparedData:
     """Tokenize the planned units into out_dir (the part of prepare_corpus the default dataset uses too)."""
-    dtype = np.dtype("<u2" if tok.vocab_size <= 65536 else "<u4")
+    dtype = np.dtype(token_dtype_for(tok.vocab_size)).newbyteorder("<")
     out_dir.mkdir(parents=True, exist_ok=True)
     staging = out_dir / f".prepare.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     staging.mkdir()

@@ -43,7 +43,8 @@ class Run:
     shardings: Any  # a NamedSharding for each leaf of the state
     train_step: jax.stages.Wrapped  # jitted, not yet compiled
     eval_step: jax.stages.Wrapped
-    faults: FaultPlan
+    faults: FaultPlan  # the test-only faults of $JAXTRAIN_FAULTS, for the steps
+    host_faults: Faults | None  # ...and this process's own (None: no faults, nothing to call)
 
     @property
     def cfg(self) -> Config:
@@ -83,9 +84,8 @@ class Run:
     def compile_train(self) -> jax.stages.Compiled:
         """The train step compiled ahead of time (no stall in step 1); out of memory is one line."""
         try:
-            faults = Faults.of(self.faults, self.job.process_index)
-            if faults:
-                faults.out_of_memory("compile")
+            if self.host_faults:
+                self.host_faults.out_of_memory("compile")
             return self.train_step.lower(self.target, self.batch_shape).compile()
         except jax.errors.JaxRuntimeError as e:
             if not memory_lib.is_out_of_memory(e):
@@ -119,4 +119,5 @@ def build(job: Job, faults: FaultPlan | None = None) -> Run:
     shardings = state_sharding(mesh, abstract, cfg.mesh.zero1)
     faults = faults_lib.planned() if faults is None else faults
     train_step, eval_step = jit_steps(cfg, model, tx, mesh, shardings, faults)
-    return Run(job, mesh, model, tx, abstract, shardings, train_step, eval_step, faults)
+    host_faults = Faults.of(faults, job.process_index)
+    return Run(job, mesh, model, tx, abstract, shardings, train_step, eval_step, faults, host_faults)

@@ -26,7 +26,7 @@ from jaxtrain.cluster.detect import LaunchSpec
 from jaxtrain.cluster.watchdog import Watchdog
 from jaxtrain.config import Config
 from jaxtrain.data import loader, sources
-from jaxtrain.data.default import run_paths
+from jaxtrain.data.default import run_paths, run_tokenizer
 from jaxtrain.disk import checkpoint as ckpt_lib
 from jaxtrain.disk import rundir, runlock, storage
 from jaxtrain.errors import NonFiniteError, StorageError
@@ -43,8 +43,7 @@ from jaxtrain.run.background import Background
 from jaxtrain.run.build import Run, build
 from jaxtrain.run.job import Job, check_launch
 from jaxtrain.run.preemption import StopRequest
-from jaxtrain.tokenizer import for_data
-from jaxtrain.xla_env import enable_compile_cache
+from jaxtrain.xla_env import compile_cache_dir
 
 log = logging.getLogger("jaxtrain")
 
@@ -123,7 +122,11 @@ def _train(
 ) -> RunResult:
     cfg, job, run_dir = run.cfg, run.job, run.cfg.resolved_run_dir
     # ------------------------------------------------------------------------------- start
-    ckpt = _start_run_dir(run, data)
+    _make_run_dir(run)
+    _say_what_runs(run, data)
+    ckpt = ckpt_lib.Checkpointer(run_dir / "checkpoints", cfg.keep_checkpoints, primary=job.is_main)
+    if job.is_main:
+        _warn_if_disk_short(cfg, ckpt, sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(run.abstract)))
     watchdog.watch_beside(lambda: ckpt.in_flight)  # a background write hung on storage
     t_restore = time.perf_counter()
     with watchdog.phase("checkpoint restore"):
@@ -142,7 +145,7 @@ def _train(
     saver = _Saver(run, ckpt, watchdog, timeline)
     tracker = metrics.StepTracker(cfg, reporter, watchdog, job.local_devices[0], step)
     profiler = Profiler(cfg, run_dir, job.process_index)
-    faults = Faults.of(run.faults, job.process_index)
+    faults = run.host_faults
     val_loss, stopped = None, False
     try:
         while step < cfg.total_steps and not stopped:
@@ -188,7 +191,7 @@ def _train(
         raise stop.error(run_dir / "checkpoints" / str(step))  # Preempted, or Interrupted by Ctrl-C
     if cfg.sample_tokens:  # compiles generate: bounded as a phase, not as a step
         with watchdog.phase("end-of-run sample"):
-            _sample(run, state.params, str(data.train[0].shards.infos[0].path))  # tokenizer.json beside it
+            _sample(run, state.params)
     log.info(f"done: step {step}, run dir {run_dir}")
     return RunResult(step, tracker.last_loss, val_loss, run_dir)
 
@@ -196,8 +199,8 @@ def _train(
 # ----------------------------------------------------------------------------------- start
 
 
-def _start_run_dir(run: Run, data: _Data) -> ckpt_lib.Checkpointer:
-    """Make the run dir (process 0), set up logging, say what runs where; the run's Checkpointer."""
+def _make_run_dir(run: Run) -> None:
+    """Make the run dir (process 0; --init_from's shapes checked first), then log into it."""
     cfg, job, run_dir = run.cfg, run.job, run.cfg.resolved_run_dir
     if cfg.init_from and not (run_dir / "checkpoints").exists():
         # Refuse other shapes before the run dir is made (a relaunch resumes its own checkpoints).
@@ -205,13 +208,15 @@ def _start_run_dir(run: Run, data: _Data) -> ckpt_lib.Checkpointer:
     if job.is_main:
         rundir.prepare(cfg)
     job.barrier("run_dir")
-    metrics.setup_logging(run_dir, job.process_index, cfg.ddp.log_level)
-    if cfg.verbose:  # the guides' --debug: every process logs everything, JAX each compilation
-        logging.getLogger("jaxtrain").setLevel(logging.DEBUG)
-        jax.config.update("jax_log_compiles", True)
+    metrics.setup_logging(run_dir, job.process_index, cfg.ddp.log_level, cfg.verbose)
+
+
+def _say_what_runs(run: Run, data: _Data) -> None:
+    """The start of the log: the chosen config, the job, the model, the mesh and its memory."""
+    cfg, job, run_dir = run.cfg, run.job, run.cfg.resolved_run_dir
     chosen = "".join(f"\n  {k}: {v!r}" for k, v in config_lib.differences(cfg).items())
     log.info(f"config, where it differs from the defaults (all of it: {run_dir / 'config.yaml'}):{chosen}")
-    log.info(f"compile cache: {enable_compile_cache(cfg.compile_cache_dir) or 'off'}")
+    log.info(f"compile cache: {compile_cache_dir() or 'off'}")
     notes = config_lib.compat_notes(
         cfg, loader.epoch_windows(data.train), job.process_count, len(job.devices)
     )
@@ -236,10 +241,6 @@ def _start_run_dir(run: Run, data: _Data) -> ckpt_lib.Checkpointer:
         f"mesh {mesh_lib.describe(run.mesh)}{' + zero1' if cfg.mesh.zero1 else ''}: train state "
         f"{state_bytes / 2**20:,.1f} MiB per device (params + 2 Adam moments, float32)"
     )
-    ckpt = ckpt_lib.Checkpointer(run_dir / "checkpoints", cfg.keep_checkpoints, primary=job.is_main)
-    if job.is_main:
-        _warn_if_disk_short(cfg, ckpt, sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(run.abstract)))
-    return ckpt
 
 
 def _record_start(
@@ -407,11 +408,11 @@ class _Saver:
         return f"step {good} in {self.ckpt.directory}" if good is not None else "none yet"
 
 
-def _sample(run: Run, params: Any, train_path: str) -> None:
+def _sample(run: Run, params: Any) -> None:
     """Print a short generation from the final model's host copy (process 0)."""
     cfg = run.cfg
     params = mesh_lib.host_copy(params)  # a collective: every process takes part
-    tokenizer = for_data(train_path, cfg.model.vocab_size)
+    tokenizer = run_tokenizer(cfg.train_data_path, cfg.model.vocab_size)
     if not run.job.is_main:
         return
     if tokenizer is None:

@@ -15,7 +15,6 @@ from typing import Any, Protocol
 from jaxtrain.disk import rundir
 from jaxtrain.disk.checkpoint import Checkpointer, open_checkpoint
 from jaxtrain.errors import UserError
-from jaxtrain.faults import Faults
 from jaxtrain.hf import PREFIX, is_hf
 from jaxtrain.hf.load import HFCheckpoint
 from jaxtrain.run.build import Run
@@ -58,7 +57,7 @@ def start_state(run: Run, found: tuple[Checkpointer, int] | None) -> tuple[Any, 
             log.info(f"params from {run.cfg.init_from} (--init_from); optimizer and step start afresh")
         return state, 0
     source, step = found
-    faults = Faults.of(run.faults, run.job.process_index)
+    faults = run.host_faults
     if faults:
         faults.during_restore()
     state = source.restore(step, run.target)

@@ -57,7 +57,7 @@ def _token_loss(model: GPT, params: Any, rows: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, rows[:, 1:]).mean()
 
 
-class _Layout:
+class _ParamLayout:
     """How params sit on the mesh, as the inside of the shard_map sees them."""
 
     def __init__(self, mesh: Mesh, param_specs: Any) -> None:
@@ -116,7 +116,7 @@ class _Layout:
 
 
 def _local_grads(
-    model: GPT, layout: _Layout, accum: int, params: Any, rows: jax.Array, scale: jax.Array
+    model: GPT, layout: _ParamLayout, accum: int, params: Any, rows: jax.Array, scale: jax.Array
 ) -> tuple[Any, jax.Array]:
     """Gradient and loss of this device's rows, averaged over `accum` microbatches."""
 
@@ -148,7 +148,7 @@ def make_train_step(
     faults: FaultPlan = NO_FAULTS,
 ) -> Callable:
     """train_step(state, batch) -> (state, metrics); batch is int32 [global_batch, T+1]."""
-    layout = _Layout(mesh, param_specs)
+    layout = _ParamLayout(mesh, param_specs)
     accum = cfg.gradient_accumulation_steps
     schedule = lr_schedule(cfg)
     fp16 = cfg.dtype == "float16"
@@ -221,7 +221,7 @@ def make_train_step(
 
 def make_eval_step(model: GPT, mesh: Mesh, param_specs: Any) -> Callable:
     """eval_step(params, batch) -> mean loss over the global batch."""
-    layout = _Layout(mesh, param_specs)
+    layout = _ParamLayout(mesh, param_specs)
 
     def device_loss(params: Any, rows: jax.Array) -> jax.Array:
         return layout.mean(layout.loss(model, params, rows))

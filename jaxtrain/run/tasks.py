@@ -32,9 +32,9 @@ import numpy as np
 
 from jaxtrain import config as config_lib
 from jaxtrain.cluster.detect import LaunchSpec
-from jaxtrain.config import Config, ModelConfig
+from jaxtrain.config import Config
 from jaxtrain.data import loader, sources
-from jaxtrain.data.default import run_paths
+from jaxtrain.data.default import given_paths, run_paths, run_tokenizer
 from jaxtrain.disk.files import require_writable, write_text
 from jaxtrain.errors import UserError
 from jaxtrain.model.generate import generate
@@ -46,13 +46,15 @@ from jaxtrain.run.job import Job
 from jaxtrain.run.loop import train
 from jaxtrain.run.start import ParamSource
 from jaxtrain.run.step import compute_dtype
-from jaxtrain.tokenizer import for_data
+from jaxtrain.xla_env import compile_cache_dir, enable_compile_cache
 
 log = logging.getLogger("jaxtrain")
 
 
 def run_task(cfg: Config, launch: LaunchSpec, launch_time: float | None = None) -> Any:
     """Run the configured task (launch: cluster.detect's; launch_time: see loop.train)."""
+    # Every task compiles: jax's persistent compile cache is switched on here, once, before any.
+    enable_compile_cache(cfg.compile_cache_dir)
     if cfg.task == "test":
         return evaluate_checkpoint(cfg, launch)
     if cfg.task == "predict":
@@ -79,11 +81,11 @@ class _Checkpoint:
 def _start(cfg: Config, launch: LaunchSpec) -> tuple[Run, _Checkpoint, Path, Any]:
     """Join the job, open the checkpoint, build the run of its model; the output dir and its params."""
     job = Job.join(cfg, launch)
-    metrics.setup_logging(None, job.process_index, cfg.ddp.log_level)
+    metrics.setup_logging(None, job.process_index, cfg.ddp.log_level, cfg.verbose)
+    log.info(f"compile cache: {compile_cache_dir() or 'off'}")
     source, step = start.open_params(cfg.resume_from, "--resume_from")
     ckpt = _Checkpoint(source, step, source.read_meta(step).get("config", {}))
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    model = ModelConfig(**{k: v for k, v in ckpt.saved.get("model", {}).items() if k in fields})
+    model = config_lib.saved_model(ckpt.saved)
     cfg = dataclasses.replace(cfg, model=model)
     config_lib.check(cfg)
     out_dir = Path(cfg.run_dir) if cfg.run_dir else ckpt.run_dir
@@ -164,9 +166,9 @@ def predict(cfg: Config, launch: LaunchSpec) -> list[dict[str, Any]]:
     prompts = _prompts(cfg)
     run, ckpt, out_dir, params = _start(cfg, launch)
     cfg = run.cfg
-    train_path = str(ckpt.saved.get("train_data_path") or "")
+    train_path = given_paths(ckpt.saved, cfg)[0]
     # A Hugging Face model dir's own tokenizer.json, else the one beside the training data.
-    tokenizer = for_data(ckpt.saved.get("tokenizer") or train_path, cfg.model.vocab_size)
+    tokenizer = run_tokenizer(train_path, cfg.model.vocab_size, own=ckpt.saved.get("tokenizer", ""))
     if tokenizer is None:
         raise UserError(
             f"the checkpoint's model has vocab_size {cfg.model.vocab_size} but no tokenizer.json sits beside "
