@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def _write_shards(directory: Path, n: int, total: int) -> None:
-    from jaxtrain.data.format import HEADER_INTS, HEADER_MAGIC
+    from jaxtrain.prepare.format import HEADER_INTS, HEADER_MAGIC
 
     directory.mkdir(parents=True)
     each = total // n

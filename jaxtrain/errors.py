@@ -30,6 +30,10 @@ class UserError(StopError):
     code = EXIT_USAGE
 
 
+class DataError(UserError):
+    """A token file, data path or shard set that cannot be used."""
+
+
 class ArgumentError(UserError):
     """A command-line flag that cannot be used."""
 

@@ -18,7 +18,7 @@ per core (at most MAX_CPU_DEVICES), the batch split over them as over GPUs. XLA:
 non-matmul fusions on one thread, so one device per core puts every core on the whole step, not
 only on the matmuls: bench_torch.py, issue shape, 2 cores, interleaved rounds: bare jax 5,286 ->
 6,679 tok/s, jaxtrain 5,156 -> 6,295, same global batch. Chosen only where the batch splits evenly
-(job.batch_plan decides, as it would for any device count); else, or when XLA_FLAGS names
+(config.batch.batch_plan decides, as it would for any device count); else, or when XLA_FLAGS names
 a device count, or several processes share the host, or the mesh is set, nothing changes.
 XLA reads XLA_FLAGS once, when the first backend starts, so these must be in the environment
 before then. A flag the user already put in XLA_FLAGS wins: ours is only added when its name is
@@ -39,9 +39,9 @@ from pathlib import Path
 
 from jaxtrain.cluster.detect import LaunchSpec
 from jaxtrain.config import Config, MeshConfig
-from jaxtrain.data.format import cache_root
+from jaxtrain.config.batch import batch_plan
+from jaxtrain.disk.files import cache_root
 from jaxtrain.errors import UserError
-from jaxtrain.run.job import batch_plan
 
 # When this process started its work, for goodput: imported first by scripts/train.py.
 LAUNCH_TIME = time.time()

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jaxtrain.config.data import SourceSpec
 from jaxtrain.data import default, sources
 from jaxtrain.data import loader as data
 from jaxtrain.errors import UserError
@@ -192,7 +193,7 @@ def test_glob_comma_list_and_set_cache(tmp_path: Path, monkeypatch: pytest.Monke
 
 def test_mixture_spec_parsing() -> None:
     one = sources.parse_spec("data/web/train_*.bin", "train_data_path")
-    assert one == [sources.SourceSpec("data/web/train_*.bin", 1.0, "web")]
+    assert one == [SourceSpec("data/web/train_*.bin", 1.0, "web")]
     mix = sources.parse_spec(
         "[{path: data/web/m.json, weight: 3}, {path: x/code.bin, weight: 1, name: c}]", "k"
     )

@@ -141,7 +141,6 @@ def test_the_topology_rule_finds_a_query(tmp_path):
 # Preparing data (scripts/prepare_data.py) needs no accelerator stack and nothing of training.
 PREPARE_MAY_IMPORT = (
     "jaxtrain.prepare",
-    "jaxtrain.data.format",
     "jaxtrain.tokenizer",
     "jaxtrain.disk.files",
     "jaxtrain.errors",
@@ -237,3 +236,43 @@ def test_the_cycle_rule_finds_a_cycle_hidden_in_a_function(tmp_path):
     (pkg / "c.py").write_text("from jaxtrain.a import x\n")
     (pkg / "d.py").write_text("import jaxtrain.a\n")
     assert _cycles(_import_graph(tmp_path)) == [["jaxtrain.a", "jaxtrain.b", "jaxtrain.c"]]
+
+
+# The rooms, bottom first: a module imports only from its own room or from rooms before it, so the
+# package reads upwards from errors to the scripts' entry points and no change can close a loop.
+ROOMS = (
+    "errors", "parser", "faults", "tokenizer", "config", "cluster", "model", "disk", "prepare", "data",
+    "hf", "observe", "xla_env", "run", "plan", "health", "launch",
+)  # fmt: skip
+
+
+def _room(module: str) -> str:
+    return module.split(".")[1] if "." in module else ""
+
+
+def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    order = {room: i for i, room in enumerate(ROOMS)}
+    return sorted(
+        f"{m} -> {d}"
+        for m, deps in graph.items()
+        for d in deps
+        if _room(d) and _room(m) and order[_room(d)] > order[_room(m)]
+    )
+
+
+def test_every_room_is_placed():
+    rooms = {_room(m) for m in _import_graph()} - {""}
+    assert rooms == set(ROOMS), (
+        f"place {sorted(rooms - set(ROOMS))} in ROOMS; drop {sorted(set(ROOMS) - rooms)}"
+    )
+
+
+def test_rooms_import_downwards_only():
+    wrong = _upward_imports(_import_graph())
+    assert not wrong, f"imports of a room above the importer's (see ROOMS): {wrong}"
+
+
+def test_the_room_rule_finds_an_upward_import():
+    assert _upward_imports({"jaxtrain.data.loader": {"jaxtrain.run.job"}}) == [
+        "jaxtrain.data.loader -> jaxtrain.run.job"
+    ]

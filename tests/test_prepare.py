@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxtrain.data import format, sources
+from jaxtrain.data import sources
 from jaxtrain.errors import UserError
+from jaxtrain.prepare import format
 from jaxtrain.prepare.shards import prepare_corpus
 from jaxtrain.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
 

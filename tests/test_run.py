@@ -1,4 +1,4 @@
-"""The run built once (run.py, job.py) and a whole training run in this process (loop.py).
+"""The run built once (run/build.py, run/job.py) and a whole training run in this process (run/loop.py).
 
 The real-process tests (test_train_script.py, test_launch.py, ...) run the same code behind
 scripts/train.py; these run it in-process, so a failure shows its own traceback.

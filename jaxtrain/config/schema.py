@@ -15,8 +15,7 @@ from typing import Any
 
 import yaml
 
-from jaxtrain.data.format import TOKEN_DTYPES
-from jaxtrain.data.sources import parse_spec
+from jaxtrain.config.data import TOKEN_DTYPES, parse_spec
 from jaxtrain.errors import UserError
 
 

@@ -1,3 +1,4 @@
-"""Token data for training: the format (format.py), token files, shards, manifests and mixtures
-(sources.py), the global batch order and per-process loaders (loader.py), the default dataset and
-a run's data paths (default.py). Turning text into token files is jaxtrain/prepare/."""
+"""Token data for training: token files, shards, manifests and mixtures, validated once
+(sources.py), the global batch order and per-process loaders (loader.py), the embedded default
+dataset and a run's data paths and tokenizer (default.py). The files' format, and turning text
+into them, is jaxtrain/prepare/."""

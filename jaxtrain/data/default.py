@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from jaxtrain.config import Config
-from jaxtrain.data.format import MANIFEST, cache_root
-from jaxtrain.data.sources import DataError, parse_spec
-from jaxtrain.errors import UserError
+from jaxtrain.config.data import parse_spec
+from jaxtrain.disk.files import cache_root
+from jaxtrain.errors import DataError, UserError
 from jaxtrain.prepare import inputs
+from jaxtrain.prepare.format import MANIFEST
 from jaxtrain.prepare.shards import prepare_files
 from jaxtrain.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer
 

@@ -23,8 +23,8 @@ from collections.abc import Iterator, Sequence
 import grain
 import numpy as np
 
+from jaxtrain.config.batch import check_batch_split
 from jaxtrain.data.sources import DataError, Source
-from jaxtrain.run.job import check_batch_split
 
 _ROUNDS = 6  # Feistel rounds; 4 already give a pseudorandom permutation, 6 for margin
 _MASK64 = 2**64 - 1

@@ -74,3 +74,8 @@ def require_writable(path: Path, what: str) -> None:
         raise UserError(f"{what} {path} cannot be made: {existing} is a file; pass another one")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UserError(f"{what} {path} cannot be written: {existing} is read-only; pass another one")
+
+
+def cache_root() -> Path:
+    """$XDG_CACHE_HOME/jaxtrain, else ~/.cache/jaxtrain: token scans, the default dataset, compiles."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxtrain"

@@ -48,7 +48,9 @@ def logical_axes(path: tuple, ndim: int) -> tuple[str | None, ...]:
     for suffix, logical in PARAM_AXES.items():
         if names[-len(suffix) :] == suffix:
             return ("layers",) * (ndim - len(logical)) + logical
-    raise KeyError(f"no logical axes for param {'/'.join(names)}; add it to model.PARAM_AXES")
+    raise KeyError(
+        f"no logical axes for param {'/'.join(names)}; add it to jaxtrain/model/params.py PARAM_AXES"
+    )
 
 
 def param_count(params: Any) -> int:

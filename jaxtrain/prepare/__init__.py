@@ -1,2 +1,3 @@
-"""Text to token files, what scripts/prepare_data.py runs: inputs cut into work units (inputs.py),
+"""Text to token files, what scripts/prepare_data.py runs: the format of token files and
+manifests (format.py, which jaxtrain/data/ reads), inputs cut into work units (inputs.py),
 tokenized and written as shards with a manifest (shards.py). Imports nothing of training."""

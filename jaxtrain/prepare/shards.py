@@ -30,10 +30,10 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from jaxtrain.cluster.lifeline import die_with_parent
-from jaxtrain.data.format import HEADER_BYTES, HEADER_MAGIC, MANIFEST, MANIFEST_FORMAT, token_dtype_for
 from jaxtrain.disk.files import require_writable, write_text
 from jaxtrain.errors import UserError
 from jaxtrain.prepare import inputs
+from jaxtrain.prepare.format import HEADER_BYTES, HEADER_MAGIC, MANIFEST, MANIFEST_FORMAT, token_dtype_for
 from jaxtrain.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer
 
 DEFAULT_GLOB = "*.txt,*.jsonl,*.parquet"

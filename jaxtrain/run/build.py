@@ -3,7 +3,7 @@ shardings, the jitted steps.
 
     run = build(job)                 # shapes only: no device is touched, no memory allocated
     train_step = run.compile_train()     # compiled for the job's devices
-    state = run.init_state()             # or checkpoint.start_state(run, found)
+    state = run.init_state()             # or start.start_state(run, found)
 
 Training (loop.py), `--task test|predict` (tasks.py) and the GPU planner (scripts/plan.py, whose
 job's devices are a described GPU cluster, not this machine's) all start from the same `build`.

@@ -20,6 +20,7 @@ from typing import Any
 from jaxtrain.cluster import join
 from jaxtrain.cluster.detect import LaunchSpec
 from jaxtrain.config import MESH_AXES, Config, ConfigError, MeshConfig, global_rows
+from jaxtrain.config.batch import batch_plan, check_batch_split
 from jaxtrain.config.schema import mesh_str
 
 
@@ -157,15 +158,6 @@ def check_launch(cfg: Config, launch: LaunchSpec) -> None:
     check_batch_split(global_rows(cfg), n_processes)
 
 
-def check_batch_split(rows: int, n_processes: int) -> None:
-    """Each process loads an equal share of the global batch."""
-    if rows % n_processes:
-        raise ConfigError(
-            f"global batch_size {rows} is not divisible by {n_processes} processes; "
-            f"use a multiple of {n_processes}"
-        )
-
-
 def resolve_mesh(mesh: MeshConfig, n_devices: int) -> MeshConfig:
     """Fill in the -1 axis; the product must be the device count (the error gives one that is)."""
     sizes = {a: getattr(mesh, a) for a in MESH_AXES}
@@ -186,30 +178,6 @@ def resolve_mesh(mesh: MeshConfig, n_devices: int) -> MeshConfig:
             f"{n_devices} devices of this job; e.g. {hint}"
         )
     return dataclasses.replace(mesh, **sizes)
-
-
-def batch_plan(cfg: Config, shards: int, n_devices: int) -> tuple[int, int]:
-    """(global batch in sequences, microbatches) when the batch is split over `shards` batch shards
-    (mesh.data x mesh.fsdp) of `n_devices` devices; the error gives the numbers."""
-    where = "devices" if shards == n_devices else "batch shards (mesh.data x mesh.fsdp)"
-    batch, accum = cfg.batch_size, cfg.gradient_accumulation_steps
-    if cfg.total_batch_size:
-        rows = global_rows(cfg)
-        per_micro = cfg.device_batch_size * shards
-        if rows % per_micro:
-            raise ConfigError(
-                f"total_batch_size {cfg.total_batch_size} tokens = {rows} sequences is not divisible by "
-                f"device_batch_size {cfg.device_batch_size} x {shards} {where} = {per_micro}; "
-                "change total_batch_size or device_batch_size"
-            )
-        batch, accum = rows, rows // per_micro
-    micro = batch // accum
-    if micro % shards:
-        raise ConfigError(
-            f"microbatch {micro} (batch_size {batch} / gradient_accumulation_steps {accum}) is not "
-            f"divisible by {shards} {where}; use a batch_size that is a multiple of {accum * shards}"
-        )
-    return batch, accum
 
 
 def with_topology(cfg: Config, n_devices: int, n_processes: int, platform: str = "cpu") -> Config:

@@ -3,7 +3,7 @@
     train(cfg, launch)    # scripts/train.py --task train; `launch` from cluster.detect
 
 `train` does the checks every process can make alone, joins the job (job.py), builds the run
-(run.py) and hands it to `_train`, which reads top to bottom in titled sections: start, step, log,
+(build.py) and hands it to `_train`, which reads top to bottom in titled sections: start, step, log,
 eval, save, end. Its collaborators each own one concern: `metrics.StepTracker` per-step
 bookkeeping and logging, `_Evaluator` the validation loss, `_Saver` checkpoints and their goodput time; the
 watchdog, the profiler and the stop request are asked at fixed places.

@@ -8,7 +8,7 @@ The mesh is data x fsdp x tensor (config `mesh`):
           residual stream is whole, so a layer needs one collective in and one out.
 With `mesh.zero1` the optimizer state is also split over `data` (params stay replicated there).
 
-The model names the logical axes of its params and activations (model.PARAM_AXES); the tables
+The model names the logical axes of its params and activations (model/params.py PARAM_AXES); the tables
 below map logical axes to mesh axes, in one place. Devices are ordered by process, so `data`
 is the axis that crosses hosts and fsdp x tensor groups stay inside one (one NVLink domain).
 """

@@ -26,7 +26,8 @@ _DECAYED = ("kernel", "embedding")
 
 # The hidden matrices Muon updates, by param path suffix, as (input axes, output axes) counted from
 # the end. Every other axis is a batch of separate matrices: a scanned stack's layer axis, and
-# qkv's q/k/v axis (nanochat keeps q, k and v as three matrices). Shapes: model.py.
+# qkv's q/k/v axis (nanochat keeps q, k and v as three matrices).
+# Shapes: model/attention.py, model/transformer.py.
 _MUON_DIMS = {
     ("attn", "qkv", "kernel"): MuonDimensionNumbers(-4, (-2, -1)),  # [d, 3, heads, head_dim]
     ("attn", "q", "kernel"): MuonDimensionNumbers(-3, (-2, -1)),  # [d, heads, head_dim]

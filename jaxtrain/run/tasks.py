@@ -1,6 +1,6 @@
 """What scripts/train.py does, by --task: train (loop.py), test or predict a checkpoint.
 
-Each builds the same run (run.py) as training does, for the checkpoint's model, then does its one
+Each builds the same run (build.py) as training does, for the checkpoint's model, then does its one
 thing.
 
     --task test --resume_from runs/x/checkpoints/300 [--test_data_path data/test.bin]

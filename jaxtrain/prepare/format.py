@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 HEADER_MAGIC = 20240520  # llm.c token files: 256 int32 header, then the tokens
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 HEADER_DTYPES = {1: "uint16", 2: "uint32"}
 MANIFEST = "manifest.json"  # a prepared set's shards, tokenizer and counts (scripts/prepare_data.py)
 MANIFEST_FORMAT = "jaxtrain.tokens"
-TOKEN_DTYPES = ("auto", "uint16", "uint32")  # auto: the header's, else token_dtype_for(vocab size)
 
 
 def token_dtype_for(vocab_size: int) -> str:
     """The dtype of a vocabulary's token files: uint16 while every id fits (nanoGPT's), else uint32."""
     return "uint16" if vocab_size <= 65536 else "uint32"
-
-
-def cache_root() -> Path:
-    """$XDG_CACHE_HOME/jaxtrain, else ~/.cache/jaxtrain: token scans, the default dataset, compiles."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxtrain"
