@@ -85,8 +85,12 @@ def jaxtrain_loop(cfg: Config, steps: int, warmup: int, run_dir: Path) -> tuple[
     )  # fmt: skip
     if steps % warmup:
         raise SystemExit("--steps must be a multiple of --warmup")
-    logging.getLogger("jaxtrain").disabled = True  # keep the benchmark's output to its figures
-    train(cfg, detect(cfg.dist))
+    log = logging.getLogger("jaxtrain")
+    log.disabled = True  # keep the benchmark's output to its figures
+    try:
+        train(cfg, detect(cfg.dist))
+    finally:
+        log.disabled = False  # a caller in the same process (tests/test_bench.py) logs again
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in records if "loss" in r and r["step"] > warmup]
     total_time = sum(r["step_time_s"] * warmup for r in timed)
