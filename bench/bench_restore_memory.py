@@ -115,8 +115,8 @@ def main() -> None:
     jax.distributed.shutdown()
     # Each layout in a fresh process, so one restore's peak does not hide the other's.
     for fsdp in (2, 1):
-        child = [sys.executable, __file__, "--run_dir", str(args.run_dir), "--restore_fsdp", str(fsdp), *flags]
-        subprocess.run(child, check=True)
+        child = [sys.executable, __file__, "--run_dir", str(args.run_dir), "--restore_fsdp", str(fsdp)]
+        subprocess.run([*child, *flags], check=True)
 
 
 if __name__ == "__main__":
