@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/bench_data.py                      # 10, 100, 1000 shards of one token set
     .venv/bin/python bench/bench_data.py --shards 1000 --step_ms 50
+    .venv/bin/python bench/bench_data.py --shards 2,3 --total_tokens 60000 --steps 4 --batch 2 \
+        --seq 64 --step_ms 1                                  # smoke
 
 The same tokens (--total_tokens, llm.c uint16 shards) are cut into each shard count. Each count
 runs in a fresh process, one after another in one run (so the figures are comparable), and reports:
@@ -24,9 +26,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def _write_shards(directory: Path, n: int, total: int) -> None:
@@ -89,7 +88,8 @@ def _measure(
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
+    """Prints each shard count's figures; returns them."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shards", default="10,100,1000")
     p.add_argument("--total_tokens", type=int, default=50_000_000)
@@ -100,11 +100,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="", help="also write the results as JSON here")
     p.add_argument("--_child", default="", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args._child:
         result = _measure(args._child, args.steps, args.batch, args.seq, args.step_ms, args.threads)
         print(json.dumps(result))
-        return
+        return {}
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["XDG_CACHE_HOME"] = str(Path(tmp) / "cache")  # a cold scan cache for each set
@@ -119,6 +119,7 @@ def main() -> None:
             print(f"{n:>5} shards: {results[n]}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=1) + "\n")
+    return results
 
 
 if __name__ == "__main__":

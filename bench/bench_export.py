@@ -1,12 +1,14 @@
 """Host memory of scripts/export_hf.py: it should hold about one param at a time, not the model.
 
     .venv/bin/python bench/bench_export.py --dir /tmp/export_bench    # ~5 min on 2 cores, ~3 GB disk
+    .venv/bin/python bench/bench_export.py --dir /tmp/export_bench --model.n_layer 8   # train.py flags
 
 Saves the train state (params + both Adam moments, float32) of a 337M-parameter Llama-shaped model
 (d_model 1024, 24 layers, 32k vocabulary, untied head, unrolled layers) as a jaxtrain checkpoint,
 then exports it in a fresh process in 200 MB safetensors shards, sampling that process's resident
 memory every 5 ms, and prints its growth over the export beside the checkpoint's size and the
-largest param. Results: bench/results/export_cpu.json.
+largest param. Flags of scripts/train.py after the bench's own change the model. Results:
+bench/results/export_cpu.json.
 """
 
 from __future__ import annotations
@@ -33,23 +35,20 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
-def _save(directory: Path) -> None:
+def _save(directory: Path, flags: list[str]) -> int:
+    """A fresh train state saved as training saves it; returns the largest param's bytes."""
     import jax
 
     from jaxtrain.config import load_config, to_dict
     from jaxtrain.disk.checkpoint import Checkpointer
-    from jaxtrain.model.transformer import GPT
-    from jaxtrain.run import mesh as mesh_lib
-    from jaxtrain.run.job import with_topology
-    from jaxtrain.run.optim import make_optimizer
-    from jaxtrain.run.state import create_state
+    from jaxtrain.run.build import build
+    from jaxtrain.run.job import Job
 
-    cfg = with_topology(load_config(MODEL), jax.device_count(), 1)
-    mesh = mesh_lib.make_mesh(shape=cfg.mesh)
-    state = create_state(cfg, GPT(cfg.model), make_optimizer(cfg), mesh)
+    run = build(Job.of_devices(load_config([*MODEL, *flags]), jax.devices()))
     ckpt = Checkpointer(directory / "checkpoints", 1)
-    ckpt.save(1, state, {"step": 1, "config": to_dict(cfg)})
+    ckpt.save(1, run.init_state(), {"step": 1, "config": to_dict(run.cfg)})
     ckpt.wait()
+    return max(a.size * a.dtype.itemsize for a in jax.tree.leaves(run.abstract.params))
 
 
 def _measure(directory: Path) -> dict:
@@ -76,15 +75,16 @@ def _measure(directory: Path) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict | None:
+    """Prints the figures as JSON; returns them."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", type=Path, required=True)
     parser.add_argument("--measure", action="store_true", help="(internal) the child that exports")
-    args = parser.parse_args()
+    args, flags = parser.parse_known_args(argv)
     if args.measure:
         print(json.dumps(_measure(args.dir)))
-        return
-    _save(args.dir)
+        return None
+    largest = _save(args.dir, flags)
     child = subprocess.run(
         [sys.executable, __file__, "--dir", str(args.dir), "--measure"],
         capture_output=True,
@@ -98,10 +98,11 @@ def main() -> None:
     out.update(
         checkpoint_mb=round(ckpt_bytes / 2**20),  # fresh Adam moments are zeros: they compress away
         params_mb=round(hf_bytes / 2**20),
-        largest_param_mb=round(32768 * 1024 * 4 / 2**20),  # wte and lm_head
+        largest_param_mb=round(largest / 2**20),  # wte and lm_head
         growth_mb=out["peak_rss_mb"] - out["baseline_rss_mb"],
     )
     print(json.dumps(out))
+    return out
 
 
 if __name__ == "__main__":

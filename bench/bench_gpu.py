@@ -5,6 +5,9 @@ F.scaled_dot_product_attention) on the same GPU, same shapes, same run. Every fi
     python bench/bench_gpu.py --out bench/results/gpu.json                  # the default runs
     python bench/bench_gpu.py --runs 124m/auto/none,124m/cudnn/dots,torch/124m --steps 6
     python bench/bench_gpu.py --runs 124m/auto/none/lhs --device_batch_size 32   # flags pass through
+    python bench/bench_gpu.py --runs 124m/auto/none --steps 2 --warmup 1 --data_tokens 65536 \
+        --model.n_layer 1 --model.d_model 64 --model.n_head 2 --model.seq_len 64 \
+        --total_batch_size 512 --device_batch_size 1     # smoke: jaxtrain's side also runs on a CPU
 
 A run is `shape/attention_impl/remat[/xla]` for jaxtrain (xla: a name in XLA_SETTINGS) or
 `torch/shape`. Each run is its own process (XLA reads its flags once, at start, and a run that
@@ -46,18 +49,16 @@ def _config(shape: str, data: Path, extra: list[str]):
     import jax
 
     from jaxtrain.config import load_config
-    from jaxtrain.run.job import with_topology
+    from jaxtrain.run.job import Job
 
     argv = ["--config", "configs/gpt2_124m.yaml", "--train_data_path", str(data / "train.bin"),
             "--valid_data_path", str(data / "val.bin"), *SHAPES[shape], *extra]  # fmt: skip
-    return with_topology(load_config(argv), jax.device_count(), jax.process_count())
+    return Job.of_devices(load_config(argv), jax.devices()).cfg  # resolved as training resolves it
 
 
 def _jaxtrain(shape: str, attn: str, remat: str, args: argparse.Namespace, extra: list[str]) -> dict:
     import jax
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from bench_loop import jaxtrain_loop
+    from bench_loop import jaxtrain_loop  # a sibling: this file runs as a script
 
     cfg = _config(shape, args.data, ["--model.attention_impl", attn, "--model.remat", remat, *extra])
     run_dir = Path(tempfile.mkdtemp(dir=args.work))
@@ -77,8 +78,6 @@ def _jaxtrain(shape: str, attn: str, remat: str, args: argparse.Namespace, extra
 
 def _torch(shape: str, args: argparse.Namespace, extra: list[str]) -> dict:
     import torch
-
-    sys.path.insert(0, str(Path(__file__).parent))
     from torch_gpt import TorchGPT
 
     from jaxtrain.model.transformer import flops_per_token
@@ -140,10 +139,11 @@ def _write_tokens(data: Path, tokens: int) -> None:
     """Random GPT-2 token ids as flat uint16 nanoGPT files: throughput does not depend on the text."""
     rng = np.random.default_rng(0)
     rng.integers(0, 50257, tokens, dtype=np.uint16).tofile(data / "train.bin")
-    rng.integers(0, 50257, 2**20, dtype=np.uint16).tofile(data / "val.bin")
+    rng.integers(0, 50257, min(tokens, 2**20), dtype=np.uint16).tofile(data / "val.bin")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict | None:
+    """Prints each run's figures; returns the report (what --out writes)."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -155,14 +155,16 @@ def main() -> None:
     parser.add_argument("--budget_s", type=float, default=0, help="start no run after this many seconds")
     parser.add_argument("--run_timeout_s", type=float, default=300)
     parser.add_argument("--commit", default="", help="recorded in the JSON (the GPU machine has no .git)")
+    parser.add_argument("--data_tokens", type=int, default=64 * 2**20, help="random training tokens written")
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
     parser.add_argument("--data", type=Path, default=None, help=argparse.SUPPRESS)
-    args, extra = parser.parse_known_args()
+    args, extra = parser.parse_known_args(argv)
     if args.child:
-        return _child(args.child, args, extra)
+        _child(args.child, args, extra)
+        return None
     work = Path(args.work or tempfile.mkdtemp())
     (work / "data").mkdir(parents=True, exist_ok=True)
-    _write_tokens(work / "data", 64 * 2**20)
+    _write_tokens(work / "data", args.data_tokens)
     report = {"commit": args.commit, "steps": args.steps, "warmup": args.warmup, "extra_flags": extra,
               "config": "configs/gpt2_124m.yaml", "shapes": SHAPES, "xla_settings": XLA_SETTINGS,
               "runs": {}}  # fmt: skip
@@ -204,6 +206,7 @@ def main() -> None:
             print(f"{shape}: jaxtrain (auto, no remat) / torch.compile = {ratio:.2f}x")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    return report
 
 
 if __name__ == "__main__":

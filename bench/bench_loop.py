@@ -3,6 +3,7 @@
     python bench/bench_loop.py                       # configs/default.yaml model, all local devices
     python bench/bench_loop.py --config configs/gpt2_124m.yaml --steps 40 --dtype bfloat16   # on a GPU
     python bench/bench_loop.py --scan_layers true    # any train.py flag is passed through
+    python bench/bench_loop.py --config configs/tiny.yaml --steps 2 --warmup 1 --rounds 1   # smoke
 
 The two are run alternately (`--rounds`, median taken) so machine noise hits both alike.
 Prints tokens/s of each, their ratio, and the share of jaxtrain's step time spent waiting
@@ -23,9 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxtrain.cluster.detect import detect
 from jaxtrain.config import Config, load_config
 from jaxtrain.model.transformer import GPT
-from jaxtrain.run.job import with_topology
+from jaxtrain.run.job import Job
 from jaxtrain.run.loop import train
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -73,7 +75,8 @@ def bare_loop(cfg: Config, steps: int, warmup: int) -> float:
 
 
 def jaxtrain_loop(cfg: Config, steps: int, warmup: int, run_dir: Path) -> tuple[float, float]:
-    """jaxtrain's own train(); tokens/s and data-wait share from its metrics, after warmup."""
+    """jaxtrain's own train() (as scripts/train.py runs it, one process); tokens/s and data-wait
+    share from its metrics, after warmup. `cfg`: resolved on the devices (Job.of_devices)."""
     import dataclasses
 
     cfg = dataclasses.replace(
@@ -82,8 +85,12 @@ def jaxtrain_loop(cfg: Config, steps: int, warmup: int, run_dir: Path) -> tuple[
     )  # fmt: skip
     if steps % warmup:
         raise SystemExit("--steps must be a multiple of --warmup")
-    logging.getLogger("jaxtrain").disabled = True  # keep the benchmark's output to its figures
-    train(cfg)
+    log = logging.getLogger("jaxtrain")
+    log.disabled = True  # keep the benchmark's output to its figures
+    try:
+        train(cfg, detect(cfg.dist))
+    finally:
+        log.disabled = False  # a caller in the same process (tests/test_bench.py) logs again
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in records if "loss" in r and r["step"] > warmup]
     total_time = sum(r["step_time_s"] * warmup for r in timed)
@@ -91,17 +98,18 @@ def jaxtrain_loop(cfg: Config, steps: int, warmup: int, run_dir: Path) -> tuple[
     return len(timed) * warmup * cfg.batch_size * cfg.model.seq_len / total_time, wait / total_time
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, list[float]]:
+    """Prints the figures; returns each round's tokens/s and data wait."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
-    args, rest = parser.parse_known_args()
+    args, rest = parser.parse_known_args(argv)
     if not any(a.startswith("--config") for a in rest):
         rest = ["--config", "configs/default.yaml", *rest]
-    cfg = with_topology(load_config(rest), jax.device_count(), jax.process_count())
+    cfg = Job.of_devices(load_config(rest), jax.devices()).cfg  # as training resolves it here
     print(f"model {cfg.model.n_layer}x{cfg.model.d_model}, batch {cfg.batch_size}x{cfg.model.seq_len}, "
           f"{cfg.dtype}, {jax.device_count()} x {jax.devices()[0].device_kind}", file=sys.stderr)  # fmt: skip
     bare, ours, waits = [], [], []
@@ -119,6 +127,7 @@ def main() -> None:
     print(f"ratio jaxtrain/bare : {statistics.median(ratios):.3f} median of rounds, {best:.3f} best/best")
     print(f"                      per round: {', '.join(f'{r:.3f}' for r in ratios)}")
     print(f"data wait           : {100 * statistics.median(waits):.2f}% of jaxtrain step time")
+    return {"bare": bare, "jaxtrain": ours, "data_wait": waits}
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ Run as 2 processes x 1 CPU device each (fsdp 2 puts half of every param on each 
 It saves a fresh train state of a ~30M-parameter GPT (~0.35 GB in float32 with both Adam
 moments), then, in a new child process per layout, restores it as fsdp 2 (half per process) and
 as data 2 (whole state per process), and prints how much each process's peak RSS grew while
-restoring, beside the bytes it owns.
+restoring, beside the bytes it owns, one JSON line per process and layout. Flags of
+scripts/train.py after the bench's own change the model (a smoke run: --model.n_layer 1
+--model.d_model 64 --model.n_head 2 --model.vocab_size 256).
 """
 
 from __future__ import annotations
@@ -23,14 +25,11 @@ from pathlib import Path
 
 import jax
 
-from jaxtrain.cluster.join import initialize
-from jaxtrain.config import DistConfig, load_config
+from jaxtrain.cluster.detect import detect
+from jaxtrain.config import load_config
 from jaxtrain.disk.checkpoint import Checkpointer
-from jaxtrain.model.transformer import GPT
-from jaxtrain.run import mesh as mesh_lib
-from jaxtrain.run.job import with_topology
-from jaxtrain.run.optim import make_optimizer
-from jaxtrain.run.state import abstract_state, create_state, state_sharding
+from jaxtrain.run.build import Run, build
+from jaxtrain.run.job import Job
 
 MODEL = [
     "--model.n_layer",
@@ -44,14 +43,10 @@ MODEL = [
 ]
 
 
-def _setup(fsdp: int) -> tuple:
-    initialize(DistConfig())
-    cfg = with_topology(
-        load_config([*MODEL, "--mesh.fsdp", str(fsdp)]), jax.device_count(), jax.process_count()
-    )
-    mesh = mesh_lib.make_mesh(shape=cfg.mesh)
-    model, tx = GPT(cfg.model), make_optimizer(cfg)
-    return cfg, mesh, model, tx
+def _setup(fsdp: int, flags: list[str]) -> Run:
+    """Join the other process and build the run training would, with `--mesh.fsdp fsdp`."""
+    cfg = load_config([*MODEL, "--mesh.fsdp", str(fsdp), *flags])
+    return build(Job.join(cfg, detect(cfg.dist)))
 
 
 def _rss_mb() -> float:
@@ -79,26 +74,21 @@ class _PeakRss:
         self.peak = max(self.peak, _rss_mb())
 
 
-def restore(run_dir: Path, fsdp: int) -> None:
-    cfg, mesh, model, tx = _setup(fsdp)
-    abstract = abstract_state(cfg, model, tx)
-    shardings = state_sharding(mesh, abstract)
-    target = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
-    )
-    owned = mesh_lib.bytes_per_device(abstract, jax.tree.map(lambda s: s.spec, shardings), mesh)
+def restore(run_dir: Path, fsdp: int, flags: list[str]) -> None:
+    run = _setup(fsdp, flags)
+    owned = run.state_bytes_per_device
     with _PeakRss() as rss:
-        state = Checkpointer(run_dir, keep=1, read_only=True).restore(0, target)
+        state = Checkpointer(run_dir, keep=1, read_only=True).restore(0, run.target)
         jax.block_until_ready(state)
     grew = rss.peak - rss.base
-    print(json.dumps({"layout": f"fsdp {fsdp}", "process": jax.process_index(), "owned_mb": owned / 2**20,
+    print(json.dumps({"layout": f"fsdp {fsdp}", "process": run.job.process_index, "owned_mb": owned / 2**20,
                       "peak_rss_growth_mb": grew}), flush=True)  # fmt: skip
 
 
-def save(run_dir: Path) -> None:
-    cfg, mesh, model, tx = _setup(2)
+def save(run_dir: Path, flags: list[str]) -> None:
+    run = _setup(2, flags)
     ckpt = Checkpointer(run_dir, keep=1)
-    state = create_state(cfg, model, tx, mesh)
+    state = run.init_state()
     # Random moments, as after training: zeros would compress to nothing on disk.
     rng = jax.random.key(1)
 
@@ -117,16 +107,16 @@ def main() -> None:
     )
     parser.add_argument("--run_dir", type=Path, required=True)
     parser.add_argument("--restore_fsdp", type=int, default=0, help=argparse.SUPPRESS)  # child mode
-    args = parser.parse_args()
+    args, flags = parser.parse_known_args()
     if args.restore_fsdp:
-        restore(args.run_dir, args.restore_fsdp)
+        restore(args.run_dir, args.restore_fsdp, flags)
         return
-    save(args.run_dir)
+    save(args.run_dir, flags)
     jax.distributed.shutdown()
     # Each layout in a fresh process, so one restore's peak does not hide the other's.
     for fsdp in (2, 1):
         child = [sys.executable, __file__, "--run_dir", str(args.run_dir), "--restore_fsdp", str(fsdp)]
-        subprocess.run(child, check=True)
+        subprocess.run([*child, *flags], check=True)
 
 
 if __name__ == "__main__":

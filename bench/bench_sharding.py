@@ -2,6 +2,7 @@
 
     python bench/bench_sharding.py --rounds 3 --steps 5 --json bench/results/sharding_cpu.json
     python bench/bench_sharding.py --shapes default        # only the default job's model
+    python bench/bench_sharding.py --shapes tiny --rounds 1 --steps 1      # smoke: configs/tiny.yaml
 
 For each model shape and layout: train-state bytes per device (from the shardings), the compiled
 train step's peak bytes per device (memory_analysis), each as a ratio to data parallelism's, and
@@ -34,14 +35,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxtrain.config import load_config  # noqa: E402
-from jaxtrain.model.params import param_count
-from jaxtrain.model.transformer import GPT, flops_per_token  # noqa: E402
+from jaxtrain.model.transformer import flops_per_token  # noqa: E402
 from jaxtrain.observe.memory import compiled_bytes  # noqa: E402
 from jaxtrain.run import mesh as mesh_lib  # noqa: E402
-from jaxtrain.run.job import with_topology  # noqa: E402
-from jaxtrain.run.optim import make_optimizer  # noqa: E402
-from jaxtrain.run.state import abstract_state, create_state, state_sharding  # noqa: E402
-from jaxtrain.run.step import compute_dtype, jit_steps  # noqa: E402
+from jaxtrain.run.build import build  # noqa: E402
+from jaxtrain.run.job import Job  # noqa: E402
 
 LAYOUTS = {
     "DP": ["--mesh.data", "8"],
@@ -55,26 +53,22 @@ COMMON = ["--total_batch_size", "0", "--gradient_accumulation_steps", "1", "--dt
 SHAPES = {
     "default": (["--config", "configs/default.yaml", "--batch_size", "32"], []),
     "gpt2_124m": (["--config", "configs/gpt2_124m.yaml", "--batch_size", "8"], ["--model.seq_len", "256"]),
+    "tiny": (["--config", "configs/tiny.yaml"], []),  # not in the default --shapes: a smoke run
 }
 
 
 class Layout:
-    """One shape on one mesh: config, shardings, and the train step compiled from abstract inputs."""
+    """One shape on one mesh: the run training builds (config, shardings), its train step compiled
+    from abstract inputs."""
 
     def __init__(self, argv: list[str]) -> None:
-        self.cfg = cfg = with_topology(load_config(COMMON + argv), 8, 1)
-        self.mesh = mesh_lib.make_mesh(shape=cfg.mesh)
-        self.model, self.tx = GPT(cfg.model, dtype=compute_dtype(cfg)), make_optimizer(cfg)
-        abstract = abstract_state(cfg, self.model, self.tx)
-        self.shardings = state_sharding(self.mesh, abstract, cfg.mesh.zero1)
-        specs = jax.tree.map(lambda s: s.spec, self.shardings)
-        self.state_bytes = mesh_lib.bytes_per_device(abstract, specs, self.mesh)
-        self.n_params = param_count(abstract.params)
-        train_step, _ = jit_steps(cfg, self.model, self.tx, self.mesh, self.shardings)
+        self.run = build(Job.of_devices(load_config(COMMON + argv), jax.devices()))
+        self.cfg = cfg = self.run.cfg
+        self.state_bytes = self.run.state_bytes_per_device
+        self.n_params = self.run.n_params
         self.rows = (cfg.batch_size, cfg.model.seq_len + 1)
-        batch = jax.ShapeDtypeStruct(self.rows, np.int32, sharding=mesh_lib.batch_sharding(self.mesh))
         t0 = time.perf_counter()
-        self.step = train_step.lower(abstract, batch).compile()
+        self.step = self.run.compile_train()
         self.compile_s = time.perf_counter() - t0
         self.peak_bytes = compiled_bytes(self.step)["total_bytes"]
         self.temp_bytes = int(self.step.memory_analysis().temp_size_in_bytes)  # activations, grads
@@ -83,12 +77,12 @@ class Layout:
 
     def materialise(self) -> None:
         """Real state and one batch, then one untimed step (it pays for first-touch allocation)."""
-        self.state = create_state(self.cfg, self.model, self.tx, self.mesh)
+        self.state = self.run.init_state()
         rows = np.random.default_rng(0).integers(0, self.cfg.model.vocab_size, self.rows, dtype=np.int32)
-        self.batch = mesh_lib.global_batch(rows, self.mesh, self.cfg.batch_size)
-        self.run(1)
+        self.batch = mesh_lib.global_batch(rows, self.run.mesh, self.cfg.batch_size)
+        self.time_steps(1)
 
-    def run(self, steps: int) -> float:
+    def time_steps(self, steps: int) -> float:
         """Seconds for `steps` train steps, the last waited for."""
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -127,12 +121,12 @@ def timed(layouts: dict[str, Layout], args: argparse.Namespace, ref: tuple | Non
         return {}, {}, f"all layouts' states need ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
     for name, lay in layouts.items():
         lay.materialise()
-        if (s := lay.run(1)) > args.max_step_s:
+        if (s := lay.time_steps(1)) > args.max_step_s:
             return {}, {}, f"one {name} step at {what} took {s:.0f}s > {args.max_step_s:.0f}s"
     tps: dict[str, list[float]] = {name: [] for name in layouts}
     for r in range(args.rounds):
         for name, lay in layouts.items():
-            tps[name].append(args.steps * lay.tokens / lay.run(args.steps))
+            tps[name].append(args.steps * lay.tokens / lay.time_steps(args.steps))
         print(f"  round {r}: " + ", ".join(f"{n} {v[-1]:,.0f}" for n, v in tps.items()), file=sys.stderr)
     for lay in layouts.values():
         lay.free()
@@ -190,7 +184,8 @@ def git_commit() -> str:
         return "unknown"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
+    """Prints the tables; returns every figure (what --json writes)."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -201,7 +196,7 @@ def main() -> None:
         "--max_step_s", type=float, default=20.0, help="time a shape only if one step is faster"
     )
     parser.add_argument("--json", default="", help="write every figure here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if jax.device_count() != 8:
         raise SystemExit(
             f"needs 8 devices, have {jax.device_count()} (XLA_FLAGS={os.environ.get('XLA_FLAGS')})"
@@ -236,6 +231,7 @@ def main() -> None:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
         print(f"\nwrote {args.json}")
+    return out
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ shapes, same machine, interleaved in one run; prints tokens/s medians and ratios
     python bench/bench_torch.py                     # the issue's shape and configs/default.yaml's
     python bench/bench_torch.py --shapes issue --rounds 5 --steps 30
     XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=none python bench/bench_torch.py   # without YNN
+    python bench/bench_torch.py --shapes default --steps 2 --warmup 2 --rounds 1 --model.n_layer 1  # smoke
 
 The PyTorch model matches jaxtrain's GPT: pre-norm RMSNorm blocks, rotary positions, causal
 scaled-dot-product attention, GELU MLP (4x), no biases, tied embeddings; AdamW with global-norm
@@ -23,10 +24,12 @@ import time
 from pathlib import Path
 
 from jaxtrain import xla_env  # isort: skip
+from jaxtrain.cluster.detect import detect  # isort: skip
 from jaxtrain.config import load_config  # isort: skip
 
 # The flags (and CPU device count) scripts/train.py sets for the default job, before jax starts.
-xla_env.set_cpu_flags(load_config(["--config", "configs/default.yaml"]))
+_DEFAULT_JOB = load_config(["--config", "configs/default.yaml"])
+xla_env.set_cpu_flags(_DEFAULT_JOB, detect(_DEFAULT_JOB.dist))
 
 import jax  # noqa: E402
 import torch  # noqa: E402
@@ -34,7 +37,7 @@ from bench_loop import bare_loop, jaxtrain_loop  # noqa: E402
 from torch_gpt import TorchGPT  # noqa: E402
 
 from jaxtrain.config import Config  # noqa: E402
-from jaxtrain.run.job import with_topology  # noqa: E402
+from jaxtrain.run.job import Job  # noqa: E402
 
 SHAPES = {  # name -> train.py flags
     "issue": ["--model.n_layer", "4", "--model.d_model", "256", "--model.n_head", "4",
@@ -82,7 +85,8 @@ def _ratio_line(name: str, ours: list[float], theirs: list[float]) -> str:
     return f"  jaxtrain / {name:<14}: {statistics.median(ratios):.2f}x median of rounds ({spread})"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
+    """Prints the figures; returns them (what --json writes)."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -91,7 +95,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", default="", help="also write every round's figures and the ratios here")
-    args, rest = parser.parse_known_args()
+    args, rest = parser.parse_known_args(argv)
     device = f"{jax.device_count()} x {jax.devices()[0].device_kind}"
     flags = os.environ.get("XLA_FLAGS", "")
     print(f"XLA_FLAGS={flags!r}; torch {torch.__version__}, {torch.get_num_threads()} threads; {device}")
@@ -102,7 +106,7 @@ def main() -> None:
         if shape not in SHAPES:
             sys.exit(f"error: --shapes {shape}: not one of {', '.join(SHAPES)}")
         cfg = load_config(["--config", "configs/default.yaml", *SHAPES[shape], *rest])
-        cfg = with_topology(cfg, jax.device_count(), jax.process_count())
+        cfg = Job.of_devices(cfg, jax.devices()).cfg  # resolved as training resolves it here
         m = cfg.model
         print(f"\n{shape}: {m.n_layer}L d{m.d_model} {m.n_head}H T{m.seq_len} B{cfg.batch_size}")
         loops = {"torch eager": TorchLoop(cfg, False), "torch.compile": TorchLoop(cfg, True)}
@@ -138,6 +142,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
         print(f"\nwrote {args.json}")
+    return report
 
 
 if __name__ == "__main__":

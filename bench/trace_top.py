@@ -16,14 +16,15 @@ import json
 from pathlib import Path
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
+    """Prints each track's top ops; returns every op's total microseconds per track."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("path", type=Path)
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--match", default="GPU", help="substring of the track's process name")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     path = args.path
     if path.is_dir():
         path = max(path.rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
@@ -52,6 +53,7 @@ def main() -> None:
         print(f"\n{track}: busy {busy / 1e3:.1f} ms of a {wall / 1e3:.1f} ms span, {n} events")
         for name, dur in totals.most_common(args.top):
             print(f"  {dur / 1e3:9.2f} ms {100 * dur / busy:5.1f}%  x{counts[track][name]:<5} {name[:110]}")
+    return {track: dict(totals) for track, totals in per_track.items()}
 
 
 if __name__ == "__main__":
