@@ -41,7 +41,7 @@ from jaxtrain.errors import UserError
 # nvidia-cudnn-cu12 9.28 and CUDA 12.9); XLA gates cuDNN features on these versions.
 CUDNN_VERSION = (9, 28)
 CUDA_RUNTIME_VERSION = (12, 9)
-PLUGIN_DIR = Path(__file__).resolve().parent.parent / ".cuda-plugin"
+PLUGIN_DIR = Path(__file__).resolve().parents[2] / ".cuda-plugin"  # the repo's (make gpu-plugin)
 
 
 @dataclass(frozen=True)
