@@ -15,19 +15,18 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The CUDA plugin of the installed jax, for compiling the GPU program without a GPU (scripts/plan.py,
-# tests/test_gpu_compile.py). It lives outside .venv, so CPU runs and the CPU tests never load it;
-# only code that puts it on sys.path does (jaxtrain/plan/targets.py: use_plugin). ~3.2 GB downloaded,
-# 4.9 GB on disk; again only when jax's version changes.
-CUDA_PLUGIN := .cuda-plugin
-gpu-plugin: $(CUDA_PLUGIN)/.stamp
-$(CUDA_PLUGIN)/.stamp: $(STAMP)
-	v=$$($(PY) -c 'import jax; print(jax.__version__)'); \
-	if [ "$$(cat $@ 2>/dev/null)" != "$$v" ]; then \
-	  rm -rf $(CUDA_PLUGIN) && \
-	  $(PY) -m pip install -q --target $(CUDA_PLUGIN) "jax-cuda12-plugin[with-cuda]==$$v" "jax-cuda12-pjrt==$$v" && \
-	  echo "$$v" > $@; \
+# tests/test_gpu_compile.py). It lives outside the repo, once per user and jax version (~3.2 GB
+# downloaded, 4.9 GB on disk): a fresh clone reuses it. CPU runs and the CPU tests never load it;
+# only code that puts it on sys.path does (jaxtrain/plan/targets.py: use_plugin, plugin_dir).
+gpu-plugin: $(STAMP)
+	@d=$$($(PY) -c 'from jaxtrain.plan.targets import plugin_dir; print(plugin_dir())'); \
+	if [ ! -f "$$d/.complete" ]; then \
+	  v=$$($(PY) -c 'import importlib.metadata as m; print(m.version("jax"))'); \
+	  echo "installing the CUDA plugin of jax $$v into $$d (~3.2 GB, once)"; \
+	  rm -rf "$$d.partial" && \
+	  $(PY) -m pip install -q --target "$$d.partial" "jax-cuda12-plugin[with-cuda]==$$v" "jax-cuda12-pjrt==$$v" && \
+	  rm -rf "$$d" && mv "$$d.partial" "$$d" && touch "$$d/.complete"; \
 	fi
-	touch $@
 
 train: $(STAMP)
 	$(PY) scripts/train.py --config configs/default.yaml $(ARGS)

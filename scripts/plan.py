@@ -3,7 +3,7 @@ with XLA's real GPU compiler (no GPU, no CUDA driver), then print per-device mem
 fits, the attention kernel, the collectives of one optimizer step and a step-time LOWER BOUND
 (jaxtrain/plan/compiled.py says how it is computed; it is a floor, not a prediction).
 
-    make gpu-plugin                                   # once: the CUDA plugin, in .cuda-plugin/
+    make gpu-plugin                                   # once per jax version: the CUDA plugin
     .venv/bin/python scripts/plan.py --config configs/gpt2_124m.yaml --target h100          # 1 x 8
     .venv/bin/python scripts/plan.py --config configs/gpt2_124m.yaml --target h100 --hosts 2 \
         --mesh.fsdp 8 --json plan.json

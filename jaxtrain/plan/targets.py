@@ -29,19 +29,27 @@ Bandwidths are per direction, per GPU. Sources:
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jaxtrain.disk.files import cache_root
 from jaxtrain.errors import UserError
 
 # The plugin installs its own cuDNN and CUDA runtime wheels (make gpu-plugin: jax 0.10.2 brings
 # nvidia-cudnn-cu12 9.28 and CUDA 12.9); XLA gates cuDNN features on these versions.
 CUDNN_VERSION = (9, 28)
 CUDA_RUNTIME_VERSION = (12, 9)
-PLUGIN_DIR = Path(__file__).resolve().parents[2] / ".cuda-plugin"  # the repo's (make gpu-plugin)
+
+
+def plugin_dir() -> Path:
+    """Where `make gpu-plugin` keeps the CUDA plugin of the installed jax: once per user and jax
+    version (~3 GB), so a fresh clone does not fetch it again; JAXTRAIN_CUDA_PLUGIN wins."""
+    default = cache_root() / "cuda-plugin" / importlib.metadata.version("jax")
+    return Path(os.environ.get("JAXTRAIN_CUDA_PLUGIN") or default)
 
 
 @dataclass(frozen=True)
@@ -219,23 +227,23 @@ device_description_str: "{target.device_kind}"
 """
 
 
-def use_plugin(plugin_dir: Path | None = None) -> None:
+def use_plugin() -> None:
     """Make the CUDA plugin importable by this process, with no GPU and no driver; call before jax.
 
     JAX_PLATFORMS=cpu: no CUDA client is created (the plugin only compiles);
     JAX_SKIP_CUDA_CONSTRAINTS_CHECK: else its start-up calls cuInit and prints a traceback.
     """
-    plugin_dir = Path(os.environ.get("JAXTRAIN_CUDA_PLUGIN", plugin_dir or PLUGIN_DIR))
-    if not (plugin_dir / "jax_plugins").is_dir():
+    where = plugin_dir()
+    if not (where / "jax_plugins").is_dir():
         raise UserError(
-            f"no CUDA plugin in {plugin_dir}: run `make gpu-plugin` (installs the plugin matching this "
-            "jax into .cuda-plugin/, ~3 GB), or point JAXTRAIN_CUDA_PLUGIN at one"
+            f"no CUDA plugin in {where}: run `make gpu-plugin` (installs the plugin matching this "
+            "jax there, ~3 GB, once per jax version), or point JAXTRAIN_CUDA_PLUGIN at one"
         )
     if "jax" in sys.modules:
         raise RuntimeError("use_plugin() must run before jax is imported")
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
-    sys.path.insert(0, str(plugin_dir))
+    sys.path.insert(0, str(where))
 
 
 def target_devices(target: GpuTarget, hosts: int, gpus_per_host: int) -> list[Any]:
