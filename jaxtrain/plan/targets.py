@@ -1,4 +1,5 @@
-"""GPU targets we can compile for without owning one: one table, each figure with its source.
+"""GPU targets we can compile for without owning one, and the peak FLOP/s of every device we know
+(PEAK_FLOPS: the plan's compute bound and the MFU of training logs): each figure with its source.
 
     devices = target_devices("h100", hosts=2, gpus_per_host=8)   # after use_plugin(), before jax starts
 
@@ -9,7 +10,7 @@ which lives outside the venv (`make gpu-plugin` installs it into .cuda-plugin/) 
 never load it: `use_plugin()` puts it on sys.path for the one process that asks.
 
 Bandwidths are per direction, per GPU. Sources:
-  [H100]  NVIDIA H100 Tensor Core GPU datasheet (SXM5 column),
+  [H100]  NVIDIA H100 Tensor Core GPU datasheet (SXM5 column; PCIe column for H100 PCIe),
           https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet
   [H200]  NVIDIA H200 Tensor Core GPU datasheet (SXM column), https://www.nvidia.com/en-us/data-center/h200/
   [A100]  NVIDIA A100 Tensor Core GPU datasheet (SXM columns),
@@ -17,6 +18,10 @@ Bandwidths are per direction, per GPU. Sources:
   [L40S]  NVIDIA L40S datasheet, https://resources.nvidia.com/en-us-l40s/l40s-datasheet-28413
   [B200]  NVIDIA HGX B200 / DGX B200 datasheets (8-GPU totals divided by 8; sparse rates halved),
           https://www.nvidia.com/en-us/data-center/hgx/ and https://www.nvidia.com/en-us/data-center/dgx-b200/
+  [L4] [A10] [V100]  NVIDIA L4, A10 and V100 datasheets, https://www.nvidia.com/en-us/data-center/l4/,
+          https://www.nvidia.com/en-us/data-center/products/a10-gpu/, https://www.nvidia.com/en-us/data-center/v100/
+  [TPU]   Google Cloud TPU docs, system architecture of each version (peak bfloat16 per chip),
+          https://cloud.google.com/tpu/docs/system-architecture-tpu-vm
   [DGX]   DGX H100/H200/B200 user guides: eight ConnectX-7 400 Gb/s compute NICs, one per GPU; DGX A100 user
           guide: eight ConnectX-6 200 Gb/s HDR NICs, one per GPU
   [CUDA]  CUDA C++ Programming Guide, "Technical Specifications per Compute Capability" (threads,
@@ -28,7 +33,6 @@ Bandwidths are per direction, per GPU. Sources:
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -47,12 +51,10 @@ PLUGIN_DIR = Path(__file__).resolve().parents[2] / ".cuda-plugin"  # the repo's 
 @dataclass(frozen=True)
 class GpuTarget:
     name: str
-    device_kind: str  # what jax's device_kind says on the real GPU (metrics.peak_flops keys on it)
+    device_kind: str  # what jax's device_kind says on the real GPU (PEAK_FLOPS keys on it)
     compute_capability: tuple[int, int]
     memory_bytes: int
     hbm_bytes_per_s: float
-    peak_bf16_flops: float  # dense tensor-core FLOP/s; fp16 is the same on all of these
-    peak_tf32_flops: float  # dense; float32 matmuls run as TF32 under XLA's default precision
     nvlink_bytes_per_s: float  # GPU-to-GPU inside a host, per direction
     network_bytes_per_s: float  # GPU to another host (its NIC), per direction
     sm_count: int
@@ -72,8 +74,6 @@ TARGETS: dict[str, GpuTarget] = {
         compute_capability=(9, 0),
         memory_bytes=84_929_347_584,  # [XLA] 80 GB HBM3 [H100]
         hbm_bytes_per_s=3.35e12,  # [H100]
-        peak_bf16_flops=989.4e12,  # [H100] 1,979 TFLOPS with sparsity
-        peak_tf32_flops=494.7e12,  # [H100]
         nvlink_bytes_per_s=450e9,  # [H100] NVLink 900 GB/s both directions
         network_bytes_per_s=50e9,  # [DGX] 400 Gb/s per GPU
         sm_count=132,  # [H100] (SXM5: 132 SMs)
@@ -90,8 +90,6 @@ TARGETS: dict[str, GpuTarget] = {
         compute_capability=(9, 0),
         memory_bytes=143_771 * 2**20,  # [smi] 141 GB HBM3e [H200]
         hbm_bytes_per_s=4.8e12,  # [H200]
-        peak_bf16_flops=989.4e12,  # [H200] same GH100 compute as H100 SXM
-        peak_tf32_flops=494.7e12,  # [H200]
         nvlink_bytes_per_s=450e9,  # [H200] 900 GB/s both directions
         network_bytes_per_s=50e9,  # [DGX] 400 Gb/s per GPU
         sm_count=132,
@@ -108,8 +106,6 @@ TARGETS: dict[str, GpuTarget] = {
         compute_capability=(8, 0),
         memory_bytes=81_920 * 2**20,  # [smi] 80 GB HBM2e [A100]
         hbm_bytes_per_s=2.039e12,  # [A100] 80GB SXM
-        peak_bf16_flops=312e12,  # [A100] 624 TFLOPS with sparsity
-        peak_tf32_flops=156e12,  # [A100]
         nvlink_bytes_per_s=300e9,  # [A100] NVLink 600 GB/s both directions
         network_bytes_per_s=25e9,  # [DGX] 200 Gb/s per GPU
         sm_count=108,  # [A100]
@@ -126,8 +122,6 @@ TARGETS: dict[str, GpuTarget] = {
         compute_capability=(8, 0),
         memory_bytes=40_960 * 2**20,  # [smi] 40 GB HBM2 [A100]
         hbm_bytes_per_s=1.555e12,  # [A100] 40GB SXM
-        peak_bf16_flops=312e12,
-        peak_tf32_flops=156e12,
         nvlink_bytes_per_s=300e9,
         network_bytes_per_s=25e9,  # [DGX] 200 Gb/s per GPU
         sm_count=108,
@@ -144,8 +138,6 @@ TARGETS: dict[str, GpuTarget] = {
         compute_capability=(8, 9),
         memory_bytes=46_068 * 2**20,  # [smi] 48 GB GDDR6 [L40S]
         hbm_bytes_per_s=864e9,  # [L40S]
-        peak_bf16_flops=362.05e12,  # [L40S] 733 TFLOPS with sparsity
-        peak_tf32_flops=183e12,  # [L40S]
         nvlink_bytes_per_s=32e9,  # [L40S] no NVLink: PCIe Gen4 x16, 64 GB/s both directions
         network_bytes_per_s=25e9,  # assumption: one 200 Gb/s NIC per GPU (no reference system)
         sm_count=142,  # [L40S]
@@ -162,8 +154,6 @@ TARGETS: dict[str, GpuTarget] = {
         compute_capability=(10, 0),
         memory_bytes=180 * 10**9,  # [B200] 1,440 GB HBM3e per 8 GPUs
         hbm_bytes_per_s=8e12,  # [B200] 64 TB/s per 8 GPUs
-        peak_bf16_flops=2.25e15,  # [B200] 36 PFLOPS with sparsity per 8 GPUs
-        peak_tf32_flops=1.125e15,  # [B200] 18 PFLOPS with sparsity per 8 GPUs
         nvlink_bytes_per_s=900e9,  # [B200] NVLink 5, 1.8 TB/s both directions
         network_bytes_per_s=50e9,  # [DGX] 400 Gb/s per GPU
         sm_count=148,
@@ -176,6 +166,27 @@ TARGETS: dict[str, GpuTarget] = {
     ),
 }
 
+# Dense peak FLOP/s per device, by a substring of jax's device_kind, first match first ("H100 PCIe"
+# before "H100", "L40S" before "L4"): bfloat16 (fp16 is the same on all of these; MFU is logged
+# against it, jaxtrain/observe/metrics.py) and TF32 (float32 matmuls run as TF32 under XLA's default
+# precision), None where the device has no such unit. The plan's compute bound reads it by a target's
+# device_kind. NVIDIA's datasheets print sparse rates too, twice these.
+PEAK_FLOPS: tuple[tuple[str, float, float | None], ...] = (
+    ("H200", 989.4e12, 494.7e12),  # [H200] same GH100 compute as H100 SXM
+    ("H100 PCIe", 756e12, 378e12),  # [H100]
+    ("H100", 989.4e12, 494.7e12),  # [H100]
+    ("A100", 312e12, 156e12),  # [A100] 40GB and 80GB alike
+    ("L40S", 362.05e12, 183e12),  # [L40S]
+    ("L4", 121e12, 60e12),  # [L4]
+    ("A10", 125e12, 62.5e12),  # [A10]
+    ("B200", 2.25e15, 1.125e15),  # [B200] 36 and 18 PFLOPS with sparsity per 8 GPUs
+    ("V100", 125e12, None),  # [V100] its fp16 tensor cores: no bfloat16 or TF32 units
+    ("TPU v6", 918e12, None),  # [TPU]
+    ("TPU v5p", 459e12, None),  # [TPU]
+    ("TPU v5", 197e12, None),  # [TPU] v5e ("TPU v5 lite")
+    ("TPU v4", 275e12, None),  # [TPU]
+)
+
 
 def get(name: str) -> GpuTarget:
     """The target called `name`, or a one-line error listing the known ones."""
@@ -184,9 +195,21 @@ def get(name: str) -> GpuTarget:
     return TARGETS[name]
 
 
+def device_peak_flops(device_kind: str, dtype: str = "bfloat16") -> float | None:
+    """A device's dense peak (PEAK_FLOPS) for a step's compute dtype, by jax's device_kind: TF32's for
+    float32, else bfloat16's; None when the table has none (CPUs)."""
+    for key, bf16, tf32 in PEAK_FLOPS:
+        if key in device_kind:
+            return tf32 if dtype == "float32" else bf16
+    return None
+
+
 def peak_flops(target: GpuTarget, dtype: str) -> float:
-    """Dense tensor-core peak for the step's compute dtype."""
-    return target.peak_tf32_flops if dtype == "float32" else target.peak_bf16_flops
+    """A target's dense tensor-core peak for the step's compute dtype."""
+    peak = device_peak_flops(target.device_kind, dtype)
+    if peak is None:  # every target has both (tests/test_plan.py)
+        raise KeyError(f"PEAK_FLOPS has no {dtype} peak for {target.device_kind}")
+    return peak
 
 
 def target_config(target: GpuTarget) -> str:
@@ -246,8 +269,3 @@ def target_devices(target: GpuTarget, hosts: int, gpus_per_host: int) -> list[An
         platform="cuda", target_config=target_config(target), topology=f"1x{hosts}x{gpus_per_host}"
     )
     return list(topology.devices)
-
-
-def summary(target: GpuTarget) -> dict[str, Any]:
-    """The target's figures as plain JSON values."""
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(target).items()}
