@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from jaxtrain.config import load_config
-from jaxtrain.observe import metrics
+from jaxtrain.observe import metrics, peaks
 from jaxtrain.plan import compiled as plan
 from jaxtrain.plan import planner, targets
 
@@ -85,7 +85,7 @@ def test_one_peak_table_for_the_plan_and_the_mfu_log():
     assert metrics.peak_flops("NVIDIA H100 PCIe") == 756e12
     assert metrics.peak_flops("NVIDIA L4") == 121e12 and metrics.peak_flops("NVIDIA L40S") == 362.05e12
     assert metrics.peak_flops("TPU v5 lite") == 197e12 and metrics.peak_flops("TPU v5p") == 459e12
-    assert metrics.peak_flops("cpu") is None and targets.device_peak_flops("TPU v4", "float32") is None
+    assert metrics.peak_flops("cpu") is None and peaks.peak_flops("TPU v4", "float32") is None
 
 
 @pytest.mark.parametrize("total_batch", [True, False])

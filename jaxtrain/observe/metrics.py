@@ -4,9 +4,8 @@ Other processes write only warnings and errors, each to logs/process_<i>.log.
 
 MFU = flops_per_token * tokens_per_sec / (devices * peak_flops_per_device), with
 flops_per_token = 6 * n_params + 12 * n_layer * d_model * seq_len (model.flops_per_token),
-and the peak the device's dense bfloat16 matmul rate (jaxtrain/plan/targets.py: PEAK_FLOPS).
-Devices with no peak in the table (CPUs) show the achieved FLOP/s per device instead (the same
-flops_per_token).
+and the peak the device's dense bfloat16 matmul rate (jaxtrain/observe/peaks.py). Devices with
+no peak in the table (CPUs) show the achieved FLOP/s per device instead (the same flops_per_token).
 """
 
 from __future__ import annotations
@@ -32,15 +31,15 @@ from jaxtrain.config import Config
 from jaxtrain.disk.files import LineFile
 from jaxtrain.errors import NonFiniteError, UserError
 from jaxtrain.observe import memory as memory_lib
+from jaxtrain.observe import peaks
 from jaxtrain.observe.tboard import ScalarWriter
-from jaxtrain.plan.targets import device_peak_flops
 
 log = logging.getLogger("jaxtrain")
 
 
 def peak_flops(device_kind: str) -> float | None:
     """The device's dense bfloat16 peak, or None when unknown (CPUs): then no MFU is shown."""
-    return device_peak_flops(device_kind, "bfloat16")
+    return peaks.peak_flops(device_kind, "bfloat16")
 
 
 class _TqdmHandler(logging.StreamHandler):

@@ -1,5 +1,5 @@
-"""GPU targets we can compile for without owning one, and the peak FLOP/s of every device we know
-(PEAK_FLOPS: the plan's compute bound and the MFU of training logs): each figure with its source.
+"""GPU targets we can compile for without owning one: one table, each figure with its source (their
+peak FLOP/s: jaxtrain/observe/peaks.py, the table the MFU of training logs uses too).
 
     devices = target_devices("h100", hosts=2, gpus_per_host=8)   # after use_plugin(), before jax starts
 
@@ -10,7 +10,7 @@ which lives outside the venv (`make gpu-plugin` installs it into .cuda-plugin/) 
 never load it: `use_plugin()` puts it on sys.path for the one process that asks.
 
 Bandwidths are per direction, per GPU. Sources:
-  [H100]  NVIDIA H100 Tensor Core GPU datasheet (SXM5 column; PCIe column for H100 PCIe),
+  [H100]  NVIDIA H100 Tensor Core GPU datasheet (SXM5 column),
           https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet
   [H200]  NVIDIA H200 Tensor Core GPU datasheet (SXM column), https://www.nvidia.com/en-us/data-center/h200/
   [A100]  NVIDIA A100 Tensor Core GPU datasheet (SXM columns),
@@ -18,10 +18,6 @@ Bandwidths are per direction, per GPU. Sources:
   [L40S]  NVIDIA L40S datasheet, https://resources.nvidia.com/en-us-l40s/l40s-datasheet-28413
   [B200]  NVIDIA HGX B200 / DGX B200 datasheets (8-GPU totals divided by 8; sparse rates halved),
           https://www.nvidia.com/en-us/data-center/hgx/ and https://www.nvidia.com/en-us/data-center/dgx-b200/
-  [L4] [A10] [V100]  NVIDIA L4, A10 and V100 datasheets, https://www.nvidia.com/en-us/data-center/l4/,
-          https://www.nvidia.com/en-us/data-center/products/a10-gpu/, https://www.nvidia.com/en-us/data-center/v100/
-  [TPU]   Google Cloud TPU docs, system architecture of each version (peak bfloat16 per chip),
-          https://cloud.google.com/tpu/docs/system-architecture-tpu-vm
   [DGX]   DGX H100/H200/B200 user guides: eight ConnectX-7 400 Gb/s compute NICs, one per GPU; DGX A100 user
           guide: eight ConnectX-6 200 Gb/s HDR NICs, one per GPU
   [CUDA]  CUDA C++ Programming Guide, "Technical Specifications per Compute Capability" (threads,
@@ -40,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxtrain.errors import UserError
+from jaxtrain.observe import peaks
 
 # The plugin installs its own cuDNN and CUDA runtime wheels (make gpu-plugin: jax 0.10.2 brings
 # nvidia-cudnn-cu12 9.28 and CUDA 12.9); XLA gates cuDNN features on these versions.
@@ -51,7 +48,7 @@ PLUGIN_DIR = Path(__file__).resolve().parents[2] / ".cuda-plugin"  # the repo's 
 @dataclass(frozen=True)
 class GpuTarget:
     name: str
-    device_kind: str  # what jax's device_kind says on the real GPU (PEAK_FLOPS keys on it)
+    device_kind: str  # what jax's device_kind says on the real GPU (peaks.PEAK_FLOPS keys on it)
     compute_capability: tuple[int, int]
     memory_bytes: int
     hbm_bytes_per_s: float
@@ -166,27 +163,6 @@ TARGETS: dict[str, GpuTarget] = {
     ),
 }
 
-# Dense peak FLOP/s per device, by a substring of jax's device_kind, first match first ("H100 PCIe"
-# before "H100", "L40S" before "L4"): bfloat16 (fp16 is the same on all of these; MFU is logged
-# against it, jaxtrain/observe/metrics.py) and TF32 (float32 matmuls run as TF32 under XLA's default
-# precision), None where the device has no such unit. The plan's compute bound reads it by a target's
-# device_kind. NVIDIA's datasheets print sparse rates too, twice these.
-PEAK_FLOPS: tuple[tuple[str, float, float | None], ...] = (
-    ("H200", 989.4e12, 494.7e12),  # [H200] same GH100 compute as H100 SXM
-    ("H100 PCIe", 756e12, 378e12),  # [H100]
-    ("H100", 989.4e12, 494.7e12),  # [H100]
-    ("A100", 312e12, 156e12),  # [A100] 40GB and 80GB alike
-    ("L40S", 362.05e12, 183e12),  # [L40S]
-    ("L4", 121e12, 60e12),  # [L4]
-    ("A10", 125e12, 62.5e12),  # [A10]
-    ("B200", 2.25e15, 1.125e15),  # [B200] 36 and 18 PFLOPS with sparsity per 8 GPUs
-    ("V100", 125e12, None),  # [V100] its fp16 tensor cores: no bfloat16 or TF32 units
-    ("TPU v6", 918e12, None),  # [TPU]
-    ("TPU v5p", 459e12, None),  # [TPU]
-    ("TPU v5", 197e12, None),  # [TPU] v5e ("TPU v5 lite")
-    ("TPU v4", 275e12, None),  # [TPU]
-)
-
 
 def get(name: str) -> GpuTarget:
     """The target called `name`, or a one-line error listing the known ones."""
@@ -195,20 +171,11 @@ def get(name: str) -> GpuTarget:
     return TARGETS[name]
 
 
-def device_peak_flops(device_kind: str, dtype: str = "bfloat16") -> float | None:
-    """A device's dense peak (PEAK_FLOPS) for a step's compute dtype, by jax's device_kind: TF32's for
-    float32, else bfloat16's; None when the table has none (CPUs)."""
-    for key, bf16, tf32 in PEAK_FLOPS:
-        if key in device_kind:
-            return tf32 if dtype == "float32" else bf16
-    return None
-
-
 def peak_flops(target: GpuTarget, dtype: str) -> float:
     """A target's dense tensor-core peak for the step's compute dtype."""
-    peak = device_peak_flops(target.device_kind, dtype)
+    peak = peaks.peak_flops(target.device_kind, dtype)
     if peak is None:  # every target has both (tests/test_plan.py)
-        raise KeyError(f"PEAK_FLOPS has no {dtype} peak for {target.device_kind}")
+        raise KeyError(f"jaxtrain/observe/peaks.py has no {dtype} peak for {target.device_kind}")
     return peak
 
 
