@@ -3,26 +3,18 @@
     from jaxtrain import xla_env
     xla_env.set_cpu_flags()   # first thing a script does, before jax starts a backend
 
-CPU flags (measured with bench/bench_torch.py on a 2-core CPU; same losses):
-  --xla_cpu_experimental_ynn_fusion_type=dot  matmuls (with their fused neighbours) go to
-                                              XNNPACK's YNN kernels instead of Eigen.
-Alternatives measured (bare jax step, tok/s, issue shape / default job's, interleaved rounds,
-medians; the `dot` default got 4,896 / 13,297 in the same rounds, torch eager 9,304 / 24,828):
-XLA's own default (individual_dot) 3,919 / 10,076; dot,eltwise 4,459 / 11,176; dot,eltwise,reduce
-4,342 / 11,247; dot,individual_dot 3,722 / 10,328; prefer_vector_width=512 4,903 / 10,344 (noise).
-Slower still in one-round screens: Eigen dots, oneDNN and XNN dot fusions, concurrency scheduler
-off, fusion emitters off, scan_layers; fast math changes the numbers. Where the rest goes
-(trace, default job): YNN matmuls ~50% of op time, layout transposes/copies around attention ~20%.
-CPU devices: a single-process training run whose mesh is left at its default gets one CPU device
-per core (at most MAX_CPU_DEVICES), the batch split over them as over GPUs. XLA:CPU runs most
-non-matmul fusions on one thread, so one device per core puts every core on the whole step, not
-only on the matmuls: bench_torch.py, issue shape, 2 cores, interleaved rounds: bare jax 5,286 ->
-6,679 tok/s, jaxtrain 5,156 -> 6,295, same global batch. Chosen only where the batch splits evenly
-(config.batch.batch_plan decides, as it would for any device count); else, or when XLA_FLAGS names
-a device count, or several processes share the host, or the mesh is set, nothing changes.
-XLA reads XLA_FLAGS once, when the first backend starts, so these must be in the environment
-before then. A flag the user already put in XLA_FLAGS wins: ours is only added when its name is
-absent. They are xla_cpu_* flags, so a GPU run only applies them to its host-side computations.
+CPU flags: --xla_cpu_experimental_ynn_fusion_type=dot sends matmuls (with their fused neighbours)
+to XNNPACK's YNN kernels instead of Eigen, the fastest setting measured, same losses. CPU devices:
+a single-process training run whose mesh is left at its default gets one CPU device per core (at
+most MAX_CPU_DEVICES), the batch split over them as over GPUs: XLA:CPU runs most non-matmul
+fusions on one thread, and one device per core puts every core on the whole step, not only on the
+matmuls. docs/cpu_speed.md has the measurements and the alternatives tried. Chosen only where the
+batch splits evenly (config.batch.batch_plan decides, as it would for any device count); else, or when
+XLA_FLAGS names a device count, or several processes share the host, or the mesh is set, nothing
+changes. XLA reads XLA_FLAGS once, when the first backend starts, so these must be in the
+environment before then. A flag the user already put in XLA_FLAGS wins: ours is only added when
+its name is absent. They are xla_cpu_* flags, so a GPU run only applies them to its host-side
+computations.
 
 The compile cache keeps compiled executables across launches, so a relaunch (requeue, resume)
 of the same model skips most of its compile. Many processes and hosts may share the folder:

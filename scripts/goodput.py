@@ -10,20 +10,8 @@ import json
 from pathlib import Path
 
 from jaxtrain.cluster.shutdown import exit_on_user_error
-from jaxtrain.errors import UserError
 from jaxtrain.observe import goodput
 from jaxtrain.parser import Parser
-
-
-def run_split(run_dir: Path) -> dict:
-    """goodput.split of a run dir's metrics.jsonl, or a one-line error."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        raise UserError(f"{path} not found; pass a run dir written by scripts/train.py")
-    result = goodput.split(goodput.read_records(path))
-    if not result["launches"]:
-        raise UserError(f"{path} holds no launch events (written by jaxtrain before goodput was recorded)")
-    return result
 
 
 @exit_on_user_error
@@ -32,7 +20,7 @@ def main() -> None:
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
-    result = run_split(args.run_dir)
+    result = goodput.split_run(args.run_dir)
     if args.json:
         print(json.dumps(result))
         return

@@ -2,17 +2,16 @@
 
     .venv/bin/python tests/gpu_plans.py OUT_DIR [CASE ...]     # writes OUT_DIR/plan_<case>.json
 
-Each plan is what `scripts/plan.py <flags> --json F` writes; one process compiles them all, since
-starting jax with the CUDA plugin costs seconds each time. bench/results/plan_*.json come from here.
+Each plan is what `scripts/plan.py <flags> --json F` writes (jaxtrain/plan/planner.py: plan_one);
+one process compiles them all, since starting jax with the CUDA plugin costs seconds each time.
+bench/results/plan_*.json come from here.
 """
 
-import importlib.util
 import json
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 GPT2 = ["--config", "configs/gpt2_124m.yaml"]
 # 6.6B: 32 layers of 4096, T 2048; 65B: 80 layers of 8192, T 4096. One sequence per batch shard,
 # scanned layers (compile time flat in depth), full remat.
@@ -76,19 +75,17 @@ CI_CASES = list(CASES)[:7]
 
 
 def main(out_dir: Path, names: list[str]) -> None:
-    spec = importlib.util.spec_from_file_location("plan_script", ROOT / "scripts" / "plan.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
     from jaxtrain.plan import targets
 
     targets.use_plugin()
     from jaxtrain.config import load_config
+    from jaxtrain.plan import planner  # imports jax, so after use_plugin
 
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in names:
         flags, target, hosts, gpus = CASES[name]
         t0 = time.perf_counter()
-        plan = script.plan_one(load_config(flags), targets.get(target), hosts, gpus)
+        plan = planner.plan_one(load_config(flags), targets.get(target), hosts, gpus)
         where = ["--target", target, "--hosts", str(hosts), "--gpus_per_host", str(gpus)]
         plan["command"] = " ".join(["scripts/plan.py", *flags, *where])
         (out_dir / f"plan_{name}.json").write_text(json.dumps(plan, indent=1) + "\n")

@@ -5,7 +5,6 @@ pytest tests/test_health.py -m "not multiprocess"      # verdicts only, a few se
 """
 
 import functools
-import importlib.util
 import json
 import os
 import shutil
@@ -21,8 +20,10 @@ import pytest
 from processes import clean_env
 
 from jaxtrain.cluster.detect import LaunchSpec
+from jaxtrain.cluster.shutdown import exit_on_user_error
 from jaxtrain.config import DistConfig
 from jaxtrain.health import checks as hc
+from jaxtrain.health import cli
 from jaxtrain.health.exchange import Exchange
 from jaxtrain.health.runner import HealthCheck, HealthOptions
 
@@ -147,16 +148,13 @@ def test_network_names_who_cannot_reach_the_coordinator():
 
 
 def test_bad_arguments_exit_2(capsys):
-    # Loaded by path: scripts/ is not a package.
-    spec = importlib.util.spec_from_file_location("health_script", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    main = exit_on_user_error(cli.main)  # as scripts/test_distributed.py runs it
     for argv in (["--max_bytes", "12X"], ["--iters", "0"], ["--no_such_flag"]):
         with pytest.raises(SystemExit) as e:
-            script.main(argv)
+            main(argv)
         assert e.value.code == 2
         assert capsys.readouterr().err.count("\n") == 1
-    opts, dist = script.parse_args(["--max_bytes", "64K", "--init_timeout", "9", "--process_id", "1"])
+    opts, dist = cli.parse_args(["--max_bytes", "64K", "--init_timeout", "9", "--process_id", "1"])
     assert opts.max_bytes == 65536 and dist == DistConfig(init_timeout=9, process_id=1)
 
 

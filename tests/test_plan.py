@@ -1,7 +1,16 @@
 # ruff: noqa: E501  (HLO lines as the compiler prints them)
 """jaxtrain/plan/compiled.py's reading of compiled HLO text: replica groups, loop trips, host crossings."""
 
+from pathlib import Path
+
+import pytest
+
+from jaxtrain.config import load_config
+from jaxtrain.observe import metrics, peaks
 from jaxtrain.plan import compiled as plan
+from jaxtrain.plan import planner, targets
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # The shapes XLA's GPU compiler prints (tests/test_gpu_compile.py compiles the real thing).
 HLO = """HloModule jit_step, is_scheduled=true
@@ -65,3 +74,35 @@ def test_walk_counts_loop_trips_axes_hosts_and_in_place_updates():
     assert reduce["network_bytes"] == 2 * 0.5 * 1024 * 1024 * 4
     # The in-place update writes one row per trip, not the whole buffer.
     assert tally.written == 12 * 1024 * 4
+
+
+def test_one_peak_table_for_the_plan_and_the_mfu_log():
+    for t in targets.TARGETS.values():
+        bf16, tf32 = targets.peak_flops(t, "bfloat16"), targets.peak_flops(t, "float32")
+        assert metrics.peak_flops(t.device_kind) == bf16 == targets.peak_flops(t, "float16")
+        assert 0 < tf32 < bf16, t.name
+    # The first match wins: a longer name before its prefix.
+    assert metrics.peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert metrics.peak_flops("NVIDIA L4") == 121e12 and metrics.peak_flops("NVIDIA L40S") == 362.05e12
+    assert metrics.peak_flops("TPU v5 lite") == 197e12 and metrics.peak_flops("TPU v5p") == 459e12
+    assert metrics.peak_flops("cpu") is None and peaks.peak_flops("TPU v4", "float32") is None
+
+
+@pytest.mark.parametrize("total_batch", [True, False])
+def test_a_plan_that_does_not_fit_tries_remat_then_a_smaller_batch_then_wider_fsdp(total_batch):
+    flags = ["--config", str(ROOT / "configs/gpt2_124m.yaml")]
+    if not total_batch:
+        flags += ["--total_batch_size", "0", "--batch_size", "512"]
+    cfg = load_config(flags)
+    resolved = {"mesh": {"data": 8, "fsdp": 1, "tensor": 1}, "device_batch": 16, "accumulation": 4}
+    smaller = {"device_batch_size": 8} if total_batch else {"gradient_accumulation_steps": 8}
+    wider = {"mesh.fsdp": 2, "mesh.data": -1}
+    assert planner.nearer(cfg, resolved, gpus_per_host=8) == [
+        {"model.remat": "full"}, smaller, {**smaller, "model.remat": "full"}, wider, {**wider, "model.remat": "full"},
+    ]  # fmt: skip
+    # fsdp already spans the host: nothing wider to try.
+    full = {**resolved, "mesh": {"data": 1, "fsdp": 8, "tensor": 1}}
+    assert planner.nearer(planner.with_overrides(cfg, {"model.remat": "full"}), full, gpus_per_host=8) == [
+        smaller,
+        {**smaller, "model.remat": "full"},
+    ]

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxtrain.disk.files import LineFile
+from jaxtrain.errors import UserError
 
 PARTS = ("productive_s", "startup_s", "compile_s", "data_wait_s", "checkpoint_s", "eval_s", "lost_s")
 
@@ -127,3 +128,14 @@ def split(records: list[dict[str, Any]]) -> dict[str, Any]:
         "ends": ends,
         "goodput": round(totals["productive_s"] / wall_s, 4) if wall_s else 0.0,
     }
+
+
+def split_run(run_dir: Path) -> dict[str, Any]:
+    """`split` of a run dir's metrics.jsonl (scripts/goodput.py), or a one-line error."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise UserError(f"{path} not found; pass a run dir written by scripts/train.py")
+    result = split(read_records(path))
+    if not result["launches"]:
+        raise UserError(f"{path} holds no launch events (written by jaxtrain before goodput was recorded)")
+    return result

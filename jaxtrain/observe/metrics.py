@@ -4,8 +4,8 @@ Other processes write only warnings and errors, each to logs/process_<i>.log.
 
 MFU = flops_per_token * tokens_per_sec / (devices * peak_flops_per_device), with
 flops_per_token = 6 * n_params + 12 * n_layer * d_model * seq_len (model.flops_per_token),
-and the peak the device's dense bfloat16 matmul rate from the table below. Devices with no peak
-in the table (CPUs) show the achieved FLOP/s per device instead (the same flops_per_token).
+and the peak the device's dense bfloat16 matmul rate (jaxtrain/observe/peaks.py). Devices with
+no peak in the table (CPUs) show the achieved FLOP/s per device instead (the same flops_per_token).
 """
 
 from __future__ import annotations
@@ -31,30 +31,15 @@ from jaxtrain.config import Config
 from jaxtrain.disk.files import LineFile
 from jaxtrain.errors import NonFiniteError, UserError
 from jaxtrain.observe import memory as memory_lib
+from jaxtrain.observe import peaks
 from jaxtrain.observe.tboard import ScalarWriter
 
 log = logging.getLogger("jaxtrain")
 
-# Dense bfloat16 peak FLOP/s per device, by a substring of jax's device_kind.
-PEAK_FLOPS = (
-    ("H200", 989e12),
-    ("H100 PCIe", 756e12),
-    ("H100", 989e12),
-    ("A100", 312e12),
-    ("L40S", 362e12),
-    ("L4", 121e12),
-    ("A10", 125e12),
-    ("V100", 125e12),
-    ("TPU v6", 918e12),
-    ("TPU v5p", 459e12),
-    ("TPU v5", 197e12),
-    ("TPU v4", 275e12),
-)
-
 
 def peak_flops(device_kind: str) -> float | None:
-    """The device's peak, or None when unknown (CPUs): then no MFU is shown."""
-    return next((peak for key, peak in PEAK_FLOPS if key in device_kind), None)
+    """The device's dense bfloat16 peak, or None when unknown (CPUs): then no MFU is shown."""
+    return peaks.peak_flops(device_kind, "bfloat16")
 
 
 class _TqdmHandler(logging.StreamHandler):

@@ -1,4 +1,5 @@
-"""GPU targets we can compile for without owning one: one table, each figure with its source.
+"""GPU targets we can compile for without owning one: one table, each figure with its source (their
+peak FLOP/s: jaxtrain/observe/peaks.py, the table the MFU of training logs uses too).
 
     devices = target_devices("h100", hosts=2, gpus_per_host=8)   # after use_plugin(), before jax starts
 
@@ -28,7 +29,6 @@ Bandwidths are per direction, per GPU. Sources:
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.metadata
 import os
 import sys
@@ -38,6 +38,7 @@ from typing import Any
 
 from jaxtrain.disk.files import cache_root
 from jaxtrain.errors import UserError
+from jaxtrain.observe import peaks
 
 # The plugin installs its own cuDNN and CUDA runtime wheels (make gpu-plugin: jax 0.10.2 brings
 # nvidia-cudnn-cu12 9.28 and CUDA 12.9); XLA gates cuDNN features on these versions.
@@ -55,12 +56,10 @@ def plugin_dir() -> Path:
 @dataclass(frozen=True)
 class GpuTarget:
     name: str
-    device_kind: str  # what jax's device_kind says on the real GPU (metrics.peak_flops keys on it)
+    device_kind: str  # what jax's device_kind says on the real GPU (peaks.PEAK_FLOPS keys on it)
     compute_capability: tuple[int, int]
     memory_bytes: int
     hbm_bytes_per_s: float
-    peak_bf16_flops: float  # dense tensor-core FLOP/s; fp16 is the same on all of these
-    peak_tf32_flops: float  # dense; float32 matmuls run as TF32 under XLA's default precision
     nvlink_bytes_per_s: float  # GPU-to-GPU inside a host, per direction
     network_bytes_per_s: float  # GPU to another host (its NIC), per direction
     sm_count: int
@@ -80,8 +79,6 @@ TARGETS: dict[str, GpuTarget] = {
         compute_capability=(9, 0),
         memory_bytes=84_929_347_584,  # [XLA] 80 GB HBM3 [H100]
         hbm_bytes_per_s=3.35e12,  # [H100]
-        peak_bf16_flops=989.4e12,  # [H100] 1,979 TFLOPS with sparsity
-        peak_tf32_flops=494.7e12,  # [H100]
         nvlink_bytes_per_s=450e9,  # [H100] NVLink 900 GB/s both directions
         network_bytes_per_s=50e9,  # [DGX] 400 Gb/s per GPU
         sm_count=132,  # [H100] (SXM5: 132 SMs)
@@ -98,8 +95,6 @@ TARGETS: dict[str, GpuTarget] = {
         compute_capability=(9, 0),
         memory_bytes=143_771 * 2**20,  # [smi] 141 GB HBM3e [H200]
         hbm_bytes_per_s=4.8e12,  # [H200]
-        peak_bf16_flops=989.4e12,  # [H200] same GH100 compute as H100 SXM
-        peak_tf32_flops=494.7e12,  # [H200]
         nvlink_bytes_per_s=450e9,  # [H200] 900 GB/s both directions
         network_bytes_per_s=50e9,  # [DGX] 400 Gb/s per GPU
         sm_count=132,
@@ -116,8 +111,6 @@ TARGETS: dict[str, GpuTarget] = {
         compute_capability=(8, 0),
         memory_bytes=81_920 * 2**20,  # [smi] 80 GB HBM2e [A100]
         hbm_bytes_per_s=2.039e12,  # [A100] 80GB SXM
-        peak_bf16_flops=312e12,  # [A100] 624 TFLOPS with sparsity
-        peak_tf32_flops=156e12,  # [A100]
         nvlink_bytes_per_s=300e9,  # [A100] NVLink 600 GB/s both directions
         network_bytes_per_s=25e9,  # [DGX] 200 Gb/s per GPU
         sm_count=108,  # [A100]
@@ -134,8 +127,6 @@ TARGETS: dict[str, GpuTarget] = {
         compute_capability=(8, 0),
         memory_bytes=40_960 * 2**20,  # [smi] 40 GB HBM2 [A100]
         hbm_bytes_per_s=1.555e12,  # [A100] 40GB SXM
-        peak_bf16_flops=312e12,
-        peak_tf32_flops=156e12,
         nvlink_bytes_per_s=300e9,
         network_bytes_per_s=25e9,  # [DGX] 200 Gb/s per GPU
         sm_count=108,
@@ -152,8 +143,6 @@ TARGETS: dict[str, GpuTarget] = {
         compute_capability=(8, 9),
         memory_bytes=46_068 * 2**20,  # [smi] 48 GB GDDR6 [L40S]
         hbm_bytes_per_s=864e9,  # [L40S]
-        peak_bf16_flops=362.05e12,  # [L40S] 733 TFLOPS with sparsity
-        peak_tf32_flops=183e12,  # [L40S]
         nvlink_bytes_per_s=32e9,  # [L40S] no NVLink: PCIe Gen4 x16, 64 GB/s both directions
         network_bytes_per_s=25e9,  # assumption: one 200 Gb/s NIC per GPU (no reference system)
         sm_count=142,  # [L40S]
@@ -170,8 +159,6 @@ TARGETS: dict[str, GpuTarget] = {
         compute_capability=(10, 0),
         memory_bytes=180 * 10**9,  # [B200] 1,440 GB HBM3e per 8 GPUs
         hbm_bytes_per_s=8e12,  # [B200] 64 TB/s per 8 GPUs
-        peak_bf16_flops=2.25e15,  # [B200] 36 PFLOPS with sparsity per 8 GPUs
-        peak_tf32_flops=1.125e15,  # [B200] 18 PFLOPS with sparsity per 8 GPUs
         nvlink_bytes_per_s=900e9,  # [B200] NVLink 5, 1.8 TB/s both directions
         network_bytes_per_s=50e9,  # [DGX] 400 Gb/s per GPU
         sm_count=148,
@@ -193,8 +180,11 @@ def get(name: str) -> GpuTarget:
 
 
 def peak_flops(target: GpuTarget, dtype: str) -> float:
-    """Dense tensor-core peak for the step's compute dtype."""
-    return target.peak_tf32_flops if dtype == "float32" else target.peak_bf16_flops
+    """A target's dense tensor-core peak for the step's compute dtype."""
+    peak = peaks.peak_flops(target.device_kind, dtype)
+    if peak is None:  # every target has both (tests/test_plan.py)
+        raise KeyError(f"jaxtrain/observe/peaks.py has no {dtype} peak for {target.device_kind}")
+    return peak
 
 
 def target_config(target: GpuTarget) -> str:
@@ -254,8 +244,3 @@ def target_devices(target: GpuTarget, hosts: int, gpus_per_host: int) -> list[An
         platform="cuda", target_config=target_config(target), topology=f"1x{hosts}x{gpus_per_host}"
     )
     return list(topology.devices)
-
-
-def summary(target: GpuTarget) -> dict[str, Any]:
-    """The target's figures as plain JSON values."""
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(target).items()}

@@ -8,9 +8,9 @@ activation constraints:
     so autodiff turns each gather into a reduce-scatter of that layer's gradient: no full
     gradient is all-reduced on fsdp (tests/test_sharding.py checks the compiled HLO);
   - one `pmean` over `data` per optimizer step, however many microbatches.
-Explicit collectives, not GSPMD alone, for data and fsdp: with fsdp left to GSPMD, XLA:CPU
-compiled the fsdp gradient as an all-reduce of the whole gradient followed by a slice; and an
-explicit data reduction stays once per step, outside the microbatch loop (tests/test_step.py).
+Why explicit collectives for data and fsdp: GSPMD alone all-reduced the whole fsdp gradient and
+then sliced it (XLA:CPU), and an explicit data reduction stays once per step, outside the
+microbatch loop (tests/test_step.py).
 The optimizer update runs outside the shard_map on the sharded state (ZeRO-1's data-split moments
 included); XLA places it.
 

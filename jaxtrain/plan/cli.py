@@ -1,0 +1,56 @@
+"""The command line of scripts/plan.py (its docstring is the usage): plan one job, say what fits
+when it does not, optionally search every mesh and remat setting, print, write --json.
+
+Imports no jax until the CUDA plugin is on the path (targets.use_plugin): jax picks up its
+plugins once, when it is first imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from jaxtrain.config import load_config
+from jaxtrain.errors import ArgumentError
+from jaxtrain.hf.config import with_hf_model
+from jaxtrain.plan import targets
+
+EXIT_DOES_NOT_FIT = 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--target", default="h100")
+    p.add_argument("--hosts", type=int, default=1)
+    p.add_argument("--gpus_per_host", type=int, default=8)
+    p.add_argument("--json", default="")
+    p.add_argument("--search", action="store_true")
+    return p
+
+
+def main(argv: list[str], usage: str) -> int:
+    """Exit code: 0 fits, 1 does not fit (EXIT_DOES_NOT_FIT); bad input raises a UserError."""
+    args, rest = _parser().parse_known_args(argv)
+    target = targets.get(args.target)
+    if args.hosts < 1 or args.gpus_per_host < 1:
+        raise ArgumentError(f"--hosts {args.hosts} --gpus_per_host {args.gpus_per_host}: both must be >= 1")
+    cfg = load_config(rest, usage, fill=with_hf_model)
+    if "jax" not in sys.modules:
+        targets.use_plugin()
+    from jaxtrain.plan import planner  # imports jax, so after use_plugin
+
+    where = (target, args.hosts, args.gpus_per_host)
+    p = planner.plan_one(cfg, *where)
+    if not p["fits"]:
+        p["fits_with"] = planner.fits_with(cfg, p, *where)
+    if args.search:
+        print("search:", flush=True)
+        p["search"] = planner.search(cfg, *where)
+    planner.print_plan(p)
+    planner.print_fixes(p, planner.nearer(cfg, p, args.gpus_per_host))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(p, indent=1) + "\n")
+    return 0 if p["fits"] else EXIT_DOES_NOT_FIT
