@@ -143,7 +143,7 @@ def _groups(attrs: str, n_devices: int) -> list[list[int]]:
 
 
 @dataclass
-class _Layout:
+class _Placement:
     """Where partition i sits: its mesh coordinates and its host."""
 
     axes: tuple[str, ...]
@@ -172,7 +172,7 @@ class _Tally:
 class _Walker:
     """Walks the program as it runs once: loop bodies times their trip count, the costlier branch."""
 
-    def __init__(self, hlo: str, layout: _Layout) -> None:
+    def __init__(self, hlo: str, layout: _Placement) -> None:
         self.comps, self.roots, self.entry = parse_hlo(hlo)
         self.layout = layout
 
@@ -279,7 +279,7 @@ def analyze(train: Any, evaluate: Any | None, facts: Facts, compile_s: float) ->
     """The plan of one compiled train step (+ eval step) on its target: memory, kernels, comms, bound."""
     hlo = train.as_text()
     mem = compiled_bytes(train)
-    layout = _Layout(tuple(facts.mesh), tuple(facts.mesh.values()), facts.device_hosts)
+    layout = _Placement(tuple(facts.mesh), tuple(facts.mesh.values()), facts.device_hosts)
     tally = _Walker(hlo, layout).tally()
     t = facts.target
     n_devices = len(facts.device_hosts)
