@@ -19,23 +19,9 @@ Evaluate or sample a checkpoint (jaxtrain/run/tasks.py), or start a new run from
 
 import sys
 
-from jaxtrain import xla_env  # isort: skip  (first: it records the launch time)
-from jaxtrain.cluster.detect import detect
+from jaxtrain import xla_env  # noqa: F401  isort: skip  (first: it records the launch time)
 from jaxtrain.cluster.shutdown import exit_on_user_error
-from jaxtrain.config import load_config
-from jaxtrain.hf.config import with_hf_model
-
-
-@exit_on_user_error
-def main(argv: list[str] | None = None) -> None:
-    cfg = load_config(sys.argv[1:] if argv is None else argv, __doc__ or "", fill=with_hf_model)
-    launch = detect(cfg.dist)  # where this process sits: once per launch, before jax starts
-    # Before jax starts a backend: XLA reads XLA_FLAGS once (jaxtrain/xla_env.py).
-    xla_env.set_cpu_flags(cfg, launch)
-    from jaxtrain.run.tasks import run_task  # imports jax
-
-    run_task(cfg, launch, launch_time=xla_env.LAUNCH_TIME)
-
+from jaxtrain.run.cli import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_on_user_error(main)(sys.argv[1:], __doc__ or ""))

@@ -1,17 +1,22 @@
 """Bad input at every entry point: one line naming the problem and the fix, exit 2, in seconds.
 
-Each case is a real subprocess of a real script (train.py, prepare_data.py, run_distributed.py,
-launch_multi_node.sh, test_distributed.py, plot_metrics.py). Each must end with exit code 2,
-stderr's last line `error: ...` holding a phrase that names the problem, no traceback, within
-TIMEOUT_S, and leave every file it was pointed at as it was. Then the security checks: no secret
-in the run dir, no world-writable files, no Python objects from YAML, no pickles.
+Each case runs a real script (train.py, prepare_data.py, run_distributed.py, launch_multi_node.sh,
+test_distributed.py, plot_metrics.py) as a subprocess, except train.py's cases that are about
+the input and not about a process: those call the same entry point in this process
+(jaxtrain.run.cli.main under exit_on_user_error, as scripts/train.py does), with the environment a
+subprocess would get. A real-process sample of every kind stays (REAL_PROCESS), with every case
+that depends on the process itself (its device count, joining a job). Each must end with exit
+code 2, stderr's last line `error: ...` holding a phrase that names the problem, no traceback,
+within TIMEOUT_S, and leave every file it was pointed at as it was. Then the security checks: no
+secret in the run dir, no world-writable files, no Python objects from YAML, no pickles.
 
-    pytest tests/test_bad_input.py     # about 2 minutes on 2 cores
+    pytest tests/test_bad_input.py     # about 1 minute on 2 cores
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import secrets
 import shutil
@@ -30,7 +35,9 @@ import processes
 import pytest
 import yaml
 
+from jaxtrain.cluster.shutdown import exit_on_user_error
 from jaxtrain.config import load_config, to_yaml
+from jaxtrain.run import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 60
@@ -69,6 +76,32 @@ def run(argv: list[str], env: dict[str, str] | None = None, timeout: float = TIM
         argv, cwd=ROOT, env=env or clean_env(), capture_output=True, text=True, timeout=timeout, **kw
     )
     return Ran(out.returncode, out.stdout, out.stderr, time.monotonic() - t0)
+
+
+def run_here(argv: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch, capfd: Any) -> Ran:
+    """train.py's entry point in this process, with the environment `run` would give a subprocess
+    (this process's 8 CPU devices aside): what it prints, its exit code, its seconds."""
+    assert argv[:2] == TRAIN, argv
+    started_with = os.environ["XLA_FLAGS"]  # this process's backend has started: it keeps them
+    for key in list(os.environ):
+        if key not in env:
+            monkeypatch.delenv(key)
+    for key, value in {**env, "XLA_FLAGS": started_with}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(ROOT)
+    umask = os.umask(0o022)  # train.py narrows the umask for its run dir: given back after
+    os.umask(umask)
+    capfd.readouterr()
+    t0 = time.monotonic()
+    try:
+        exit_on_user_error(cli.main)(argv[2:])
+        code = 0
+    except SystemExit as e:
+        code = int(e.code or 0)
+    finally:
+        os.umask(umask)
+    out, err = capfd.readouterr()
+    return Ran(code, out, err, time.monotonic() - t0)
 
 
 def snapshot(*roots: Path) -> dict[str, tuple[str, int, int]]:
@@ -382,13 +415,24 @@ CASES = [
     Case("plot-no-args", [*PLOT], "the following arguments are required: run_dirs"),
 ]  # fmt: skip
 
+# train.py cases run as real processes: those that depend on the process (its 2 CPU devices, joining
+# a job, an unset environment), and one of each other kind.
+REAL_PROCESS = {
+    "guide-world-size", "guide-single-gpu-many-devices", "train-batch-vs-devices",  # device count
+    "coordinator-unreachable", "coordinator-port-in-use", "peer-never-joins",  # joining a job
+    "train-typo-key", "data-missing", "rundir-incompatible", "resume-other-shape", "ckpt-none-readable",
+    "env-jax-half-set",
+}  # fmt: skip
+
 _USES_TRAINED = {c.id for c in CASES if any("{trained}" in a for a in c.argv)} | {
     c.id for c in CASES if c.setup in (_all_truncated, _damaged_source)
 }
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_bad_input_is_one_line_exit_2(case: Case, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+def test_bad_input_is_one_line_exit_2(
+    case: Case, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, capfd: Any
+) -> None:
     ctx: dict[str, Any] = {
         "tmp": tmp_path,
         "watch": [],
@@ -408,7 +452,8 @@ def test_bad_input_is_one_line_exit_2(case: Case, tmp_path: Path, request: pytes
         env = clean_env(**{k: v.format(**fill) for k, v in case.env.items()}, **ctx["env"])
         before = snapshot(*ctx["watch"])
         text_before = [p.read_bytes() for p in ctx["same_bytes"]]
-        out = run(argv, env)
+        in_process = case.argv[:2] == TRAIN and case.id not in REAL_PROCESS
+        out = run_here(argv, env, monkeypatch, capfd) if in_process else run(argv, env)
         after = snapshot(*ctx["watch"])
         text_after = [p.read_bytes() for p in ctx["same_bytes"]]
     finally:
@@ -484,10 +529,10 @@ def test_batch_not_divisible_by_processes_every_rank_says_so(three_ranks: Ran) -
     out = three_ranks
     assert out.returncode == 2, out.stderr[-3000:]
     assert "Traceback" not in out.stdout + out.stderr, out.stderr[-3000:]
-    # The launcher stops the other ranks at the first failure: a rank still importing jax then
-    # dies before it speaks. Every rank that speaks says the same line.
+    # Every rank checks the split before it imports jax (jaxtrain/run/cli.py), so each one speaks
+    # before the launcher stops the others at the first failure.
     said = _rank_errors(out)
-    assert said and set(said.values()) == {_NOT_DIVISIBLE}, said
+    assert said == {rank: _NOT_DIVISIBLE for rank in ("0", "1", "2")}, said
     assert re.match(r"error: rank \d \(pid \d+\) exited with code 2", out.last_line), out.stderr[-3000:]
     assert out.seconds < TIMEOUT_S
 
@@ -500,7 +545,8 @@ def test_a_bad_data_file_is_one_line_on_every_rank(tmp_path: Path) -> None:
     assert out.returncode == 2, out.stderr[-3000:]
     assert "Traceback" not in out.stdout + out.stderr, out.stderr[-3000:]
     said = _rank_errors(out)
-    assert said and all(re.match(r"token file \S+none.bin does not exist", m) for m in said.values()), said
+    assert set(said) == {"0", "1"}, said
+    assert all(re.match(r"token file \S+none.bin does not exist", m) for m in said.values()), said
     assert not (tmp_path / "run").exists()
 
 
@@ -578,14 +624,16 @@ def test_a_python_tag_in_a_run_dirs_config_is_refused(tmp_path: Path) -> None:
 
 
 def test_nothing_loads_pickles() -> None:
-    """No pickle, no np.load(allow_pickle=True), no yaml.load/unsafe_load in the package or scripts."""
+    """No pickle, no np.load(allow_pickle=True), no yaml.load/unsafe_load anywhere in the package
+    (every room, at any depth) or the scripts."""
     pattern = re.compile(
         r"\bimport pickle\b|\bpickle\.|allow_pickle\s*=\s*True|yaml\.(unsafe_)?load\(|cloudpickle|dill\b"
     )
     hits = [
         f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
-        for p in [*ROOT.glob("jaxtrain/*.py"), *ROOT.glob("scripts/*.py")]
+        for p in [*ROOT.glob("jaxtrain/**/*.py"), *ROOT.glob("scripts/*.py")]
         for i, line in enumerate(p.read_text().splitlines(), 1)
         if pattern.search(line)
     ]
     assert not hits, hits
+    assert len(list(ROOT.glob("jaxtrain/**/*.py"))) > 60  # every module, not the flat few
