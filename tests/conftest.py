@@ -34,3 +34,15 @@ def pytest_sessionfinish(session, exitstatus):
             f"JAXTRAIN_CI: {len(skipped)} test(s) skipped where CI has every dependency", red=True
         )
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+# Files whose tests share one machine-wide resource: one SLURM cluster, network namespaces, mounts
+# and loop devices. Under pytest-xdist (make test: `-n 3 --dist loadgroup`) each such file runs
+# its tests one at a time on one worker, beside everything else.
+SERIAL = ("test_slurm.py", "test_multihost.py", "test_storage.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SERIAL:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))

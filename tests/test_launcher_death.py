@@ -100,7 +100,7 @@ def test_ctrl_c_saves_that_step_and_the_relaunch_continues_the_unbroken_run(unbr
     again = subprocess.run(command, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from {run_dir}/checkpoints/{step}" in again.stdout
-    assert losses(run_dir) == pytest.approx(unbroken, abs=1e-5)
+    assert losses(run_dir) == unbroken  # the same one process: bit for bit
 
 
 @pytest.mark.multiprocess
@@ -138,7 +138,9 @@ def test_kill_9_of_the_launcher_ends_its_workers_and_the_same_command_resumes(ta
     assert again.returncode == 0, err[-3000:]
     resumed = re.findall(rf"resumed from {run_dir}/checkpoints/(\d+)$", out, re.M)
     assert len(resumed) == 1 and 20 <= int(resumed[0]) <= killed_at, (resumed, killed_at)
-    assert losses(run_dir) == pytest.approx(unbroken, abs=1e-4)  # every step once, the unbroken run's
+    # every step once, the unbroken run's: to float tolerance, as two processes sum the gradient
+    # in another order than the unbroken run's one process does
+    assert losses(run_dir) == pytest.approx(unbroken, abs=1e-4)
     print(f"kill -9 of the {target} at step {killed_at}: workers gone {outlived_s:.2f} s later")
 
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
@@ -16,6 +17,9 @@ from tensorboardX.proto import event_pb2
 from jaxtrain.cluster.detect import detect
 from jaxtrain.config import DistConfig, load_config
 from jaxtrain.observe import goodput
+from jaxtrain.observe.memory import compiled_bytes, fits
+from jaxtrain.run.build import build
+from jaxtrain.run.job import Job
 from jaxtrain.xla_env import cpu_device_count, merged_flags
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,6 +95,18 @@ def test_out_of_memory_is_one_line_with_settings_that_fit(tmp_path, tokens, wher
     assert line.startswith("error: out of device memory")
     assert "--device_batch_size" in line and "--model.remat full" in line and "--mesh.fsdp" in line
     assert ("XLA asked for 81.0 GiB" if where == "compile" else "peaks at") in line
+    # Each setting named lowers the compiled step's peak: it fits where the failed one did not.
+    failed = _peak_bytes(["--batch_size", "32"])
+    for advice in line.split("lower the peak with ")[1].split(", or "):
+        flags = advice.split(" (")[0].split()
+        peak = _peak_bytes(["--batch_size", "32", *flags])
+        assert fits(peak, failed - 1), (flags, peak, failed)
+
+
+def _peak_bytes(flags: list[str]) -> int:
+    """Per-device bytes of the tiny train step with `flags`, compiled for this process's devices."""
+    run = build(Job.of_devices(load_config(["--config", "configs/tiny.yaml", *flags]), jax.devices()))
+    return compiled_bytes(run.compile_train())["total_bytes"]
 
 
 @pytest.mark.slow

@@ -63,7 +63,7 @@ def test_replica_groups_in_every_form():
 
 def test_walk_counts_loop_trips_axes_hosts_and_in_place_updates():
     # 2 hosts x 8 GPUs as a data 2 x fsdp 8 mesh: fsdp inside a host, data across.
-    layout = plan._Layout(("data", "fsdp", "tensor"), (2, 8, 1), [0] * 8 + [1] * 8)
+    layout = plan._Placement(("data", "fsdp", "tensor"), (2, 8, 1), [0] * 8 + [1] * 8)
     tally = plan._Walker(HLO, layout).tally()
     gather = tally.collectives[("all-gather", "fsdp", False)]
     assert gather["count"] == 12 and gather["bytes"] == 12 * 8 * 1024 * 4

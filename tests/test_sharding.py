@@ -4,19 +4,23 @@ less state per device, the collectives FSDP promises, and bad meshes refused.
 pytest tests/test_sharding.py     # about 1 minute on 2 cores
 """
 
+import json
 import re
 
 import jax
 import numpy as np
 import pytest
 
-from jaxtrain.config import ConfigError, load_config
+from jaxtrain.cluster.detect import detect
+from jaxtrain.config import ConfigError, DistConfig, load_config
 from jaxtrain.errors import UserError
 from jaxtrain.faults import NO_FAULTS, FaultPlan
 from jaxtrain.model.transformer import GPT
+from jaxtrain.observe import memory
 from jaxtrain.observe.memory import check_compiled
 from jaxtrain.run import mesh as mesh_lib
 from jaxtrain.run.job import with_topology
+from jaxtrain.run.loop import train
 from jaxtrain.run.optim import make_optimizer
 from jaxtrain.run.state import create_state, state_sharding
 from jaxtrain.run.step import compute_dtype, jit_steps
@@ -212,12 +216,22 @@ class _Gpu:
         return {"bytes_limit": 60 * 2**30}
 
 
-def test_a_compiled_step_too_big_for_the_gpu_is_refused_before_the_first_step():
+def test_a_compiled_step_too_big_for_the_gpu_is_refused_before_the_first_step(tmp_path, monkeypatch):
     cfg = with_topology(load_config(TINY), 8, 1)
     check_compiled(59 * 2**30, _Gpu(), cfg, 8)  # fits the allocator's 60 GiB
     with pytest.raises(UserError, match=r"needs 84.0 GiB per device, over the 60.0 GiB .*--model.remat full"):
         check_compiled(84 * 2**30, _Gpu(), cfg, 8)
     check_compiled(84 * 2**30, jax.devices()[0], cfg, 8)  # a CPU reports no limit: nothing to judge
+    # The real loop: these CPU devices made to report a 64 KiB allocator limit, as a GPU reports
+    # its own; the compiled tiny step is larger, so the run stops after compiling, before step 1.
+    monkeypatch.setattr(memory, "limit_bytes", lambda device: 64 * 2**10)
+    run_dir = tmp_path / "run"
+    cfg = load_config([*TINY, "--run_dir", str(run_dir), "--total_steps", "3", "--checkpoint_interval", "1"])
+    with pytest.raises(memory.OutOfMemory, match=r"the compiled step needs .* GiB per device, over the 0.0"):
+        train(cfg, detect(DistConfig(), {}))
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["event"] for r in records] == ["launch", "end"], records  # no start record, no step
+    assert not any((run_dir / "checkpoints").glob("*")), "a checkpoint was written"
 
 
 MUON = ["--optim.name", "muon"]

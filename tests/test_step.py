@@ -88,6 +88,10 @@ def test_gradients_are_reduced_once_per_step():
     assert bodies, "the microbatch scan should compile to a while loop"
     assert any("all-reduce(" in c for c in computations.values())
     assert not any("all-reduce(" in computations[b] for b in bodies)
+    # Exactly one all-reduce in the whole program: every gradient and the loss, in one collective.
+    defs = [line for line in hlo.splitlines() if re.search(r"= .*\ball-reduce(-start)?\(", line)]
+    assert len(defs) == 1, defs
+    assert defs[0].split(" all-reduce")[0].count("f32[") == len(jax.tree.leaves(state.params)) + 1, defs[0]
 
 
 def test_bfloat16_trains_with_float32_params():
