@@ -21,6 +21,7 @@ process decides identically because it judges reduced values.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtrain.config import Config
 from jaxtrain.faults import NO_FAULTS, FaultPlan, poison_gradients
 from jaxtrain.model.attention import attention_kernel
-from jaxtrain.model.params import logical_axes
+from jaxtrain.model.params import logical_axes, path_names
 from jaxtrain.model.transformer import GPT
 from jaxtrain.run import mesh as mesh_lib
 from jaxtrain.run.optim import lr_schedule
@@ -94,15 +95,32 @@ class _ParamLayout:
         self.platform = mesh.devices.flat[0].platform  # what the step compiles for, not jax's default
         self.dtype, self.reduce_dtype = dtype, dtype if reduce_dtype is None else reduce_dtype
 
-    def gather(self, variables: Any) -> Any:
+    def gather(self, variables: Any, where: tuple[str, ...] = ()) -> Any:
         """Whole params of one layer (or embedding) from this device's fsdp shards, in the compute
         dtype; each gather's gradient is a reduce-scatter (`_fsdp_gather`)."""
 
         def one(path: tuple, p: jax.Array) -> jax.Array:
-            dim = mesh_lib.fsdp_logical_dim(logical_axes(path, p.ndim))
+            logical = logical_axes((*where, *path_names(path)[1:]), p.ndim)  # [0]: the collection
+            dim = mesh_lib.fsdp_logical_dim(logical)
             if dim is None:
                 return p
-            return _fsdp_gather(p, dim, self.dtype, self.reduce_dtype)
+            gather = functools.partial(
+                _fsdp_gather, dim=dim, dtype=self.dtype, reduce_dtype=self.reduce_dtype
+            )
+            mesh = jax.sharding.get_abstract_mesh()
+            tensor = mesh_lib.tensor_part(logical, p.shape, mesh)
+            if all(entry is None for entry in tensor):
+                return gather(p)
+            # Manual over tensor too for the gather: left automatic, XLA first gathered the weight
+            # whole over tensor, then over fsdp (the whole float32 weight on every device).
+            return jax.shard_map(
+                gather,
+                mesh=mesh,
+                in_specs=tensor,
+                out_specs=tensor,
+                axis_names={mesh_lib.TENSOR_AXIS},
+                check_vma=False,
+            )(p)
 
         return jax.tree_util.tree_map_with_path(one, variables)
 

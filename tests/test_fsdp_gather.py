@@ -1,5 +1,6 @@
-"""fsdp gathers params in the compute dtype and reduce-scatters gradients in mesh.reduce_dtype
-(jaxtrain/run/step.py `_fsdp_gather`): checked in the compiled program, and in the losses."""
+"""fsdp gathers move only this device's tensor shard, in the compute dtype, and reduce-scatter
+gradients in mesh.reduce_dtype (jaxtrain/run/step.py `_fsdp_gather`): checked in the program the
+step compiles to, and in the losses."""
 
 import re
 
@@ -66,3 +67,16 @@ def test_bfloat16_fsdp_tensor_trains_like_data_parallelism(reduce_dtype):
     sharded = losses(["--mesh.fsdp", "4", "--mesh.tensor", "2", "--mesh.reduce_dtype", reduce_dtype])
     assert sharded == pytest.approx(dp, rel=2e-2), (sharded, dp)
     assert sharded[-1] < sharded[0]
+
+
+def test_no_weight_is_gathered_over_tensor():
+    """Under fsdp 4 x tensor 2 every all-gather is an fsdp gather (devices 0,2,4,6 and 1,3,5,7 of
+    the 8) of a tensor shard: left to XLA, the weights were first gathered whole over tensor."""
+    run = build(Job.of_devices(load_config([*TINY, "--dtype", "bfloat16"]), jax.devices()))
+    text = run.compile_train().as_text()
+    gathers = re.findall(r"= (\S+) all-gather(?:-start)?\(.*?replica_groups=(\S+),", text)
+    assert gathers, text[:2000]
+    assert {groups for _, groups in gathers} == {"{{0,2,4,6},{1,3,5,7}}"}, gathers
+    d, heads, head_dim = run.cfg.model.d_model, run.cfg.model.n_head, run.cfg.model.head_size
+    qkv = [shape for shape, _ in gathers if shape.startswith(f"f32[{d},3,")]
+    assert qkv and all(shape.startswith(f"f32[{d},3,{heads // 2},{head_dim}]") for shape in qkv), qkv
