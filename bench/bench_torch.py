@@ -26,7 +26,7 @@ from jaxtrain import xla_env  # isort: skip
 from jaxtrain.config import load_config  # isort: skip
 
 # The flags (and CPU device count) scripts/train.py sets for the default job, before jax starts.
-xla_env.set_cpu_flags(load_config(["--config", "configs/default.yaml"]))
+xla_env.set_flags(load_config(["--config", "configs/default.yaml"]))
 
 import jax  # noqa: E402
 import torch  # noqa: E402

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_config(sys.argv[1:] if argv is None else argv, __doc__ or "", fill=with_hf_model)
     launch = detect(cfg.dist)  # where this process sits: once per launch, before jax starts
     # Before jax starts a backend: XLA reads XLA_FLAGS once (jaxtrain/xla_env.py).
-    xla_env.set_cpu_flags(cfg, launch)
+    xla_env.set_flags(cfg, launch)
     from jaxtrain.run.tasks import run_task  # imports jax
 
     run_task(cfg, launch, launch_time=xla_env.LAUNCH_TIME)
