@@ -29,7 +29,7 @@ from jaxtrain.config import load_config  # isort: skip
 
 # The flags (and CPU device count) scripts/train.py sets for the default job, before jax starts.
 _DEFAULT_JOB = load_config(["--config", "configs/default.yaml"])
-xla_env.set_cpu_flags(_DEFAULT_JOB, detect(_DEFAULT_JOB.dist))
+xla_env.set_flags(_DEFAULT_JOB, detect(_DEFAULT_JOB.dist))
 
 import jax  # noqa: E402
 import torch  # noqa: E402

@@ -1,7 +1,7 @@
 """XLA settings jaxtrain chooses for the user: CPU compiler flags and the persistent compile cache.
 
     from jaxtrain import xla_env
-    xla_env.set_cpu_flags()   # first thing a script does, before jax starts a backend
+    xla_env.set_flags()   # first thing a script does, before jax starts a backend
 
 CPU flags: --xla_cpu_experimental_ynn_fusion_type=dot sends matmuls (with their fused neighbours)
 to XNNPACK's YNN kernels instead of Eigen, the fastest setting measured, same losses. CPU devices:
@@ -39,6 +39,22 @@ from jaxtrain.errors import UserError
 LAUNCH_TIME = time.time()
 
 CPU_FLAGS = ("--xla_cpu_experimental_ynn_fusion_type=dot",)
+# What large JAX jobs run with on GPUs, after NVIDIA JAX-Toolbox's "Tips for High-Performance
+# LLMs with JAX and XLA" (rosetta/docs/GPU_performance.md; its containers set the first one): the
+# latency-hiding scheduler, FSDP's pipelined gathers and reduce-scatters over a double-buffered
+# layer loop, and collectives combined up to the doc's thresholds. Each exists in jax 0.10.2's
+# XLA (an unknown flag aborts it); XLA:CPU ignores them, so they are set for every launch, and
+# scripts/plan.py compiles with them too.
+GPU_FLAGS = (
+    "--xla_gpu_enable_latency_hiding_scheduler=true",
+    "--xla_gpu_enable_while_loop_double_buffering=true",
+    "--xla_gpu_enable_pipelined_all_gather=true",
+    "--xla_gpu_enable_pipelined_reduce_scatter=true",
+    "--xla_gpu_enable_pipelined_all_reduce=true",
+    "--xla_gpu_all_gather_combine_threshold_bytes=8589934592",
+    "--xla_gpu_reduce_scatter_combine_threshold_bytes=8589934592",
+    "--xla_gpu_all_reduce_combine_threshold_bytes=8589934592",
+)
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 MAX_CPU_DEVICES = 8  # measured at 2 cores only; past this each device's slice of the batch gets thin
 CACHE_MAX_BYTES = 8 * 2**30  # least recently used entries go past this
@@ -68,10 +84,10 @@ def cpu_device_count(cfg: Config, launch: LaunchSpec) -> int:
     return 1
 
 
-def set_cpu_flags(cfg: Config | None = None, launch: LaunchSpec | None = None) -> None:
-    """Put jaxtrain's CPU flags into XLA_FLAGS (the user's own settings win), and with a config
-    and its launch, the CPU device count it trains fastest on (cpu_device_count)."""
-    defaults: tuple[str, ...] = CPU_FLAGS
+def set_flags(cfg: Config | None = None, launch: LaunchSpec | None = None) -> None:
+    """Put jaxtrain's CPU and GPU flags into XLA_FLAGS (the user's own settings win), and with a
+    config and its launch, the CPU device count it trains fastest on (cpu_device_count)."""
+    defaults: tuple[str, ...] = (*CPU_FLAGS, *GPU_FLAGS)
     if cfg is not None and launch is not None and (n := cpu_device_count(cfg, launch)) > 1:
         defaults = (*defaults, f"{DEVICE_COUNT_FLAG}={n}")
     os.environ["XLA_FLAGS"] = merged_flags(os.environ.get("XLA_FLAGS", ""), defaults)

@@ -64,3 +64,23 @@ def test_a_whole_run_in_process_then_its_resume(tmp_path):
     assert losses() == unbroken  # steps 3 and 4 again, equal to the last bit
     launches = [r for r in map(json.loads, (run_dir / "metrics.jsonl").open()) if r.get("event") == "launch"]
     assert [r["step"] for r in launches] == [0, 2]
+
+
+def test_eval_takes_the_train_steps_microbatches():
+    """The eval step walks the global batch in the train step's microbatches: the same loss as the
+    whole batch at once, and a smaller peak (evaluation fits wherever training does)."""
+    flags = [*TINY, "--batch_size", "256", "--mesh.fsdp", "2"]
+    whole = build(Job.of_devices(load_config(flags), jax.devices()))
+    micro = build(Job.of_devices(load_config([*flags, "--gradient_accumulation_steps", "8"]), jax.devices()))
+    assert micro.cfg.gradient_accumulation_steps == 8 and whole.cfg.gradient_accumulation_steps == 1
+    params = whole.init_state().params
+    batch = jax.random.randint(jax.random.key(0), (256, whole.cfg.model.seq_len + 1), 0, 256)
+    batch = jax.device_put(batch, whole.batch_shape.sharding)
+    assert float(micro.eval_step(params, batch)) == pytest.approx(
+        float(whole.eval_step(params, batch)), rel=1e-6
+    )
+    temp = {
+        n: r.compile_eval().memory_analysis().temp_size_in_bytes
+        for n, r in (("whole", whole), ("micro", micro))
+    }
+    assert temp["micro"] < temp["whole"] / 2, temp

@@ -44,6 +44,13 @@ def test_each_process_writes_its_own_shards(sharded_reference):
     # float32 params + two moments, split 4 ways (norm scales stay whole, hence not exactly 12N/4)
     assert 12 * start["n_params"] / 4 <= start["state_bytes_per_device"] < 12 * start["n_params"] / 3
     assert start["peak_bytes_per_device"] > start["state_bytes_per_device"] and start["compile_s"] > 0
+    # The XLA flags the backend started with: the launch's device count, ours for CPUs and GPUs.
+    flags = start["xla_flags"].split()
+    assert "--xla_force_host_platform_device_count=4" in flags, flags
+    assert {
+        "--xla_cpu_experimental_ynn_fusion_type=dot",
+        "--xla_gpu_enable_latency_hiding_scheduler=true",
+    } <= set(flags)
 
 
 @pytest.mark.parametrize(

@@ -110,6 +110,9 @@ class MeshConfig:
     fsdp: int = 1  # ZeRO-3: params, gradients and optimizer state sharded, batch split too
     tensor: int = 1  # Megatron: heads, MLP hidden and vocab split; the batch is not
     zero1: bool = False  # ZeRO-1: also shard the optimizer state over `data` (params replicated)
+    # fsdp gathers params in the compute dtype (dtype) and reduce-scatters their gradients in this
+    # one: float32 (torchtitan's reduce_dtype default) or compute (half the bytes, bf16 sums)
+    reduce_dtype: str = "float32"
 
 
 @dataclass(frozen=True)
@@ -223,6 +226,7 @@ _CHOICES = {
     "model.remat": ("none", "full", "dots"),
     "model.attention_impl": ("auto", "xla", "cudnn"),
     "model.mlp": ("gelu", "swiglu"),
+    "mesh.reduce_dtype": ("float32", "compute"),
     "compat.backend": ("auto", "nccl", "gloo"),
     "ddp.log_level": ("", "DEBUG", "INFO", "WARNING", "ERROR"),
 }

@@ -26,7 +26,6 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     ("mlp", "gate_up", "kernel"): ("embed", None, "mlp"),
     ("mlp", "out", "kernel"): ("mlp", "embed"),
     ("scale",): (None,),  # norm scales: small, replicated
-    ("embedding",): (None, "embed"),  # an embedding's own params, as `GPT.gather` sees them
 }
 
 

@@ -30,6 +30,9 @@ from jaxtrain.config import ModelConfig
 from jaxtrain.model.attention import Attention
 from jaxtrain.model.layers import cache_index, constrain, dense, norm, residual_std
 
+# gather(variables, where=module name) -> the variables a layer computes with (see GPT.gather)
+Gather = Callable[..., Any]
+
 
 class Mlp(nn.Module):
     """Two-layer GELU feed-forward, or SwiGLU (gate and up as one [d, 2, ff] matmul, then down)."""
@@ -68,14 +71,20 @@ class Block(nn.Module):
         return x, None
 
 
-def _with_gather(cls: Any, gather: Callable[[Any], Any] | None, methods: list[str] | None = None) -> Any:
-    """`cls` whose params pass through `gather` each time it runs (no-op when gather is None)."""
+def _with_gather(
+    cls: Any, gather: Gather | None, where: tuple[str, ...] = (), methods: list[str] | None = None
+) -> Any:
+    """`cls` whose params pass through `gather` each time it runs (no-op when gather is None);
+    `where`: the module's name, when its params' own paths do not say what they are (an embedding's
+    table is `embedding`, a token embedding's is wte/embedding)."""
     if gather is None:
         return cls
-    return nn.map_variables(cls, "params", trans_in_fn=gather, methods=methods)
+    return nn.map_variables(
+        cls, "params", trans_in_fn=functools.partial(gather, where=where), methods=methods
+    )
 
 
-def _block_class(cfg: ModelConfig, gather: Callable[[Any], Any] | None) -> Any:
+def _block_class(cfg: ModelConfig, gather: Gather | None) -> Any:
     """Block, its params gathered as it runs, wrapped in nn.remat as cfg.remat asks."""
     block = _with_gather(Block, gather)
     if cfg.remat == "none":
@@ -94,19 +103,20 @@ class GPT(nn.Module):
     # Applied to each layer's (and each embedding's) params right before they are used. The
     # step passes FSDP's all-gather here, so whole params exist one layer at a time; the model
     # itself never knows how params are laid out.
-    gather: Callable[[Any], Any] | None = None
+    gather: Gather | None = None
     decode: bool = False  # keep a KV cache (collection "cache"): see `generate`
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg = self.cfg
-        embed = functools.partial(
-            _with_gather(nn.Embed, self.gather, methods=["__call__", "attend"]),
-            features=cfg.d_model,
-            dtype=self.dtype,
-            param_dtype=jnp.float32,
-            embedding_init=nn.initializers.normal(cfg.init_std),
-        )
+
+        def embed(num: int, name: str) -> nn.Embed:
+            cls = _with_gather(nn.Embed, self.gather, (name,), methods=["__call__", "attend"])
+            init = nn.initializers.normal(cfg.init_std)
+            return cls(
+                num, cfg.d_model, dtype=self.dtype, param_dtype=jnp.float32, embedding_init=init, name=name
+            )
+
         wte = embed(cfg.vocab_size, name="wte")
         x = wte(tokens)
         if cfg.pos_embedding == "learned":

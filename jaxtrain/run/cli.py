@@ -19,7 +19,7 @@ def main(argv: list[str], usage: str = "") -> None:
     launch = detect(cfg.dist)  # where this process sits: once per launch, before jax starts
     # Before jax starts (a second or more): every rank of a job with a bad split says so at once.
     check_batch_split(global_rows(cfg), launch.num_processes)
-    xla_env.set_cpu_flags(cfg, launch)
+    xla_env.set_flags(cfg, launch)
     from jaxtrain.run.tasks import run_task  # imports jax
 
     run_task(cfg, launch, launch_time=xla_env.LAUNCH_TIME)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -286,6 +287,7 @@ def _reporter(
             "devices": n_devices,
             "n_params": run.n_params,
             "attention": run.attention,
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),  # read once, when the backend started
             "state_bytes_per_device": run.state_bytes_per_device,
             "peak_bytes_per_device": peak_bytes,
             "compile_s": round(compile_s, 3),

@@ -186,6 +186,13 @@ def fsdp_logical_dim(logical: tuple[str | None, ...]) -> int | None:
     return next((i for i, name in enumerate(logical) if name and PARAM_RULES.get(name) == FSDP_AXIS), None)
 
 
+def tensor_part(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Any) -> P:
+    """The part of a param's spec on `tensor`, the axis the step leaves automatic (what a gather
+    inside the step must keep split, so it moves only this device's tensor shard)."""
+    spec = param_spec(logical, shape, mesh)
+    return P(*(entry if entry == TENSOR_AXIS else None for entry in spec))
+
+
 def fsdp_dim(spec: P) -> int | None:
     """The dim a param is split on over fsdp, or None when it is whole there."""
     for i, entry in enumerate(spec):

@@ -21,6 +21,7 @@ process decides identically because it judges reduced values.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtrain.config import Config
 from jaxtrain.faults import NO_FAULTS, FaultPlan, poison_gradients
 from jaxtrain.model.attention import attention_kernel
-from jaxtrain.model.params import logical_axes
+from jaxtrain.model.params import logical_axes, path_names
 from jaxtrain.model.transformer import GPT
 from jaxtrain.run import mesh as mesh_lib
 from jaxtrain.run.optim import lr_schedule
@@ -57,10 +58,34 @@ def _token_loss(model: GPT, params: Any, rows: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, rows[:, 1:]).mean()
 
 
+def _fsdp_gather(p: jax.Array, dim: int, dtype: Any, reduce_dtype: Any) -> jax.Array:
+    """The whole param from this device's fsdp shard, gathered in `dtype` (every use of a weight
+    is in the compute dtype, and a cast commutes with a gather: the same values, a fraction of the
+    bytes); its gradient is reduce-scattered in `reduce_dtype`, then kept in the param's dtype."""
+
+    @jax.custom_vjp
+    def gather(x: jax.Array) -> jax.Array:
+        return jax.lax.all_gather(x.astype(dtype), mesh_lib.FSDP_AXIS, axis=dim, tiled=True)
+
+    def forward(x: jax.Array) -> tuple[jax.Array, None]:
+        return gather(x), None
+
+    def backward(_: None, g: jax.Array) -> tuple[jax.Array]:
+        shard = jax.lax.psum_scatter(
+            g.astype(reduce_dtype), mesh_lib.FSDP_AXIS, scatter_dimension=dim, tiled=True
+        )
+        return (shard.astype(p.dtype),)
+
+    gather.defvjp(forward, backward)
+    return gather(p)
+
+
 class _ParamLayout:
     """How params sit on the mesh, as the inside of the shard_map sees them."""
 
-    def __init__(self, mesh: Mesh, param_specs: Any) -> None:
+    def __init__(
+        self, mesh: Mesh, param_specs: Any, dtype: Any = jnp.float32, reduce_dtype: Any = None
+    ) -> None:
         is_spec = lambda x: isinstance(x, P)  # noqa: E731
         self.manual = jax.tree.map(mesh_lib.manual_part, param_specs, is_leaf=is_spec)
         self.fsdp_dims = jax.tree.map(mesh_lib.fsdp_dim, param_specs, is_leaf=is_spec)
@@ -68,20 +93,34 @@ class _ParamLayout:
         self.data = int(mesh.shape[mesh_lib.DATA_AXIS])
         self.rules = mesh_lib.ACTIVATION_RULES if mesh.shape[mesh_lib.TENSOR_AXIS] > 1 else ()
         self.platform = mesh.devices.flat[0].platform  # what the step compiles for, not jax's default
+        self.dtype, self.reduce_dtype = dtype, dtype if reduce_dtype is None else reduce_dtype
 
-    def gather(self, variables: Any) -> Any:
-        """Whole params of one layer (or embedding) from this device's fsdp shards.
-
-        Autodiff turns each all-gather into a reduce-scatter of the gradient. (Wrapping the
-        gather in jax.checkpoint, to gather again in the backward pass, changed neither the
-        collectives nor the peak bytes XLA:CPU compiled, so it is not done.)
-        """
+    def gather(self, variables: Any, where: tuple[str, ...] = ()) -> Any:
+        """Whole params of one layer (or embedding) from this device's fsdp shards, in the compute
+        dtype; each gather's gradient is a reduce-scatter (`_fsdp_gather`)."""
 
         def one(path: tuple, p: jax.Array) -> jax.Array:
-            dim = mesh_lib.fsdp_logical_dim(logical_axes(path, p.ndim))
+            logical = logical_axes((*where, *path_names(path)[1:]), p.ndim)  # [0]: the collection
+            dim = mesh_lib.fsdp_logical_dim(logical)
             if dim is None:
                 return p
-            return jax.lax.all_gather(p, mesh_lib.FSDP_AXIS, axis=dim, tiled=True)
+            gather = functools.partial(
+                _fsdp_gather, dim=dim, dtype=self.dtype, reduce_dtype=self.reduce_dtype
+            )
+            mesh = jax.sharding.get_abstract_mesh()
+            tensor = mesh_lib.tensor_part(logical, p.shape, mesh)
+            if all(entry is None for entry in tensor):
+                return gather(p)
+            # Manual over tensor too for the gather: left automatic, XLA first gathered the weight
+            # whole over tensor, then over fsdp (the whole float32 weight on every device).
+            return jax.shard_map(
+                gather,
+                mesh=mesh,
+                in_specs=tensor,
+                out_specs=tensor,
+                axis_names={mesh_lib.TENSOR_AXIS},
+                check_vma=False,
+            )(p)
 
         return jax.tree_util.tree_map_with_path(one, variables)
 
@@ -148,7 +187,11 @@ def make_train_step(
     faults: FaultPlan = NO_FAULTS,
 ) -> Callable:
     """train_step(state, batch) -> (state, metrics); batch is int32 [global_batch, T+1]."""
-    layout = _ParamLayout(mesh, param_specs)
+    # XLA:CPU runs every collective in float32 anyway, and its promotion of a bfloat16
+    # reduce-scatter aborts the compiler (CHECK in AllReducePromotion, jax 0.10.2): float32 there.
+    platform = mesh.devices.flat[0].platform
+    reduce_dtype = model.dtype if cfg.mesh.reduce_dtype == "compute" and platform != "cpu" else jnp.float32
+    layout = _ParamLayout(mesh, param_specs, model.dtype, reduce_dtype)
     accum = cfg.gradient_accumulation_steps
     schedule = lr_schedule(cfg)
     fp16 = cfg.dtype == "float16"
@@ -219,12 +262,19 @@ def make_train_step(
     return train_step
 
 
-def make_eval_step(model: GPT, mesh: Mesh, param_specs: Any) -> Callable:
-    """eval_step(params, batch) -> mean loss over the global batch."""
-    layout = _ParamLayout(mesh, param_specs)
+def make_eval_step(model: GPT, mesh: Mesh, param_specs: Any, accum: int = 1) -> Callable:
+    """eval_step(params, batch) -> mean loss over the global batch, taken in `accum` microbatches
+    of the train step's device batch, one after another: evaluation fits wherever training does
+    (the whole batch at once needed 145 GB per device for llama3_8b on 8 H100s)."""
+    layout = _ParamLayout(mesh, param_specs, model.dtype)
 
     def device_loss(params: Any, rows: jax.Array) -> jax.Array:
-        return layout.mean(layout.loss(model, params, rows))
+        if accum == 1:
+            return layout.mean(layout.loss(model, params, rows))
+        micro = rows.reshape(accum, rows.shape[0] // accum, rows.shape[1])
+        # Equal microbatches: the mean of their means is the mean over every row.
+        losses = jax.lax.map(lambda mb: layout.loss(model, params, mb), micro)
+        return layout.mean(losses.mean())
 
     return jax.shard_map(
         device_loss,
@@ -255,7 +305,7 @@ def jit_steps(
         donate_argnums=0,
     )
     evaluate = jax.jit(
-        make_eval_step(model, mesh, param_specs),
+        make_eval_step(model, mesh, param_specs, cfg.gradient_accumulation_steps),
         in_shardings=(state_shardings.params, batch),
         out_shardings=replicated,
     )
