@@ -31,15 +31,17 @@ gpu-plugin: $(STAMP)
 train: $(STAMP)
 	$(PY) scripts/train.py --config configs/default.yaml $(ARGS)
 
-# All tests. The GPU program's compile tests (tests/test_gpu_compile.py) need the CUDA plugin: they
-# install it and run in a process of their own beside the CPU suite, niced so that they take only
-# the CPU the suite leaves idle (both must pass; without the plugin they fail, never skip). With
-# ARGS: pytest ARGS alone.
+# All tests. The CPU suite runs in two pytest-xdist workers (most tests wait on processes they
+# started; files that share a machine-wide resource stay on one worker: tests/conftest.py). The
+# GPU program's compile tests (tests/test_gpu_compile.py) need the CUDA plugin: they install it
+# and run in a process of their own beside the CPU suite, niced so that they take only the CPU the
+# suite leaves idle (both must pass; without the plugin they fail, never skip). With ARGS: pytest
+# ARGS alone.
 test: $(STAMP)
 	@if [ -n "$(ARGS)" ]; then exec $(PY) -m pytest -q $(ARGS); fi; \
 	( $(MAKE) -s gpu-plugin && nice -n 19 $(PY) -m pytest -q -p no:cacheprovider tests/test_gpu_compile.py ) \
 	  > .gpu-tests.log 2>&1 & gpu=$$!; \
-	$(PY) -m pytest -q --ignore=tests/test_gpu_compile.py; cpu=$$?; \
+	$(PY) -m pytest -q -n 2 --dist loadgroup --ignore=tests/test_gpu_compile.py; cpu=$$?; \
 	wait $$gpu; gpu_rc=$$?; echo "--- tests/test_gpu_compile.py (with make gpu-plugin):"; cat .gpu-tests.log; \
 	[ $$cpu -eq 0 ] && [ $$gpu_rc -eq 0 ]
 

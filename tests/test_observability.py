@@ -95,12 +95,19 @@ def test_out_of_memory_is_one_line_with_settings_that_fit(tmp_path, tokens, wher
     assert line.startswith("error: out of device memory")
     assert "--device_batch_size" in line and "--model.remat full" in line and "--mesh.fsdp" in line
     assert ("XLA asked for 81.0 GiB" if where == "compile" else "peaks at") in line
-    # Each setting named lowers the compiled step's peak: it fits where the failed one did not.
+    # Each setting named compiles, and lowers the compiled step's peak: it fits where the failed one
+    # did not. Remat is the exception XLA:CPU cannot show: its buffer assignment gives the same
+    # temporaries with and without it (measured at seq_len 32 and 256), where the GPU compiler's
+    # are lower (scripts/plan.py names it in `fits with` from a compile); here it must not add.
     failed = _peak_bytes(["--batch_size", "32"])
-    for advice in line.split("lower the peak with ")[1].split(", or "):
-        flags = advice.split(" (")[0].split()
+    advised = [a.split(" (")[0].split() for a in line.split("lower the peak with ")[1].split(", or ")]
+    assert len(advised) == 3, advised
+    for flags in advised:
         peak = _peak_bytes(["--batch_size", "32", *flags])
-        assert fits(peak, failed - 1), (flags, peak, failed)
+        assert fits(peak, failed) if flags == ["--model.remat", "full"] else fits(peak, failed - 1), (
+            flags,
+            peak,
+        )
 
 
 def _peak_bytes(flags: list[str]) -> int:
