@@ -42,18 +42,7 @@ def pytest_sessionfinish(session, exitstatus):
 SERIAL = ("test_slurm.py", "test_multihost.py", "test_storage.py")
 
 
-# The longest files first (in a file's own order), so two workers end together instead of one
-# finishing a long file alone: measured per-file totals, longest first.
-LONGEST_FIRST = (
-    "test_slurm.py", "test_multihost.py", "test_faults.py", "test_sharded_resume.py", "test_storage.py",
-    "test_launcher_death.py", "test_bench.py", "test_sharding.py", "test_launch.py",
-    "test_torchrun_mpirun.py",
-)  # fmt: skip
-
-
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in SERIAL:
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
