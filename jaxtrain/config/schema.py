@@ -52,6 +52,10 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0  # Llama 3.1 rotary scaling: low-frequency factor
     rope_high_freq_factor: float = 4.0  # Llama 3.1 rotary scaling: high-frequency factor
     rope_original_context: int = 8192  # Llama 3.1 rotary scaling: the context it was trained at
+    # Packed documents (model/documents.py): attention never crosses them, positions restart in each.
+    # The boundary token ids, set from the data's manifest (document_mask); -1: none
+    doc_bos: int = -1  # a document starts with this token (Llama's BOS)
+    doc_eos: int = -1  # a document ends with this token (GPT-2's <|endoftext|>, Qwen's)
 
     @property
     def ff_dim(self) -> int:
@@ -154,6 +158,9 @@ class Config:
     train_data_path: str = ""
     valid_data_path: str = ""  # validation tokens, same forms; "" = the training path's val shards
     token_dtype: str = "auto"  # auto | uint16 | uint32 (auto: header, else by vocab size)
+    # auto: where the data's documents are framed by boundary tokens, attention never crosses them
+    # (model.doc_bos / doc_eos are set from its manifest); off: packed windows attend across them
+    document_mask: str = "auto"
     data_threads: int = 4  # 0: read in the training thread (torch's num_workers=0)
     prefetch: int = 4  # batches prepared ahead of the step
     # batch: batch_size is GLOBAL, in sequences, per optimizer step
@@ -221,6 +228,7 @@ _CHOICES = {
     "optim.name": ("adamw", "muon"),
     "dtype": ("float32", "bfloat16", "float16"),
     "token_dtype": TOKEN_DTYPES,
+    "document_mask": ("auto", "off"),
     "wandb_mode": ("online", "offline"),
     "model.pos_embedding": ("rope", "learned"),
     "model.remat": ("none", "full", "dots"),

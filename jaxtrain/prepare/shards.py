@@ -34,7 +34,7 @@ from jaxtrain.disk.files import require_writable, write_text
 from jaxtrain.errors import UserError
 from jaxtrain.prepare import inputs
 from jaxtrain.prepare.format import HEADER_BYTES, HEADER_MAGIC, MANIFEST, MANIFEST_FORMAT, token_dtype_for
-from jaxtrain.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer
+from jaxtrain.tokenizer import TOKENIZER_CONFIG, TOKENIZER_FILE, BPETokenizer, ByteTokenizer, Framing
 
 DEFAULT_GLOB = "*.txt,*.jsonl,*.parquet"
 
@@ -62,21 +62,38 @@ _worker: dict[str, Any] = {}
 
 
 def _start_worker(
-    tokenizer_json: str | None, text_key: str, text_column: str, dtype: str, files: list[Any]
+    tokenizer: tuple[str, dict[str, Any]] | None,
+    text_key: str,
+    text_column: str,
+    dtype: str,
+    files: list[Any],
 ) -> None:
     parent = multiprocessing.parent_process()
     if parent is not None and parent.pid is not None:  # a pool's worker dies with its process, kill -9 too
         die_with_parent(parent.pid)
     # Parallelism comes from the processes; tokenizers' own threads would only contend with them.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    tok = ByteTokenizer() if tokenizer_json is None else BPETokenizer.from_json(tokenizer_json)
+    tok = ByteTokenizer() if tokenizer is None else BPETokenizer.from_json(*tokenizer)
     _worker.update(tok=tok, text_key=text_key, text_column=text_column, dtype=dtype, files=files)
 
 
 def _tokenize(unit: inputs.Unit) -> np.ndarray:
-    w = _worker
-    texts = inputs.read_unit(w["files"][unit.file], unit, w["text_key"], w["text_column"])
-    return w["tok"].encode_many(texts).astype(w["dtype"])
+    w, tok = _worker, _worker["tok"]
+    file = w["files"][unit.file]
+    framed = tok.framing.has_tokens
+    texts = inputs.read_unit(file, unit, w["text_key"], w["text_column"], "" if framed else inputs.DOC_END)
+    if not framed:
+        return tok.encode_many(texts).astype(w["dtype"])
+    if file.kind != "txt":
+        return tok.encode_many(texts, tok.framing).astype(w["dtype"])
+    # A text file is one document: framed where it starts and ends, in whichever units hold those.
+    ids = tok.encode_many(texts, Framing())
+    bos, eos = tok.framing.bos, tok.framing.eos
+    return (
+        Framing(bos if unit.start == 0 else None, eos if unit.end == file.size else None)
+        .frame(ids)
+        .astype(w["dtype"])
+    )
 
 
 def _sha256(path: Path) -> str:
@@ -171,7 +188,7 @@ class _SplitWriter:
 def _is_output(name: str) -> bool:
     """Names this module writes into out_dir (so they are never inputs, and stale ones are removed)."""
     stem = name.removesuffix(".bin")
-    return name in (MANIFEST, TOKENIZER_FILE) or (
+    return name in (MANIFEST, TOKENIZER_FILE, TOKENIZER_CONFIG) or (
         name.endswith(".bin") and (stem in ("train", "val") or stem.split("_")[0] in ("train", "val"))
     )
 
@@ -217,8 +234,11 @@ def _tokenizer(
         )
         tok = BPETokenizer.train(texts, vocab_size)
         return tok, {"kind": "bpe", "vocab_size": tok.vocab_size, "file": TOKENIZER_FILE}
-    if not Path(kind).is_file():
-        raise UserError(f"--tokenizer must be byte, bpe or a tokenizer.json file; {kind} is none of these")
+    if not (Path(kind).is_file() or (Path(kind) / TOKENIZER_FILE).is_file()):
+        raise UserError(
+            f"--tokenizer must be byte, bpe, a tokenizer.json file or a folder holding one; {kind} is "
+            "none of these"
+        )
     if vocab_size:
         raise UserError(f"--vocab_size is taken from {kind}; leave it out")
     tok = BPETokenizer.from_file(kind)
@@ -285,7 +305,7 @@ def prepare_files(
         writers = {split: _SplitWriter(staging, split, shard_tokens, dtype) for split in ("train", "val")}
         per_file = [0] * len(files)
         init = (
-            None if isinstance(tok, ByteTokenizer) else tok.to_json(),
+            None if isinstance(tok, ByteTokenizer) else (tok.to_json(), tok.config),
             text_key,
             text_column,
             dtype.str,
@@ -307,11 +327,16 @@ def prepare_files(
             raise UserError(f"the {which} split came out empty; change --val_fraction {val_fraction}")
         if isinstance(tok, BPETokenizer):
             write_text(staging / TOKENIZER_FILE, tok.to_json())
+            if tok.config:  # its special tokens and chat template, for training, predict and chat
+                write_text(staging / TOKENIZER_CONFIG, json.dumps(tok.config, indent=1) + "\n")
         hashes = list(_in_order([f.path for f in files], _sha256, min(workers, len(files)), init))
         manifest = {
             "format": MANIFEST_FORMAT,
             "version": 1,
             "tokenizer": tok_entry,
+            # Boundary tokens around each document (null, null: separated by text, inputs.DOC_END);
+            # a run checks them against its model's tokenizer and masks attention at them.
+            "framing": tok.framing.to_json(),
             "token_dtype": str(np.dtype(dtype.str[1:])),
             "header": "llm.c" if shard_tokens else "none",
             "shard_tokens": shard_tokens,
