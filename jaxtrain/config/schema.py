@@ -161,6 +161,9 @@ class Config:
     # auto: where the data's documents are framed by boundary tokens, attention never crosses them
     # (model.doc_bos / doc_eos are set from its manifest); off: packed windows attend across them
     document_mask: str = "auto"
+    # Set from the data: its manifest holds loss masks (prepare_data.py --chat). The loss is then the
+    # mean over the targets that take loss of the whole global batch (not a mean of row means)
+    loss_mask: bool = False
     data_threads: int = 4  # 0: read in the training thread (torch's num_workers=0)
     prefetch: int = 4  # batches prepared ahead of the step
     # batch: batch_size is GLOBAL, in sequences, per optimizer step

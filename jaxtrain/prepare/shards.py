@@ -33,7 +33,14 @@ from jaxtrain.cluster.lifeline import die_with_parent
 from jaxtrain.disk.files import require_writable, write_text
 from jaxtrain.errors import UserError
 from jaxtrain.prepare import inputs
-from jaxtrain.prepare.format import HEADER_BYTES, HEADER_MAGIC, MANIFEST, MANIFEST_FORMAT, token_dtype_for
+from jaxtrain.prepare.format import (
+    HEADER_BYTES,
+    HEADER_MAGIC,
+    MANIFEST,
+    MANIFEST_FORMAT,
+    MASK_SUFFIX,
+    token_dtype_for,
+)
 from jaxtrain.tokenizer import TOKENIZER_CONFIG, TOKENIZER_FILE, BPETokenizer, ByteTokenizer, Framing
 
 DEFAULT_GLOB = "*.txt,*.jsonl,*.parquet"
@@ -96,7 +103,7 @@ def _tokenize(unit: inputs.Unit) -> np.ndarray:
     )
 
 
-def _sha256(path: Path) -> str:
+def sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(2**20):
@@ -129,22 +136,30 @@ def _in_order(tasks: Sequence[Any], fn: Any, workers: int, init: tuple[Any, ...]
 # ---------------------------------------------------------------- the outputs
 
 
-class _SplitWriter:
-    """A split's tokens: `{split}.bin` (flat), or `{split}_00000.bin`, ... with the llm.c header."""
+class SplitWriter:
+    """A split's tokens: `{split}.bin` (flat), or `{split}_00000.bin`, ... with the llm.c header;
+    masked: each shard's loss mask beside it (`.mask`, one uint8 per token)."""
 
-    def __init__(self, directory: Path, split: str, shard_tokens: int, dtype: np.dtype) -> None:
+    def __init__(
+        self, directory: Path, split: str, shard_tokens: int, dtype: np.dtype, masked: bool = False
+    ) -> None:
         self.directory, self.split, self.shard_tokens, self.dtype = directory, split, shard_tokens, dtype
+        self.masked = masked
         self.shards: list[dict[str, Any]] = []
         self.tokens = 0
         self._f: BinaryIO | None = None
+        self._mask: BinaryIO | None = None
         self._name, self._count, self._max, self._hash = "", 0, 0, hashlib.sha256()
 
-    def write(self, ids: np.ndarray) -> None:
+    def write(self, ids: np.ndarray, keep: np.ndarray | None = None) -> None:
         while len(ids):
             if self._f is None:
                 self._open()
             room = self.shard_tokens - self._count if self.shard_tokens else len(ids)
-            part, ids = ids[:room], ids[room:]
+            part, ids = ids[:room].astype(self.dtype, copy=False), ids[room:]
+            if self._mask is not None and keep is not None:
+                self._mask.write(keep[:room].astype(np.uint8).tobytes())
+                keep = keep[room:]
             body = part.tobytes()
             assert self._f is not None
             self._f.write(body)
@@ -158,6 +173,8 @@ class _SplitWriter:
     def _open(self) -> None:
         name = f"{self.split}_{len(self.shards):05d}.bin" if self.shard_tokens else f"{self.split}.bin"
         self._f = open(self.directory / name, "xb")
+        if self.masked:
+            self._mask = open(self.directory / name.replace(".bin", MASK_SUFFIX), "xb")
         if self.shard_tokens:
             self._f.write(bytes(HEADER_BYTES))  # filled in once the count is known
         self._name, self._count, self._max, self._hash = name, 0, 0, hashlib.sha256()
@@ -170,13 +187,15 @@ class _SplitWriter:
             header[:3] = HEADER_MAGIC, 1 if self.dtype.itemsize == 2 else 2, self._count
             f.seek(0)
             f.write(header.tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-        f.close()
-        self._f = None
+        for g in (f, self._mask) if self._mask is not None else (f,):
+            g.flush()
+            os.fsync(g.fileno())
+            g.close()
+        self._f = self._mask = None
         self.shards.append(
             {"file": self._name, "tokens": self._count, "bytes": (self.directory / self._name).stat().st_size,
              "max_id": self._max, "sha256_tokens": self._hash.hexdigest()}
+            | ({"mask": self._name.replace(".bin", MASK_SUFFIX)} if self.masked else {})
         )  # fmt: skip
 
     def finish(self) -> list[dict[str, Any]]:
@@ -187,13 +206,14 @@ class _SplitWriter:
 
 def _is_output(name: str) -> bool:
     """Names this module writes into out_dir (so they are never inputs, and stale ones are removed)."""
-    stem = name.removesuffix(".bin")
+    stem = name.removesuffix(".bin").removesuffix(MASK_SUFFIX)
     return name in (MANIFEST, TOKENIZER_FILE, TOKENIZER_CONFIG) or (
-        name.endswith(".bin") and (stem in ("train", "val") or stem.split("_")[0] in ("train", "val"))
+        name.endswith((".bin", MASK_SUFFIX))
+        and (stem in ("train", "val") or stem.split("_")[0] in ("train", "val"))
     )
 
 
-def _commit(staging: Path, out_dir: Path, manifest: dict[str, Any]) -> None:
+def commit_outputs(staging: Path, out_dir: Path, manifest: dict[str, Any]) -> None:
     """Move the staged files into out_dir, dropping an earlier run's; the manifest lands last."""
     with contextlib.suppress(FileNotFoundError):
         (out_dir / MANIFEST).unlink()  # from here until the new one lands, the set reads as incomplete
@@ -302,7 +322,7 @@ def prepare_files(
     staging = out_dir / f".prepare.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     staging.mkdir()
     try:
-        writers = {split: _SplitWriter(staging, split, shard_tokens, dtype) for split in ("train", "val")}
+        writers = {split: SplitWriter(staging, split, shard_tokens, dtype) for split in ("train", "val")}
         per_file = [0] * len(files)
         init = (
             None if isinstance(tok, ByteTokenizer) else (tok.to_json(), tok.config),
@@ -329,7 +349,7 @@ def prepare_files(
             write_text(staging / TOKENIZER_FILE, tok.to_json())
             if tok.config:  # its special tokens and chat template, for training, predict and chat
                 write_text(staging / TOKENIZER_CONFIG, json.dumps(tok.config, indent=1) + "\n")
-        hashes = list(_in_order([f.path for f in files], _sha256, min(workers, len(files)), init))
+        hashes = list(_in_order([f.path for f in files], sha256, min(workers, len(files)), init))
         manifest = {
             "format": MANIFEST_FORMAT,
             "version": 1,
@@ -349,7 +369,7 @@ def prepare_files(
                 for f, h in zip(files, hashes, strict=True)
             ],
         }
-        _commit(staging, out_dir, manifest)
+        commit_outputs(staging, out_dir, manifest)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return PreparedData(

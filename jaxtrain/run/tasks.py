@@ -33,7 +33,7 @@ import numpy as np
 from jaxtrain import config as config_lib
 from jaxtrain.cluster.detect import LaunchSpec
 from jaxtrain.config import Config
-from jaxtrain.data import loader, sources
+from jaxtrain.data import framing, loader, sources
 from jaxtrain.data.default import given_paths, run_paths, run_tokenizer
 from jaxtrain.disk.files import require_writable, write_text
 from jaxtrain.errors import UserError
@@ -111,6 +111,9 @@ def evaluate_checkpoint(cfg: Config, launch: LaunchSpec) -> dict[str, Any]:
     path = cfg.test_data_path or run_paths(cfg, ckpt.saved)[1]
     m = cfg.model
     test_sources = sources.open_sources(path, "val", m.vocab_size, cfg.token_dtype, m.seq_len)
+    framed = framing.with_framing(cfg, test_sources, framing.model_tokenizer(cfg))
+    if framed != cfg:  # the data's boundaries and loss mask, as training takes them: same loss
+        run = build(run.job.reconfigured(framed))
     t0 = time.perf_counter()
     per_source: dict[str, dict[str, Any]] = {}
     for s in test_sources:

@@ -1,0 +1,312 @@
+"""Conversations: rendered as transformers renders them, masked to the assistant turns, packed whole,
+and a loss over the kept targets of the whole global batch on any mesh.
+
+The tokenizers are built here: small byte-level BPEs with the special tokens and the real chat
+templates of Llama 3 Instruct and Qwen2 Instruct (ChatML), saved as a Hugging Face tokenizer dir.
+
+    pytest tests/test_chat.py
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jaxtrain.config import load_config
+from jaxtrain.data import sources
+from jaxtrain.data.framing import with_framing
+from jaxtrain.model.transformer import GPT
+from jaxtrain.prepare.chat import ChatFormat, prepare_chat
+from jaxtrain.prepare.format import NO_LOSS, TOKEN_BITS
+from jaxtrain.run import mesh as mesh_lib
+from jaxtrain.run.optim import make_optimizer
+from jaxtrain.run.state import create_state, state_sharding
+from jaxtrain.run.step import compute_dtype, jit_steps
+from jaxtrain.tokenizer import BPETokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+
+LLAMA3_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+    "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + "
+    "'<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
+    "{{ content }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+KINDS = {
+    "llama3": {
+        "specials": [
+            "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+        ],
+        "config": {
+            "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "chat_template": LLAMA3_TEMPLATE,
+        },
+        "prepend_bos": True,
+    },
+    "qwen2": {
+        "specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        "config": {
+            "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+            "chat_template": CHATML_TEMPLATE,
+        },
+        "prepend_bos": False,
+    },
+}  # fmt: skip
+CORPUS = [
+    "What is 12 plus 7? The answer is 19. You are a helpful assistant. Hello there, how are you?",
+    "system user assistant: numbers 0 1 2 3 4 5 6 7 8 9 plus minus times equals",
+] * 20
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 3 plus 4?"}, {"role": "assistant", "content": "7"}],
+    [
+        {"role": "system", "content": "You answer sums."},
+        {"role": "user", "content": "12 plus 7?"},
+        {"role": "assistant", "content": " 19 "},
+        {"role": "user", "content": "and 1 plus 1?"},
+        {"role": "assistant", "content": "2, héllo"},
+    ],
+]
+
+
+def make_tokenizer_dir(path: Path, kind: str) -> Path:
+    """A Hugging Face tokenizer dir: tokenizer.json (a small byte-level BPE with the model's special
+    tokens; Llama 3's post-processor puts BOS first) and tokenizer_config.json with the template."""
+    import tokenizers as tk
+
+    spec = KINDS[kind]
+    tok = tk.Tokenizer(tk.models.BPE())
+    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tk.decoders.ByteLevel()
+    trainer = tk.trainers.BpeTrainer(
+        vocab_size=400, special_tokens=spec["specials"], show_progress=False,
+        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    if spec["prepend_bos"]:
+        bos = spec["config"]["bos_token"]
+        tok.post_processor = tk.processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))]
+        )
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    (path / "tokenizer_config.json").write_text(json.dumps(config | spec["config"]))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tokenizers")
+    return {kind: make_tokenizer_dir(root / kind, kind) for kind in KINDS}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_rendering_equals_transformers_apply_chat_template(tokenizer_dirs, kind):
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dirs[kind]))
+    chat = ChatFormat(BPETokenizer.from_file(tokenizer_dirs[kind]))
+    for messages in CONVERSATIONS:
+        expected = reference.apply_chat_template(messages, tokenize=True)
+        expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+        assert chat.render(messages) == reference.apply_chat_template(messages, tokenize=False)
+        ids, keep = chat.encode(messages)
+        boundary = [] if chat.framing.eos is None else [chat.framing.eos]
+        assert ids.tolist() == expected + boundary
+        # The kept tokens are the assistant turns' (as the template writes them), each with its end of turn
+        eot = reference.convert_tokens_to_ids({"llama3": "<|eot_id|>", "qwen2": "<|im_end|>"}[kind])
+        assert chat.end_of_turn == eot
+        kept = [ids[keep == 1]]
+        answers = [
+            m["content"].strip() if kind == "llama3" else m["content"]
+            for m in messages
+            if m["role"] == "assistant"
+        ]
+        assert reference.decode(np.concatenate(kept).tolist()) == "".join(
+            a + reference.decode([eot]) for a in answers
+        )
+        assert keep[ids == eot].sum() == len(answers)  # the users' and system's end of turn take no loss
+
+
+def test_boundaries_between_conversations(tokenizer_dirs):
+    llama = ChatFormat(BPETokenizer.from_file(tokenizer_dirs["llama3"]))
+    qwen = ChatFormat(BPETokenizer.from_file(tokenizer_dirs["qwen2"]))
+    tok_llama = BPETokenizer.from_file(tokenizer_dirs["llama3"])
+    assert (llama.framing.bos, llama.framing.eos) == (tok_llama.token_id("<|begin_of_text|>"), None)
+    # Qwen's eos_token <|im_end|> ends every turn: the conversation boundary is <|endoftext|>.
+    tok_qwen = BPETokenizer.from_file(tokenizer_dirs["qwen2"])
+    assert (qwen.framing.bos, qwen.framing.eos) == (None, tok_qwen.token_id("<|endoftext|>"))
+    # Plain documents are framed as the tokenizer frames a text: Llama's BOS first, its EOS last.
+    assert (tok_llama.framing.bos, tok_llama.framing.eos) == (
+        tok_llama.token_id("<|begin_of_text|>"),
+        tok_llama.token_id("<|eot_id|>"),
+    )
+
+
+def _write_rows(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def chat_data(tokenizer_dirs, tmp_path_factory):
+    """Llama-style conversations (one longer than a window), prepared with --chat."""
+    root = tmp_path_factory.mktemp("chat")
+    rng = np.random.default_rng(0)
+    rows = []
+    for _ in range(60):
+        a, b = (int(x) for x in rng.integers(0, 50, 2))
+        rows.append(
+            {
+                "messages": [
+                    {"role": "user", "content": f"{a} plus {b}?"},
+                    {"role": "assistant", "content": f"{a + b}"},
+                ]
+            }
+        )
+    rows.insert(5, {"messages": CONVERSATIONS[1] * 6})  # longer than a window of 32
+    src = _write_rows(root / "chats.jsonl", rows)
+    return prepare_chat([src], root / "out", str(tokenizer_dirs["llama3"]), seq_len=32, val_fraction=0.1)
+
+
+def test_conversations_are_packed_whole_with_their_masks(chat_data, tokenizer_dirs):
+    manifest = json.loads(chat_data.manifest_path.read_text())
+    tok = BPETokenizer.from_file(chat_data.manifest_path.parent)  # the copy beside the data
+    bos = tok.token_id("<|begin_of_text|>")
+    assert manifest["framing"] == {"bos": bos, "eos": None} and manifest["chat"]["seq_len"] == 32
+    assert chat_data.cut == 1 and chat_data.conversations == {"train": 55, "val": 6}
+    shards = sources.open_shards(str(chat_data.manifest_path), "train", tok.vocab_size, "auto", 32)
+    rows = shards.read(np.arange(shards.n_windows))
+    ids, no_loss = rows & TOKEN_BITS, (rows & NO_LOSS) != 0
+    # Each window's inputs start a conversation, but those the one longer than a window goes on in.
+    long, _ = ChatFormat(tok).encode(CONVERSATIONS[1] * 6)
+    starts = ids[:, 0] == bos
+    assert (~starts).sum() == (len(long) - 1) // 32
+    # Every conversation that starts in a window ends in it: its <|eot_id|> before the next BOS.
+    eot = tok.token_id("<|eot_id|>")
+    whole = starts & np.append(starts[1:], True)  # not the window the long one starts in
+    for row in ids[whole, :-1]:
+        docs = np.split(row, np.flatnonzero(row == bos)[1:])
+        assert all(d[-1] in (eot, bos) for d in docs if len(d) > 1)
+    # Kept tokens are answer digits and end-of-turn tokens only.
+    kept_ids = ids[:, :-1][~no_loss[:, :-1]]  # (a window's last token is the next one's first)
+    assert set(tok.decode(kept_ids.tolist())) <= set("0123456789 ,héllo"), tok.decode(kept_ids.tolist())
+    assert (
+        kept_ids == eot
+    ).sum() >= 60  # an end of turn per answer (54 + 12; the tail past the last window is dropped)
+    cfg = with_framing(
+        load_config(["--config", "configs/tiny.yaml", "--model.seq_len", "32"]),
+        [sources.Source("chats", 1.0, shards)],
+    )
+    assert cfg.loss_mask and (cfg.model.doc_bos, cfg.model.doc_eos) == (bos, -1)
+
+
+_STEPS: dict = {}  # (devices, accumulation) -> compiled steps and a fresh state: each compiles once
+
+
+def _step_losses(cfg, batch, devices, accum=1):
+    """(train loss, eval loss, grad norm) of one step from the same initial params."""
+    import dataclasses
+
+    key = (len(devices), accum)
+    if key not in _STEPS:
+        cfg = dataclasses.replace(cfg, gradient_accumulation_steps=accum)
+        mesh = mesh_lib.make_mesh(devices)
+        model = GPT(cfg.model, dtype=compute_dtype(cfg))
+        tx = make_optimizer(cfg)
+        state = create_state(cfg, model, tx, mesh)
+        _STEPS[key] = (mesh, state, *jit_steps(cfg, model, tx, mesh, state_sharding(mesh, state)))
+    mesh, state, train_step, eval_step = _STEPS[key]
+    global_batch = mesh_lib.global_batch(batch, mesh, batch.shape[0])
+    val = float(eval_step(state.params, global_batch))
+    _, metrics = train_step(jax.tree.map(lambda x: x.copy(), state), global_batch)  # it donates its state
+    return float(metrics["loss"]), val, float(metrics["grad_norm"])
+
+
+@pytest.fixture(scope="module")
+def masked_setup(chat_data):
+    tok = BPETokenizer.from_file(chat_data.manifest_path.parent)
+    shards = sources.open_shards(str(chat_data.manifest_path), "train", tok.vocab_size, "auto", 32)
+    argv = [
+        "--config", "configs/tiny.yaml", "--model.seq_len", "32", "--model.vocab_size", str(tok.vocab_size),
+        "--model.n_layer", "1", "--optim.warmup_steps", "0", "--batch_size", "8",
+    ]  # fmt: skip
+    cfg = with_framing(load_config(argv), [sources.Source("chats", 1.0, shards)])
+    return cfg, shards.read(np.arange(8)), tok
+
+
+def test_masked_loss_is_the_same_on_one_and_eight_devices_and_any_accumulation(masked_setup):
+    cfg, batch, _ = masked_setup
+    one = _step_losses(cfg, batch, jax.devices()[:1])
+    eight = _step_losses(cfg, batch, jax.devices(), accum=1)
+    two_by_four = _step_losses(cfg, batch, jax.devices()[:2], accum=4)
+    np.testing.assert_allclose(eight, one, rtol=2e-5)
+    np.testing.assert_allclose(two_by_four, one, rtol=2e-5)
+    # The loss is the mean over kept targets of the whole batch, not a mean of row means:
+    # by hand from the model's own logits.
+    model = GPT(cfg.model)
+    params = create_state(cfg, model, make_optimizer(cfg), mesh_lib.make_mesh(jax.devices()[:1])).params
+    ids = batch & TOKEN_BITS
+    logits = np.asarray(model.apply({"params": jax.device_get(params)}, ids[:, :-1]), np.float64)
+    logp = (
+        logits
+        - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+        - logits.max(-1, keepdims=True)
+    )
+    nll = -np.take_along_axis(logp, ids[:, 1:, None], -1)[..., 0]
+    kept = (batch[:, 1:] & NO_LOSS) == 0
+    assert kept.sum() and not kept.all()
+    np.testing.assert_allclose(one[1], nll[kept].mean(), rtol=1e-5)
+
+
+def test_nothing_kept_is_a_zero_loss_not_nan(masked_setup):
+    cfg, batch, _ = masked_setup
+    loss, val, norm = _step_losses(cfg, batch | NO_LOSS, jax.devices()[:2], accum=4)
+    assert (loss, val, norm) == (0.0, 0.0, 0.0)
+
+
+def test_the_users_tokens_before_a_conversation_do_not_change_its_loss(masked_setup):
+    """A user turn packed before a conversation: its tokens take no loss and the next conversation
+    never attends to them (document masking), so rewriting them leaves the loss as it was."""
+    cfg, batch, tok = masked_setup
+    rows = batch.copy()
+    bos = tok.token_id("<|begin_of_text|>")
+    changed = rows.copy()
+    for r in range(len(rows)):
+        ids = rows[r] & TOKEN_BITS
+        second = np.flatnonzero(ids == bos)
+        second = second[second > 0]
+        if not len(second):
+            continue
+        head = slice(1, second[0])  # the first conversation, after its BOS (all of it: turns and answers)
+        changed[r, head] = NO_LOSS | 7  # other tokens, no loss
+        rows[r, head] |= NO_LOSS  # the same conversation, taking no loss either
+    assert (changed != rows).any()
+    a, b = _step_losses(cfg, rows, jax.devices()[:1]), _step_losses(cfg, changed, jax.devices()[:1])
+    np.testing.assert_allclose(a[:2], b[:2], rtol=1e-6)
+
+
+def test_a_bad_row_is_one_line_naming_file_and_row_exit_2_nothing_written(tokenizer_dirs, tmp_path):
+    src = _write_rows(tmp_path / "bad.jsonl", [
+        {"messages": CONVERSATIONS[0]},
+        {"messages": [{"role": "wizard", "content": "hi"}]},
+    ])  # fmt: skip
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, "scripts/prepare_data.py", str(src), "--chat",
+         "--tokenizer", str(tokenizer_dirs["qwen2"]), "--seq_len", "32", "--out_dir", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"{src} row 2" in lines[0] and "'wizard'" in lines[0], lines
+    assert not out.exists() or not any(out.iterdir())
