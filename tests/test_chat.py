@@ -310,3 +310,70 @@ def test_a_bad_row_is_one_line_naming_file_and_row_exit_2_nothing_written(tokeni
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and f"{src} row 2" in lines[0] and "'wizard'" in lines[0], lines
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_sampling_stops_at_a_stop_token_and_predict_stops_at_the_ends_of_text_and_turn(tokenizer_dirs):
+    from jaxtrain.config import ModelConfig
+    from jaxtrain.model.generate import generate
+    from jaxtrain.run.tasks import _stop_tokens
+
+    cfg = ModelConfig(vocab_size=64, seq_len=32, n_layer=1, n_head=2, d_model=32, attention_impl="xla")
+    params = GPT(cfg).init(jax.random.key(0), np.zeros((1, 8), np.int32))["params"]
+    prompt = np.arange(3, 9, dtype=np.int32)
+    free = generate(params, cfg, prompt, 12, jax.random.key(1), temperature=0)
+    k = len(free) // 2
+    first = int(np.flatnonzero(free == free[k])[0])  # its first appearance
+    stopped = generate(params, cfg, prompt, 12, jax.random.key(1), temperature=0, stop={int(free[k])})
+    np.testing.assert_array_equal(stopped, free[:first])
+    llama, qwen = (BPETokenizer.from_file(tokenizer_dirs[k]) for k in ("llama3", "qwen2"))
+    assert _stop_tokens(llama) == {llama.token_id("<|eot_id|>")}
+    assert _stop_tokens(qwen) == {qwen.token_id("<|im_end|>"), qwen.token_id("<|endoftext|>")}
+
+
+def test_task_chat_answers_as_transformers_generate_in_the_window_given(tokenizer_dirs, tmp_path):
+    """--task chat on a Hugging Face Llama dir renders the prompt with its template and greedy
+    decodes what transformers' generate decodes; --model.seq_len 32 (the dir says 64) is taken."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from jaxtrain.run.tasks import _window
+
+    directory = tmp_path / "llama"
+    shutil.copytree(tokenizer_dirs["llama3"], directory)
+    reference = transformers.AutoTokenizer.from_pretrained(str(directory))
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=len(reference), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # off the init's near-flat logits, where greedy choices come down to rounding
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    model.save_pretrained(directory)
+    question = "What is 3 plus 4?"
+    done = subprocess.run(
+        [sys.executable, "scripts/train.py", "--task", "chat", "--resume_from", f"hf:{directory}",
+         "--temperature", "0", "--max_new_tokens", "8", "--model.seq_len", "32", "--run_dir", str(tmp_path)],
+        input=question, cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    (record,) = [json.loads(line) for line in (tmp_path / "chat_step0.jsonl").read_text().splitlines()]
+    assert record["prompt"] == question
+    ids = reference.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    with torch.no_grad():
+        model.generation_config.eos_token_id = reference.convert_tokens_to_ids("<|eot_id|>")
+        prompt = torch.tensor([ids])  # (a mask given: its BOS has id 0, which generate takes for padding)
+        out = model.generate(
+            prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=8
+        )
+    assert record["completion"] == reference.decode(out[0, len(ids) :], skip_special_tokens=True)
+    from jaxtrain.config import ModelConfig
+
+    saved = ModelConfig(seq_len=64)
+    assert _window(saved, 32).seq_len == 32 and _window(saved, 256) == saved  # 256: the default, not given
+    with pytest.raises(Exception, match="pass at most 64"):
+        _window(saved, 128)

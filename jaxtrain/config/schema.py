@@ -148,7 +148,8 @@ class DdpConfig:
 @dataclass(frozen=True)
 class Config:
     name: str = "default"  # the run's name: its run dir (runs/<name>) and wandb name
-    # train | test (loss and perplexity of --resume_from) | predict (generate from --resume_from)
+    # train | test (loss and perplexity of --resume_from) | predict (generate from --resume_from) |
+    # chat (answer --prompt, or standard input, as a user turn of the tokenizer's chat template)
     task: str = "train"
     run_dir: str = ""  # "" means runs/<name> (test, predict: the checkpoint's run dir)
     overwrite: bool = False  # start fresh even if run_dir holds a different run
@@ -187,7 +188,7 @@ class Config:
     init_from: str = ""  # a new run starting from that checkpoint's params (fresh optimizer, step 0)
     # test and predict tasks (jaxtrain/run/tasks.py)
     test_data_path: str = ""  # "" = valid_data_path, else the checkpoint's validation data
-    prompt: str = ""  # --task predict: text to continue
+    prompt: str = ""  # --task predict: text to continue; --task chat: the user turn
     prompt_file: str = ""  # one prompt per line
     max_new_tokens: int = 256  # tokens --task predict generates per prompt
     temperature: float = 0.8  # sampling temperature (predict and the end-of-run sample)
@@ -227,7 +228,7 @@ class Config:
 
 
 _CHOICES = {
-    "task": ("train", "test", "predict"),
+    "task": ("train", "test", "predict", "chat"),
     "optim.name": ("adamw", "muon"),
     "dtype": ("float32", "bfloat16", "float16"),
     "token_dtype": TOKEN_DTYPES,
@@ -360,9 +361,9 @@ def _check_task(cfg: Config) -> None:
         raise ConfigError(
             f"--task {cfg.task} needs --resume_from CHECKPOINT (a step dir, or a run's checkpoints/ dir)"
         )
-    if cfg.task == "predict" and cfg.prompt and cfg.prompt_file:
+    if cfg.task in ("predict", "chat") and cfg.prompt and cfg.prompt_file:
         raise ConfigError(
-            "--task predict takes --prompt TEXT or --prompt_file FILE (one prompt a line), not both"
+            f"--task {cfg.task} takes --prompt TEXT or --prompt_file FILE (one prompt a line), not both"
         )
     if cfg.init_from and (cfg.task != "train" or cfg.resume_from):
         raise ConfigError(
