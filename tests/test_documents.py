@@ -6,14 +6,21 @@ with the tokenizer's own boundary tokens and records them in the manifest.
 """
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from chat_tokenizers import KINDS, make_tokenizer_dir
 
-from jaxtrain.config import ModelConfig
+from jaxtrain.config import ModelConfig, load_config
+from jaxtrain.data import sources
+from jaxtrain.data.framing import with_framing
+from jaxtrain.errors import DataError
 from jaxtrain.model.transformer import GPT
+from jaxtrain.prepare.shards import prepare_corpus
+from jaxtrain.tokenizer import BPETokenizer
 
 BOS, EOS = 1, 2
 
@@ -64,3 +71,71 @@ def test_packed_documents_compute_as_each_alone(name, bos, eos):
     plain = GPT(dataclasses.replace(cfg, doc_bos=-1, doc_eos=-1), jnp.float32)
     unmasked = np.asarray(jax.jit(plain.apply)({"params": params}, jnp.asarray(rows[:1])))[0]
     assert np.abs(unmasked[len(docs[0]) :] - alone[len(docs[0]) :]).max() > 1e-3
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tokenizers")
+    return {kind: make_tokenizer_dir(root / kind, kind) for kind in KINDS}
+
+
+DOCS = ["What is 12 plus 7?", "Hello there.\n\nHow are you?", "système"]
+
+
+def _inputs(root):
+    jsonl = root / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    txt = root / "notes.txt"
+    txt.write_text("line one\nline two\n")
+    return [jsonl, txt]
+
+
+def test_prepare_frames_each_document_with_the_tokenizers_own_tokens(tokenizer_dirs, tmp_path):
+    out = tmp_path / "out"
+    prepare_corpus(_inputs(tmp_path), out, tokenizer=str(tokenizer_dirs["llama3"]), val_fraction=0, workers=1)
+    tok = BPETokenizer.from_file(out)  # tokenizer.json and its config, copied beside the data
+    bos, eos = tok.token_id("<|begin_of_text|>"), tok.token_id("<|eot_id|>")
+    assert json.loads((out / "manifest.json").read_text())["framing"] == {"bos": bos, "eos": eos}
+    plain = [tok.encode_offsets(t)[0] for t in [*DOCS, "line one\nline two\n"]]  # a text file: one document
+    expected = np.concatenate([np.concatenate([[bos], ids, [eos]]) for ids in plain])
+    np.testing.assert_array_equal(np.fromfile(out / "train.bin", np.uint16), expected)
+
+
+def test_a_bpe_trained_here_ends_each_document_with_its_end_of_text_and_bytes_keep_a_blank_line(tmp_path):
+    bpe, byte = tmp_path / "bpe", tmp_path / "byte"
+    prepare_corpus(_inputs(tmp_path), bpe, tokenizer="bpe", vocab_size=300, val_fraction=0, workers=1)
+    tok = BPETokenizer.from_file(bpe / "tokenizer.json")
+    end = tok.token_id("<|endoftext|>")
+    assert json.loads((bpe / "manifest.json").read_text())["framing"] == {"bos": None, "eos": end}
+    ids = np.fromfile(bpe / "train.bin", np.uint16)
+    assert (ids == end).sum() == len(DOCS) + 1 and ids[-1] == end
+    assert tok.decode(ids[: np.flatnonzero(ids == end)[0]].tolist()) == DOCS[0]
+    # Bytes have no id to spare: documents stay separated by a blank line, as before.
+    prepare_corpus(_inputs(tmp_path), byte, val_fraction=0, workers=1)
+    assert json.loads((byte / "manifest.json").read_text())["framing"] == {"bos": None, "eos": None}
+    text = np.fromfile(byte / "train.bin", np.uint16).astype(np.uint8).tobytes()
+    assert text.startswith(f"{DOCS[0]}\n\n{DOCS[1]}\n\n".encode())
+
+
+def test_runs_take_boundaries_from_the_data_and_refuse_data_framed_otherwise(tokenizer_dirs, tmp_path):
+    made = {}
+    for kind in KINDS:
+        prepare_corpus(
+            _inputs(tmp_path), tmp_path / kind, tokenizer=str(tokenizer_dirs[kind]), val_fraction=0
+        )
+        made[kind] = sources.Source(
+            kind, 1.0, sources.open_shards(str(tmp_path / kind / "manifest.json"), "train", 512, "auto", 8)
+        )
+    llama = BPETokenizer.from_file(tokenizer_dirs["llama3"])
+    cfg = load_config(["--config", "configs/tiny.yaml", "--model.seq_len", "8"])
+    framed = with_framing(cfg, [made["llama3"]], llama)
+    assert (framed.model.doc_bos, framed.model.doc_eos) == (llama.framing.bos, llama.framing.eos)
+    assert not framed.loss_mask
+    off = with_framing(dataclasses.replace(cfg, document_mask="off"), [made["llama3"]], llama)
+    assert (off.model.doc_bos, off.model.doc_eos) == (-1, -1)
+    with pytest.raises(
+        DataError, match=r"data source qwen2 is framed with bos None, eos \d+ but the model's"
+    ):
+        with_framing(cfg, [made["qwen2"]], llama)
+    with pytest.raises(DataError, match="prepare every source with the same tokenizer"):
+        with_framing(cfg, [made["llama3"], made["qwen2"]])
