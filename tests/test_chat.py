@@ -21,7 +21,7 @@ from jaxtrain.config import load_config
 from jaxtrain.data import sources
 from jaxtrain.data.framing import with_framing
 from jaxtrain.model.transformer import GPT
-from jaxtrain.prepare.chat import ChatFormat, prepare_chat
+from jaxtrain.prepare.chat import ChatFormat, prepare_chat, stop_tokens
 from jaxtrain.prepare.format import NO_LOSS, TOKEN_BITS
 from jaxtrain.run import mesh as mesh_lib
 from jaxtrain.run.optim import make_optimizer
@@ -243,7 +243,6 @@ def test_a_bad_row_is_one_line_naming_file_and_row_exit_2_nothing_written(tokeni
 def test_sampling_stops_at_a_stop_token_and_predict_stops_at_the_ends_of_text_and_turn(tokenizer_dirs):
     from jaxtrain.config import ModelConfig
     from jaxtrain.model.generate import generate
-    from jaxtrain.run.tasks import _stop_tokens
 
     cfg = ModelConfig(vocab_size=64, seq_len=32, n_layer=1, n_head=2, d_model=32, attention_impl="xla")
     params = GPT(cfg).init(jax.random.key(0), np.zeros((1, 8), np.int32))["params"]
@@ -254,8 +253,8 @@ def test_sampling_stops_at_a_stop_token_and_predict_stops_at_the_ends_of_text_an
     stopped = generate(params, cfg, prompt, 12, jax.random.key(1), temperature=0, stop={int(free[k])})
     np.testing.assert_array_equal(stopped, free[:first])
     llama, qwen = (BPETokenizer.from_file(tokenizer_dirs[k]) for k in ("llama3", "qwen2"))
-    assert _stop_tokens(llama) == {llama.token_id("<|eot_id|>")}
-    assert _stop_tokens(qwen) == {qwen.token_id("<|im_end|>"), qwen.token_id("<|endoftext|>")}
+    assert stop_tokens(llama) == {llama.token_id("<|eot_id|>")}
+    assert stop_tokens(qwen) == {qwen.token_id("<|im_end|>"), qwen.token_id("<|endoftext|>")}
 
 
 def test_task_chat_answers_as_transformers_generate_in_the_window_given(tokenizer_dirs, tmp_path):

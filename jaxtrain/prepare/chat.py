@@ -167,6 +167,15 @@ def check_messages(row: Any, key: str) -> list[dict[str, Any]]:
     return messages
 
 
+def stop_tokens(tokenizer: Any) -> set[int]:
+    """Where a sample ends: the tokenizer's end of text and its chat template's end of turn."""
+    ends = {tokenizer.framing.eos}
+    if getattr(tokenizer, "chat_template", ""):
+        chat = ChatFormat(tokenizer)
+        ends |= {chat.end_of_turn, chat.framing.eos}
+    return {t for t in ends if t is not None}
+
+
 def chat_framing(tok: BPETokenizer) -> Framing:
     """How --chat frames conversations with this tokenizer (Framing() when it has no template)."""
     return ChatFormat(tok).framing if tok.chat_template else Framing()

@@ -46,7 +46,7 @@ from jaxtrain.disk.files import require_writable, write_text
 from jaxtrain.errors import UserError
 from jaxtrain.model.generate import generate
 from jaxtrain.observe import metrics
-from jaxtrain.prepare.chat import ChatFormat
+from jaxtrain.prepare.chat import ChatFormat, stop_tokens
 from jaxtrain.run import evaluate, start
 from jaxtrain.run import mesh as mesh_lib
 from jaxtrain.run.build import Run, build
@@ -190,15 +190,6 @@ def _unconditional_start(tokenizer: Any) -> np.ndarray:
     return ids if len(ids) else tokenizer.encode("\n")
 
 
-def _stop_tokens(tokenizer: Any) -> set[int]:
-    """Where a sample ends: the tokenizer's end of text and its chat template's end of turn."""
-    ends = {tokenizer.framing.eos}
-    if getattr(tokenizer, "chat_template", ""):
-        chat = ChatFormat(tokenizer)
-        ends |= {chat.end_of_turn, chat.framing.eos}
-    return {t for t in ends if t is not None}
-
-
 def predict(cfg: Config, launch: LaunchSpec) -> list[dict[str, Any]]:
     """Generate after each prompt with the checkpoint's model (--task chat: rendered as a user
     turn of its chat template); process 0 prints and writes them."""
@@ -216,7 +207,7 @@ def predict(cfg: Config, launch: LaunchSpec) -> list[dict[str, Any]]:
     chat = ChatFormat(tokenizer) if cfg.task == "chat" and isinstance(tokenizer, BPETokenizer) else None
     if cfg.task == "chat" and chat is None:
         raise UserError("--task chat needs the model's tokenizer with a chat_template; bytes have none")
-    stop = _stop_tokens(tokenizer)
+    stop = stop_tokens(tokenizer)
     params = mesh_lib.host_copy(params)  # a collective: every process takes part
     if not run.job.is_main:
         return []
