@@ -201,3 +201,44 @@ def test_flops_of_a_matmul_and_of_fused_attention():
     assert hlo.flops(fwd, {}, {}) == 4 * (2 * 1024 * 8 * 64) * 1024 * 0.5
     bwd = hlo.Op("b", fwd.shape, "custom-call", [], fwd.attrs.replace("fmhaSoftmax", "fmhaSoftmaxBackward"))
     assert hlo.flops(bwd, {}, {}) == 2.5 * hlo.flops(fwd, {}, {})
+
+
+# The microbatch loop as XLA's GPU compiler leaves it: no known_trip_count; `i < 3` from 0.
+LOOP_HLO = """HloModule jit_step, is_scheduled=true
+
+%compare_fused (p: s32[]) -> pred[] {
+  %p = s32[] parameter(0)
+  %three = s32[] constant(3)
+  ROOT %lt = pred[] compare(%p, %three), direction=LT
+}
+
+%cond (c: (s32[], f32[1024])) -> pred[] {
+  %c = (s32[], f32[1024]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%c), index=0
+  ROOT %f = pred[] fusion(%i), kind=kLoop, calls=%compare_fused
+}
+
+%body (c: (s32[], f32[1024])) -> (s32[], f32[1024]) {
+  %c = (s32[], f32[1024]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%c), index=0
+  %x = f32[1024]{0} get-tuple-element(%c), index=1
+  %y = f32[1024]{0} exponential(%x)
+  ROOT %t = (s32[], f32[1024]{0}) tuple(%i, %y)
+}
+
+ENTRY %main (x: f32[1024]) -> (s32[], f32[1024]) {
+  %x = f32[1024]{0} parameter(0)
+  %zero = s32[] constant(0)
+  %start = s32[] copy(%zero)
+  %init = (s32[], f32[1024]{0}) tuple(%start, %x)
+  ROOT %loop = (s32[], f32[1024]{0}) while(%init), condition=%cond, body=%body
+}
+"""
+
+
+def test_a_loop_without_a_known_trip_count_runs_as_its_condition_says():
+    program = hlo.Program(LOOP_HLO)
+    entry = program.comps[program.entry]
+    assert program.trip_count(entry["loop"], entry) == 3
+    layout = hlo.Placement(("data", "fsdp", "tensor"), (1, 1, 1), [0])
+    assert plan._Walker(LOOP_HLO, layout).tally().written == 3 * 1024 * 4 + 4  # + the copy of i

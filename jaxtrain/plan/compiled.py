@@ -95,7 +95,7 @@ class _Walker:
         for op in ops.values():
             body, callee = program.body(op), program.callee(op)
             if op.opcode == "while" and body:
-                tally.add(self._walk(body, mult * program.trip_count(op)))
+                tally.add(self._walk(body, mult * program.trip_count(op, ops)))
             elif op.opcode == "conditional":
                 tally.add(_Tally.most_of([self._walk(n, mult) for n in program.branches(op)]))
             elif op.opcode in ("call", "async-start") and callee:

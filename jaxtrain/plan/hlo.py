@@ -41,6 +41,7 @@ class Op:
     opcode: str
     operands: list[str]
     attrs: str
+    args: str = ""  # the text inside the op's parentheses: a constant's value
 
 
 def _balanced(text: str, start: int) -> int:
@@ -64,7 +65,7 @@ def parse_op(line: str) -> Op | None:
     opcode = rest[:paren]
     close = _balanced(rest, paren)
     operands = re.findall(r"%([\w.\-]+)", rest[paren:close])
-    return Op(m.group(1), shape, opcode, operands, rest[close:])
+    return Op(m.group(1), shape, opcode, operands, rest[close:], rest[paren + 1 : close - 1])
 
 
 def parse_hlo(hlo: str) -> tuple[dict[str, dict[str, Op]], dict[str, str], str]:
@@ -223,10 +224,39 @@ class Program:
     def __init__(self, text: str) -> None:
         self.comps, self.roots, self.entry = parse_hlo(text)
 
-    def trip_count(self, op: Op) -> int:
-        """How often a while loop runs its body (XLA records it for scans and fori loops)."""
+    def trip_count(self, op: Op, ops: dict[str, Op]) -> int:
+        """How often a while loop runs its body: XLA's known_trip_count, else read from the loop
+        itself (`i < N` in its condition, i starting at a constant: the microbatch loop), else 1."""
         trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', op.attrs)
-        return int(trip.group(1)) if trip else 1
+        if trip:
+            return int(trip.group(1))
+        cond = re.search(r"condition=%([\w.\-]+)", op.attrs)
+        bound = self._compared_constant(cond.group(1)) if cond else None
+        if bound is None:
+            return 1
+        init = 0
+        start = ops.get(op.operands[0]) if op.operands else None
+        if start is not None and start.opcode == "tuple" and start.operands:
+            first = ops.get(start.operands[0])
+            while first is not None and first.opcode == "copy" and first.operands:
+                first = ops.get(first.operands[0])
+            if first is not None and first.opcode == "constant" and re.fullmatch(r"-?\d+", first.args):
+                init = int(first.args)
+        return max(1, bound - init)
+
+    def _compared_constant(self, comp: str) -> int | None:
+        """N in a loop condition `i < N` (directly or inside the fusion it calls)."""
+        for op in self.comps.get(comp, {}).values():
+            if op.opcode == "compare" and "direction=LT" in op.attrs:
+                for name in op.operands:
+                    const = self.comps[comp].get(name)
+                    if const and const.opcode == "constant" and re.fullmatch(r"-?\d+", const.args):
+                        return int(const.args)
+            if op.opcode == "fusion" and (callee := self.callee(op)):
+                found = self._compared_constant(callee)
+                if found is not None:
+                    return found
+        return None
 
     def body(self, op: Op) -> str | None:
         m = re.search(r"body=%([\w.\-]+)", op.attrs)

@@ -73,7 +73,7 @@ class Replay:
         for op in ops.values():
             code, body, callee = op.opcode, program.body(op), program.callee(op)
             if code == "while" and body:
-                for _ in range(program.trip_count(op)):
+                for _ in range(program.trip_count(op, ops)):
                     self._run(body, clock)
             elif code == "conditional":
                 runs = []
