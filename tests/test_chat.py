@@ -304,3 +304,34 @@ def test_task_chat_answers_as_transformers_generate_in_the_window_given(tokenize
     assert _window(saved, 32).seq_len == 32 and _window(saved, 256) == saved  # 256: the default, not given
     with pytest.raises(Exception, match="pass at most 64"):
         _window(saved, 128)
+
+
+def test_a_run_on_chat_data_takes_its_mask_and_boundaries_and_test_reads_them_too(chat_data, tmp_path):
+    """The whole loop, in this process: the manifest sets loss_mask and model.doc_bos, the run
+    trains and evaluates, and --task test on its checkpoint takes the same mask."""
+    import math
+
+    import yaml
+
+    from jaxtrain.cluster.detect import detect
+    from jaxtrain.config import DistConfig
+    from jaxtrain.run.loop import train
+    from jaxtrain.run.tasks import evaluate_checkpoint
+
+    tok = BPETokenizer.from_file(chat_data.manifest_path.parent)
+    run_dir = tmp_path / "run"
+    cfg = load_config([
+        "--config", "configs/tiny.yaml", "--train_data_path", str(chat_data.manifest_path),
+        "--model.seq_len", "32", "--model.vocab_size", str(tok.vocab_size), "--model.n_layer", "1",
+        "--batch_size", "8", "--total_steps", "2", "--eval_interval", "2", "--eval_batches", "1",
+        "--checkpoint_interval", "2", "--run_dir", str(run_dir),
+    ])  # fmt: skip
+    single = detect(DistConfig(), {})
+    result = train(cfg, single)
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["loss_mask"] and saved["model"]["doc_bos"] == tok.token_id("<|begin_of_text|>")
+    assert math.isfinite(result.last_loss) and math.isfinite(result.val_loss)
+    tested = evaluate_checkpoint(
+        load_config(["--task", "test", "--resume_from", str(run_dir / "checkpoints")]), single
+    )
+    assert math.isfinite(tested["loss"]) and 0 < tested["loss"] < 2 * math.log(tok.vocab_size)

@@ -18,6 +18,7 @@ from jaxtrain.config import ModelConfig, load_config
 from jaxtrain.data import sources
 from jaxtrain.data.framing import with_framing
 from jaxtrain.errors import DataError
+from jaxtrain.model.documents import documents
 from jaxtrain.model.transformer import GPT
 from jaxtrain.prepare.shards import prepare_corpus
 from jaxtrain.tokenizer import BPETokenizer
@@ -47,9 +48,19 @@ MODELS = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "name,bos,eos", [("llama", BOS, -1), ("gpt_learned_scan", -1, EOS), ("llama", BOS, EOS)]
-)
+def test_segments_and_positions_from_boundary_tokens():
+    tokens = jnp.asarray([[5, BOS, 5, 5, EOS, BOS, 5, EOS, 5]])
+    cases = {
+        (BOS, -1): ([0, 1, 1, 1, 1, 2, 2, 2, 2], [0, 0, 1, 2, 3, 0, 1, 2, 3]),
+        (-1, EOS): ([0, 0, 0, 0, 0, 1, 1, 1, 2], [0, 1, 2, 3, 4, 0, 1, 2, 0]),
+        (BOS, EOS): ([0, 1, 1, 1, 1, 3, 3, 3, 4], [0, 0, 1, 2, 3, 0, 1, 2, 0]),
+    }
+    for (bos, eos), (segments, positions) in cases.items():
+        doc = documents(tokens, bos, eos)
+        assert doc.segments[0].tolist() == segments and doc.positions[0].tolist() == positions
+
+
+@pytest.mark.parametrize("name,bos,eos", [("llama", BOS, -1), ("gpt_learned_scan", -1, EOS)])
 def test_packed_documents_compute_as_each_alone(name, bos, eos):
     cfg = dataclasses.replace(MODELS[name], doc_bos=bos, doc_eos=eos)
     docs = _docs(np.random.default_rng(0), [7, 12, 5], bos, eos)
@@ -65,8 +76,6 @@ def test_packed_documents_compute_as_each_alone(name, bos, eos):
     out = np.asarray(jax.jit(model.apply)({"params": params}, jnp.asarray(rows)))
     alone = np.concatenate([out[1 + i, : len(d)] for i, d in enumerate(docs)])
     np.testing.assert_allclose(out[0], alone, atol=1e-5, rtol=0)
-    if bos >= 0 and eos >= 0:
-        return
     # Without the mask the later documents attend to the earlier ones: the test can tell.
     plain = GPT(dataclasses.replace(cfg, doc_bos=-1, doc_eos=-1), jnp.float32)
     unmasked = np.asarray(jax.jit(plain.apply)({"params": params}, jnp.asarray(rows[:1])))[0]

@@ -55,7 +55,7 @@ def compute_dtype(cfg: Config) -> Any:
 
 def _token_loss(model: GPT, params: Any, rows: jax.Array, share: jax.Array | None = None) -> jax.Array:
     """Mean next-token cross-entropy of rows [b, T+1], in float32. With a loss mask (`share`, see
-    `_kept_share`): the sum over the targets that take loss (no NO_LOSS bit), divided by `share`."""
+    `_ParamLayout.kept_share`): the sum over the targets that take loss (no NO_LOSS bit) over `share`."""
     tokens = rows & TOKEN_BITS
     logits = model.apply({"params": params}, tokens[:, :-1])
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
