@@ -335,3 +335,17 @@ def test_a_run_on_chat_data_takes_its_mask_and_boundaries_and_test_reads_them_to
         load_config(["--task", "test", "--resume_from", str(run_dir / "checkpoints")]), single
     )
     assert math.isfinite(tested["loss"]) and 0 < tested["loss"] < 2 * math.log(tok.vocab_size)
+
+
+def test_parquet_rows_give_what_the_same_jsonl_rows_give(tokenizer_dirs, tmp_path):
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    rows = [{"messages": m} for m in CONVERSATIONS * 3]
+    pq.write_table(pa.table({"messages": [r["messages"] for r in rows]}), tmp_path / "chats.parquet")
+    out = {}
+    for name, src in (
+        ("jsonl", _write_rows(tmp_path / "chats.jsonl", rows)),
+        ("parquet", tmp_path / "chats.parquet"),
+    ):
+        prepare_chat([src], tmp_path / name, str(tokenizer_dirs["qwen2"]), seq_len=32, val_fraction=0)
+        out[name] = [(tmp_path / name / f).read_bytes() for f in ("train.bin", "train.mask")]
+    assert out["jsonl"] == out["parquet"] and out["jsonl"][1].count(1) > 0

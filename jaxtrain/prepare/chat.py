@@ -268,7 +268,7 @@ def prepare_chat(
         )
     tok = BPETokenizer.from_file(tokenizer)
     chat = ChatFormat(tok)
-    files = inputs.describe(inputs.find_files([str(i) for i in inputs_], "*.jsonl,*.parquet"), "text")
+    files = inputs.describe(inputs.find_files([str(i) for i in inputs_], "*.jsonl,*.parquet"), None)
     t0 = time.perf_counter()
     encoded: list[tuple[np.ndarray, np.ndarray]] = []
     for file in files:

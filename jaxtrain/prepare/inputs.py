@@ -93,8 +93,9 @@ def _parquet(path: Path) -> Any:
         ) from None
 
 
-def describe(paths: list[Path], text_column: str) -> list[InputFile]:
-    """Size, kind and (parquet) row groups of each input; empty files and missing columns are refused."""
+def describe(paths: list[Path], text_column: str | None) -> list[InputFile]:
+    """Size, kind and (parquet) row groups of each input; empty files and missing text columns are
+    refused (text_column None: no text column is read, as with --chat's messages)."""
     out = []
     for path in paths:
         size, kind = path.stat().st_size, _kind(path)
@@ -104,12 +105,13 @@ def describe(paths: list[Path], text_column: str) -> list[InputFile]:
         if kind == "parquet":
             pf = _parquet(path)
             schema = pf.schema_arrow
-            if text_column not in schema.names:
+            if text_column is not None and text_column not in schema.names:
                 raise UserError(
                     f"{path} has no column '{text_column}' (columns: {', '.join(schema.names)}); "
                     "pass --text_column NAME"
                 )
-            if str(schema.field(text_column).type) not in ("string", "large_string", "string_view"):
+            text = ("string", "large_string", "string_view")
+            if text_column is not None and str(schema.field(text_column).type) not in text:
                 raise UserError(
                     f"{path} column '{text_column}' holds {schema.field(text_column).type}, not text; "
                     "pass --text_column NAME"
