@@ -47,7 +47,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--glob", default=DEFAULT_GLOB, help=f"file name patterns inside folders (default: {DEFAULT_GLOB})"
     )
     p.add_argument("--val_fraction", type=float, default=0.01, help="share of bytes held out (default 0.01)")
-    p.add_argument("--tokenizer", default="byte", help="byte, bpe (trained here), or a tokenizer.json file")
+    p.add_argument(
+        "--tokenizer",
+        default="byte",
+        help="byte, bpe (trained here), a tokenizer.json or a Hugging Face folder",
+    )
     p.add_argument("--vocab_size", type=int, default=0, help="BPE vocabulary size (with --tokenizer bpe)")
     p.add_argument(
         "--shard_tokens", type=int, default=0, help="tokens per shard; 0 = one train.bin and val.bin"
