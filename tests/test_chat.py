@@ -65,6 +65,33 @@ def test_rendering_equals_transformers_apply_chat_template(tokenizer_dirs, kind)
         assert keep[ids == eot].sum() == len(answers)  # the users' and system's end of turn take no loss
 
 
+def test_a_template_with_generation_tags_renders_as_transformers_renders_it(tokenizer_dirs, tmp_path):
+    """transformers' {% generation %} tag (templates that mark assistant text for its own masks)."""
+    import shutil
+
+    transformers = pytest.importorskip("transformers")
+    directory = tmp_path / "tagged"
+    shutil.copytree(tokenizer_dirs["qwen2"], directory)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    turn = "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    tagged = (
+        "{{'<|im_start|>' + message['role'] + '\n'}}{% if message['role'] == 'assistant' %}{% generation %}"
+        "{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{% else %}{{ message['content'] + "
+        "'<|im_end|>' }}{% endif %}{{ '\n' }}"
+    )
+    assert turn in config["chat_template"]
+    config["chat_template"] = config["chat_template"].replace(turn, tagged)
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    reference = transformers.AutoTokenizer.from_pretrained(str(directory))
+    chat = ChatFormat(BPETokenizer.from_file(directory))
+    for messages in CONVERSATIONS:
+        assert chat.render(messages) == reference.apply_chat_template(messages, tokenize=False)
+        theirs = reference.apply_chat_template(messages, return_assistant_tokens_mask=True, return_dict=True)
+        ids, keep = chat.encode(messages)
+        assert ids[:-1].tolist() == list(theirs["input_ids"])  # (ours ends with <|endoftext|>)
+        assert keep[:-1].tolist() == list(theirs["assistant_masks"])  # the same mask as transformers'
+
+
 def test_boundaries_between_conversations(tokenizer_dirs):
     llama = ChatFormat(BPETokenizer.from_file(tokenizer_dirs["llama3"]))
     qwen = ChatFormat(BPETokenizer.from_file(tokenizer_dirs["qwen2"]))

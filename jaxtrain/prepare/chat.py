@@ -55,12 +55,27 @@ def _template(source: str) -> Any:
     try:
         import jinja2
         import jinja2.ext
+        import jinja2.nodes
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
         raise UserError("--chat needs jinja2: pip install -e '.[chat]'") from None
 
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
+
+    class Generation(jinja2.ext.Extension):
+        """{% generation %}...{% endgeneration %} (transformers' assistant-mask tag): its body as is.
+        The mask here comes from rendering turn by turn, so templates without the tag mask too."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return str(caller())
 
     def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
                sort_keys: bool = False) -> str:  # fmt: skip
@@ -70,7 +85,7 @@ def _template(source: str) -> Any:
         )
 
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
