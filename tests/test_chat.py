@@ -182,9 +182,9 @@ def _step_losses(cfg, batch, devices, accum=1):
         _STEPS[key] = (mesh, state, *jit_steps(cfg, model, tx, mesh, state_sharding(mesh, state)))
     mesh, state, train_step, eval_step = _STEPS[key]
     global_batch = mesh_lib.global_batch(batch, mesh, batch.shape[0])
-    val = float(eval_step(state.params, global_batch))
+    val, _ = eval_step(state.params, global_batch)  # (loss, kept targets) with a mask
     _, metrics = train_step(jax.tree.map(lambda x: x.copy(), state), global_batch)  # it donates its state
-    return float(metrics["loss"]), val, float(metrics["grad_norm"])
+    return float(metrics["loss"]), float(val), float(metrics["grad_norm"])
 
 
 @pytest.fixture(scope="module")
@@ -219,6 +219,19 @@ def test_masked_loss_is_the_same_on_one_device_and_on_eight_with_accumulation(ma
     kept = (batch[:, 1:] & NO_LOSS) == 0
     assert kept.sum() and not kept.all()
     np.testing.assert_allclose(one[1], nll[kept].mean(), rtol=1e-5)
+    # Evaluation over several batches: the mean over every kept target, each batch weighed by its
+    # count (here the second batch keeps only its first two rows' targets).
+    from types import SimpleNamespace
+
+    from jaxtrain.run.evaluate import mean_loss
+
+    mesh, state, _, eval_step = _STEPS[(1, 1)]
+    second = batch.copy()
+    second[2:] |= NO_LOSS
+    run = SimpleNamespace(eval_step=eval_step, mesh=mesh, cfg=cfg)
+    both = mean_loss(run, state.params, [batch, second])
+    kept2 = (second[:, 1:] & NO_LOSS) == 0
+    np.testing.assert_allclose(both, np.concatenate([nll[kept], nll[kept2]]).mean(), rtol=1e-5)
 
 
 def test_nothing_kept_is_a_zero_loss_not_nan(masked_setup):

@@ -140,14 +140,18 @@ class _ParamLayout:
         with nn.logical_axis_rules(self.rules):
             return _token_loss(self.model(model), params, rows, share)
 
-    def kept_share(self, rows: jax.Array, accum: int) -> jax.Array:
-        """A loss-masked batch's kept targets, counted over the whole global batch, per microbatch
-        of each shard: each microbatch's loss is its kept sum over this, so the mean over
-        microbatches and shards (what the step takes) is the global kept sum over the global kept
-        count, however the batch is split. A batch keeping nothing has loss 0, not NaN."""
+    def kept(self, rows: jax.Array) -> jax.Array:
+        """How many targets of the whole global batch take loss (a loss-masked batch)."""
         kept = jnp.sum((rows[:, 1:] & NO_LOSS) == 0).astype(jnp.float32)
         if self.data * self.fsdp > 1:  # see `mean`: nothing to add up over one shard
             kept = jax.lax.psum(kept, mesh_lib.BATCH_AXES)
+        return kept
+
+    def kept_share(self, kept: jax.Array, accum: int) -> jax.Array:
+        """The global batch's kept count per microbatch of each shard: each microbatch's loss is its
+        kept sum over this, so the mean over microbatches and shards (what the step takes) is the
+        global kept sum over the global kept count, however the batch is split. A batch keeping
+        nothing has loss 0, not NaN."""
         return jnp.maximum(kept, 1.0) / (accum * self.data * self.fsdp)
 
     def mean(self, tree: Any) -> Any:
@@ -225,7 +229,7 @@ def make_train_step(
     ) -> tuple[Any, jax.Array]:
         if faults.nan_step > 0:  # test-only fault, traced only when asked for
             scale = poison_gradients(faults, scale, step, jax.lax.axis_index(mesh_lib.BATCH_AXES) == 0)
-        share = layout.kept_share(rows, accum) if masked else None
+        share = layout.kept_share(layout.kept(rows), accum) if masked else None
         grads, loss = _local_grads(model, layout, accum, params, rows, scale, share)
         return layout.reduce_grads(grads), layout.mean(loss)
 
@@ -292,23 +296,27 @@ def make_eval_step(
     """eval_step(params, batch) -> mean loss over the global batch, taken in `accum` microbatches
     of the train step's device batch, one after another: evaluation fits wherever training does
     (the whole batch at once needed 145 GB per device for llama3_8b on 8 H100s). masked: the
-    batch carries a loss mask, and the loss is the train step's (over kept targets)."""
+    batch carries a loss mask, the loss is the train step's (over kept targets), and the step
+    returns (loss, kept count), so evaluations over several batches weigh each by its count."""
     layout = _ParamLayout(mesh, param_specs, model.dtype)
 
-    def device_loss(params: Any, rows: jax.Array) -> jax.Array:
-        share = layout.kept_share(rows, accum) if masked else None
+    def device_loss(params: Any, rows: jax.Array) -> Any:
+        kept = layout.kept(rows) if masked else None
+        share = None if kept is None else layout.kept_share(kept, accum)
         if accum == 1:
-            return layout.mean(layout.loss(model, params, rows, share))
-        micro = rows.reshape(accum, rows.shape[0] // accum, rows.shape[1])
-        # Equal microbatches: the mean of their means is the mean over every row.
-        losses = jax.lax.map(lambda mb: layout.loss(model, params, mb, share), micro)
-        return layout.mean(losses.mean())
+            loss = layout.mean(layout.loss(model, params, rows, share))
+        else:
+            micro = rows.reshape(accum, rows.shape[0] // accum, rows.shape[1])
+            # Equal microbatches: the mean of their means is the mean over every row.
+            losses = jax.lax.map(lambda mb: layout.loss(model, params, mb, share), micro)
+            loss = layout.mean(losses.mean())
+        return loss if kept is None else (loss, kept)
 
     return jax.shard_map(
         device_loss,
         mesh=mesh,
         in_specs=(layout.manual, mesh_lib.batch_spec()),
-        out_specs=P(),
+        out_specs=(P(), P()) if masked else P(),
         axis_names=set(mesh_lib.BATCH_AXES),
         check_vma=False,
     )
