@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 
 from jaxtrain.cluster.shutdown import exit_on_user_error
+from jaxtrain.errors import UserError
 from jaxtrain.parser import Parser
 from jaxtrain.prepare.chat import prepare_chat
 from jaxtrain.prepare.shards import DEFAULT_GLOB, prepare_corpus
@@ -105,6 +106,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _chat(args: argparse.Namespace) -> None:
+    if args.shard_tokens or args.vocab_size:
+        flag = "--shard_tokens" if args.shard_tokens else "--vocab_size"
+        raise UserError(
+            f"--chat writes one train.bin and val.bin with the tokenizer's vocabulary; leave out {flag}"
+        )
     r = prepare_chat(
         args.inputs, args.out_dir, args.tokenizer, args.seq_len, val_fraction=args.val_fraction,
         overwrite=args.overwrite, messages_key=args.messages_key,
