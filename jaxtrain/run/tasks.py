@@ -110,12 +110,15 @@ def _window(model: ModelConfig, given: int) -> ModelConfig:
     default): a rotary model runs on any window up to the one it was trained with."""
     if given in (ModelConfig().seq_len, model.seq_len):
         return model
-    if model.pos_embedding != "rope" or given > model.seq_len:
-        which = "its learned positions fix it" if model.pos_embedding != "rope" else "its context"
+    if model.pos_embedding != "rope":
+        raise UserError(
+            f"--model.seq_len {given}: the checkpoint's model has learned positions for windows of "
+            f"{model.seq_len} tokens only; leave the flag out"
+        )
+    if given > model.seq_len:
         raise UserError(
             f"--model.seq_len {given}: the checkpoint's model was trained on windows of {model.seq_len} "
-            f"tokens and {which}; pass at most {model.seq_len}"
-            + ("" if model.pos_embedding == "rope" else " (exactly it)")
+            f"tokens; pass at most {model.seq_len}"
         )
     return dataclasses.replace(model, seq_len=given)
 
