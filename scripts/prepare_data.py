@@ -121,6 +121,7 @@ def _chat(args: argparse.Namespace) -> None:
         )
     total = sum(r.tokens.values())
     print(f"packed into windows of {args.seq_len} tokens: {r.padding:,} padding ({r.padding / total:.1%})")
+    print(f"rendered, tokenized and packed in {r.seconds:.2f} s")
     if r.cut:
         print(f"{r.cut:,} conversation(s) longer than a window were cut across windows")
     flags = f"--train_data_path {r.manifest_path} --model.seq_len {args.seq_len}"
