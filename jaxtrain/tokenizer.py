@@ -12,7 +12,9 @@ BPE is trained or loaded.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -21,6 +23,30 @@ import numpy as np
 from jaxtrain.errors import UserError
 
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"  # Hugging Face's: special tokens, chat template
+END_OF_TEXT = "<|endoftext|>"  # the document end of a BPE trained here (GPT-2's name for it)
+
+
+@dataclass(frozen=True)
+class Framing:
+    """How a tokenizer frames a document: its begin-of-text token before it, its end-of-text token
+    after it (either may be None). Neither: documents are separated by text (prepare's DOC_END)."""
+
+    bos: int | None = None
+    eos: int | None = None
+
+    @property
+    def has_tokens(self) -> bool:
+        return self.bos is not None or self.eos is not None
+
+    def frame(self, ids: np.ndarray) -> np.ndarray:
+        """A document's ids with its framing tokens."""
+        head = [] if self.bos is None else [self.bos]
+        tail = [] if self.eos is None else [self.eos]
+        return np.concatenate([np.asarray(head, np.int64), ids, np.asarray(tail, np.int64)])
+
+    def to_json(self) -> dict[str, Any]:
+        return {"bos": self.bos, "eos": self.eos}
 
 
 class Tokenizer(Protocol):
@@ -32,21 +58,28 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str: ...
 
-    def encode_many(self, texts: Sequence[str]) -> np.ndarray: ...
+    framing: Framing
+    chat_template: str
+
+    def encode_many(self, texts: Sequence[str], framing: Framing | None = None) -> np.ndarray: ...
 
 
 class ByteTokenizer:
     """Every byte is a token: no training, no files, lossless on any input."""
 
     vocab_size = 256
+    # No id is free among the 256 bytes: a boundary token would make the vocabulary 257 and every
+    # byte dataset and checkpoint (make train's) another model's. Documents stay separated by text.
+    framing = Framing()
+    chat_template = ""
 
     def encode(self, text: str | bytes) -> np.ndarray:
         """Token ids (uint8 values as int64) of the UTF-8 bytes of `text`."""
         data = text.encode("utf-8") if isinstance(text, str) else text
         return np.frombuffer(data, dtype=np.uint8).astype(np.int64)
 
-    def encode_many(self, texts: Sequence[str]) -> np.ndarray:
-        """The token ids of the texts, concatenated (uint8)."""
+    def encode_many(self, texts: Sequence[str], framing: Framing | None = None) -> np.ndarray:
+        """The token ids of the texts, concatenated (uint8); bytes frame nothing."""
         return np.frombuffer("".join(texts).encode("utf-8"), dtype=np.uint8)
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
@@ -67,9 +100,28 @@ def _tokenizers() -> Any:
 class BPETokenizer:
     """A byte-level BPE (GPT-2 style) held by a HuggingFace `tokenizers.Tokenizer`."""
 
-    def __init__(self, tok: Any):
+    def __init__(self, tok: Any, config: dict[str, Any] | None = None):
         self._tok = tok
         self.vocab_size: int = tok.get_vocab_size()
+        self.config = config or {}  # tokenizer_config.json's, if it came with one
+        self.chat_template: str = self.config.get("chat_template") or ""
+        self.framing = Framing(self._begin_of_text(), self.special("eos_token"))
+
+    def special(self, name: str) -> int | None:
+        """The id of a special token named in tokenizer_config.json (bos_token, eos_token, ...);
+        without a config, eos_token is END_OF_TEXT where the vocabulary holds it (a BPE trained here)."""
+        token = self.config.get(name)
+        if isinstance(token, dict):  # the older form: {"content": "<s>", ...}
+            token = token.get("content")
+        if not self.config and name == "eos_token":
+            token = END_OF_TEXT
+        return self._tok.token_to_id(token) if isinstance(token, str) else None
+
+    def _begin_of_text(self) -> int | None:
+        """The token the tokenizer itself puts before every text (Llama's post-processor, or
+        add_bos_token), as transformers' tokenizer(text) does: what it encodes "" to."""
+        ids = self._tok.encode("").ids
+        return ids[0] if ids and ids[0] == self.special("bos_token") else None
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int) -> BPETokenizer:
@@ -84,6 +136,7 @@ class BPETokenizer:
         trainer = tk.trainers.BpeTrainer(
             vocab_size=vocab_size,
             initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+            special_tokens=[END_OF_TEXT],  # id 0: the end of every document
             show_progress=False,
         )
         tok.train_from_iterator(texts, trainer=trainer)
@@ -91,17 +144,24 @@ class BPETokenizer:
 
     @classmethod
     def from_file(cls, path: str | Path) -> BPETokenizer:
-        """Load a tokenizer.json written by `to_json`."""
+        """Load a tokenizer.json (or a folder holding one), with the tokenizer_config.json beside it."""
         tk = _tokenizers()
+        path = Path(path) / TOKENIZER_FILE if Path(path).is_dir() else Path(path)
         try:
-            return cls(tk.Tokenizer.from_file(str(path)))
+            tok = tk.Tokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises a bare Exception on a bad file
             raise UserError(f"cannot read tokenizer {path}: {e}; re-run scripts/prepare_data.py") from None
+        config_path = path.parent / TOKENIZER_CONFIG
+        try:
+            config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        except (OSError, ValueError) as e:
+            raise UserError(f"cannot read {config_path}: {e}; fix it or remove it") from None
+        return cls(tok, config)
 
     @classmethod
-    def from_json(cls, text: str) -> BPETokenizer:
-        """A tokenizer from tokenizer.json text (what `to_json` gives)."""
-        return cls(_tokenizers().Tokenizer.from_str(text))
+    def from_json(cls, text: str, config: dict[str, Any] | None = None) -> BPETokenizer:
+        """A tokenizer from tokenizer.json text (what `to_json` gives) and its config."""
+        return cls(_tokenizers().Tokenizer.from_str(text), config)
 
     def to_json(self) -> str:
         """The tokenizer as tokenizer.json text."""
@@ -113,14 +173,25 @@ class BPETokenizer:
             text = text.decode("utf-8", errors="replace")
         return np.asarray(self._tok.encode(text).ids, dtype=np.int64)
 
-    def encode_many(self, texts: Sequence[str]) -> np.ndarray:
-        """The token ids of the texts, concatenated (each encoded alone: a batch for `tokenizers`)."""
+    def encode_many(self, texts: Sequence[str], framing: Framing | None = None) -> np.ndarray:
+        """The token ids of the texts, concatenated (each encoded alone: a batch for `tokenizers`);
+        with `framing`, each text framed by it alone (no other special token added)."""
         # encode_batch_fast skips the character offsets we never use: ~1.5x the tokens/s here.
         batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
-        encodings = batch(list(texts))
+        encodings = batch(list(texts), add_special_tokens=framing is None)
         if not encodings:
             return np.zeros(0, dtype=np.int64)
-        return np.concatenate([np.asarray(e.ids, dtype=np.int64) for e in encodings])
+        ids = [np.asarray(e.ids, dtype=np.int64) for e in encodings]
+        return np.concatenate(ids if framing is None else [framing.frame(i) for i in ids])
+
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """Ids of `text` with no special token added (as transformers' apply_chat_template
+        tokenizes), and each token's first character."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return np.asarray(enc.ids, np.int64), np.asarray([a for a, _ in enc.offsets], np.int64)
+
+    def token_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         """Text of the token ids."""
@@ -128,7 +199,7 @@ class BPETokenizer:
 
 
 def load_tokenizer(data_path: str | Path) -> ByteTokenizer | BPETokenizer:
-    """The tokenizer a token file was made with: tokenizer.json beside it, else bytes."""
+    """The tokenizer a token file was made with: tokenizer.json (and its config) beside it, else bytes."""
     json_path = Path(data_path).parent / TOKENIZER_FILE
     if json_path.is_file():
         return BPETokenizer.from_file(json_path)

@@ -52,6 +52,10 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0  # Llama 3.1 rotary scaling: low-frequency factor
     rope_high_freq_factor: float = 4.0  # Llama 3.1 rotary scaling: high-frequency factor
     rope_original_context: int = 8192  # Llama 3.1 rotary scaling: the context it was trained at
+    # Packed documents (model/documents.py): attention never crosses them, positions restart in each.
+    # The boundary token ids, set from the data's manifest (document_mask); -1: none
+    doc_bos: int = -1  # a document starts with this token (Llama's BOS)
+    doc_eos: int = -1  # a document ends with this token (GPT-2's <|endoftext|>, Qwen's)
 
     @property
     def ff_dim(self) -> int:
@@ -144,7 +148,8 @@ class DdpConfig:
 @dataclass(frozen=True)
 class Config:
     name: str = "default"  # the run's name: its run dir (runs/<name>) and wandb name
-    # train | test (loss and perplexity of --resume_from) | predict (generate from --resume_from)
+    # train | test (loss and perplexity of --resume_from) | predict (generate from --resume_from) |
+    # chat (answer --prompt, or standard input, as a user turn of the tokenizer's chat template)
     task: str = "train"
     run_dir: str = ""  # "" means runs/<name> (test, predict: the checkpoint's run dir)
     overwrite: bool = False  # start fresh even if run_dir holds a different run
@@ -154,6 +159,12 @@ class Config:
     train_data_path: str = ""
     valid_data_path: str = ""  # validation tokens, same forms; "" = the training path's val shards
     token_dtype: str = "auto"  # auto | uint16 | uint32 (auto: header, else by vocab size)
+    # auto: where the data's documents are framed by boundary tokens, attention never crosses them
+    # (model.doc_bos / doc_eos are set from its manifest); off: packed windows attend across them
+    document_mask: str = "auto"
+    # Set from the data: its manifest holds loss masks (prepare_data.py --chat). The loss is then the
+    # mean over the targets that take loss of the whole global batch (not a mean of row means)
+    loss_mask: bool = False
     data_threads: int = 4  # 0: read in the training thread (torch's num_workers=0)
     prefetch: int = 4  # batches prepared ahead of the step
     # batch: batch_size is GLOBAL, in sequences, per optimizer step
@@ -177,7 +188,7 @@ class Config:
     init_from: str = ""  # a new run starting from that checkpoint's params (fresh optimizer, step 0)
     # test and predict tasks (jaxtrain/run/tasks.py)
     test_data_path: str = ""  # "" = valid_data_path, else the checkpoint's validation data
-    prompt: str = ""  # --task predict: text to continue
+    prompt: str = ""  # --task predict: text to continue; --task chat: the user turn
     prompt_file: str = ""  # one prompt per line
     max_new_tokens: int = 256  # tokens --task predict generates per prompt
     temperature: float = 0.8  # sampling temperature (predict and the end-of-run sample)
@@ -217,10 +228,11 @@ class Config:
 
 
 _CHOICES = {
-    "task": ("train", "test", "predict"),
+    "task": ("train", "test", "predict", "chat"),
     "optim.name": ("adamw", "muon"),
     "dtype": ("float32", "bfloat16", "float16"),
     "token_dtype": TOKEN_DTYPES,
+    "document_mask": ("auto", "off"),
     "wandb_mode": ("online", "offline"),
     "model.pos_embedding": ("rope", "learned"),
     "model.remat": ("none", "full", "dots"),
@@ -349,9 +361,9 @@ def _check_task(cfg: Config) -> None:
         raise ConfigError(
             f"--task {cfg.task} needs --resume_from CHECKPOINT (a step dir, or a run's checkpoints/ dir)"
         )
-    if cfg.task == "predict" and cfg.prompt and cfg.prompt_file:
+    if cfg.task in ("predict", "chat") and cfg.prompt and cfg.prompt_file:
         raise ConfigError(
-            "--task predict takes --prompt TEXT or --prompt_file FILE (one prompt a line), not both"
+            f"--task {cfg.task} takes --prompt TEXT or --prompt_file FILE (one prompt a line), not both"
         )
     if cfg.init_from and (cfg.task != "train" or cfg.resume_from):
         raise ConfigError(

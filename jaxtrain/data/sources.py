@@ -18,6 +18,7 @@ changed size or content is refused naming the shard.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import hashlib
 import json
@@ -40,6 +41,7 @@ from jaxtrain.prepare.format import (
     HEADER_INTS,
     HEADER_MAGIC,
     MANIFEST_FORMAT,
+    NO_LOSS,
     token_dtype_for,
 )
 
@@ -59,6 +61,7 @@ class ShardInfo:
     offset: int
     count: int
     dtype: str
+    mask: Path | None = None  # the loss mask beside it (prepare_data.py --chat), one uint8 per token
 
 
 def inspect_file(path: Path, vocab_size: int, token_dtype: str, size: int) -> ShardInfo:
@@ -159,6 +162,9 @@ class Shards:
         self.starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self.n_windows = int(self.starts[-1])
         self.num_tokens = sum(i.count for i in self.infos)
+        # From the manifests: (bos, eos) of each (None: not recorded), --chat's window lengths
+        self.framings: set[tuple[int | None, int | None] | None] = set()
+        self.windows: set[int] = set()
         self._open: OrderedDict[int, np.ndarray] = OrderedDict()
         self._lock = threading.Lock()  # grain's threads read concurrently
 
@@ -184,7 +190,11 @@ class Shards:
         span = np.arange(self.seq_len + 1, dtype=np.int64)
         for i in np.unique(shard):
             here = shard == i
-            out[here] = self.tokens(int(i))[offsets[here][:, None] + span]
+            at = offsets[here][:, None] + span
+            out[here] = self.tokens(int(i))[at]
+            if (mask := self.infos[i].mask) is not None:
+                keep = np.memmap(mask, dtype=np.uint8, mode="r", shape=(self.infos[i].count,))[at]
+                out[here] |= np.where(keep == 0, NO_LOSS, 0).astype(np.int32)
         return out
 
 
@@ -205,6 +215,9 @@ class _Entry:
     manifest_bytes: int | None = None
     manifest_max_id: int | None = None
     manifest_mtime_ns: int = 0
+    mask: Path | None = None
+    framing: tuple[int | None, int | None] | None = None  # boundary tokens (bos, eos); None: unknown
+    window: int = 0  # prepare_data.py --chat packed conversations into windows of this many tokens
 
 
 def _manifest_entries(path: Path, role: str) -> list[_Entry]:
@@ -221,7 +234,16 @@ def _manifest_entries(path: Path, role: str) -> list[_Entry]:
             f"--{'valid' if role == 'val' else 'train'}_data_path or --eval_interval 0"
         )
     mtime = path.stat().st_mtime_ns
-    return [_Entry(path.parent / s["file"], s["bytes"], s["max_id"], mtime) for s in split["shards"]]
+    framing = manifest.get("framing")
+    bos_eos = None if framing is None else (framing.get("bos"), framing.get("eos"))
+    window = int((manifest.get("chat") or {}).get("seq_len", 0))
+    return [
+        _Entry(
+            path.parent / s["file"], s["bytes"], s["max_id"], mtime,
+            path.parent / s["mask"] if s.get("mask") else None, bos_eos, window,
+        )
+        for s in split["shards"]
+    ]  # fmt: skip
 
 
 def _entries(path_spec: str, role: str) -> list[_Entry]:
@@ -278,7 +300,13 @@ def open_shards(path_spec: str, role: str, vocab_size: int, token_dtype: str, se
     except (OSError, ValueError, TypeError):
         infos = _validate(entries, stats, vocab_size, token_dtype)
         _remember(record, [[i.offset, i.count, i.dtype] for i in infos])
+    for e in entries:
+        if e.mask is not None and not e.mask.is_file():
+            raise DataError(f"loss mask {e.mask} of {e.path} is missing; re-create the data")
+    infos = [dataclasses.replace(i, mask=e.mask) for i, e in zip(infos, entries, strict=True)]
     shards = Shards(infos, seq_len)
+    shards.framings = {e.framing for e in entries}
+    shards.windows = {e.window for e in entries if e.window}
     if shards.n_windows < 1:
         what = (
             f"token file {entries[0].path}"

@@ -24,7 +24,8 @@ from jaxtrain.hf import config as hf_config
 from jaxtrain.hf import weights
 from jaxtrain.hf.store import Writer
 from jaxtrain.model.params import path_names
-from jaxtrain.tokenizer import TOKENIZER_FILE
+from jaxtrain.prepare.chat import stop_tokens
+from jaxtrain.tokenizer import TOKENIZER_CONFIG, TOKENIZER_FILE, BPETokenizer
 
 log = logging.getLogger("jaxtrain")
 
@@ -79,6 +80,9 @@ def _tokenizer_files(saved: dict[str, Any], model: ModelConfig, out: Path) -> st
         "model_max_length": model.seq_len,
         "clean_up_tokenization_spaces": False,
     }
+    if beside is not None and (beside.parent / TOKENIZER_CONFIG).is_file():
+        # The data's own: its special tokens and chat template (prepare_data.py copies it there)
+        config = json.loads((beside.parent / TOKENIZER_CONFIG).read_text()) | config
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return kind
 
@@ -140,8 +144,10 @@ def export(path: str, out: Path, max_shard_bytes: int = 5 * 2**30, dtype: str = 
         "temperature": saved.get("temperature", defaults.temperature),
         "top_k": saved.get("top_k", defaults.top_k),
     }
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     tokenizer = _tokenizer_files(saved, model, out)
+    if (out / TOKENIZER_FILE).is_file() and tokenizer != "bytes":  # generate stops where --task predict does
+        generation["eos_token_id"] = sorted(stop_tokens(BPETokenizer.from_file(out)))
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     return {
         "checkpoint": str(source.directory / str(step)),
         "out": str(out),

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.config import ModelConfig
+from jaxtrain.model.documents import Documents
 from jaxtrain.model.layers import cache_index, constrain, dense, norm, residual_std, rope, rope_frequencies
 
 # cuDNN's fused (flash) attention: half or bfloat16 inputs, head dim a multiple of 8 up to 128
@@ -41,9 +42,13 @@ def _auto_kernel(platform: str, dtype: str, head_dim: int) -> str:
     return "cudnn" if platform == "gpu" and fits else "xla"
 
 
-def _causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str) -> jax.Array:
+def _causal_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, impl: str, segments: jax.Array | None = None
+) -> jax.Array:
     """Causal attention, q [B, T, N, H], k and v [B, T, K, H] (K divides N) -> [B, T, N, H],
     softmax in float32. With K < N each key/value head serves N / K consecutive query heads.
+    segments [B, T]: a query sees only keys of its own document (every query sees itself: no
+    row is all masked).
 
     auto is resolved by `attention_kernel` (the train and eval steps resolve it for their mesh's
     devices; a model applied outside them, as in tests, runs XLA's attention for auto). cudnn: cuDNN's fused
@@ -51,12 +56,19 @@ def _causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str) -> ja
     without its grouped-query vmap, whose layout changes cost XLA:CPU transposes and copies: +3.5%
     tok/s on the issue shape (bench_torch.py, 2 cores).
     """
+    same = None if segments is None else segments[:, :, None] == segments[:, None, :]  # [B, T, S]
     if impl == "cudnn":
         kernel = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
-        return _per_device(kernel, q, k, v)
+        if same is None:
+            return _per_device(kernel, q, k, v)
+        # jax 0.10.2's public API takes documents as a mask, which cuDNN's fused kernel gets as a
+        # [B, 1, T, S] bias beside its own causal mask: still the fused kernel, plus that bias.
+        return _per_device(lambda q, k, v, m: kernel(q, k, v, mask=m), q, k, v, same[:, None])
     b, t, n, h = q.shape
     q = q * jnp.asarray(1.0 / math.sqrt(h), q.dtype)
     causal = jnp.tril(jnp.ones((t, t), bool))
+    if same is not None:
+        causal = causal & same[:, None]  # [B, 1, T, S]
     if k.shape[2] == n:
         logits = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32)
         logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
@@ -64,13 +76,14 @@ def _causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, impl: str) -> ja
     # Grouped: query heads as [kv head, group], so k and v are read once per group, not copied.
     q = q.reshape(b, t, k.shape[2], n // k.shape[2], h)
     logits = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
-    logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
+    logits = jnp.where(causal if same is None else causal[:, None], logits, jnp.finfo(jnp.float32).min)
     y = jnp.einsum("bkgts,bskh->btkgh", jax.nn.softmax(logits, axis=-1).astype(v.dtype), v)
     return y.reshape(b, t, n, h)
 
 
 def _per_device(kernel: Callable[..., jax.Array], *qkv: jax.Array) -> jax.Array:
-    """kernel(q, k, v) on each device's own rows and heads, manual over the mesh axes still automatic.
+    """kernel(q, k, v[, mask]) on each device's own rows and heads, manual over the mesh axes still
+    automatic (a mask [B, 1, T, S] is whole on every tensor shard: it has no heads to split).
 
     cuDNN attention's custom partitioner cannot place a call inside a partly manual shard_map (the
     train step is manual over data and fsdp, automatic over tensor): XLA's GPU compiler stops on an
@@ -84,7 +97,8 @@ def _per_device(kernel: Callable[..., jax.Array], *qkv: jax.Array) -> jax.Array:
         return kernel(*qkv)
     placed = nn.logical_to_mesh_axes(("batch", "length", "heads", None)) or P()
     spec = P(*(axis if axis in auto else None for axis in placed))
-    return jax.shard_map(kernel, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, axis_names=auto)(*qkv)
+    in_specs = (spec,) * 3 + (P(),) * (len(qkv) - 3)
+    return jax.shard_map(kernel, mesh=mesh, in_specs=in_specs, out_specs=spec, axis_names=auto)(*qkv)
 
 
 class Attention(nn.Module):
@@ -95,7 +109,7 @@ class Attention(nn.Module):
     decode: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, doc: Documents | None = None) -> jax.Array:
         cfg = self.cfg
         b, t, d = x.shape
         n, kv_heads, head_dim, bias = cfg.n_head, cfg.kv_heads, cfg.head_size, cfg.qkv_bias
@@ -115,7 +129,7 @@ class Attention(nn.Module):
             q, k = norm(q, cfg.norm_eps, "q_norm"), norm(k, cfg.norm_eps, "k_norm")
         start = cache_index(self, t) if self.decode else 0
         if cfg.pos_embedding == "rope":
-            positions = start + jnp.arange(t)
+            positions = start + jnp.arange(t) if doc is None else doc.positions
             inv_freq = rope_frequencies(cfg, head_dim)
             q, k = (
                 rope(q, cfg.rope_theta, positions, inv_freq),
@@ -134,7 +148,7 @@ class Attention(nn.Module):
                 q, cached_k.value, cached_v.value, mask=mask[None, None], implementation="xla"
             )
         else:
-            y = _causal_attention(q, k, v, cfg.attention_impl)
+            y = _causal_attention(q, k, v, cfg.attention_impl, None if doc is None else doc.segments)
         y = constrain(y, "batch", "length", "heads", None)
         out = dense(d, residual_std(cfg), self.dtype, "out", axis=(-2, -1))(y)
         return constrain(out, "batch", "length", "embed")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Collection
 from typing import Any
 
 import jax
@@ -82,8 +83,10 @@ def generate(
     temperature: float = 0.8,
     top_k: int | None = 40,
     dtype: Any = jnp.float32,
+    stop: Collection[int] = (),
 ) -> np.ndarray:
-    """Sample max_new_tokens after a 1-D prompt; returns only the new tokens, int32.
+    """Sample max_new_tokens after a 1-D prompt; returns only the new tokens, int32. Sampling ends
+    early at a token of `stop` (an end of text or of turn), which is not returned.
 
     The prompt (its last seq_len tokens) fills a KV cache in one pass; each new token then costs
     one position. When the cache is full it is refilled from the last seq_len // 2 tokens, so
@@ -108,5 +111,7 @@ def generate(
         else:
             token, cache = _extend(params, cache, token, step_rng, **static)
             position += 1
+        if int(token) in stop:
+            break
         tokens.append(int(token))
     return np.asarray(tokens[len(prompt) :], np.int32)

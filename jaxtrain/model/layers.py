@@ -70,15 +70,15 @@ def rope_frequencies(cfg: ModelConfig, h: int) -> jax.Array:
 
 
 def rope(x: jax.Array, theta: float, positions: jax.Array | None = None, inv_freq: Any = None) -> jax.Array:
-    """Rotate [B, T, N, H] by position (default 0..T-1; rotate-half layout), in float32; inv_freq:
-    the frequencies (default theta's plain ones)."""
+    """Rotate [B, T, N, H] by position ([T] or per row [B, T]; default 0..T-1; rotate-half layout),
+    in float32; inv_freq: the frequencies (default theta's plain ones)."""
     t, h = x.shape[1], x.shape[3]
     positions = jnp.arange(t) if positions is None else positions
     if inv_freq is None:
         inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
-    cos = jnp.cos(angles)[None, :, None, :]
-    sin = jnp.sin(angles)[None, :, None, :]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [(B,) T, H/2]
+    cos = jnp.cos(angles)[..., None, :]  # [(B,) T, 1, H/2]: over heads
+    sin = jnp.sin(angles)[..., None, :]
     xf = x.astype(jnp.float32)
     x1, x2 = xf[..., : h // 2], xf[..., h // 2 :]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from jaxtrain.config import ModelConfig
 from jaxtrain.model.attention import Attention
+from jaxtrain.model.documents import Documents, documents
 from jaxtrain.model.layers import cache_index, constrain, dense, norm, residual_std
 
 # gather(variables, where=module name) -> the variables a layer computes with (see GPT.gather)
@@ -63,10 +64,10 @@ class Block(nn.Module):
     decode: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array, _: None = None) -> tuple[jax.Array, None]:
-        # (carry, per-layer input) -> (carry, per-layer output): the signature nn.scan needs.
+    def __call__(self, x: jax.Array, doc: Documents | None = None) -> tuple[jax.Array, None]:
+        # (carry, input broadcast to every layer) -> (carry, per-layer output): what nn.scan needs.
         eps = self.cfg.norm_eps
-        x = x + Attention(self.cfg, self.dtype, self.decode, name="attn")(norm(x, eps, "ln_1"))
+        x = x + Attention(self.cfg, self.dtype, self.decode, name="attn")(norm(x, eps, "ln_1"), doc)
         x = x + Mlp(self.cfg, self.dtype, name="mlp")(norm(x, eps, "ln_2"))
         return x, None
 
@@ -119,9 +120,13 @@ class GPT(nn.Module):
 
         wte = embed(cfg.vocab_size, name="wte")
         x = wte(tokens)
+        # Packed documents never see each other (decoding continues one text: no need).
+        masked = (cfg.doc_bos >= 0 or cfg.doc_eos >= 0) and not self.decode
+        doc = documents(tokens, cfg.doc_bos, cfg.doc_eos) if masked else None
         if cfg.pos_embedding == "learned":
             start = cache_index(self, tokens.shape[1]) if self.decode else 0
-            x = x + embed(cfg.seq_len, name="wpe")(start + jnp.arange(tokens.shape[1]))[None]
+            wpe = embed(cfg.seq_len, name="wpe")
+            x = x + (wpe(start + jnp.arange(tokens.shape[1]))[None] if doc is None else wpe(doc.positions))
         block = _block_class(cfg, self.gather)
         if cfg.scan_layers:
             # One traced body for all layers: compile time stays flat in depth.
@@ -129,12 +134,13 @@ class GPT(nn.Module):
                 block,
                 variable_axes={"params": 0, "cache": 0},
                 split_rngs={"params": True},
+                in_axes=nn.broadcast,
                 length=cfg.n_layer,
             )
-            x, _ = stack(cfg, self.dtype, self.decode, name="blocks")(x, None)
+            x, _ = stack(cfg, self.dtype, self.decode, name="blocks")(x, doc)
         else:
             for i in range(cfg.n_layer):
-                x, _ = block(cfg, self.dtype, self.decode, name=f"block_{i}")(x)
+                x, _ = block(cfg, self.dtype, self.decode, name=f"block_{i}")(x, doc)
         x = norm(x, cfg.norm_eps, "ln_f")
         head = wte if cfg.tie_embeddings else embed(cfg.vocab_size, name="lm_head")
         return constrain(head.attend(x), "batch", "length", "vocab").astype(jnp.float32)

@@ -7,7 +7,8 @@
 Units are ~8 MiB byte ranges of text and jsonl files (cut where a line starts) and row groups of
 parquet files, so workers read them independently and memory stays bounded by a unit, never the
 corpus. The validation split is the last val_fraction of the input bytes, cut at a line start (or a
-parquet row), so no unit straddles it. Documents of jsonl and parquet files end with a blank line.
+parquet row), so no unit straddles it. Documents of jsonl and parquet files end with a blank line,
+unless the tokenizer frames documents with its own tokens (then a text file is one document).
 """
 
 from __future__ import annotations
@@ -92,8 +93,9 @@ def _parquet(path: Path) -> Any:
         ) from None
 
 
-def describe(paths: list[Path], text_column: str) -> list[InputFile]:
-    """Size, kind and (parquet) row groups of each input; empty files and missing columns are refused."""
+def describe(paths: list[Path], text_column: str | None) -> list[InputFile]:
+    """Size, kind and (parquet) row groups of each input; empty files and missing text columns are
+    refused (text_column None: no text column is read, as with --chat's messages)."""
     out = []
     for path in paths:
         size, kind = path.stat().st_size, _kind(path)
@@ -103,12 +105,13 @@ def describe(paths: list[Path], text_column: str) -> list[InputFile]:
         if kind == "parquet":
             pf = _parquet(path)
             schema = pf.schema_arrow
-            if text_column not in schema.names:
+            if text_column is not None and text_column not in schema.names:
                 raise UserError(
                     f"{path} has no column '{text_column}' (columns: {', '.join(schema.names)}); "
                     "pass --text_column NAME"
                 )
-            if str(schema.field(text_column).type) not in ("string", "large_string", "string_view"):
+            text = ("string", "large_string", "string_view")
+            if text_column is not None and str(schema.field(text_column).type) not in text:
                 raise UserError(
                     f"{path} column '{text_column}' holds {schema.field(text_column).type}, not text; "
                     "pass --text_column NAME"
@@ -181,10 +184,13 @@ def _pieces(text: str) -> list[str]:
     return out
 
 
-def read_unit(file: InputFile, unit: Unit, text_key: str, text_column: str) -> list[str]:
-    """The unit's text, in pieces (text files) or documents each ending in DOC_END (jsonl, parquet)."""
+def read_unit(
+    file: InputFile, unit: Unit, text_key: str, text_column: str, doc_end: str = DOC_END
+) -> list[str]:
+    """The unit's text, in pieces (text files) or documents each ending in `doc_end` (jsonl, parquet;
+    "" where the tokenizer frames documents with tokens)."""
     if file.kind == "parquet":
-        return _read_rows(file, unit, text_column)
+        return _read_rows(file, unit, text_column, doc_end)
     with open(file.path, "rb") as f:
         whole = file.kind == "jsonl"  # a JSON line cannot be cut
         start = _line_start(f, unit.start, file.size, whole)
@@ -220,11 +226,11 @@ def read_unit(file: InputFile, unit: Unit, text_key: str, text_column: str) -> l
                 f"{file.path}: the line at byte {here} has no text field '{text_key}' (it holds: {fields}); "
                 "pass --text_key NAME"
             )
-        docs.append(doc[text_key] + DOC_END)
+        docs.append(doc[text_key] + doc_end)
     return docs
 
 
-def _read_rows(file: InputFile, unit: Unit, text_column: str) -> list[str]:
+def _read_rows(file: InputFile, unit: Unit, text_column: str, doc_end: str) -> list[str]:
     docs: list[str] = []
     row = 0
     try:
@@ -233,7 +239,7 @@ def _read_rows(file: InputFile, unit: Unit, text_column: str) -> list[str]:
         ):
             lo, hi = max(unit.start - row, 0), min(unit.end - row, batch.num_rows)
             if lo < hi:
-                docs += [t + DOC_END for t in batch.column(0).slice(lo, hi - lo).to_pylist() if t]
+                docs += [t + doc_end for t in batch.column(0).slice(lo, hi - lo).to_pylist() if t]
             row += batch.num_rows
             if row >= unit.end:
                 break

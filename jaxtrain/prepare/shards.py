@@ -33,8 +33,15 @@ from jaxtrain.cluster.lifeline import die_with_parent
 from jaxtrain.disk.files import require_writable, write_text
 from jaxtrain.errors import UserError
 from jaxtrain.prepare import inputs
-from jaxtrain.prepare.format import HEADER_BYTES, HEADER_MAGIC, MANIFEST, MANIFEST_FORMAT, token_dtype_for
-from jaxtrain.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer
+from jaxtrain.prepare.format import (
+    HEADER_BYTES,
+    HEADER_MAGIC,
+    MANIFEST,
+    MANIFEST_FORMAT,
+    MASK_SUFFIX,
+    token_dtype_for,
+)
+from jaxtrain.tokenizer import TOKENIZER_CONFIG, TOKENIZER_FILE, BPETokenizer, ByteTokenizer, Framing
 
 DEFAULT_GLOB = "*.txt,*.jsonl,*.parquet"
 
@@ -62,24 +69,41 @@ _worker: dict[str, Any] = {}
 
 
 def _start_worker(
-    tokenizer_json: str | None, text_key: str, text_column: str, dtype: str, files: list[Any]
+    tokenizer: tuple[str, dict[str, Any]] | None,
+    text_key: str,
+    text_column: str,
+    dtype: str,
+    files: list[Any],
 ) -> None:
     parent = multiprocessing.parent_process()
     if parent is not None and parent.pid is not None:  # a pool's worker dies with its process, kill -9 too
         die_with_parent(parent.pid)
     # Parallelism comes from the processes; tokenizers' own threads would only contend with them.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    tok = ByteTokenizer() if tokenizer_json is None else BPETokenizer.from_json(tokenizer_json)
+    tok = ByteTokenizer() if tokenizer is None else BPETokenizer.from_json(*tokenizer)
     _worker.update(tok=tok, text_key=text_key, text_column=text_column, dtype=dtype, files=files)
 
 
 def _tokenize(unit: inputs.Unit) -> np.ndarray:
-    w = _worker
-    texts = inputs.read_unit(w["files"][unit.file], unit, w["text_key"], w["text_column"])
-    return w["tok"].encode_many(texts).astype(w["dtype"])
+    w, tok = _worker, _worker["tok"]
+    file = w["files"][unit.file]
+    framed = tok.framing.has_tokens
+    texts = inputs.read_unit(file, unit, w["text_key"], w["text_column"], "" if framed else inputs.DOC_END)
+    if not framed:
+        return tok.encode_many(texts).astype(w["dtype"])
+    if file.kind != "txt":
+        return tok.encode_many(texts, tok.framing).astype(w["dtype"])
+    # A text file is one document: framed where it starts and ends, in whichever units hold those.
+    ids = tok.encode_many(texts, Framing())
+    bos, eos = tok.framing.bos, tok.framing.eos
+    return (
+        Framing(bos if unit.start == 0 else None, eos if unit.end == file.size else None)
+        .frame(ids)
+        .astype(w["dtype"])
+    )
 
 
-def _sha256(path: Path) -> str:
+def sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(2**20):
@@ -112,22 +136,30 @@ def _in_order(tasks: Sequence[Any], fn: Any, workers: int, init: tuple[Any, ...]
 # ---------------------------------------------------------------- the outputs
 
 
-class _SplitWriter:
-    """A split's tokens: `{split}.bin` (flat), or `{split}_00000.bin`, ... with the llm.c header."""
+class SplitWriter:
+    """A split's tokens: `{split}.bin` (flat), or `{split}_00000.bin`, ... with the llm.c header;
+    masked: each shard's loss mask beside it (`.mask`, one uint8 per token)."""
 
-    def __init__(self, directory: Path, split: str, shard_tokens: int, dtype: np.dtype) -> None:
+    def __init__(
+        self, directory: Path, split: str, shard_tokens: int, dtype: np.dtype, masked: bool = False
+    ) -> None:
         self.directory, self.split, self.shard_tokens, self.dtype = directory, split, shard_tokens, dtype
+        self.masked = masked
         self.shards: list[dict[str, Any]] = []
         self.tokens = 0
         self._f: BinaryIO | None = None
+        self._mask: BinaryIO | None = None
         self._name, self._count, self._max, self._hash = "", 0, 0, hashlib.sha256()
 
-    def write(self, ids: np.ndarray) -> None:
+    def write(self, ids: np.ndarray, keep: np.ndarray | None = None) -> None:
         while len(ids):
             if self._f is None:
                 self._open()
             room = self.shard_tokens - self._count if self.shard_tokens else len(ids)
-            part, ids = ids[:room], ids[room:]
+            part, ids = ids[:room].astype(self.dtype, copy=False), ids[room:]
+            if self._mask is not None and keep is not None:
+                self._mask.write(keep[:room].astype(np.uint8).tobytes())
+                keep = keep[room:]
             body = part.tobytes()
             assert self._f is not None
             self._f.write(body)
@@ -141,6 +173,8 @@ class _SplitWriter:
     def _open(self) -> None:
         name = f"{self.split}_{len(self.shards):05d}.bin" if self.shard_tokens else f"{self.split}.bin"
         self._f = open(self.directory / name, "xb")
+        if self.masked:
+            self._mask = open(self.directory / name.replace(".bin", MASK_SUFFIX), "xb")
         if self.shard_tokens:
             self._f.write(bytes(HEADER_BYTES))  # filled in once the count is known
         self._name, self._count, self._max, self._hash = name, 0, 0, hashlib.sha256()
@@ -153,13 +187,15 @@ class _SplitWriter:
             header[:3] = HEADER_MAGIC, 1 if self.dtype.itemsize == 2 else 2, self._count
             f.seek(0)
             f.write(header.tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-        f.close()
-        self._f = None
+        for g in (f, self._mask) if self._mask is not None else (f,):
+            g.flush()
+            os.fsync(g.fileno())
+            g.close()
+        self._f = self._mask = None
         self.shards.append(
             {"file": self._name, "tokens": self._count, "bytes": (self.directory / self._name).stat().st_size,
              "max_id": self._max, "sha256_tokens": self._hash.hexdigest()}
+            | ({"mask": self._name.replace(".bin", MASK_SUFFIX)} if self.masked else {})
         )  # fmt: skip
 
     def finish(self) -> list[dict[str, Any]]:
@@ -170,13 +206,14 @@ class _SplitWriter:
 
 def _is_output(name: str) -> bool:
     """Names this module writes into out_dir (so they are never inputs, and stale ones are removed)."""
-    stem = name.removesuffix(".bin")
-    return name in (MANIFEST, TOKENIZER_FILE) or (
-        name.endswith(".bin") and (stem in ("train", "val") or stem.split("_")[0] in ("train", "val"))
+    stem = name.removesuffix(".bin").removesuffix(MASK_SUFFIX)
+    return name in (MANIFEST, TOKENIZER_FILE, TOKENIZER_CONFIG) or (
+        name.endswith((".bin", MASK_SUFFIX))
+        and (stem in ("train", "val") or stem.split("_")[0] in ("train", "val"))
     )
 
 
-def _commit(staging: Path, out_dir: Path, manifest: dict[str, Any]) -> None:
+def commit_outputs(staging: Path, out_dir: Path, manifest: dict[str, Any]) -> None:
     """Move the staged files into out_dir, dropping an earlier run's; the manifest lands last."""
     with contextlib.suppress(FileNotFoundError):
         (out_dir / MANIFEST).unlink()  # from here until the new one lands, the set reads as incomplete
@@ -217,8 +254,11 @@ def _tokenizer(
         )
         tok = BPETokenizer.train(texts, vocab_size)
         return tok, {"kind": "bpe", "vocab_size": tok.vocab_size, "file": TOKENIZER_FILE}
-    if not Path(kind).is_file():
-        raise UserError(f"--tokenizer must be byte, bpe or a tokenizer.json file; {kind} is none of these")
+    if not (Path(kind).is_file() or (Path(kind) / TOKENIZER_FILE).is_file()):
+        raise UserError(
+            f"--tokenizer must be byte, bpe, a tokenizer.json file or a folder holding one; {kind} is "
+            "none of these"
+        )
     if vocab_size:
         raise UserError(f"--vocab_size is taken from {kind}; leave it out")
     tok = BPETokenizer.from_file(kind)
@@ -282,10 +322,10 @@ def prepare_files(
     staging = out_dir / f".prepare.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     staging.mkdir()
     try:
-        writers = {split: _SplitWriter(staging, split, shard_tokens, dtype) for split in ("train", "val")}
+        writers = {split: SplitWriter(staging, split, shard_tokens, dtype) for split in ("train", "val")}
         per_file = [0] * len(files)
         init = (
-            None if isinstance(tok, ByteTokenizer) else tok.to_json(),
+            None if isinstance(tok, ByteTokenizer) else (tok.to_json(), tok.config),
             text_key,
             text_column,
             dtype.str,
@@ -307,11 +347,16 @@ def prepare_files(
             raise UserError(f"the {which} split came out empty; change --val_fraction {val_fraction}")
         if isinstance(tok, BPETokenizer):
             write_text(staging / TOKENIZER_FILE, tok.to_json())
-        hashes = list(_in_order([f.path for f in files], _sha256, min(workers, len(files)), init))
+            if tok.config:  # its special tokens and chat template, for training, predict and chat
+                write_text(staging / TOKENIZER_CONFIG, json.dumps(tok.config, indent=1) + "\n")
+        hashes = list(_in_order([f.path for f in files], sha256, min(workers, len(files)), init))
         manifest = {
             "format": MANIFEST_FORMAT,
             "version": 1,
             "tokenizer": tok_entry,
+            # Boundary tokens around each document (null, null: separated by text, inputs.DOC_END);
+            # a run checks them against its model's tokenizer and masks attention at them.
+            "framing": tok.framing.to_json(),
             "token_dtype": str(np.dtype(dtype.str[1:])),
             "header": "llm.c" if shard_tokens else "none",
             "shard_tokens": shard_tokens,
@@ -324,7 +369,7 @@ def prepare_files(
                 for f, h in zip(files, hashes, strict=True)
             ],
         }
-        _commit(staging, out_dir, manifest)
+        commit_outputs(staging, out_dir, manifest)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return PreparedData(

@@ -19,11 +19,15 @@ from jaxtrain.run.build import Run
 
 
 def mean_loss(run: Run, params: Any, batches: Iterable[np.ndarray]) -> float:
-    """Mean loss of `params` over batches of this process's rows (every process calls it)."""
+    """Mean loss of `params` over batches of this process's rows (every process calls it); with a
+    loss mask, the mean over every kept target of every batch (each batch weighs its kept count)."""
     losses = [
         run.eval_step(params, mesh_lib.global_batch(rows, run.mesh, run.cfg.batch_size)) for rows in batches
     ]
-    return float(np.mean(jax.device_get(losses)))
+    if not run.cfg.loss_mask:
+        return float(np.mean(jax.device_get(losses)))
+    loss, kept = np.asarray(jax.device_get(losses), np.float64).T
+    return float(np.sum(loss * kept) / max(np.sum(kept), 1.0))
 
 
 def overall(per_source: dict[str, float], sources: Sequence[Source]) -> float:

@@ -26,7 +26,7 @@ from jaxtrain import config as config_lib
 from jaxtrain.cluster.detect import LaunchSpec
 from jaxtrain.cluster.watchdog import Watchdog
 from jaxtrain.config import Config
-from jaxtrain.data import loader, sources
+from jaxtrain.data import framing, loader, sources
 from jaxtrain.data.default import run_paths, run_tokenizer
 from jaxtrain.disk import checkpoint as ckpt_lib
 from jaxtrain.disk import rundir, runlock, storage
@@ -81,6 +81,7 @@ def train(cfg: Config, launch: LaunchSpec, launch_time: float | None = None) -> 
     metrics.check_wandb(cfg)
     data = _open_data(cfg)
     cfg = config_lib.with_data(cfg, loader.epoch_windows(data.train))
+    cfg = framing.with_framing(cfg, data.train + data.val, framing.model_tokenizer(cfg))
     lock = runlock.RunLock(cfg.resolved_run_dir, cfg.lock_stale_s)
     # Process 0 locks the run dir before anything is written into it, and holds it to the end.
     with lock.held(launch.process_id == 0):

@@ -37,6 +37,7 @@ from jaxtrain.faults import NO_FAULTS, FaultPlan, poison_gradients
 from jaxtrain.model.attention import attention_kernel
 from jaxtrain.model.params import logical_axes, path_names
 from jaxtrain.model.transformer import GPT
+from jaxtrain.prepare.format import NO_LOSS, TOKEN_BITS
 from jaxtrain.run import mesh as mesh_lib
 from jaxtrain.run.optim import lr_schedule
 from jaxtrain.run.state import TrainState
@@ -52,10 +53,15 @@ def compute_dtype(cfg: Config) -> Any:
     return _DTYPES[cfg.dtype]
 
 
-def _token_loss(model: GPT, params: Any, rows: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy of rows [b, T+1], in float32."""
-    logits = model.apply({"params": params}, rows[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, rows[:, 1:]).mean()
+def _token_loss(model: GPT, params: Any, rows: jax.Array, share: jax.Array | None = None) -> jax.Array:
+    """Mean next-token cross-entropy of rows [b, T+1], in float32. With a loss mask (`share`, see
+    `_ParamLayout.kept_share`): the sum over the targets that take loss (no NO_LOSS bit) over `share`."""
+    tokens = rows & TOKEN_BITS
+    logits = model.apply({"params": params}, tokens[:, :-1])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+    if share is None:
+        return losses.mean()
+    return jnp.where(rows[:, 1:] & NO_LOSS, 0.0, losses).sum() / share
 
 
 def _fsdp_gather(p: jax.Array, dim: int, dtype: Any, reduce_dtype: Any) -> jax.Array:
@@ -130,9 +136,23 @@ class _ParamLayout:
         cfg = dataclasses.replace(model.cfg, attention_impl=kernel)
         return model.clone(cfg=cfg, gather=self.gather if self.fsdp > 1 else None)
 
-    def loss(self, model: GPT, params: Any, rows: jax.Array) -> jax.Array:
+    def loss(self, model: GPT, params: Any, rows: jax.Array, share: jax.Array | None = None) -> jax.Array:
         with nn.logical_axis_rules(self.rules):
-            return _token_loss(self.model(model), params, rows)
+            return _token_loss(self.model(model), params, rows, share)
+
+    def kept(self, rows: jax.Array) -> jax.Array:
+        """How many targets of the whole global batch take loss (a loss-masked batch)."""
+        kept = jnp.sum((rows[:, 1:] & NO_LOSS) == 0).astype(jnp.float32)
+        if self.data * self.fsdp > 1:  # see `mean`: nothing to add up over one shard
+            kept = jax.lax.psum(kept, mesh_lib.BATCH_AXES)
+        return kept
+
+    def kept_share(self, kept: jax.Array, accum: int) -> jax.Array:
+        """The global batch's kept count per microbatch of each shard: each microbatch's loss is its
+        kept sum over this, so the mean over microbatches and shards (what the step takes) is the
+        global kept sum over the global kept count, however the batch is split. A batch keeping
+        nothing has loss 0, not NaN."""
+        return jnp.maximum(kept, 1.0) / (accum * self.data * self.fsdp)
 
     def mean(self, tree: Any) -> Any:
         """Mean over the batch shards. With one shard there is nothing to average, and a pmean
@@ -155,12 +175,18 @@ class _ParamLayout:
 
 
 def _local_grads(
-    model: GPT, layout: _ParamLayout, accum: int, params: Any, rows: jax.Array, scale: jax.Array
+    model: GPT,
+    layout: _ParamLayout,
+    accum: int,
+    params: Any,
+    rows: jax.Array,
+    scale: jax.Array,
+    share: jax.Array | None = None,
 ) -> tuple[Any, jax.Array]:
     """Gradient and loss of this device's rows, averaged over `accum` microbatches."""
 
     def scaled_loss(p: Any, mb: jax.Array) -> tuple[jax.Array, jax.Array]:
-        loss = layout.loss(model, p, mb)
+        loss = layout.loss(model, p, mb, share)
         return loss * scale, loss
 
     grad_fn = jax.grad(scaled_loss, has_aux=True)
@@ -196,13 +222,15 @@ def make_train_step(
     schedule = lr_schedule(cfg)
     fp16 = cfg.dtype == "float16"
     clip = cfg.gradient_clip_val
+    masked = cfg.loss_mask  # unmasked data keeps the plain mean: its losses stay bit for bit
 
     def device_grads(
         params: Any, rows: jax.Array, scale: jax.Array, step: jax.Array
     ) -> tuple[Any, jax.Array]:
         if faults.nan_step > 0:  # test-only fault, traced only when asked for
             scale = poison_gradients(faults, scale, step, jax.lax.axis_index(mesh_lib.BATCH_AXES) == 0)
-        grads, loss = _local_grads(model, layout, accum, params, rows, scale)
+        share = layout.kept_share(layout.kept(rows), accum) if masked else None
+        grads, loss = _local_grads(model, layout, accum, params, rows, scale, share)
         return layout.reduce_grads(grads), layout.mean(loss)
 
     # check_vma=False: we reduce explicitly, exactly once per step. `tensor` stays automatic.
@@ -262,25 +290,33 @@ def make_train_step(
     return train_step
 
 
-def make_eval_step(model: GPT, mesh: Mesh, param_specs: Any, accum: int = 1) -> Callable:
+def make_eval_step(
+    model: GPT, mesh: Mesh, param_specs: Any, accum: int = 1, masked: bool = False
+) -> Callable:
     """eval_step(params, batch) -> mean loss over the global batch, taken in `accum` microbatches
     of the train step's device batch, one after another: evaluation fits wherever training does
-    (the whole batch at once needed 145 GB per device for llama3_8b on 8 H100s)."""
+    (the whole batch at once needed 145 GB per device for llama3_8b on 8 H100s). masked: the
+    batch carries a loss mask, the loss is the train step's (over kept targets), and the step
+    returns (loss, kept count), so evaluations over several batches weigh each by its count."""
     layout = _ParamLayout(mesh, param_specs, model.dtype)
 
-    def device_loss(params: Any, rows: jax.Array) -> jax.Array:
+    def device_loss(params: Any, rows: jax.Array) -> Any:
+        kept = layout.kept(rows) if masked else None
+        share = None if kept is None else layout.kept_share(kept, accum)
         if accum == 1:
-            return layout.mean(layout.loss(model, params, rows))
-        micro = rows.reshape(accum, rows.shape[0] // accum, rows.shape[1])
-        # Equal microbatches: the mean of their means is the mean over every row.
-        losses = jax.lax.map(lambda mb: layout.loss(model, params, mb), micro)
-        return layout.mean(losses.mean())
+            loss = layout.mean(layout.loss(model, params, rows, share))
+        else:
+            micro = rows.reshape(accum, rows.shape[0] // accum, rows.shape[1])
+            # Equal microbatches: the mean of their means is the mean over every row.
+            losses = jax.lax.map(lambda mb: layout.loss(model, params, mb, share), micro)
+            loss = layout.mean(losses.mean())
+        return loss if kept is None else (loss, kept)
 
     return jax.shard_map(
         device_loss,
         mesh=mesh,
         in_specs=(layout.manual, mesh_lib.batch_spec()),
-        out_specs=P(),
+        out_specs=(P(), P()) if masked else P(),
         axis_names=set(mesh_lib.BATCH_AXES),
         check_vma=False,
     )
@@ -305,7 +341,7 @@ def jit_steps(
         donate_argnums=0,
     )
     evaluate = jax.jit(
-        make_eval_step(model, mesh, param_specs, cfg.gradient_accumulation_steps),
+        make_eval_step(model, mesh, param_specs, cfg.gradient_accumulation_steps, cfg.loss_mask),
         in_shardings=(state_shardings.params, batch),
         out_shardings=replicated,
     )

@@ -10,7 +10,13 @@ thing.
         text from the checkpoint's model and its run's tokenizer (KV-cached sampling, process 0);
         printed and written to <run dir>/predict_step<N>.jsonl. No prompt: unconditional samples
         (from the tokenizer's begin-of-text, else a newline); --temperature 0: greedy
+    --task chat --resume_from hf:DIR --prompt "What is 2 plus 3?"   (no --prompt: standard input)
+        the prompt as a user turn rendered with the tokenizer's chat template, the answer generated
+        up to the end of its turn
     --resume_from hf:DIR reads a Hugging Face model dir (jaxtrain/hf/), its tokenizer.json too
+    --model.seq_len N: the window to test or generate in (rotary models: any up to their context)
+
+predict and chat stop at the tokenizer's end-of-text and end-of-turn tokens.
 
 Both read the model shape from the checkpoint's saved config, and change nothing of its run:
 the run dir is --run_dir, else the checkpoint's own run dir, which only gains the result file.
@@ -22,6 +28,7 @@ import dataclasses
 import json
 import logging
 import math
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,13 +39,14 @@ import numpy as np
 
 from jaxtrain import config as config_lib
 from jaxtrain.cluster.detect import LaunchSpec
-from jaxtrain.config import Config
-from jaxtrain.data import loader, sources
+from jaxtrain.config import Config, ModelConfig
+from jaxtrain.data import framing, loader, sources
 from jaxtrain.data.default import given_paths, run_paths, run_tokenizer
 from jaxtrain.disk.files import require_writable, write_text
 from jaxtrain.errors import UserError
 from jaxtrain.model.generate import generate
 from jaxtrain.observe import metrics
+from jaxtrain.prepare.chat import ChatFormat, stop_tokens
 from jaxtrain.run import evaluate, start
 from jaxtrain.run import mesh as mesh_lib
 from jaxtrain.run.build import Run, build
@@ -46,6 +54,7 @@ from jaxtrain.run.job import Job
 from jaxtrain.run.loop import train
 from jaxtrain.run.start import ParamSource
 from jaxtrain.run.step import compute_dtype
+from jaxtrain.tokenizer import BPETokenizer
 from jaxtrain.xla_env import compile_cache_dir, enable_compile_cache
 
 log = logging.getLogger("jaxtrain")
@@ -57,7 +66,7 @@ def run_task(cfg: Config, launch: LaunchSpec, launch_time: float | None = None) 
     enable_compile_cache(cfg.compile_cache_dir)
     if cfg.task == "test":
         return evaluate_checkpoint(cfg, launch)
-    if cfg.task == "predict":
+    if cfg.task in ("predict", "chat"):
         return predict(cfg, launch)
     return train(cfg, launch, launch_time)
 
@@ -85,7 +94,7 @@ def _start(cfg: Config, launch: LaunchSpec) -> tuple[Run, _Checkpoint, Path, Any
     log.info(f"compile cache: {compile_cache_dir() or 'off'}")
     source, step = start.open_params(cfg.resume_from, "--resume_from")
     ckpt = _Checkpoint(source, step, source.read_meta(step).get("config", {}))
-    model = config_lib.saved_model(ckpt.saved)
+    model = _window(config_lib.saved_model(ckpt.saved), cfg.model.seq_len)
     cfg = dataclasses.replace(cfg, model=model)
     config_lib.check(cfg)
     out_dir = Path(cfg.run_dir) if cfg.run_dir else ckpt.run_dir
@@ -94,6 +103,24 @@ def _start(cfg: Config, launch: LaunchSpec) -> tuple[Run, _Checkpoint, Path, Any
     run = build(job.reconfigured(cfg))
     params = ckpt.source.restore_params(ckpt.step, run.target.params, "--resume_from")
     return run, ckpt, out_dir, params
+
+
+def _window(model: ModelConfig, given: int) -> ModelConfig:
+    """The checkpoint's model in the window the command gives (--model.seq_len, when not the
+    default): a rotary model runs on any window up to the one it was trained with."""
+    if given in (ModelConfig().seq_len, model.seq_len):
+        return model
+    if model.pos_embedding != "rope":
+        raise UserError(
+            f"--model.seq_len {given}: the checkpoint's model has learned positions for windows of "
+            f"{model.seq_len} tokens only; leave the flag out"
+        )
+    if given > model.seq_len:
+        raise UserError(
+            f"--model.seq_len {given}: the checkpoint's model was trained on windows of {model.seq_len} "
+            f"tokens; pass at most {model.seq_len}"
+        )
+    return dataclasses.replace(model, seq_len=given)
 
 
 def _windows(source: sources.Source, batch_size: int, pid: int, nproc: int) -> Iterator[np.ndarray]:
@@ -111,6 +138,9 @@ def evaluate_checkpoint(cfg: Config, launch: LaunchSpec) -> dict[str, Any]:
     path = cfg.test_data_path or run_paths(cfg, ckpt.saved)[1]
     m = cfg.model
     test_sources = sources.open_sources(path, "val", m.vocab_size, cfg.token_dtype, m.seq_len)
+    framed = framing.with_framing(cfg, test_sources, framing.model_tokenizer(cfg))
+    if framed != cfg:  # the data's boundaries and loss mask, as training takes them: same loss
+        run = build(run.job.reconfigured(framed))
     t0 = time.perf_counter()
     per_source: dict[str, dict[str, Any]] = {}
     for s in test_sources:
@@ -142,6 +172,8 @@ def evaluate_checkpoint(cfg: Config, launch: LaunchSpec) -> dict[str, Any]:
 
 
 def _prompts(cfg: Config) -> list[str]:
+    if cfg.task == "chat" and not (cfg.prompt or cfg.prompt_file):
+        return [sys.stdin.read()]
     if not cfg.prompt_file:
         return [cfg.prompt]  # "" samples unconditionally
     try:
@@ -162,7 +194,8 @@ def _unconditional_start(tokenizer: Any) -> np.ndarray:
 
 
 def predict(cfg: Config, launch: LaunchSpec) -> list[dict[str, Any]]:
-    """Generate after each prompt with the checkpoint's model; process 0 prints and writes them."""
+    """Generate after each prompt with the checkpoint's model (--task chat: rendered as a user
+    turn of its chat template); process 0 prints and writes them."""
     prompts = _prompts(cfg)
     run, ckpt, out_dir, params = _start(cfg, launch)
     cfg = run.cfg
@@ -174,16 +207,24 @@ def predict(cfg: Config, launch: LaunchSpec) -> list[dict[str, Any]]:
             f"the checkpoint's model has vocab_size {cfg.model.vocab_size} but no tokenizer.json sits beside "
             f"its training data {train_path or '(the embedded byte dataset)'}; put the tokenizer there"
         )
+    chat = ChatFormat(tokenizer) if cfg.task == "chat" and isinstance(tokenizer, BPETokenizer) else None
+    if cfg.task == "chat" and chat is None:
+        raise UserError("--task chat needs the model's tokenizer with a chat_template; bytes have none")
+    stop = stop_tokens(tokenizer)
     params = mesh_lib.host_copy(params)  # a collective: every process takes part
     if not run.job.is_main:
         return []
     records = []
     for i, prompt in enumerate(prompts):
-        ids = (tokenizer.encode(prompt) if prompt else _unconditional_start(tokenizer)).astype(np.int32)
+        if chat is not None:
+            text = chat.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+            ids = chat.tok.encode_offsets(text)[0].astype(np.int32)
+        else:
+            ids = (tokenizer.encode(prompt) if prompt else _unconditional_start(tokenizer)).astype(np.int32)
         t0 = time.perf_counter()
         new = generate(
             params, cfg.model, ids, cfg.max_new_tokens, jax.random.fold_in(jax.random.key(cfg.seed), i),
-            temperature=cfg.temperature, top_k=cfg.top_k or None, dtype=compute_dtype(cfg),
+            temperature=cfg.temperature, top_k=cfg.top_k or None, dtype=compute_dtype(cfg), stop=stop,
         )  # fmt: skip
         seconds = time.perf_counter() - t0
         completion = tokenizer.decode(new)
@@ -194,7 +235,7 @@ def predict(cfg: Config, launch: LaunchSpec) -> list[dict[str, Any]]:
             f"--- {ckpt.where}, prompt {i + 1}/{len(prompts)} ({len(new) / seconds:,.0f} tokens/s)\n"
             f"{prompt}{completion}"
         )
-    out = out_dir / f"predict_step{ckpt.step}.jsonl"
+    out = out_dir / f"{cfg.task}_step{ckpt.step}.jsonl"
     write_text(out, "".join(json.dumps(r) + "\n" for r in records))
     log.info(f"predict: {len(records)} completion(s) of {cfg.max_new_tokens} tokens written to {out}")
     return records
