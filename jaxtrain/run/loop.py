@@ -229,8 +229,9 @@ def _say_what_runs(run: Run, data: _Data) -> None:
         f"data {data.train_path}"
     )
     log.info(
-        f"model: {run.n_params:,} parameters, {run.flops_per_token / 1e6:.1f} MFLOPs per token "
-        f"(6N + 12*L*d*T)\n{param_summary(run.abstract.params)}"
+        f"model: {run.n_params:,} parameters ({run.n_active_params:,} active per token), "
+        f"{run.flops_per_token / 1e6:.1f} MFLOPs per token (6N + 12*L*d*T, N active)\n"
+        f"{param_summary(run.abstract.params)}"
     )
     if not metrics.peak_flops(job.device_kind):
         log.info(
@@ -286,6 +287,7 @@ def _reporter(
             "processes": job.process_count,
             "devices": n_devices,
             "n_params": run.n_params,
+            "n_active_params": run.n_active_params,
             "attention": run.attention,
             "xla_flags": os.environ.get("XLA_FLAGS", ""),  # read once, when the backend started
             "state_bytes_per_device": run.state_bytes_per_device,

@@ -1,13 +1,16 @@
-"""Pure train and eval steps on a data x fsdp x tensor mesh, with scanned gradient accumulation.
+"""Pure train and eval steps on a data x expert x fsdp x tensor mesh, with scanned gradient
+accumulation.
 
 The step is one jitted function. Inside it a `shard_map` is manual over the batch axes
-(data, fsdp) and leaves `tensor` to the compiler (GSPMD), guided by the model's logical
+(data, expert, fsdp) and leaves `tensor` to the compiler (GSPMD), guided by the model's logical
 activation constraints:
   - each device computes the gradient of its own rows, all microbatches scanned;
   - fsdp-split params are all-gathered one layer at a time as the model runs (`GPT.gather`),
     so autodiff turns each gather into a reduce-scatter of that layer's gradient: no full
     gradient is all-reduced on fsdp (tests/test_sharding.py checks the compiled HLO);
-  - one `pmean` over `data` per optimizer step, however many microbatches.
+  - one `pmean` over `data` per optimizer step, however many microbatches;
+  - MoE layers exchange tokens over `expert` by all-to-all (model/moe.py), so an expert's
+    gradient arrives summed over the expert axis, as an fsdp-split param's does over fsdp.
 Why explicit collectives for data and fsdp: GSPMD alone all-reduced the whole fsdp gradient and
 then sliced it (XLA:CPU), and an explicit data reduction stays once per step, outside the
 microbatch loop (tests/test_step.py).
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtrain.config import Config
 from jaxtrain.faults import NO_FAULTS, FaultPlan, poison_gradients
 from jaxtrain.model.attention import attention_kernel
+from jaxtrain.model.moe import balance_loss, router_stats
 from jaxtrain.model.params import logical_axes, path_names
 from jaxtrain.model.transformer import GPT
 from jaxtrain.run import mesh as mesh_lib
@@ -52,10 +57,22 @@ def compute_dtype(cfg: Config) -> Any:
     return _DTYPES[cfg.dtype]
 
 
-def _token_loss(model: GPT, params: Any, rows: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy of rows [b, T+1], in float32."""
-    logits = model.apply({"params": params}, rows[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, rows[:, 1:]).mean()
+def _token_loss(
+    model: GPT, params: Any, rows: jax.Array, mean: Callable[[Any], Any]
+) -> tuple[jax.Array, Metrics]:
+    """(loss to differentiate, metrics): mean next-token cross-entropy of rows [b, T+1] in float32
+    (metrics' `loss`), plus a mixture of experts' router losses, averaged over its MoE layers.
+    `mean`: the mean over the batch shards, for the whole batch's expert load."""
+    logits, sown = model.apply({"params": params}, rows[:, :-1], mutable=["moe"])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, rows[:, 1:]).mean()
+    if "moe" not in sown:
+        return loss, {"loss": loss}
+    stats, moe = router_stats(sown["moe"]), model.cfg.moe
+    load = mean(stats["load"])  # the whole batch's: balance_loss's mean over devices is the batch's
+    balance = balance_loss(load, stats["probs"]).mean()
+    z = stats["z"].mean()
+    total = loss + moe.balance_coef * balance + moe.z_loss_coef * z
+    return total, {"loss": loss, "moe_balance_loss": balance, "moe_z_loss": z, "expert_load": load}
 
 
 def _fsdp_gather(p: jax.Array, dim: int, dtype: Any, reduce_dtype: Any) -> jax.Array:
@@ -88,10 +105,11 @@ class _ParamLayout:
     ) -> None:
         is_spec = lambda x: isinstance(x, P)  # noqa: E731
         self.manual = jax.tree.map(mesh_lib.manual_part, param_specs, is_leaf=is_spec)
-        self.fsdp_dims = jax.tree.map(mesh_lib.fsdp_dim, param_specs, is_leaf=is_spec)
         self.fsdp = int(mesh.shape[mesh_lib.FSDP_AXIS])
-        self.data = int(mesh.shape[mesh_lib.DATA_AXIS])
-        self.rules = mesh_lib.ACTIVATION_RULES if mesh.shape[mesh_lib.TENSOR_AXIS] > 1 else ()
+        self.sizes = {a: int(mesh.shape[a]) for a in mesh_lib.BATCH_AXES}
+        self.rules = (mesh_lib.ACTIVATION_RULES if mesh.shape[mesh_lib.TENSOR_AXIS] > 1 else ()) + (
+            mesh_lib.EXPERT_RULES if mesh.shape[mesh_lib.EXPERT_AXIS] > 1 else ()
+        )
         self.platform = mesh.devices.flat[0].platform  # what the step compiles for, not jax's default
         self.dtype, self.reduce_dtype = dtype, dtype if reduce_dtype is None else reduce_dtype
 
@@ -130,52 +148,54 @@ class _ParamLayout:
         cfg = dataclasses.replace(model.cfg, attention_impl=kernel)
         return model.clone(cfg=cfg, gather=self.gather if self.fsdp > 1 else None)
 
-    def loss(self, model: GPT, params: Any, rows: jax.Array) -> jax.Array:
+    def loss(self, model: GPT, params: Any, rows: jax.Array) -> tuple[jax.Array, Metrics]:
         with nn.logical_axis_rules(self.rules):
-            return _token_loss(self.model(model), params, rows)
+            return _token_loss(self.model(model), params, rows, self.mean)
+
+    def _pmean(self, tree: Any, axes: tuple[str, ...]) -> Any:
+        """Mean over those of `axes` with more than one device. A pmean over size-1 manual axes
+        beside an automatic tensor axis fails XLA's SPMD partitioner ("Cross-partition allreduce
+        must be in (partial) manual partitioning mode")."""
+        axes = tuple(a for a in axes if self.sizes[a] > 1)
+        return jax.lax.pmean(tree, axes) if axes else tree
 
     def mean(self, tree: Any) -> Any:
-        """Mean over the batch shards. With one shard there is nothing to average, and a pmean
-        over size-1 manual axes beside an automatic tensor axis fails XLA's SPMD partitioner
-        ("Cross-partition allreduce must be in (partial) manual partitioning mode")."""
-        return tree if self.data * self.fsdp == 1 else jax.lax.pmean(tree, mesh_lib.BATCH_AXES)
+        """Mean over the batch shards."""
+        return self._pmean(tree, mesh_lib.BATCH_AXES)
 
     def reduce_grads(self, grads: Any) -> Any:
-        """Mean over every batch shard: fsdp-split grads arrive summed over fsdp already."""
+        """Mean over every batch shard. A param split over a batch axis gets its gradient summed
+        over that axis already (fsdp's reduce-scatter, the experts' all-to-all back): divided there."""
 
-        def over_data(g: jax.Array) -> jax.Array:
-            return g if self.data == 1 else jax.lax.pmean(g, mesh_lib.DATA_AXIS)
+        def one(g: jax.Array, spec: P) -> jax.Array:
+            split = {a for entry in spec for a in (entry if isinstance(entry, tuple) else (entry,))}
+            g = self._pmean(g, tuple(a for a in mesh_lib.BATCH_AXES if a not in split))
+            return g / math.prod(self.sizes[a] for a in mesh_lib.BATCH_AXES if a in split)
 
-        return jax.tree.map(
-            lambda g, dim: self.mean(g) if dim is None else over_data(g) / self.fsdp,
-            grads,
-            self.fsdp_dims,
-            is_leaf=lambda x: x is None,
-        )
+        return jax.tree.map(one, grads, self.manual, is_leaf=lambda x: isinstance(x, P))
 
 
 def _local_grads(
     model: GPT, layout: _ParamLayout, accum: int, params: Any, rows: jax.Array, scale: jax.Array
-) -> tuple[Any, jax.Array]:
-    """Gradient and loss of this device's rows, averaged over `accum` microbatches."""
+) -> tuple[Any, Metrics]:
+    """Gradient and loss metrics of this device's rows, averaged over `accum` microbatches."""
 
-    def scaled_loss(p: Any, mb: jax.Array) -> tuple[jax.Array, jax.Array]:
-        loss = layout.loss(model, p, mb)
-        return loss * scale, loss
+    def scaled_loss(p: Any, mb: jax.Array) -> tuple[jax.Array, Metrics]:
+        loss, metrics = layout.loss(model, p, mb)
+        return loss * scale, metrics
 
     grad_fn = jax.grad(scaled_loss, has_aux=True)
     if accum == 1:
         return grad_fn(params, rows)
 
-    def body(carry: tuple[Any, jax.Array], mb: jax.Array) -> tuple[tuple[Any, jax.Array], None]:
-        g_sum, l_sum = carry
-        g, loss = grad_fn(params, mb)
-        return (jax.tree.map(jnp.add, g_sum, g), l_sum + loss), None
+    def body(carry: tuple[Any, Metrics], mb: jax.Array) -> tuple[tuple[Any, Metrics], None]:
+        g, metrics = grad_fn(params, mb)
+        return jax.tree.map(jnp.add, carry, (g, metrics)), None
 
     micro = rows.reshape(accum, rows.shape[0] // accum, rows.shape[1])
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    (g_sum, l_sum), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), micro)
-    return jax.tree.map(lambda g: g / accum, g_sum), l_sum / accum
+    zeros = jax.tree.map(jnp.zeros_like, (params, jax.eval_shape(grad_fn, params, micro[0])[1]))
+    sums, _ = jax.lax.scan(body, zeros, micro)
+    return jax.tree.map(lambda x: x / accum, sums)
 
 
 def make_train_step(
@@ -197,13 +217,11 @@ def make_train_step(
     fp16 = cfg.dtype == "float16"
     clip = cfg.gradient_clip_val
 
-    def device_grads(
-        params: Any, rows: jax.Array, scale: jax.Array, step: jax.Array
-    ) -> tuple[Any, jax.Array]:
+    def device_grads(params: Any, rows: jax.Array, scale: jax.Array, step: jax.Array) -> tuple[Any, Metrics]:
         if faults.nan_step > 0:  # test-only fault, traced only when asked for
             scale = poison_gradients(faults, scale, step, jax.lax.axis_index(mesh_lib.BATCH_AXES) == 0)
-        grads, loss = _local_grads(model, layout, accum, params, rows, scale)
-        return layout.reduce_grads(grads), layout.mean(loss)
+        grads, metrics = _local_grads(model, layout, accum, params, rows, scale)
+        return layout.reduce_grads(grads), layout.mean(metrics)
 
     # check_vma=False: we reduce explicitly, exactly once per step. `tensor` stays automatic.
     sharded_grads = jax.shard_map(
@@ -226,7 +244,8 @@ def make_train_step(
         return state.params, state.opt_state
 
     def train_step(state: TrainState, batch: jax.Array) -> tuple[TrainState, Metrics]:
-        grads, loss = sharded_grads(state.params, batch, state.loss_scale, state.step)
+        grads, loss_metrics = sharded_grads(state.params, batch, state.loss_scale, state.step)
+        loss = loss_metrics["loss"]
         if fp16:
             grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
         grad_norm = optax.tree.norm(grads)
@@ -249,7 +268,7 @@ def make_train_step(
             skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
         )
         metrics = {
-            "loss": loss,
+            **loss_metrics,
             "grad_norm": grad_norm,
             "lr": schedule(state.step),
             "finite": finite,
@@ -270,10 +289,10 @@ def make_eval_step(model: GPT, mesh: Mesh, param_specs: Any, accum: int = 1) -> 
 
     def device_loss(params: Any, rows: jax.Array) -> jax.Array:
         if accum == 1:
-            return layout.mean(layout.loss(model, params, rows))
+            return layout.mean(layout.loss(model, params, rows)[1]["loss"])
         micro = rows.reshape(accum, rows.shape[0] // accum, rows.shape[1])
         # Equal microbatches: the mean of their means is the mean over every row.
-        losses = jax.lax.map(lambda mb: layout.loss(model, params, mb), micro)
+        losses = jax.lax.map(lambda mb: layout.loss(model, params, mb)[1]["loss"], micro)
         return layout.mean(losses.mean())
 
     return jax.shard_map(

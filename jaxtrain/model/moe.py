@@ -1,0 +1,205 @@
+"""Mixture of experts: a router picks each token's top-k experts, and only those run on it.
+
+Routing: softmax over the experts' logits, then the top k (Mixtral, Qwen3-MoE), their weights
+optionally renormalised to sum to 1. Dropless: every routed copy of a token is computed. The
+copies are sorted by expert and each expert's rows run as one group of a grouped matmul
+(`jax.lax.ragged_dot`), so no expert pads to a capacity and none drops a token.
+
+Expert parallelism: inside the train step the batch axes are manual, and the mesh axis the
+logical `expert` axis maps to (mesh.EXPERT_RULES) holds n_experts / ep experts per device. Each
+device sends every copy to the device holding its expert with one `all_to_all`, computes its own
+experts' rows, and sends the results back with another. all_to_all needs static shapes, and
+XLA:CPU has no `ragged_all_to_all` ("HLO opcode ragged-all-to-all is not supported by XLA:CPU",
+jax 0.10.2), so each device's buffer for each peer holds all of its copies: dropless whatever the
+routing, at ep times the bytes of an exact exchange.
+
+The router's statistics are sown into the "moe" collection, per layer (`router_stats`): the
+fraction of copies each expert got (`load`), the mean router probability (`probs`) and the
+z-loss; the step turns them into the balancing loss with the whole batch's load (`balance_loss`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxtrain.config import ModelConfig
+from jaxtrain.model.layers import constrain, dense, residual_std
+
+
+def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
+    """Whether block `layer` has experts: every `every`-th, counted from 1 (Hugging Face's sparse step)."""
+    return cfg.moe.n_experts > 0 and (layer + 1) % cfg.moe.every == 0
+
+
+def expert_hidden(cfg: ModelConfig) -> int:
+    return cfg.moe.d_expert or cfg.ff_dim
+
+
+def _mesh_axis(logical: str) -> str | None:
+    """The mesh axis the step's logical rules map `logical` to (None outside a step, or unmapped)."""
+    axes = nn.logical_to_mesh_axes((logical,))
+    return axes[0] if axes else None
+
+
+def _expert_parallelism() -> tuple[str | None, int]:
+    """(mesh axis, size) the experts are split over: the step's manual `expert` axis, else (None, 1)."""
+    axis = _mesh_axis("expert")
+    mesh = jax.sharding.get_abstract_mesh()
+    if axis is None or mesh.empty or axis not in mesh.manual_axes:
+        return None, 1
+    return axis, int(mesh.shape[axis])
+
+
+def _expert_mlps(rows: jax.Array, sizes: jax.Array, w_in: jax.Array, w_out: jax.Array) -> jax.Array:
+    """Rows [m, d] sorted by expert, `sizes[e]` of them for expert e -> each through its expert's MLP.
+
+    w_in is [E, d, 2, ff] (SwiGLU: gate and up) or [E, d, ff] (GELU); w_out [E, ff, d]. Rows past
+    sum(sizes) (exchange padding) belong to no group: ragged_dot leaves them zero.
+    """
+    e, d = w_in.shape[:2]
+    h = jax.lax.ragged_dot(rows, w_in.reshape(e, d, -1), sizes)
+    if w_in.ndim == 4:
+        gate, up = jnp.split(h, 2, axis=-1)
+        h = nn.silu(gate) * up
+    else:
+        h = nn.gelu(h)
+    return jax.lax.ragged_dot(h, w_out, sizes)
+
+
+def _tensor_split(rows: jax.Array, sizes: jax.Array, w_in: jax.Array, w_out: jax.Array) -> jax.Array:
+    """_expert_mlps with each expert's hidden dim split over the tensor axis, if the step has one:
+    each device runs its slice of every expert (Megatron's column then row split) and one psum adds
+    them. Written per device because XLA's partitioner does not split a ragged_dot."""
+    axis = _mesh_axis("mlp")
+    mesh = jax.sharding.get_abstract_mesh()
+    if axis is None or mesh.empty or axis in mesh.manual_axes or mesh.shape[axis] == 1:
+        return _expert_mlps(rows, sizes, w_in, w_out)
+    spec_in = jax.sharding.PartitionSpec(*(None,) * (w_in.ndim - 1), axis)
+    spec_out = jax.sharding.PartitionSpec(None, axis, None)
+    return jax.shard_map(
+        lambda r, s, a, b: jax.lax.psum(_expert_mlps(r, s, a, b), axis),
+        mesh=mesh,
+        in_specs=(jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec(), spec_in, spec_out),
+        out_specs=jax.sharding.PartitionSpec(),
+        axis_names={axis},
+    )(rows, sizes, w_in, w_out)
+
+
+def _exchange(
+    rows: jax.Array, experts: jax.Array, axis: str, ep: int, w_in: jax.Array, w_out: jax.Array
+) -> jax.Array:
+    """Rows [n, d] sorted by global expert id `experts` [n] -> their experts' outputs, computed
+    on the devices along `axis` (ep of them) that hold those experts (w_in, w_out: this device's)."""
+    n, local = rows.shape[0], w_in.shape[0]
+    dest = experts // local  # the device holding each row's expert; rows sorted, so in runs
+    counts = jnp.zeros(ep, jnp.int32).at[dest].add(1)
+    slot = jnp.arange(n) - (jnp.cumsum(counts) - counts)[dest]  # place in its device's buffer
+    # A buffer of n rows for each peer: dropless however the router splits them.
+    send = jnp.zeros((ep, n, rows.shape[1]), rows.dtype).at[dest, slot].set(rows)
+    send_expert = jnp.full((ep, n), local, jnp.int32).at[dest, slot].set(experts % local)
+    recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True).reshape(ep * n, -1)
+    recv_expert = jax.lax.all_to_all(send_expert, axis, 0, 0, tiled=True).reshape(ep * n)
+    # Padding carries expert id `local`: sorted last, in no group.
+    order = jnp.argsort(recv_expert, stable=True)
+    sizes = jnp.zeros(local, jnp.int32).at[recv_expert].add(1, mode="drop")
+    out = _tensor_split(recv[order], sizes, w_in, w_out)
+    out = out[jnp.argsort(order)].reshape(ep, n, -1)
+    back = jax.lax.all_to_all(out, axis, 0, 0, tiled=True)
+    return back[dest, slot]
+
+
+class MoeMlp(nn.Module):
+    """Routed experts (plus optional shared ones) in place of a block's MLP: [B, T, d] -> [B, T, d]."""
+
+    cfg: ModelConfig
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg, moe = self.cfg, self.cfg.moe
+        b, t, d = x.shape
+        n_experts, k, ff = moe.n_experts, moe.experts_per_token, expert_hidden(cfg)
+        tokens = x.reshape(b * t, d)
+        # The router in float32: a low-precision softmax over experts flips near-tied top-k picks.
+        logits = dense(n_experts, cfg.init_std, jnp.float32, "router")(tokens.astype(jnp.float32))
+        probs = jax.nn.softmax(logits, axis=-1)
+        weights, experts = jax.lax.top_k(probs, k)  # [N, k]
+        if moe.renormalize:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+
+        axis, ep = _expert_parallelism()
+        # Declared as this device's share: inside the step each device sees only its experts.
+        shape_in = (n_experts // ep, d, 2, ff) if cfg.mlp == "swiglu" else (n_experts // ep, d, ff)
+        init = nn.initializers.normal(cfg.init_std)
+        w_in = self.param("gate_up" if cfg.mlp == "swiglu" else "fc", init, shape_in, jnp.float32)
+        w_out = self.param(
+            "out", nn.initializers.normal(residual_std(cfg)), (n_experts // ep, ff, d), jnp.float32
+        )
+        w_in, w_out = w_in.astype(self.dtype), w_out.astype(self.dtype)
+
+        flat = experts.reshape(-1)  # [N * k]: token i's copies at i*k .. i*k + k-1
+        order = jnp.argsort(flat, stable=True)
+        rows = tokens[order // k]
+        if axis is None:
+            sizes = jnp.zeros(n_experts, jnp.int32).at[flat].add(1)
+            out = _tensor_split(rows, sizes, w_in, w_out)
+        else:
+            out = _exchange(rows, flat[order], axis, ep, w_in, w_out)
+        out = out[jnp.argsort(order)].reshape(b * t, k, d)
+        y = jnp.einsum("nk,nkd->nd", weights.astype(self.dtype), out).reshape(b, t, d)
+        if moe.n_shared_experts:
+            y = y + self._shared(x, moe.n_shared_experts * ff)
+
+        load = jnp.zeros(n_experts, jnp.float32).at[flat].add(1.0) / flat.size
+        self.sow("moe", "load", jax.lax.stop_gradient(load))
+        self.sow("moe", "probs", probs.mean(axis=0))
+        self.sow("moe", "z", jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2))
+        return constrain(y, "batch", "length", "embed")
+
+    def _shared(self, x: jax.Array, hidden: int) -> jax.Array:
+        """The shared experts: one dense MLP of their summed hidden size, as every token's."""
+        cfg = self.cfg
+        if cfg.mlp == "swiglu":
+            gate_up = dense((2, hidden), cfg.init_std, self.dtype, "shared_gate_up")(x)
+            gate_up = constrain(gate_up, "batch", "length", None, "mlp")
+            h = nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
+        else:
+            h = nn.gelu(dense(hidden, cfg.init_std, self.dtype, "shared_fc")(x))
+        h = constrain(h, "batch", "length", "mlp")
+        return dense(x.shape[-1], residual_std(cfg), self.dtype, "shared_out")(h)
+
+
+def router_stats(collection: Any) -> dict[str, jax.Array]:
+    """The "moe" collection as arrays over MoE layers, in layer order: load and probs [L, E], z [L]."""
+    layers: list[tuple[int, Any]] = []
+    for name, sub in collection.items():
+        stats = sub["moe"]
+        if name == "blocks":  # scanned: each sown value already stacks every layer
+            return {key: stats[key][0] for key in ("load", "probs", "z")}
+        layers.append((int(name.split("_")[1]), stats))
+    layers.sort(key=lambda item: item[0])
+    return {key: jnp.stack([s[key][0] for _, s in layers]) for key in ("load", "probs", "z")}
+
+
+def balance_loss(load: jax.Array, probs: jax.Array) -> jax.Array:
+    """Switch/GShard load balancing, per layer: n_experts * sum_e load_e * probs_e (1.0 when even).
+
+    `load` should be the whole batch's (a constant to the gradient), `probs` this device's rows':
+    then the mean over devices of this loss, and of its gradient, is the whole batch's. Hugging
+    Face's Mixtral loss is experts_per_token times this (its load sums to k).
+    """
+    return load.shape[-1] * jnp.sum(load * probs, axis=-1)
+
+
+def active_params(cfg: ModelConfig, n_params: int) -> int:
+    """Params a token computes with: all but the routed experts it is not sent to."""
+    moe = cfg.moe
+    if not moe.n_experts:
+        return n_params
+    per_expert = (3 if cfg.mlp == "swiglu" else 2) * cfg.d_model * expert_hidden(cfg)
+    n_moe_layers = sum(is_moe_layer(cfg, i) for i in range(cfg.n_layer))
+    return n_params - n_moe_layers * (moe.n_experts - moe.experts_per_token) * per_expert
