@@ -166,7 +166,7 @@ def resolve_mesh(mesh: MeshConfig, n_devices: int) -> MeshConfig:
     if free and n_devices % known == 0:
         sizes[free[0]] = n_devices // known
     if math.prod(sizes.values()) != n_devices:
-        inner = {a: n for a, n in sizes.items() if a != "data" and n != -1}
+        inner = {a: n for a, n in sizes.items() if a != "data" and n != -1 and (a != "expert" or n > 1)}
         fits = n_devices % math.prod(inner.values()) == 0
         hint = (
             f"--mesh.data -1 {' '.join(f'--mesh.{a} {n}' for a, n in inner.items())}"
