@@ -38,7 +38,9 @@ MOE = [
 STEPS = 20
 MESHES = {
     "expert4xdata2": ["--mesh.expert", "4", "--mesh.data", "2"],
-    "expert2xfsdp2xtensor2": ["--mesh.expert", "2", "--mesh.fsdp", "2", "--mesh.tensor", "2", "--mesh.data", "1"],
+    "expert2xfsdp2xtensor2": [
+        "--mesh.expert", "2", "--mesh.fsdp", "2", "--mesh.tensor", "2", "--mesh.data", "1",
+    ],
 }  # fmt: skip
 
 
