@@ -35,6 +35,8 @@ class MoeConfig:
     renormalize: bool = True  # rescale the top-k router weights to sum to 1 (Mixtral, Qwen3-MoE)
     balance_coef: float = 0.01  # load-balancing loss coefficient (Switch; 1.0 when perfectly balanced)
     z_loss_coef: float = 0.0  # router z-loss coefficient (ST-MoE: mean logsumexp(logits)^2); 0 = off
+    # auto | ragged_dot | blocks: the experts' grouped matmul (auto: blocks on CPUs, ragged_dot elsewhere)
+    grouped_matmul: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -244,6 +246,7 @@ _CHOICES = {
     "model.remat": ("none", "full", "dots"),
     "model.attention_impl": ("auto", "xla", "cudnn"),
     "model.mlp": ("gelu", "swiglu"),
+    "model.moe.grouped_matmul": ("auto", "ragged_dot", "blocks"),
     "mesh.reduce_dtype": ("float32", "compute"),
     "compat.backend": ("auto", "nccl", "gloo"),
     "ddp.log_level": ("", "DEBUG", "INFO", "WARNING", "ERROR"),

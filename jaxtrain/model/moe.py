@@ -2,8 +2,14 @@
 
 Routing: softmax over the experts' logits, then the top k (Mixtral, Qwen3-MoE), their weights
 optionally renormalised to sum to 1. Dropless: every routed copy of a token is computed. The
-copies are sorted by expert and each expert's rows run as one group of a grouped matmul
-(`jax.lax.ragged_dot`), so no expert pads to a capacity and none drops a token.
+copies are sorted by expert and each expert's rows run as one group of a grouped matmul, so no
+expert pads to a capacity and none drops a token. Two grouped matmuls (`grouped_matmul`):
+  ragged_dot  `jax.lax.ragged_dot`, the grouped GEMM GPUs and TPUs compile. XLA:CPU gets jax's
+              fallback: every row against every expert, masked (8 experts: 22x one dense matmul).
+  blocks      each expert's rows padded to whole blocks of BLOCK rows, one batched matmul over the
+              blocks with each block's expert's weights gathered (MegaBlocks' layout): at most
+              n_experts x BLOCK rows of extra work, but a weight copy per block: for CPUs and
+              small experts, not for an 8x7B.
 
 Expert parallelism: inside the train step the batch axes are manual, and the mesh axis the
 logical `expert` axis maps to (mesh.EXPERT_RULES) holds n_experts / ep experts per device. Each
@@ -54,34 +60,64 @@ def _expert_parallelism() -> tuple[str | None, int]:
     return axis, int(mesh.shape[axis])
 
 
-def _expert_mlps(rows: jax.Array, sizes: jax.Array, w_in: jax.Array, w_out: jax.Array) -> jax.Array:
+BLOCK = 128  # rows per block of the `blocks` grouped matmul
+
+
+def grouped_matmul(platform: str) -> str:
+    """The grouped matmul the experts compile to on `platform` ("cpu", "gpu", ...: jax's Device.platform)."""
+    return "blocks" if platform == "cpu" else "ragged_dot"
+
+
+def _activation(h: jax.Array, swiglu: bool) -> jax.Array:
+    if swiglu:
+        gate, up = jnp.split(h, 2, axis=-1)
+        return nn.silu(gate) * up
+    return nn.gelu(h)
+
+
+def _expert_mlps(
+    rows: jax.Array, sizes: jax.Array, w_in: jax.Array, w_out: jax.Array, impl: str
+) -> jax.Array:
     """Rows [m, d] sorted by expert, `sizes[e]` of them for expert e -> each through its expert's MLP.
 
     w_in is [E, d, 2, ff] (SwiGLU: gate and up) or [E, d, ff] (GELU); w_out [E, ff, d]. Rows past
-    sum(sizes) (exchange padding) belong to no group: ragged_dot leaves them zero.
+    sum(sizes) (exchange padding) belong to no expert: they come out zero.
     """
     e, d = w_in.shape[:2]
-    h = jax.lax.ragged_dot(rows, w_in.reshape(e, d, -1), sizes)
-    if w_in.ndim == 4:
-        gate, up = jnp.split(h, 2, axis=-1)
-        h = nn.silu(gate) * up
-    else:
-        h = nn.gelu(h)
-    return jax.lax.ragged_dot(h, w_out, sizes)
+    w_in, swiglu = w_in.reshape(e, d, -1), w_in.ndim == 4
+    if impl == "ragged_dot":
+        h = _activation(jax.lax.ragged_dot(rows, w_in, sizes), swiglu)
+        return jax.lax.ragged_dot(h, w_out, sizes)
+    m = rows.shape[0]
+    n_blocks = -(-m // BLOCK) + e  # each expert wastes less than one block
+    padded = -(-sizes // BLOCK) * BLOCK
+    ends = jnp.cumsum(sizes)
+    expert = jnp.searchsorted(ends, jnp.arange(m), side="right")  # e for rows past sum(sizes)
+    start = (jnp.cumsum(padded) - padded)[jnp.minimum(expert, e - 1)]
+    pos = jnp.where(expert < e, start + jnp.arange(m) - (ends - sizes)[jnp.minimum(expert, e - 1)], -1)
+    blocks = jnp.zeros((n_blocks * BLOCK, d), rows.dtype).at[pos].set(rows, mode="drop")
+    block_expert = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(n_blocks) * BLOCK, side="right")
+    block_expert = jnp.minimum(block_expert, e - 1)  # blocks past the last expert's hold zeros
+    blocks = blocks.reshape(n_blocks, BLOCK, d)
+    h = _activation(jnp.einsum("bmd,bdf->bmf", blocks, w_in[block_expert]), swiglu)
+    out = jnp.einsum("bmf,bfd->bmd", h, w_out[block_expert]).reshape(n_blocks * BLOCK, -1)
+    return out.at[pos].get(mode="fill", fill_value=0)
 
 
-def _tensor_split(rows: jax.Array, sizes: jax.Array, w_in: jax.Array, w_out: jax.Array) -> jax.Array:
+def _tensor_split(
+    rows: jax.Array, sizes: jax.Array, w_in: jax.Array, w_out: jax.Array, impl: str
+) -> jax.Array:
     """_expert_mlps with each expert's hidden dim split over the tensor axis, if the step has one:
     each device runs its slice of every expert (Megatron's column then row split) and one psum adds
     them. Written per device because XLA's partitioner does not split a ragged_dot."""
     axis = _mesh_axis("mlp")
     mesh = jax.sharding.get_abstract_mesh()
     if axis is None or mesh.empty or axis in mesh.manual_axes or mesh.shape[axis] == 1:
-        return _expert_mlps(rows, sizes, w_in, w_out)
+        return _expert_mlps(rows, sizes, w_in, w_out, impl)
     spec_in = jax.sharding.PartitionSpec(*(None,) * (w_in.ndim - 1), axis)
     spec_out = jax.sharding.PartitionSpec(None, axis, None)
     return jax.shard_map(
-        lambda r, s, a, b: jax.lax.psum(_expert_mlps(r, s, a, b), axis),
+        lambda r, s, a, b: jax.lax.psum(_expert_mlps(r, s, a, b, impl), axis),
         mesh=mesh,
         in_specs=(jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec(), spec_in, spec_out),
         out_specs=jax.sharding.PartitionSpec(),
@@ -90,7 +126,7 @@ def _tensor_split(rows: jax.Array, sizes: jax.Array, w_in: jax.Array, w_out: jax
 
 
 def _exchange(
-    rows: jax.Array, experts: jax.Array, axis: str, ep: int, w_in: jax.Array, w_out: jax.Array
+    rows: jax.Array, experts: jax.Array, axis: str, ep: int, w_in: jax.Array, w_out: jax.Array, impl: str
 ) -> jax.Array:
     """Rows [n, d] sorted by global expert id `experts` [n] -> their experts' outputs, computed
     on the devices along `axis` (ep of them) that hold those experts (w_in, w_out: this device's)."""
@@ -106,7 +142,7 @@ def _exchange(
     # Padding carries expert id `local`: sorted last, in no group.
     order = jnp.argsort(recv_expert, stable=True)
     sizes = jnp.zeros(local, jnp.int32).at[recv_expert].add(1, mode="drop")
-    out = _tensor_split(recv[order], sizes, w_in, w_out)
+    out = _tensor_split(recv[order], sizes, w_in, w_out, impl)
     out = out[jnp.argsort(order)].reshape(ep, n, -1)
     back = jax.lax.all_to_all(out, axis, 0, 0, tiled=True)
     return back[dest, slot]
@@ -132,6 +168,7 @@ class MoeMlp(nn.Module):
             weights = weights / weights.sum(axis=-1, keepdims=True)
 
         axis, ep = _expert_parallelism()
+        impl = "ragged_dot" if moe.grouped_matmul == "auto" else moe.grouped_matmul  # the step resolves auto
         # Declared as this device's share: inside the step each device sees only its experts.
         shape_in = (n_experts // ep, d, 2, ff) if cfg.mlp == "swiglu" else (n_experts // ep, d, ff)
         init = nn.initializers.normal(cfg.init_std)
@@ -146,9 +183,9 @@ class MoeMlp(nn.Module):
         rows = tokens[order // k]
         if axis is None:
             sizes = jnp.zeros(n_experts, jnp.int32).at[flat].add(1)
-            out = _tensor_split(rows, sizes, w_in, w_out)
+            out = _tensor_split(rows, sizes, w_in, w_out, impl)
         else:
-            out = _exchange(rows, flat[order], axis, ep, w_in, w_out)
+            out = _exchange(rows, flat[order], axis, ep, w_in, w_out, impl)
         out = out[jnp.argsort(order)].reshape(b * t, k, d)
         y = jnp.einsum("nk,nkd->nd", weights.astype(self.dtype), out).reshape(b, t, d)
         if moe.n_shared_experts:

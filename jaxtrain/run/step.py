@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtrain.config import Config
 from jaxtrain.faults import NO_FAULTS, FaultPlan, poison_gradients
 from jaxtrain.model.attention import attention_kernel
-from jaxtrain.model.moe import balance_loss, router_stats
+from jaxtrain.model.moe import balance_loss, grouped_matmul, router_stats
 from jaxtrain.model.params import logical_axes, path_names
 from jaxtrain.model.transformer import GPT
 from jaxtrain.run import mesh as mesh_lib
@@ -146,6 +146,9 @@ class _ParamLayout:
         """The model with its attention kernel chosen for the mesh's devices, and FSDP's per-layer gather."""
         kernel = attention_kernel(model.cfg, self.platform, model.dtype)
         cfg = dataclasses.replace(model.cfg, attention_impl=kernel)
+        if cfg.moe.grouped_matmul == "auto":
+            moe = dataclasses.replace(cfg.moe, grouped_matmul=grouped_matmul(self.platform))
+            cfg = dataclasses.replace(cfg, moe=moe)
         return model.clone(cfg=cfg, gather=self.gather if self.fsdp > 1 else None)
 
     def loss(self, model: GPT, params: Any, rows: jax.Array) -> tuple[jax.Array, Metrics]:
