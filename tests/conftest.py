@@ -17,10 +17,13 @@ os.environ.setdefault("WANDB_SILENT", "true")
 # The session's own cache (compiled steps, the default dataset, token scans): tests never fill
 # the user's ~/.cache/jaxtrain, and each session starts cold. Building the dataset takes ~1 s.
 # The CUDA plugin is the exception: it stays in the user's cache (make gpu-plugin), found there first.
+# pytest-xdist's workers inherit the controller's environment: they share its cache, so a step one
+# worker compiled (in-process or in a process it started) is read from disk by the other.
 os.environ.setdefault("JAXTRAIN_CUDA_PLUGIN", str(plugin_dir()))
-_cache = tempfile.mkdtemp(prefix="jaxtrain-test-cache-")
-os.environ["XDG_CACHE_HOME"] = _cache
-atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+if "PYTEST_XDIST_WORKER" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="jaxtrain-test-cache-")
+    os.environ["XDG_CACHE_HOME"] = _cache
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -8,7 +8,7 @@ import pytest
 from jaxtrain.config import load_config
 from jaxtrain.observe import metrics, peaks
 from jaxtrain.plan import compiled as plan
-from jaxtrain.plan import planner, targets
+from jaxtrain.plan import hlo, planner, schedule, targets
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,15 +55,19 @@ ENTRY %main (a: f32[1024,1024], b: (s32[], f32[64,1024], f32[1,1024])) -> f32[10
 
 
 def test_replica_groups_in_every_form():
-    assert plan._groups("replica_groups=[2,4]<=[8], x", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert plan._groups("replica_groups=[4,2]<=[2,4]T(1,0), x", 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert plan._groups("replica_groups={{0,2},{1,3}}, x", 4) == [[0, 2], [1, 3]]
-    assert plan._groups("replica_groups={}, x", 3) == [[0, 1, 2]]
+    assert hlo.groups("replica_groups=[2,4]<=[8], x", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert hlo.groups("replica_groups=[4,2]<=[2,4]T(1,0), x", 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert hlo.groups("replica_groups={{0,2},{1,3}}, x", 4) == [[0, 2], [1, 3]]
+    assert hlo.groups("replica_groups={}, x", 3) == [[0, 1, 2]]
+    # The mesh form (jax 0.10's GPU compiler prints it for ZeRO-1's gather): row-major partitions.
+    mesh = "replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, dimensions={0}"
+    assert hlo.groups(mesh, 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert hlo.groups(mesh.replace("{'axis_0'}", "{'axis_1'}"), 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
 def test_walk_counts_loop_trips_axes_hosts_and_in_place_updates():
     # 2 hosts x 8 GPUs as a data 2 x fsdp 8 mesh: fsdp inside a host, data across.
-    layout = plan._Placement(("data", "fsdp", "tensor"), (2, 8, 1), [0] * 8 + [1] * 8)
+    layout = hlo.Placement(("data", "fsdp", "tensor"), (2, 8, 1), [0] * 8 + [1] * 8)
     tally = plan._Walker(HLO, layout).tally()
     gather = tally.collectives[("all-gather", "fsdp", False)]
     assert gather["count"] == 12 and gather["bytes"] == 12 * 8 * 1024 * 4
@@ -97,12 +101,144 @@ def test_a_plan_that_does_not_fit_tries_remat_then_a_smaller_batch_then_wider_fs
     resolved = {"mesh": {"data": 8, "fsdp": 1, "tensor": 1}, "device_batch": 16, "accumulation": 4}
     smaller = {"device_batch_size": 8} if total_batch else {"gradient_accumulation_steps": 8}
     wider = {"mesh.fsdp": 2, "mesh.data": -1}
-    assert planner.nearer(cfg, resolved, gpus_per_host=8) == [
+    assert planner.nearer(cfg, resolved, devices=8) == [
         {"model.remat": "full"}, smaller, {**smaller, "model.remat": "full"}, wider, {**wider, "model.remat": "full"},
     ]  # fmt: skip
     # fsdp already spans the host: nothing wider to try.
     full = {**resolved, "mesh": {"data": 1, "fsdp": 8, "tensor": 1}}
-    assert planner.nearer(planner.with_overrides(cfg, {"model.remat": "full"}), full, gpus_per_host=8) == [
+    assert planner.nearer(planner.with_overrides(cfg, {"model.remat": "full"}), full, devices=8) == [
         smaller,
         {**smaller, "model.remat": "full"},
     ]
+    # Across hosts fsdp widens past one host; a device batch of 1 is never advised again.
+    one = {**full, "device_batch": 1}
+    assert planner.nearer(cfg, one, devices=16) == [
+        {"model.remat": "full"}, {"mesh.fsdp": 16, "mesh.data": -1}, {"mesh.fsdp": 16, "mesh.data": -1, "model.remat": "full"},
+    ]  # fmt: skip
+
+
+# A step's update in one branch of a conditional (the other skips a non-finite step): the update
+# branch writes less than the skip branch's copy but holds ZeRO-1's all-gather of the new params.
+COND_HLO = """HloModule jit_step, is_scheduled=true
+
+%skip (s: f32[8,1024]) -> f32[8,1024] {
+  %s = f32[8,1024]{1,0} parameter(0)
+  ROOT %copy = f32[8,1024]{1,0} copy(%s)
+}
+
+%update (u: f32[8,1024]) -> f32[8,1024] {
+  %u = f32[8,1024]{1,0} parameter(0)
+  %row = f32[1,1024]{1,0} slice(%u), slice={[0:1], [0:1024]}
+  ROOT %ag = f32[8,1024]{1,0} all-gather(%row), channel_id=3, replica_groups=mesh['axis_0'=8] {'axis_0'}, dimensions={0}
+}
+
+ENTRY %main (p: pred[], x: f32[8,1024]) -> f32[8,1024] {
+  %p = pred[] parameter(0)
+  %x = f32[8,1024]{1,0} parameter(1)
+  ROOT %c = f32[8,1024]{1,0} conditional(%p, %x, %x), true_computation=%update, false_computation=%skip
+}
+"""
+
+
+def test_a_conditional_counts_what_either_branch_could_cost():
+    layout = hlo.Placement(("data", "fsdp", "tensor"), (8, 1, 1), [0] * 8)
+    tally = plan._Walker(COND_HLO, layout).tally()
+    assert tally.collectives[("all-gather", "data", False)]["bytes"] == 8 * 1024 * 4
+    assert tally.written == 8 * 1024 * 4  # the larger branch's writes: the copy
+
+
+# An async gather started before a matmul and waited for after it; then a synchronous all-reduce.
+SCHEDULE_HLO = """HloModule jit_step, is_scheduled=true
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %sum = f32[] add(%x, %y)
+}
+
+%gemm (a: bf16[4096,8192], b: bf16[8192,8192]) -> bf16[4096,8192] {
+  %a = bf16[4096,8192]{1,0} parameter(0)
+  %b = bf16[8192,8192]{1,0} parameter(1)
+  ROOT %d = bf16[4096,8192]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: bf16[4096,8192], w: bf16[1024,8192], g: f32[1048576]) -> bf16[4096,8192] {
+  %a = bf16[4096,8192]{1,0} parameter(0)
+  %w = bf16[1024,8192]{1,0} parameter(1)
+  %g = f32[1048576]{0} parameter(2)
+  %ags = (bf16[1024,8192]{1,0}, bf16[8192,8192]{1,0}) all-gather-start(%w), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}
+  %mm = bf16[4096,8192]{1,0} fusion(%a, %a), kind=kCustom, calls=%gemm
+  %agd = bf16[8192,8192]{1,0} all-gather-done(%ags)
+  %ar = f32[1048576]{0} all-reduce(%g), channel_id=2, replica_groups=[1,8]<=[8], to_apply=%add
+  ROOT %out = bf16[4096,8192]{1,0} fusion(%a, %agd), kind=kCustom, calls=%gemm
+}
+"""
+
+
+def test_the_schedule_hides_only_what_runs_beside_it():
+    t = targets.get("h100")
+    peak = targets.peak_flops(t, "bfloat16")
+    layout = hlo.Placement(("data", "fsdp", "tensor"), (1, 8, 1), [0] * 8)
+    clock = schedule.Replay(SCHEDULE_HLO, layout, t, peak).run()
+    matmul = max(2 * 4096 * 8192 * 8192 / peak, 2 * 4096 * 8192 * 2 / t.hbm_bytes_per_s)
+    gather = 7 / 8 * 8192 * 8192 * 2 / t.nvlink_bytes_per_s  # an ideal ring, inside one host
+    reduce = 2 * 7 / 8 * 1048576 * 4 / t.nvlink_bytes_per_s  # synchronous: all of it exposed
+    assert clock.busy == pytest.approx(2 * matmul)
+    assert clock.exposed == pytest.approx(max(0.0, gather - matmul) + reduce)
+    assert clock.now == pytest.approx(2 * matmul + max(0.0, gather - matmul) + reduce)
+    # The floor would hide all of it: the replay is never below the sum of the ops.
+    assert clock.now >= clock.busy
+
+
+def test_flops_of_a_matmul_and_of_fused_attention():
+    program = hlo.Program(SCHEDULE_HLO)
+    entry = program.comps[program.entry]
+    assert hlo.flops(entry["mm"], program.comps, entry) == 2 * 4096 * 8192 * 8192
+    fwd = hlo.Op("f", "(bf16[2,8,1024,64]{3,1,2,0})", "custom-call", [], (
+        ', custom_call_target="__cudnn$fmhaSoftmax", operand_layout_constraints={bf16[2,1024,8,64]{3,2,1,0}, '
+        'bf16[2,1024,8,64]{3,2,1,0}, bf16[2,1024,8,64]{3,2,1,0}}, backend_config={"mask_type": "CAUSAL"}'
+    ))  # fmt: skip
+    assert hlo.flops(fwd, {}, {}) == 4 * (2 * 1024 * 8 * 64) * 1024 * 0.5
+    bwd = hlo.Op("b", fwd.shape, "custom-call", [], fwd.attrs.replace("fmhaSoftmax", "fmhaSoftmaxBackward"))
+    assert hlo.flops(bwd, {}, {}) == 2.5 * hlo.flops(fwd, {}, {})
+
+
+# The microbatch loop as XLA's GPU compiler leaves it: no known_trip_count; `i < 3` from 0.
+LOOP_HLO = """HloModule jit_step, is_scheduled=true
+
+%compare_fused (p: s32[]) -> pred[] {
+  %p = s32[] parameter(0)
+  %three = s32[] constant(3)
+  ROOT %lt = pred[] compare(%p, %three), direction=LT
+}
+
+%cond (c: (s32[], f32[1024])) -> pred[] {
+  %c = (s32[], f32[1024]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%c), index=0
+  ROOT %f = pred[] fusion(%i), kind=kLoop, calls=%compare_fused
+}
+
+%body (c: (s32[], f32[1024])) -> (s32[], f32[1024]) {
+  %c = (s32[], f32[1024]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%c), index=0
+  %x = f32[1024]{0} get-tuple-element(%c), index=1
+  %y = f32[1024]{0} exponential(%x)
+  ROOT %t = (s32[], f32[1024]{0}) tuple(%i, %y)
+}
+
+ENTRY %main (x: f32[1024]) -> (s32[], f32[1024]) {
+  %x = f32[1024]{0} parameter(0)
+  %zero = s32[] constant(0)
+  %start = s32[] copy(%zero)
+  %init = (s32[], f32[1024]{0}) tuple(%start, %x)
+  ROOT %loop = (s32[], f32[1024]{0}) while(%init), condition=%cond, body=%body
+}
+"""
+
+
+def test_a_loop_without_a_known_trip_count_runs_as_its_condition_says():
+    program = hlo.Program(LOOP_HLO)
+    entry = program.comps[program.entry]
+    assert program.trip_count(entry["loop"], entry) == 3
+    layout = hlo.Placement(("data", "fsdp", "tensor"), (1, 1, 1), [0])
+    assert plan._Walker(LOOP_HLO, layout).tally().written == 3 * 1024 * 4 + 4  # + the copy of i

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from jaxtrain.config import load_config
-from jaxtrain.errors import ArgumentError
+from jaxtrain.errors import ArgumentError, UserError
 from jaxtrain.hf.config import with_hf_model
 from jaxtrain.plan import targets
 
@@ -27,30 +27,43 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus_per_host", type=int, default=8)
     p.add_argument("--json", default="")
     p.add_argument("--search", action="store_true")
+    p.add_argument("--search_budget", type=int, default=16)
     return p
 
 
 def main(argv: list[str], usage: str) -> int:
-    """Exit code: 0 fits, 1 does not fit (EXIT_DOES_NOT_FIT); bad input raises a UserError."""
+    """Exit code: 0 fits (or a search found a layout that does), 1 does not fit (EXIT_DOES_NOT_FIT);
+    bad input raises a UserError."""
     args, rest = _parser().parse_known_args(argv)
     target = targets.get(args.target)
     if args.hosts < 1 or args.gpus_per_host < 1:
         raise ArgumentError(f"--hosts {args.hosts} --gpus_per_host {args.gpus_per_host}: both must be >= 1")
     cfg = load_config(rest, usage, fill=with_hf_model)
     if "jax" not in sys.modules:
-        targets.use_plugin()
+        targets.use_plugin(xla_logs=cfg.verbose)
     from jaxtrain.plan import planner  # imports jax, so after use_plugin
 
     where = (target, args.hosts, args.gpus_per_host)
-    p = planner.plan_one(cfg, *where)
-    if not p["fits"]:
+    try:
+        p: dict | None = planner.plan_one(cfg, *where)
+    except UserError as e:
+        if not args.search:  # the layout given cannot run: one line, exit 2
+            raise
+        print(f"as given: {e}; searching", flush=True)  # a search needs no layout that runs
+        p = None
+    if p is not None and not p["fits"]:
         p["fits_with"] = planner.fits_with(cfg, p, *where)
+    found = []
     if args.search:
         print("search:", flush=True)
-        p["search"] = planner.search(cfg, *where)
-    planner.print_plan(p)
-    planner.print_fixes(p, planner.nearer(cfg, p, args.gpus_per_host))
+        found = planner.search(cfg, *where, budget=args.search_budget)
+    if p is not None:
+        planner.print_plan(p)
+        planner.print_fixes(p, planner.nearer(cfg, p, args.hosts * args.gpus_per_host))
+    planner.print_search(found)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(p, indent=1) + "\n")
-    return 0 if p["fits"] else EXIT_DOES_NOT_FIT
+        Path(args.json).write_text(
+            json.dumps((p or {}) | ({"search": found} if args.search else {}), indent=1) + "\n"
+        )
+    return 0 if (p is not None and p["fits"]) or found else EXIT_DOES_NOT_FIT

@@ -20,36 +20,20 @@ Loop bodies count once per trip (microbatches, scanned layers), so every figure 
 
 from __future__ import annotations
 
-import math
 import os
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from jaxtrain.errors import UserError
 from jaxtrain.observe.memory import compiled_bytes, fits
+from jaxtrain.plan import hlo, schedule
 from jaxtrain.plan.targets import GpuTarget, peak_flops
 
 # jax's GPU client preallocates this fraction of device memory for XLA's allocator by default
 # (jax docs, "GPU memory allocation"); XLA_PYTHON_CLIENT_MEM_FRACTION changes it.
 DEFAULT_MEM_FRACTION = 0.75
-
-_DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-    "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 1, "u4": 1,
-}  # fmt: skip
-_ARRAY = re.compile(r"([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\]")
-_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-# Ops that move no bytes of their own, or whose bytes other terms count (collectives, loops).
-_NO_TRAFFIC = {
-    "parameter", "get-tuple-element", "tuple", "constant", "bitcast", "while", "conditional", "call",
-    "after-all", "partition-id", "replica-id", "iota", "async-start", "async-done", "async-update",
-    "copy-start", "copy-done", "send", "send-done", "recv", "recv-done", "add-dependency", "opt-barrier",
-}  # fmt: skip
 
 
 def mem_fraction(environ: dict[str, str] | None = None) -> float:
@@ -58,108 +42,33 @@ def mem_fraction(environ: dict[str, str] | None = None) -> float:
     return float(env.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_MEM_FRACTION))
 
 
+def usable_bytes(target: GpuTarget) -> int:
+    """What XLA may allocate on one of the target's devices (mem_fraction of its memory)."""
+    return int(target.memory_bytes * mem_fraction())
+
+
 def attention_kernel(hlo: str) -> str:
     """`cudnn` when the program calls cuDNN's fused attention, else `xla` (attention as plain HLO)."""
     return "cudnn" if "__cudnn$fmha" in hlo else "xla"
-
-
-def _bytes(shape: str) -> int:
-    return sum(
-        _DTYPE_BYTES.get(dt, 1) * math.prod(int(d) for d in dims.split(",") if d)
-        for dt, dims in _ARRAY.findall(shape)
-    )
-
-
-@dataclass
-class _Op:
-    name: str
-    shape: str
-    opcode: str
-    operands: list[str]
-    attrs: str
-
-
-def _balanced(text: str, start: int) -> int:
-    """Index just past the bracket group opening at text[start]."""
-    depth = 0
-    for i in range(start, len(text)):
-        depth += {"(": 1, ")": -1}.get(text[i], 0)
-        if depth == 0:
-            return i + 1
-    return len(text)
-
-
-def _parse_op(line: str) -> _Op | None:
-    m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = ", line)
-    if not m:
-        return None
-    rest = line[m.end() :]
-    end = _balanced(rest, 0) if rest.startswith("(") else rest.index(" ")
-    shape, rest = rest[:end], rest[end:].lstrip()
-    paren = rest.find("(")
-    opcode = rest[:paren]
-    close = _balanced(rest, paren)
-    operands = re.findall(r"%([\w.\-]+)", rest[paren:close])
-    return _Op(m.group(1), shape, opcode, operands, rest[close:])
-
-
-def parse_hlo(hlo: str) -> tuple[dict[str, dict[str, _Op]], dict[str, str], str]:
-    """Computations of an HLO module's text: ops by name (in order), each one's root, the entry's name."""
-    comps: dict[str, dict[str, _Op]] = {}
-    roots: dict[str, str] = {}
-    entry, current = "", ""
-    for line in hlo.splitlines():
-        if line.endswith("{") and not line.startswith(" "):
-            m = re.match(r"(ENTRY )?%([\w.\-]+) ", line)
-            if m:
-                current = m.group(2)
-                comps[current] = {}
-                entry = current if m.group(1) else entry
-            continue
-        op = _parse_op(line) if current else None
-        if op:
-            comps[current][op.name] = op
-            if line.lstrip().startswith("ROOT "):
-                roots[current] = op.name
-    return comps, roots, entry
-
-
-def _groups(attrs: str, n_devices: int) -> list[list[int]]:
-    """Replica groups (partition ids) of a collective: explicit lists or the iota form."""
-    iota = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
-    if iota:
-        shape = [int(x) for x in iota.group(1).split(",")]
-        dims = [int(x) for x in iota.group(2).split(",")]
-        ids = np.arange(math.prod(dims)).reshape(dims)
-        if iota.group(3):
-            ids = ids.transpose([int(x) for x in iota.group(3).split(",")])
-        return ids.reshape(shape[0], -1).tolist()
-    pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
-    if pairs:
-        return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)", pairs.group(1) + "}")]
-    explicit = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", attrs)
-    groups = re.findall(r"\{([\d,]+)\}", explicit.group(1)) if explicit else []
-    return [[int(x) for x in g.split(",")] for g in groups] or [list(range(n_devices))]
-
-
-@dataclass
-class _Placement:
-    """Where partition i sits: its mesh coordinates and its host."""
-
-    axes: tuple[str, ...]
-    shape: tuple[int, ...]
-    hosts: list[int]
-
-    def axis_of(self, group: list[int]) -> str:
-        coords = np.array(np.unravel_index(group, self.shape)).T
-        varying = [a for i, a in enumerate(self.axes) if len(set(coords[:, i])) > 1]
-        return "+".join(varying) or "-"
 
 
 @dataclass
 class _Tally:
     written: float = 0.0
     collectives: dict[tuple[str, str, bool], dict[str, float]] = field(default_factory=dict)
+
+    @staticmethod
+    def most_of(branches: list[_Tally]) -> _Tally:
+        """What the costliest branch of a conditional could cost, figure by figure: the step's
+        update sits in one branch (the other skips a non-finite step) and may hold collectives
+        (ZeRO-1's all-gather of the updated params) while writing less than the other."""
+        most = _Tally(written=max((b.written for b in branches), default=0.0))
+        for b in branches:
+            for key, c in b.collectives.items():
+                mine = most.collectives.setdefault(key, dict.fromkeys(c, 0.0))
+                for k, v in c.items():
+                    mine[k] = max(mine[k], v)
+        return most
 
     def add(self, other: _Tally) -> None:
         self.written += other.written
@@ -172,93 +81,42 @@ class _Tally:
 class _Walker:
     """Walks the program as it runs once: loop bodies times their trip count, the costlier branch."""
 
-    def __init__(self, hlo: str, layout: _Placement) -> None:
-        self.comps, self.roots, self.entry = parse_hlo(hlo)
+    def __init__(self, text: str, layout: hlo.Placement) -> None:
+        self.program = hlo.Program(text)
         self.layout = layout
 
     def tally(self) -> _Tally:
-        return self._walk(self.entry, 1.0)
+        return self._walk(self.program.entry, 1.0)
 
     def _walk(self, comp: str, mult: float) -> _Tally:
         tally = _Tally()
-        ops = self.comps[comp]
+        program = self.program
+        ops = program.comps[comp]
         for op in ops.values():
-            kind = op.opcode.removesuffix("-start")
-            if op.opcode == "while":
-                trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', op.attrs)
-                body = re.search(r"body=%([\w.\-]+)", op.attrs)
-                if body:
-                    tally.add(self._walk(body.group(1), mult * (int(trip.group(1)) if trip else 1)))
+            body, callee = program.body(op), program.callee(op)
+            if op.opcode == "while" and body:
+                tally.add(self._walk(body, mult * program.trip_count(op, ops)))
             elif op.opcode == "conditional":
-                names = re.findall(r"(?:true_computation|false_computation)=%([\w.\-]+)", op.attrs)
-                branches = re.search(r"branch_computations=\{([^}]*)\}", op.attrs)
-                names += re.findall(r"%([\w.\-]+)", branches.group(1)) if branches else []
-                tally.add(max((self._walk(n, mult) for n in names), key=lambda t: t.written))
-            elif op.opcode in ("call", "async-start"):
-                callee = re.search(r"(?:calls|to_apply)=%([\w.\-]+)", op.attrs)
-                if callee:
-                    tally.add(self._walk(callee.group(1), mult))
-            elif kind in _COLLECTIVES:
+                tally.add(_Tally.most_of([self._walk(n, mult) for n in program.branches(op)]))
+            elif op.opcode in ("call", "async-start") and callee:
+                tally.add(self._walk(callee, mult))
+            elif op.opcode.removesuffix("-start") in hlo.COLLECTIVES:
                 self._collective(tally, op, ops, mult)
-            elif op.opcode == "fusion":
-                tally.written += mult * self._fusion_written(op)
-            elif op.opcode == "custom-call":  # a library call's scratch space is not traffic
-                tally.written += mult * sum(
-                    _bytes(f"{dt}[{dims}]") for dt, dims in _ARRAY.findall(op.shape) if dt not in ("u8", "s8")
-                )
-            elif op.opcode not in _NO_TRAFFIC and not op.opcode.endswith("-done"):
-                tally.written += mult * _bytes(op.shape)
+            else:
+                tally.written += mult * program.written(op)
         return tally
 
-    def _fusion_written(self, op: _Op) -> int:
-        """Bytes a fusion writes: its output, but only the update of an in-place (scatter) update."""
-        callee = re.search(r"calls=%([\w.\-]+)", op.attrs)
-        if not callee or callee.group(1) not in self.roots:
-            return _bytes(op.shape)
-        inner = self.comps[callee.group(1)]
-        root = inner[self.roots[callee.group(1)]]
-        outs = [inner[n] for n in root.operands] if root.opcode == "tuple" else [root]
-        total = 0
-        for out in outs:
-            update = {"dynamic-update-slice": 1, "scatter": 2}.get(out.opcode)
-            total += _bytes(inner[out.operands[update]].shape) if update else _bytes(out.shape)
-        return total
-
-    def _collective(self, tally: _Tally, op: _Op, ops: dict[str, _Op], mult: float) -> None:
-        kind = op.opcode.removesuffix("-start")
-        in_bytes = sum(_bytes(ops[n].shape) for n in op.operands if n in ops)
-        out_bytes = _bytes(op.shape)
-        if op.opcode.endswith("-start") and out_bytes > in_bytes and op.shape.startswith("(("):
-            out_bytes -= in_bytes  # an async start's result holds its operands too
-        size = max(in_bytes, out_bytes)
-        groups = _groups(op.attrs, len(self.layout.hosts))
-        group = groups[0]
-        hosts = [self.layout.hosts[i] for i in group]
-        n_hosts = len(set(hosts))
-        per_host = len(group) // n_hosts
-        if kind == "collective-permute":
-            crosses = any(self.layout.hosts[a] != self.layout.hosts[b] for a, b in groups)
-            nvlink, network = (0.0, size) if crosses else (size, 0.0)
-            axis = self.layout.axis_of(sorted({d for pair in groups for d in pair}))
-        else:
-            crosses = n_hosts > 1
-            ring = 2.0 if kind == "all-reduce" else 1.0
-            if kind == "all-to-all":
-                n = len(group)
-                nvlink, network = (per_host - 1) / n * size, (n - per_host) / n * size
-            else:
-                nvlink = ring * (per_host - 1) / per_host * size
-                network = ring * (n_hosts - 1) / n_hosts * size / per_host
-            axis = self.layout.axis_of(group)
+    def _collective(self, tally: _Tally, op: hlo.Op, ops: dict[str, hlo.Op], mult: float) -> None:
+        t = hlo.transfer(op, ops, self.layout)
         c = tally.collectives.setdefault(
-            (kind, axis, crosses),
+            (t.kind, t.axis, t.crosses_hosts),
             {"count": 0.0, "bytes": 0.0, "largest_bytes": 0.0, "nvlink_bytes": 0.0, "network_bytes": 0.0},
         )
         c["count"] += mult
-        c["largest_bytes"] = max(c["largest_bytes"], size)
-        c["bytes"] += mult * size
-        c["nvlink_bytes"] += mult * nvlink
-        c["network_bytes"] += mult * network
+        c["largest_bytes"] = max(c["largest_bytes"], t.size)
+        c["bytes"] += mult * t.size
+        c["nvlink_bytes"] += mult * t.nvlink
+        c["network_bytes"] += mult * t.network
 
 
 @dataclass(frozen=True)
@@ -277,13 +135,13 @@ class Facts:
 
 def analyze(train: Any, evaluate: Any | None, facts: Facts, compile_s: float) -> dict[str, Any]:
     """The plan of one compiled train step (+ eval step) on its target: memory, kernels, comms, bound."""
-    hlo = train.as_text()
+    text = train.as_text()
     mem = compiled_bytes(train)
-    layout = _Placement(tuple(facts.mesh), tuple(facts.mesh.values()), facts.device_hosts)
-    tally = _Walker(hlo, layout).tally()
+    layout = hlo.Placement(tuple(facts.mesh), tuple(facts.mesh.values()), facts.device_hosts)
+    tally = _Walker(text, layout).tally()
     t = facts.target
     n_devices = len(facts.device_hosts)
-    limit = int(t.memory_bytes * mem_fraction())
+    limit = usable_bytes(t)
     eval_total = compiled_bytes(evaluate)["total_bytes"] if evaluate is not None else 0
     # Outputs (the new state, donated or not) are written, never read back within the step.
     hbm_bytes = 2 * tally.written - int(train.memory_analysis().output_size_in_bytes) + mem["argument_bytes"]
@@ -300,6 +158,7 @@ def analyze(train: Any, evaluate: Any | None, facts: Facts, compile_s: float) ->
         "network": sum(c["network_bytes"] for c in collectives) / t.network_bytes_per_s,
     }
     bound = max(times.values())
+    replay = schedule.Replay(text, layout, t, peak_flops(t, facts.dtype)).run()
     return {
         "state_bytes_per_device": mem["argument_bytes"],
         "temp_bytes_per_device": mem["temp_bytes"],
@@ -308,7 +167,7 @@ def analyze(train: Any, evaluate: Any | None, facts: Facts, compile_s: float) ->
         "device_memory_bytes": t.memory_bytes,
         "usable_bytes_per_device": limit,
         "fits": fits(max(mem["total_bytes"], eval_total), limit),
-        "attention": attention_kernel(hlo),
+        "attention": attention_kernel(text),
         "collectives": collectives,
         "hbm_bytes_floor": int(hbm_bytes),
         "model_flops_per_step": facts.model_flops_per_step,
@@ -316,6 +175,11 @@ def analyze(train: Any, evaluate: Any | None, facts: Facts, compile_s: float) ->
         "bound_limited_by": max(times, key=lambda k: times[k]),
         "step_time_lower_bound_s": bound,
         "mfu_ceiling": times["compute"] / bound,
+        # schedule.py: the compiled order replayed; the exposed part is what its overlap leaves.
+        "schedule_bound_s": replay.now,
+        "schedule_busy_s": replay.busy,
+        "exposed_comm_s": replay.exposed,
+        "schedule_mfu_ceiling": times["compute"] / max(replay.now, times["compute"]),
         "compile_s": round(compile_s, 2),
     }
 

@@ -19,25 +19,32 @@ import jax
 
 from jaxtrain.config import Config
 from jaxtrain.errors import UserError
+from jaxtrain.observe.memory import fits
 from jaxtrain.plan import compiled as plan
 from jaxtrain.plan import targets
 from jaxtrain.run import mesh as mesh_lib
-from jaxtrain.run.build import build
+from jaxtrain.run.build import Run, build
 from jaxtrain.run.job import Job
 
 # What a search keeps of each plan that fits.
-SEARCH_KEYS = ("total_bytes_per_device", "step_time_lower_bound_s", "mfu_ceiling", "bound_limited_by")
+SEARCH_KEYS = (
+    "total_bytes_per_device", "step_time_lower_bound_s", "mfu_ceiling", "bound_limited_by",
+    "schedule_bound_s", "schedule_mfu_ceiling",
+)  # fmt: skip
 
 
 def compile_for(cfg: Config, devices: list[Any]) -> tuple[Any, Any, dict[str, Any]]:
     """The run training would build (jaxtrain/run/build.py), built for `devices`, its steps compiled."""
     run = build(Job.of_devices(cfg, devices))
-    cfg = run.cfg  # resolved on the devices: mesh, global batch, microbatches
     t0 = time.perf_counter()
     train_compiled = run.compile_train()
-    compile_s = time.perf_counter() - t0
+    return train_compiled, run.compile_eval(), _facts(run) | {"compile_s": time.perf_counter() - t0}
+
+
+def _facts(run: Run) -> dict[str, Any]:
+    cfg = run.cfg  # resolved on the devices: mesh, global batch, microbatches
     shards = cfg.mesh.data * cfg.mesh.fsdp
-    facts = {
+    return {
         "cfg": cfg,
         "mesh": mesh_lib.mesh_shape(run.mesh),
         "device_hosts": [d.process_index for d in run.mesh.devices.flat],
@@ -46,28 +53,46 @@ def compile_for(cfg: Config, devices: list[Any]) -> tuple[Any, Any, dict[str, An
         "global_batch": cfg.batch_size,
         "accumulation": cfg.gradient_accumulation_steps,
         "device_batch": cfg.batch_size // cfg.gradient_accumulation_steps // shards,
-        "compile_s": compile_s,
+        "state_bytes": run.state_bytes_per_device,
     }
-    return train_compiled, run.compile_eval(), facts
 
 
-def plan_one(cfg: Config, target: targets.GpuTarget, hosts: int, gpus_per_host: int) -> dict[str, Any]:
-    """The plan (jaxtrain/plan/compiled.py: analyze) of `cfg` on hosts x gpus_per_host of `target`."""
-    devices = targets.target_devices(target, hosts, gpus_per_host)
-    train, evaluate, f = compile_for(cfg, devices)
-    facts = plan.Facts(
-        target=target, mesh=f["mesh"], hosts=hosts, gpus_per_host=gpus_per_host,
-        device_hosts=f["device_hosts"], n_params=f["n_params"],
-        model_flops_per_step=f["model_flops_per_step"], dtype=f["cfg"].dtype,
-    )  # fmt: skip
-    head = {
+def _head(f: dict[str, Any], target: targets.GpuTarget, hosts: int, gpus_per_host: int) -> dict[str, Any]:
+    return {
         "target": target.name, "device_kind": target.device_kind, "hosts": hosts,
         "gpus_per_host": gpus_per_host, "mesh": f["mesh"], "zero1": f["cfg"].mesh.zero1,
         "dtype": f["cfg"].dtype, "remat": f["cfg"].model.remat, "global_batch": f["global_batch"],
         "device_batch": f["device_batch"], "accumulation": f["accumulation"],
         "seq_len": f["cfg"].model.seq_len, "n_params": f["n_params"],
     }  # fmt: skip
-    return head | plan.analyze(train, evaluate, facts, f["compile_s"])
+
+
+def plan_one(cfg: Config, target: targets.GpuTarget, hosts: int, gpus_per_host: int) -> dict[str, Any]:
+    """The plan (jaxtrain/plan/compiled.py: analyze) of `cfg` on hosts x gpus_per_host of `target`.
+
+    A job whose train state alone (params, optimizer moments: known from shapes, no compile)
+    exceeds a device's usable memory gets its verdict at once, uncompiled: compiling a model that
+    size takes minutes and could only say the same.
+    """
+    devices = targets.target_devices(target, hosts, gpus_per_host)
+    run = build(Job.of_devices(cfg, devices))
+    f = _facts(run)
+    head = _head(f, target, hosts, gpus_per_host)
+    limit = plan.usable_bytes(target)
+    if not fits(f["state_bytes"], limit):
+        return head | {
+            "compiled": False, "fits": False, "state_bytes_per_device": f["state_bytes"],
+            "usable_bytes_per_device": limit, "device_memory_bytes": target.memory_bytes,
+        }  # fmt: skip
+    t0 = time.perf_counter()
+    train = run.compile_train()
+    evaluate = run.compile_eval()
+    facts = plan.Facts(
+        target=target, mesh=f["mesh"], hosts=hosts, gpus_per_host=gpus_per_host,
+        device_hosts=f["device_hosts"], n_params=f["n_params"],
+        model_flops_per_step=f["model_flops_per_step"], dtype=f["cfg"].dtype,
+    )  # fmt: skip
+    return head | {"compiled": True} | plan.analyze(train, evaluate, facts, time.perf_counter() - t0)
 
 
 def with_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
@@ -81,7 +106,7 @@ def with_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
     return cfg
 
 
-def nearer(cfg: Config, resolved: dict[str, Any], gpus_per_host: int) -> list[dict[str, Any]]:
+def nearer(cfg: Config, resolved: dict[str, Any], devices: int) -> list[dict[str, Any]]:
     """Settings nearest first: remat, then half the device batch, then twice the fsdp size."""
     out: list[dict[str, Any]] = []
     fsdp = resolved["mesh"]["fsdp"]
@@ -91,53 +116,106 @@ def nearer(cfg: Config, resolved: dict[str, Any], gpus_per_host: int) -> list[di
         if cfg.total_batch_size
         else {"gradient_accumulation_steps": resolved["accumulation"] * 2}
     )
-    wider = {"mesh.fsdp": min(fsdp * 2, gpus_per_host // tensor), "mesh.data": -1}
+    wider = {"mesh.fsdp": min(fsdp * 2, devices // tensor), "mesh.data": -1}
     if cfg.model.remat != "full":
         out.append({"model.remat": "full"})
-    out += [smaller, {**smaller, "model.remat": "full"}]
+    if resolved["device_batch"] > 1:  # never advise the batch the job already has
+        out += [smaller, {**smaller, "model.remat": "full"}]
     if wider["mesh.fsdp"] > fsdp:
         out += [wider, {**wider, "model.remat": "full"}]
     return out
 
 
+def _try(cfg: Config, target: targets.GpuTarget, hosts: int, gpus_per_host: int) -> tuple[str, dict | None]:
+    """Plan one candidate: ("fits" | "does not fit" | why it was not compiled, its plan)."""
+    try:
+        p = plan_one(cfg, target, hosts, gpus_per_host)
+    except (UserError, jax.errors.JaxRuntimeError) as e:  # rejected, or the compiler failed
+        return str(e).splitlines()[0], None
+    if not p["compiled"]:
+        return f"its state alone needs {gb(p['state_bytes_per_device'])}", p
+    return ("fits" if p["fits"] else "does not fit"), p
+
+
 def fits_with(
     cfg: Config, resolved: dict[str, Any], target: targets.GpuTarget, hosts: int, gpus_per_host: int
 ) -> list[dict[str, Any]]:
-    """For a plan that does not fit: the nearest settings (`nearer`) whose train step fits."""
-    candidates = nearer(cfg, resolved, gpus_per_host)
+    """For a plan that does not fit: the two nearest settings (`nearer`) whose steps fit. A setting
+    that leaves the state as large as the state that did not fit is not compiled."""
+    found: list[dict[str, Any]] = []
+    for overrides in nearer(cfg, resolved, hosts * gpus_per_host):
+        if not resolved["compiled"] and not any(k.startswith("mesh.") for k in overrides):
+            continue  # remat and batch leave the state as it is
+        verdict, p = _try(with_overrides(cfg, overrides), target, hosts, gpus_per_host)
+        if verdict == "fits" and p is not None:
+            found.append({"overrides": overrides, "total_bytes_per_device": p["total_bytes_per_device"]})
+            if len(found) == 2:
+                break
+    return found
 
-    def compile_train(overrides: dict[str, Any]) -> Any:
-        devices = targets.target_devices(target, hosts, gpus_per_host)
-        return compile_for(with_overrides(cfg, overrides), devices)[0]
 
-    return plan.nearest_fits(
-        candidates,
-        compile_train,
-        resolved["usable_bytes_per_device"],
-        tries=len(candidates),
-    )
+def devices_for_state(p: dict[str, Any]) -> int:
+    """The fewest devices (a power of two) whose share of this plan's state fits, fully sharded."""
+    shards = p["mesh"]["fsdp"] * p["mesh"]["tensor"]
+    total = p["state_bytes_per_device"] * shards
+    n = 1
+    while not fits(total // n, p["usable_bytes_per_device"]):
+        n *= 2
+    return n
 
 
-def search(cfg: Config, target: targets.GpuTarget, hosts: int, gpus_per_host: int) -> list[dict[str, Any]]:
-    """Every data x fsdp x tensor mesh (fsdp x tensor inside a host) x remat that compiles and fits,
-    fastest bound first; prints a line per setting as it goes (a search takes minutes)."""
-    results = []
-    sizes = [n for n in (1, 2, 4, 8, 16) if n <= gpus_per_host]
-    for tensor in sizes:
-        for fsdp in (n for n in sizes if n * tensor <= gpus_per_host):
-            for remat in ("none", "dots", "full"):
-                o = {"mesh.data": -1, "mesh.fsdp": fsdp, "mesh.tensor": tensor, "model.remat": remat}
-                try:
-                    p = plan_one(with_overrides(cfg, o), target, hosts, gpus_per_host)
-                except (UserError, jax.errors.JaxRuntimeError) as e:  # rejected, or the compiler failed
-                    print(f"  fsdp {fsdp} tensor {tensor} remat {remat}: {str(e).splitlines()[0]}")
-                    continue
-                print(f"  fsdp {fsdp} tensor {tensor} remat {remat}: {gb(p['total_bytes_per_device'])} "
-                      f"bound {p['step_time_lower_bound_s'] * 1e3:.1f} ms {'fits' if p['fits'] else ''}",
-                      flush=True)  # fmt: skip
-                if p["fits"]:
-                    results.append({"overrides": o, **{k: p[k] for k in SEARCH_KEYS}})
-    return sorted(results, key=lambda r: r["step_time_lower_bound_s"])
+def search(
+    cfg: Config, target: targets.GpuTarget, hosts: int, gpus_per_host: int, budget: int
+) -> list[dict[str, Any]]:
+    """Layouts that fit, fastest schedule-aware bound first: tensor (inside a host) x fsdp (any
+    width) x data filling the devices, the device batch from the largest (no accumulation: the
+    fewest gathers per step) down, remat from full (least memory) to none. A mesh whose state
+    alone does not fit, or that does not divide the batch, is passed over without a compile; at
+    most `budget` compiles. Prints a line per setting as it goes (each compile takes minutes)."""
+    devices = hosts * gpus_per_host
+    rows = cfg.total_batch_size // cfg.model.seq_len if cfg.total_batch_size else cfg.batch_size
+    powers = [2**i for i in range(devices.bit_length()) if devices % 2**i == 0]
+    results: list[dict[str, Any]] = []
+    compiles = 0
+
+    def attempt(o: dict[str, Any]) -> str:
+        nonlocal compiles
+        verdict, p = _try(with_overrides(cfg, o), target, hosts, gpus_per_host)
+        compiles += p is not None and p["compiled"]
+        shown = ", ".join(f"{k.split('.')[-1]} {v}" for k, v in o.items() if v != -1)
+        line = verdict
+        if p is not None and p["compiled"]:
+            line += f", {gb(p['total_bytes_per_device'])}, floor {p['step_time_lower_bound_s']:.3g} s, "
+            line += (
+                f"schedule-aware {p['schedule_bound_s']:.3g} s ({100 * p['schedule_mfu_ceiling']:.0f}% MFU)"
+            )
+        print(f"  {shown}: {line}", flush=True)
+        if verdict == "fits" and p is not None:
+            results.append({"overrides": o, **{k: p[k] for k in SEARCH_KEYS}})
+        return verdict
+
+    for tensor in sorted((n for n in powers if n <= gpus_per_host), reverse=True):
+        for fsdp in (n for n in powers if n * tensor <= devices):
+            shards = devices // tensor
+            if rows % shards:
+                continue
+            batches = [b for b in powers if b <= rows // shards and (rows // shards) % b == 0][::-1]
+            for b in batches:
+                if compiles >= budget:
+                    print(f"  (search stopped after {budget} compiles: --search_budget)")
+                    return sorted(results, key=lambda r: r["schedule_bound_s"])
+                base = {"mesh.data": -1, "mesh.fsdp": fsdp, "mesh.tensor": tensor}
+                batch = {"device_batch_size": b} if cfg.total_batch_size else {
+                    "gradient_accumulation_steps": rows // shards // b}  # fmt: skip
+                verdict = attempt({**base, **batch, "model.remat": "full"})
+                if verdict.startswith("its state alone") or verdict not in ("fits", "does not fit"):
+                    break  # no batch or remat changes the state, or the mesh is rejected
+                if verdict == "fits":
+                    for remat in ("dots", "none"):
+                        if compiles < budget and attempt({**base, **batch, "model.remat": remat}) != "fits":
+                            break
+                    break  # the largest device batch that fits: the fewest gathers
+    return sorted(results, key=lambda r: r["schedule_bound_s"])
 
 
 def gb(n: float) -> str:
@@ -145,14 +223,23 @@ def gb(n: float) -> str:
 
 
 def print_plan(p: dict[str, Any]) -> None:
-    """The plan as a table, its collectives and its bound."""
+    """The plan as a table, its collectives and its bounds."""
     mesh = " x ".join(f"{a} {n}" for a, n in p["mesh"].items())
-    rows = [
+    head = [
         ("target", f"{p['hosts']} x {p['gpus_per_host']} {p['device_kind']}"),
         ("mesh", mesh + (" + zero1" if p["zero1"] else "")),
         ("batch", f"global {p['global_batch']} x {p['seq_len']}, {p['accumulation']} microbatch(es) of "
                   f"{p['device_batch']} per device; {p['dtype']}, remat {p['remat']}"),
         ("params", f"{p['n_params']:,}"),
+    ]  # fmt: skip
+    if not p["compiled"]:
+        for k, v in head:
+            print(f"{k:<26}{v}")
+        state, usable = gb(p["state_bytes_per_device"]), gb(p["usable_bytes_per_device"])
+        print(f"{'state / device':<26}{state} (params, optimizer moments) of {usable} usable: DOES NOT FIT")
+        print(f"{'':<26}(not compiled: no batch or remat setting makes the state smaller)")
+        return
+    rows = head + [
         ("state + batch / device", gb(p["state_bytes_per_device"])),
         ("temporaries / device", gb(p["temp_bytes_per_device"])),
         ("total / device", gb(p["total_bytes_per_device"])),
@@ -172,17 +259,36 @@ def print_plan(p: dict[str, Any]) -> None:
         print(f"  {c['kind']:<19} over {c['axis']:<12} x{c['count']:<5} {size:>10}  sent {sent:>10}  {where}")
     terms = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in p["bound_terms_s"].items())
     bound, limit = p["step_time_lower_bound_s"] * 1e3, p["bound_limited_by"]
-    print(f"step time lower bound     {bound:.1f} ms ({limit}-bound; {terms})")
-    print(
-        f"MFU ceiling               {100 * p['mfu_ceiling']:.1f}% (from the bound: a ceiling, no prediction)"
-    )
+    print(f"step time lower bound     {bound:.1f} ms ({limit}-bound, all overlapped; {terms})")
+    ops, exposed = p["schedule_busy_s"] * 1e3, p["exposed_comm_s"] * 1e3
+    print(f"schedule-aware bound      {p['schedule_bound_s'] * 1e3:.1f} ms (the compiled order replayed: "
+          f"ops {ops:.1f} ms, communication left exposed {exposed:.1f} ms)")  # fmt: skip
+    print(f"MFU ceiling               {100 * p['mfu_ceiling']:.1f}% from the floor, "
+          f"{100 * p['schedule_mfu_ceiling']:.1f}% from the schedule (ceilings, no predictions)")  # fmt: skip
 
 
 def print_fixes(p: dict[str, Any], tried: list[dict[str, Any]]) -> None:
     """What fits when `p` does not (its `fits_with`), and a search's results, fastest first."""
     if not p["fits"]:
         fixes = [" ".join(f"--{k} {v}" for k, v in f["overrides"].items()) for f in p.get("fits_with", [])]
-        print("fits with: " + ("; ".join(fixes) if fixes else f"none of {tried}"))
-    for r in p.get("search", []):
-        print(f"  {r['overrides']}: bound {r['step_time_lower_bound_s'] * 1e3:.1f} ms, "
-              f"MFU ceiling {100 * r['mfu_ceiling']:.1f}%, {gb(r['total_bytes_per_device'])}")  # fmt: skip
+        if fixes:
+            print("fits with: " + "; ".join(fixes))
+        elif not p["compiled"]:
+            n = devices_for_state(p)
+            print(f"fits with: none on {p['hosts']} x {p['gpus_per_host']} GPUs; its state alone needs "
+                  f"{n} or more (--mesh.fsdp {n} on --hosts x --gpus_per_host >= {n})")  # fmt: skip
+        else:
+            print(f"fits with: none of {tried}")
+
+
+def print_search(found: list[dict[str, Any]]) -> None:
+    """A search's layouts that fit, fastest schedule-aware bound first."""
+    if found:
+        print("layouts that fit, fastest first:")
+    for r in found:
+        flags = " ".join(f"--{k} {v}" for k, v in r["overrides"].items())
+        sched, floor = r["schedule_bound_s"] * 1e3, r["step_time_lower_bound_s"] * 1e3
+        ceiling, floor_ceiling = 100 * r["schedule_mfu_ceiling"], 100 * r["mfu_ceiling"]
+        size = gb(r["total_bytes_per_device"])
+        print(f"  {flags}: schedule-aware {sched:.1f} ms (MFU ceiling {ceiling:.1f}%), "
+              f"floor {floor:.1f} ms ({floor_ceiling:.1f}%), {size}")  # fmt: skip

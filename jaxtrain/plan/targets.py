@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jaxtrain import xla_env
 from jaxtrain.disk.files import cache_root
 from jaxtrain.errors import UserError
 from jaxtrain.observe import peaks
@@ -217,11 +218,14 @@ device_description_str: "{target.device_kind}"
 """
 
 
-def use_plugin() -> None:
+def use_plugin(xla_logs: bool = False) -> None:
     """Make the CUDA plugin importable by this process, with no GPU and no driver; call before jax.
 
     JAX_PLATFORMS=cpu: no CUDA client is created (the plugin only compiles);
     JAX_SKIP_CUDA_CONSTRAINTS_CHECK: else its start-up calls cuInit and prints a traceback.
+    XLA_FLAGS get the GPU flags a GPU launch runs with (xla_env.GPU_FLAGS), so the program planned
+    is the program trained. XLA's own log lines (its scheduler's cost-model complaints, printed on
+    every compile of a large job) stay out of a plan unless `xla_logs` (--verbose).
     """
     where = plugin_dir()
     if not (where / "jax_plugins").is_dir():
@@ -233,6 +237,9 @@ def use_plugin() -> None:
         raise RuntimeError("use_plugin() must run before jax is imported")
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+    if not xla_logs:
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    xla_env.set_flags()
     sys.path.insert(0, str(where))
 
 
