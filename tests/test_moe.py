@@ -205,3 +205,7 @@ def test_checkpoint_restores_across_expert_parallel_sizes_and_reports_the_router
     assert all(len(r["expert_load_max_mean"]) == 2 and r["expert_load_max_mean"][0] >= 1 for r in logged)
     assert all(r["moe_balance_loss"] > 0.5 and len(r["expert_load"][1]) == 8 for r in logged)
     assert "balance" in (ref / "train.log").read_text()
+    evals = [r for r in a if "val_loss" in r]  # the router on the validation rows too
+    assert [len(r["val_expert_load"]) for r in evals] == [2, 2] and all(
+        r["val_moe_balance_loss"] for r in evals
+    )

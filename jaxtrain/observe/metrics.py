@@ -163,14 +163,25 @@ class Reporter:
             )
         self._emit(record, line)
 
-    def eval(self, step: int, val_loss: float, per_source: dict[str, float] | None = None) -> None:
-        """An eval record; with several validation sets also `val_loss/<name>` for each."""
+    def eval(
+        self,
+        step: int,
+        val_loss: float,
+        per_source: dict[str, float] | None = None,
+        router: Mapping[str, Any] | None = None,
+    ) -> None:
+        """An eval record; with several validation sets also `val_loss/<name>` for each; `router`:
+        the eval step's metrics, whose expert load (a mixture of experts') goes in as `val_*`."""
         if self.is_main:
             record: dict[str, Any] = {"step": step, "val_loss": val_loss}
             line = f"step {step:>6} | val_loss {val_loss:.4f}"
             for name, loss in (per_source or {}).items():
                 record[f"val_loss/{name}"] = loss
                 line += f" | {name} {loss:.4f}"
+            if router and "expert_load" in router:
+                moe = expert_load_record(router)
+                record.update({f"val_{k}": v for k, v in moe.items()})
+                line += f" | expert load max/mean {max(moe['expert_load_max_mean']):.2f}"
             self._emit(record, line)
 
     def _emit(self, record: dict[str, Any], line: str) -> None:

@@ -20,10 +20,15 @@ from jaxtrain.run.build import Run
 
 def mean_loss(run: Run, params: Any, batches: Iterable[np.ndarray]) -> float:
     """Mean loss of `params` over batches of this process's rows (every process calls it)."""
-    losses = [
+    return float(mean_metrics(run, params, batches)["loss"])
+
+
+def mean_metrics(run: Run, params: Any, batches: Iterable[np.ndarray]) -> dict[str, np.ndarray]:
+    """The eval step's metrics (loss; a mixture of experts' expert load...), each a mean over batches."""
+    metrics = [
         run.eval_step(params, mesh_lib.global_batch(rows, run.mesh, run.cfg.batch_size)) for rows in batches
     ]
-    return float(np.mean(jax.device_get(losses)))
+    return {k: np.mean([m[k] for m in metrics], axis=0) for k in jax.device_get(metrics[0])}
 
 
 def overall(per_source: dict[str, float], sources: Sequence[Source]) -> float:

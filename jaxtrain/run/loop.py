@@ -363,9 +363,12 @@ class _Evaluator:
         """Evaluate, report and time it."""
         t0 = time.perf_counter()
         with watchdog.phase(f"eval at step {step}"):
-            per_source = {s.name: evaluate.mean_loss(self.built, params, batches) for s, batches in self.sets}
+            metrics = {s.name: evaluate.mean_metrics(self.built, params, batches) for s, batches in self.sets}
+            per_source = {name: float(m["loss"]) for name, m in metrics.items()}
             val_loss = evaluate.overall(per_source, [s for s, _ in self.sets])
-        reporter.eval(step, val_loss, per_source if len(per_source) > 1 else None)
+        # A mixture of experts' router on the validation rows (of every set alike).
+        router = {k: np.mean([m[k] for m in metrics.values()], axis=0) for k in next(iter(metrics.values()))}
+        reporter.eval(step, val_loss, per_source if len(per_source) > 1 else None, router)
         timeline.event("eval", step=step, seconds=round(time.perf_counter() - t0, 3))
         return val_loss
 

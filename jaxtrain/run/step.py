@@ -285,21 +285,22 @@ def make_train_step(
 
 
 def make_eval_step(model: GPT, mesh: Mesh, param_specs: Any, accum: int = 1) -> Callable:
-    """eval_step(params, batch) -> mean loss over the global batch, taken in `accum` microbatches
+    """eval_step(params, batch) -> metrics of the global batch: `loss` (its mean; a mixture of
+    experts' router figures beside it, as the train step's), taken in `accum` microbatches
     of the train step's device batch, one after another: evaluation fits wherever training does
     (the whole batch at once needed 145 GB per device for llama3_8b on 8 H100s)."""
     layout = _ParamLayout(mesh, param_specs, model.dtype)
 
-    def device_loss(params: Any, rows: jax.Array) -> jax.Array:
+    def device_metrics(params: Any, rows: jax.Array) -> Metrics:
         if accum == 1:
-            return layout.mean(layout.loss(model, params, rows)[1]["loss"])
+            return layout.mean(layout.loss(model, params, rows)[1])
         micro = rows.reshape(accum, rows.shape[0] // accum, rows.shape[1])
         # Equal microbatches: the mean of their means is the mean over every row.
-        losses = jax.lax.map(lambda mb: layout.loss(model, params, mb)[1]["loss"], micro)
-        return layout.mean(losses.mean())
+        metrics = jax.lax.map(lambda mb: layout.loss(model, params, mb)[1], micro)
+        return layout.mean(jax.tree.map(lambda x: x.mean(axis=0), metrics))
 
     return jax.shard_map(
-        device_loss,
+        device_metrics,
         mesh=mesh,
         in_specs=(layout.manual, mesh_lib.batch_spec()),
         out_specs=P(),
