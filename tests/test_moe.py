@@ -17,7 +17,7 @@ import pytest
 from jaxtrain.cluster.detect import detect
 from jaxtrain.cluster.shutdown import exit_on_user_error
 from jaxtrain.config import ConfigError, DistConfig, load_config
-from jaxtrain.model.moe import active_params, balance_loss, router_stats
+from jaxtrain.model.moe import expert_mlps, active_params, balance_loss, router_stats
 from jaxtrain.model.params import param_count
 from jaxtrain.model.transformer import GPT
 from jaxtrain.run import cli
@@ -145,6 +145,29 @@ def test_router_stats_balance_loss_and_active_params():
     assert active_params(cfg, n) == n - 2 * 6 * 3 * cfg.d_model * 32
     # Generation applies the model without the "moe" collection: nothing sown, nothing fails.
     assert jax.eval_shape(lambda p: model.apply({"params": p}, tokens), params).shape == (2, 8, 256)
+
+
+def test_both_grouped_matmuls_agree_with_uneven_empty_and_padded_groups():
+    """blocks (CPUs) computes what ragged_dot (GPUs) does, gradients too: an empty expert, one past
+    a block, and rows of no expert (exchange padding) that must come out zero."""
+    rng = np.random.default_rng(0)
+    sizes = jnp.array([0, 37, 200, 13], jnp.int32)  # 250 rows of 300
+    rows = jnp.asarray(rng.normal(size=(300, 16)), jnp.float32).at[250:].set(0)
+    w_in = jnp.asarray(rng.normal(size=(4, 16, 2, 24)) * 0.1, jnp.float32)
+    w_out = jnp.asarray(rng.normal(size=(4, 24, 16)) * 0.1, jnp.float32)
+
+    def run(impl):
+        def loss(r, a, b):
+            return (expert_mlps(r, sizes, a, b, impl) ** 2).sum()
+
+        return jax.jit(lambda *x: (expert_mlps(*x[:1], sizes, *x[1:], impl), jax.grad(loss, (0, 1, 2))(*x)))(
+            rows, w_in, w_out
+        )
+
+    ragged, blocks = run("ragged_dot"), run("blocks")
+    assert not np.asarray(blocks[0][250:]).any()
+    for a, b in zip(jax.tree.leaves(ragged), jax.tree.leaves(blocks), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -75,9 +75,7 @@ def _activation(h: jax.Array, swiglu: bool) -> jax.Array:
     return nn.gelu(h)
 
 
-def _expert_mlps(
-    rows: jax.Array, sizes: jax.Array, w_in: jax.Array, w_out: jax.Array, impl: str
-) -> jax.Array:
+def expert_mlps(rows: jax.Array, sizes: jax.Array, w_in: jax.Array, w_out: jax.Array, impl: str) -> jax.Array:
     """Rows [m, d] sorted by expert, `sizes[e]` of them for expert e -> each through its expert's MLP.
 
     w_in is [E, d, 2, ff] (SwiGLU: gate and up) or [E, d, ff] (GELU); w_out [E, ff, d]. Rows past
@@ -94,7 +92,10 @@ def _expert_mlps(
     ends = jnp.cumsum(sizes)
     expert = jnp.searchsorted(ends, jnp.arange(m), side="right")  # e for rows past sum(sizes)
     start = (jnp.cumsum(padded) - padded)[jnp.minimum(expert, e - 1)]
-    pos = jnp.where(expert < e, start + jnp.arange(m) - (ends - sizes)[jnp.minimum(expert, e - 1)], -1)
+    # A row's place in the padded blocks; rows of no expert go past the end: dropped, read as zeros.
+    pos = jnp.where(
+        expert < e, start + jnp.arange(m) - (ends - sizes)[jnp.minimum(expert, e - 1)], n_blocks * BLOCK
+    )
     blocks = jnp.zeros((n_blocks * BLOCK, d), rows.dtype).at[pos].set(rows, mode="drop")
     block_expert = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(n_blocks) * BLOCK, side="right")
     block_expert = jnp.minimum(block_expert, e - 1)  # blocks past the last expert's hold zeros
@@ -107,17 +108,17 @@ def _expert_mlps(
 def _tensor_split(
     rows: jax.Array, sizes: jax.Array, w_in: jax.Array, w_out: jax.Array, impl: str
 ) -> jax.Array:
-    """_expert_mlps with each expert's hidden dim split over the tensor axis, if the step has one:
+    """expert_mlps with each expert's hidden dim split over the tensor axis, if the step has one:
     each device runs its slice of every expert (Megatron's column then row split) and one psum adds
     them. Written per device because XLA's partitioner does not split a ragged_dot."""
     axis = _mesh_axis("mlp")
     mesh = jax.sharding.get_abstract_mesh()
     if axis is None or mesh.empty or axis in mesh.manual_axes or mesh.shape[axis] == 1:
-        return _expert_mlps(rows, sizes, w_in, w_out, impl)
+        return expert_mlps(rows, sizes, w_in, w_out, impl)
     spec_in = jax.sharding.PartitionSpec(*(None,) * (w_in.ndim - 1), axis)
     spec_out = jax.sharding.PartitionSpec(None, axis, None)
     return jax.shard_map(
-        lambda r, s, a, b: jax.lax.psum(_expert_mlps(r, s, a, b, impl), axis),
+        lambda r, s, a, b: jax.lax.psum(expert_mlps(r, s, a, b, impl), axis),
         mesh=mesh,
         in_specs=(jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec(), spec_in, spec_out),
         out_specs=jax.sharding.PartitionSpec(),
