@@ -17,7 +17,7 @@ import pytest
 from jaxtrain.cluster.detect import detect
 from jaxtrain.cluster.shutdown import exit_on_user_error
 from jaxtrain.config import ConfigError, DistConfig, load_config
-from jaxtrain.model.moe import expert_mlps, active_params, balance_loss, router_stats
+from jaxtrain.model.moe import active_params, balance_loss, expert_mlps, router_stats
 from jaxtrain.model.params import param_count
 from jaxtrain.model.transformer import GPT
 from jaxtrain.run import cli
