@@ -24,7 +24,7 @@ from jaxtrain.run import cli
 from jaxtrain.run import mesh as mesh_lib
 from jaxtrain.run.job import with_topology
 from jaxtrain.run.loop import train
-from jaxtrain.run.optim import make_optimizer
+from jaxtrain.run.optim import decay_mask, make_optimizer, muon_labels
 from jaxtrain.run.state import create_state, state_sharding
 from jaxtrain.run.step import compute_dtype, jit_steps
 
@@ -119,7 +119,7 @@ def test_tokens_go_by_all_to_all_and_experts_stay_split(expert_parallel):
     # No all-gather holds tokens: its results are fsdp's params (a d_model dim split over fsdp).
     gathers = _collectives(hlo, "all-gather")
     assert all(str(cfg.model.d_model) in t for t in gathers) and (gathers != []) == (fsdp > 1), gathers
-    spec = run["shardings"].params["block_0"]["moe"]["gate_up"].spec
+    spec = run["shardings"].params["block_0"]["moe"]["gate_up"]["kernel"].spec
     assert spec == (
         jax.sharding.PartitionSpec("expert", None, None, None)
         if fsdp == 1
@@ -143,6 +143,13 @@ def test_router_stats_balance_loss_and_active_params():
     # Active: all but the 6 experts (of 8) a token is not sent to, in 2 MoE layers.
     n = param_count(params)
     assert active_params(cfg, n) == n - 2 * 6 * 3 * cfg.d_model * 32
+    # The experts' matrices are decayed and Muon's, like a dense MLP's; the router is AdamW's.
+    decayed, labels = decay_mask(params)["block_1"]["moe"], muon_labels(params)["block_1"]["moe"]
+    assert decayed["gate_up"]["kernel"] and decayed["out"]["kernel"]
+    assert (
+        labels["gate_up"]["kernel"] == labels["out"]["kernel"] == "muon"
+        and labels["router"]["kernel"] == "adamw"
+    )
     # Generation applies the model without the "moe" collection: nothing sown, nothing fails.
     assert jax.eval_shape(lambda p: model.apply({"params": p}, tokens), params).shape == (2, 8, 256)
 

@@ -41,9 +41,9 @@ def _experts(cfg: ModelConfig) -> list[_Row]:
     out: list[_Row] = [(f"{where}.gate.weight", ("moe", "router", "kernel"), None, "in", None)]
     for j in range(cfg.moe.n_experts):
         gate, up, down = (f"{where}.experts.{j}.{name}.weight" for name in names)
-        out.append((gate, ("moe", "gate_up"), (1, 0), "in", j))
-        out.append((up, ("moe", "gate_up"), (1, 1), "in", j))
-        out.append((down, ("moe", "out"), None, "out", j))
+        out.append((gate, ("moe", "gate_up", "kernel"), (1, 0), "in", j))
+        out.append((up, ("moe", "gate_up", "kernel"), (1, 1), "in", j))
+        out.append((down, ("moe", "out", "kernel"), None, "out", j))
     return out
 
 

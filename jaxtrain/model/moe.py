@@ -149,6 +149,18 @@ def _exchange(
     return back[dest, slot]
 
 
+class _Stack(nn.Module):
+    """The experts' matrices of one kind stacked [E, ...], as one float32 param named `kernel`:
+    decayed and given to Muon like a dense layer's (run/optim.py reads param names)."""
+
+    shape: tuple[int, ...]
+    std: float
+
+    @nn.compact
+    def __call__(self) -> jax.Array:
+        return self.param("kernel", nn.initializers.normal(self.std), self.shape, jnp.float32)
+
+
 class MoeMlp(nn.Module):
     """Routed experts (plus optional shared ones) in place of a block's MLP: [B, T, d] -> [B, T, d]."""
 
@@ -172,11 +184,8 @@ class MoeMlp(nn.Module):
         impl = "ragged_dot" if moe.grouped_matmul == "auto" else moe.grouped_matmul  # the step resolves auto
         # Declared as this device's share: inside the step each device sees only its experts.
         shape_in = (n_experts // ep, d, 2, ff) if cfg.mlp == "swiglu" else (n_experts // ep, d, ff)
-        init = nn.initializers.normal(cfg.init_std)
-        w_in = self.param("gate_up" if cfg.mlp == "swiglu" else "fc", init, shape_in, jnp.float32)
-        w_out = self.param(
-            "out", nn.initializers.normal(residual_std(cfg)), (n_experts // ep, ff, d), jnp.float32
-        )
+        w_in = _Stack(shape_in, cfg.init_std, name="gate_up" if cfg.mlp == "swiglu" else "fc")()
+        w_out = _Stack((n_experts // ep, ff, d), residual_std(cfg), name="out")()
         w_in, w_out = w_in.astype(self.dtype), w_out.astype(self.dtype)
 
         flat = experts.reshape(-1)  # [N * k]: token i's copies at i*k .. i*k + k-1
