@@ -44,8 +44,8 @@ MESHES = {
 }  # fmt: skip
 
 
-def _train(argv, n_devices):
-    """Losses, last metrics, final params, shardings and the compiled step's HLO of STEPS steps."""
+def _train(argv, n_devices, steps=STEPS):
+    """Losses, last metrics, final params, shardings and the compiled step's HLO of `steps` steps."""
     cfg = with_topology(load_config(MOE + argv), n_devices, 1)
     mesh = mesh_lib.make_mesh(jax.devices()[:n_devices], cfg.mesh)
     model, tx = GPT(cfg.model, dtype=compute_dtype(cfg)), make_optimizer(cfg)
@@ -62,7 +62,7 @@ def _train(argv, n_devices):
         rng.integers(0, 256, (cfg.batch_size, cfg.model.seq_len + 1), dtype=np.int32) for _ in range(2)
     ]
     losses = []
-    for i in range(STEPS):
+    for i in range(steps):
         state, m = compiled(state, mesh_lib.global_batch(batches[i % 2], mesh, cfg.batch_size))
         losses.append(float(m["loss"]))
     return {
@@ -125,6 +125,18 @@ def test_tokens_go_by_all_to_all_and_experts_stay_split(expert_parallel):
         if fsdp == 1
         else jax.sharding.PartitionSpec("expert", "fsdp", None, "tensor")
     )
+
+
+def test_capacity_factor_bounds_the_exchange_and_counts_what_it_drops(one_device):
+    """capacity_factor 1: each peer's buffer holds a quarter of a device's copies (expert 4), not
+    all of them; copies past it are dropped, counted, and the loss stays near the dropless one."""
+    run = _train([*MESHES["expert4xdata2"], "--model.moe.capacity_factor", "1.0"], 8, steps=2)
+    copies = 16 // 8 * 32 * 2
+    to_all = _collectives(run["hlo"], "all-to-all")
+    assert sum(t.count(f"f32[1,{copies // 4},64]") == 4 for t in to_all) >= 8, to_all
+    assert not any(f"f32[1,{copies},64]" in t for t in to_all)
+    assert 0 < run["metrics"]["moe_dropped"] < 0.5  # the router is uneven: some peer overflows
+    np.testing.assert_allclose(run["losses"], one_device["losses"][:2], rtol=2e-2)
 
 
 def test_router_stats_balance_loss_and_active_params():

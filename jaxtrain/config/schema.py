@@ -35,6 +35,9 @@ class MoeConfig:
     renormalize: bool = True  # rescale the top-k router weights to sum to 1 (Mixtral, Qwen3-MoE)
     balance_coef: float = 0.01  # load-balancing loss coefficient (Switch; 1.0 when perfectly balanced)
     z_loss_coef: float = 0.0  # router z-loss coefficient (ST-MoE: mean logsumexp(logits)^2); 0 = off
+    # Under mesh.expert, each device's buffer for each peer: 0 = all its copies (dropless, mesh.expert
+    # times an exact exchange's bytes); c > 0: c x its copies / mesh.expert, copies past it dropped
+    capacity_factor: float = 0.0
     # auto | ragged_dot | blocks: the experts' grouped matmul (auto: blocks on CPUs, ragged_dot elsewhere)
     grouped_matmul: str = "auto"
 
@@ -265,7 +268,7 @@ _NON_NEGATIVE = (
     "optim.warmup_steps", "optim.weight_decay",
     "optim.min_lr_ratio", "dist.num_processes", "watchdog_factor", "watchdog_timeout",
     "model.moe.n_experts", "model.moe.n_shared_experts", "model.moe.d_expert", "model.moe.balance_coef",
-    "model.moe.z_loss_coef",
+    "model.moe.z_loss_coef", "model.moe.capacity_factor",
     "data_threads", "epochs", "compat.world_size",
 )  # fmt: skip
 # What the guides' flags without an effect of their own do here, said once in the log when set.

@@ -16,8 +16,10 @@ logical `expert` axis maps to (mesh.EXPERT_RULES) holds n_experts / ep experts p
 device sends every copy to the device holding its expert with one `all_to_all`, computes its own
 experts' rows, and sends the results back with another. all_to_all needs static shapes, and
 XLA:CPU has no `ragged_all_to_all` ("HLO opcode ragged-all-to-all is not supported by XLA:CPU",
-jax 0.10.2), so each device's buffer for each peer holds all of its copies: dropless whatever the
-routing, at ep times the bytes of an exact exchange.
+jax 0.10.2), so by default each device's buffer for each peer holds all of its copies: dropless
+whatever the routing, at ep times the bytes of an exact exchange. `capacity_factor` c > 0 sizes
+each buffer to c x copies / ep instead: copies past it are dropped (their expert adds nothing; the
+residual carries the token), and their share is logged (`dropped`).
 
 The router's statistics are sown into the "moe" collection, per layer (`router_stats`): the
 fraction of copies each expert got (`load`), the mean router probability (`probs`) and the
@@ -26,6 +28,7 @@ z-loss; the step turns them into the balancing loss with the whole batch's load 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -127,26 +130,35 @@ def _tensor_split(
 
 
 def _exchange(
-    rows: jax.Array, experts: jax.Array, axis: str, ep: int, w_in: jax.Array, w_out: jax.Array, impl: str
-) -> jax.Array:
-    """Rows [n, d] sorted by global expert id `experts` [n] -> their experts' outputs, computed
-    on the devices along `axis` (ep of them) that hold those experts (w_in, w_out: this device's)."""
+    rows: jax.Array,
+    experts: jax.Array,
+    axis: str,
+    ep: int,
+    w_in: jax.Array,
+    w_out: jax.Array,
+    impl: str,
+    capacity_factor: float,
+) -> tuple[jax.Array, jax.Array]:
+    """Rows [n, d] sorted by global expert id `experts` [n] -> (their experts' outputs, computed
+    on the devices along `axis` (ep of them) that hold those experts (w_in, w_out: this device's),
+    the share of rows dropped: past their peer's buffer, zero out)."""
     n, local = rows.shape[0], w_in.shape[0]
+    # A buffer of n rows for each peer is dropless however the router splits them.
+    capacity = min(n, math.ceil(capacity_factor * n / ep)) if capacity_factor else n
     dest = experts // local  # the device holding each row's expert; rows sorted, so in runs
     counts = jnp.zeros(ep, jnp.int32).at[dest].add(1)
     slot = jnp.arange(n) - (jnp.cumsum(counts) - counts)[dest]  # place in its device's buffer
-    # A buffer of n rows for each peer: dropless however the router splits them.
-    send = jnp.zeros((ep, n, rows.shape[1]), rows.dtype).at[dest, slot].set(rows)
-    send_expert = jnp.full((ep, n), local, jnp.int32).at[dest, slot].set(experts % local)
-    recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True).reshape(ep * n, -1)
-    recv_expert = jax.lax.all_to_all(send_expert, axis, 0, 0, tiled=True).reshape(ep * n)
+    send = jnp.zeros((ep, capacity, rows.shape[1]), rows.dtype).at[dest, slot].set(rows, mode="drop")
+    send_expert = jnp.full((ep, capacity), local, jnp.int32).at[dest, slot].set(experts % local, mode="drop")
+    recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True).reshape(ep * capacity, -1)
+    recv_expert = jax.lax.all_to_all(send_expert, axis, 0, 0, tiled=True).reshape(ep * capacity)
     # Padding carries expert id `local`: sorted last, in no group.
     order = jnp.argsort(recv_expert, stable=True)
     sizes = jnp.zeros(local, jnp.int32).at[recv_expert].add(1, mode="drop")
     out = _tensor_split(recv[order], sizes, w_in, w_out, impl)
-    out = out[jnp.argsort(order)].reshape(ep, n, -1)
+    out = out[jnp.argsort(order)].reshape(ep, capacity, -1)
     back = jax.lax.all_to_all(out, axis, 0, 0, tiled=True)
-    return back[dest, slot]
+    return back.at[dest, slot].get(mode="fill", fill_value=0), jnp.mean(slot >= capacity)
 
 
 class _Stack(nn.Module):
@@ -191,11 +203,12 @@ class MoeMlp(nn.Module):
         flat = experts.reshape(-1)  # [N * k]: token i's copies at i*k .. i*k + k-1
         order = jnp.argsort(flat, stable=True)
         rows = tokens[order // k]
+        dropped = jnp.zeros((), jnp.float32)
         if axis is None:
             sizes = jnp.zeros(n_experts, jnp.int32).at[flat].add(1)
             out = _tensor_split(rows, sizes, w_in, w_out, impl)
         else:
-            out = _exchange(rows, flat[order], axis, ep, w_in, w_out, impl)
+            out, dropped = _exchange(rows, flat[order], axis, ep, w_in, w_out, impl, moe.capacity_factor)
         out = out[jnp.argsort(order)].reshape(b * t, k, d)
         y = jnp.einsum("nk,nkd->nd", weights.astype(self.dtype), out).reshape(b, t, d)
         if moe.n_shared_experts:
@@ -205,6 +218,7 @@ class MoeMlp(nn.Module):
         self.sow("moe", "load", jax.lax.stop_gradient(load))
         self.sow("moe", "probs", probs.mean(axis=0))
         self.sow("moe", "z", jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2))
+        self.sow("moe", "dropped", dropped)
         return constrain(y, "batch", "length", "embed")
 
     def _shared(self, x: jax.Array, hidden: int) -> jax.Array:
@@ -221,15 +235,19 @@ class MoeMlp(nn.Module):
 
 
 def router_stats(collection: Any) -> dict[str, jax.Array]:
-    """The "moe" collection as arrays over MoE layers, in layer order: load and probs [L, E], z [L]."""
+    """The "moe" collection as arrays over MoE layers, in layer order: load and probs [L, E], z and
+    dropped [L]."""
     layers: list[tuple[int, Any]] = []
     for name, sub in collection.items():
         stats = sub["moe"]
         if name == "blocks":  # scanned: each sown value already stacks every layer
-            return {key: stats[key][0] for key in ("load", "probs", "z")}
+            return {key: stats[key][0] for key in _STATS}
         layers.append((int(name.split("_")[1]), stats))
     layers.sort(key=lambda item: item[0])
-    return {key: jnp.stack([s[key][0] for _, s in layers]) for key in ("load", "probs", "z")}
+    return {key: jnp.stack([s[key][0] for _, s in layers]) for key in _STATS}
+
+
+_STATS = ("load", "probs", "z", "dropped")
 
 
 def balance_loss(load: jax.Array, probs: jax.Array) -> jax.Array:

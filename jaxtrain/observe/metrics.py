@@ -161,6 +161,8 @@ class Reporter:
                 f" | balance {record['moe_balance_loss']:.3f} | expert load max/mean "
                 f"{max(record['expert_load_max_mean']):.2f}"
             )
+            if record["moe_dropped"]:
+                line += f" | dropped {record['moe_dropped']:.2%}"
         self._emit(record, line)
 
     def eval(
@@ -282,6 +284,7 @@ def expert_load_record(m: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "moe_balance_loss": float(m["moe_balance_loss"]),
         "moe_z_loss": float(m["moe_z_loss"]),
+        "moe_dropped": float(m["moe_dropped"]),  # share of routed copies over capacity (capacity_factor)
         "expert_load": [[round(float(x), 5) for x in layer] for layer in load],
         "expert_load_max_mean": [round(float(layer.max() / layer.mean()), 4) for layer in load],
     }

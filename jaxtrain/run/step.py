@@ -72,7 +72,8 @@ def _token_loss(
     balance = balance_loss(load, stats["probs"]).mean()
     z = stats["z"].mean()
     total = loss + moe.balance_coef * balance + moe.z_loss_coef * z
-    return total, {"loss": loss, "moe_balance_loss": balance, "moe_z_loss": z, "expert_load": load}
+    metrics = {"loss": loss, "moe_balance_loss": balance, "moe_z_loss": z, "expert_load": load}
+    return total, metrics | {"moe_dropped": stats["dropped"].mean()}
 
 
 def _fsdp_gather(p: jax.Array, dim: int, dtype: Any, reduce_dtype: Any) -> jax.Array:
