@@ -2,6 +2,7 @@
 scalars, FLOP/s on CPU, the compile cache, out-of-memory as one line, goodput over a killed and
 resumed run; and jaxtrain's XLA flags."""
 
+import functools
 import json
 import os
 import struct
@@ -86,6 +87,7 @@ def test_profile_tensorboard_flops_and_default_cache(tmp_path, tokens):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("oom_advice")  # one worker: the two cases share their compiles (_compiled_peak)
 @pytest.mark.parametrize("where", ["compile", "step"])
 def test_out_of_memory_is_one_line_with_settings_that_fit(tmp_path, tokens, where):
     flags = ("--batch_size", "32", "--compile_cache_dir", "off")
@@ -112,6 +114,11 @@ def test_out_of_memory_is_one_line_with_settings_that_fit(tmp_path, tokens, wher
 
 def _peak_bytes(flags: list[str]) -> int:
     """Per-device bytes of the tiny train step with `flags`, compiled for this process's devices."""
+    return _compiled_peak(tuple(flags))
+
+
+@functools.cache  # both cases of the OOM test compile the same four settings: once per session
+def _compiled_peak(flags: tuple[str, ...]) -> int:
     run = build(Job.of_devices(load_config(["--config", "configs/tiny.yaml", *flags]), jax.devices()))
     return compiled_bytes(run.compile_train())["total_bytes"]
 

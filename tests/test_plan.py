@@ -242,3 +242,20 @@ def test_a_loop_without_a_known_trip_count_runs_as_its_condition_says():
     assert program.trip_count(entry["loop"], entry) == 3
     layout = hlo.Placement(("data", "fsdp", "tensor"), (1, 1, 1), [0])
     assert plan._Walker(LOOP_HLO, layout).tally().written == 3 * 1024 * 4 + 4  # + the copy of i
+
+
+def test_a_state_too_large_is_told_at_once_with_the_devices_it_needs(capsys):
+    """plan_one's uncompiled verdict as scripts/plan.py prints it (tests/test_gpu_compile.py
+    checks that plan_one gives it without a compile)."""
+    p = {
+        "compiled": False, "fits": False, "hosts": 1, "gpus_per_host": 1, "device_kind": "NVIDIA H100 80GB HBM3",
+        "mesh": {"data": 1, "fsdp": 1, "tensor": 1}, "zero1": False, "global_batch": 512, "seq_len": 1024,
+        "accumulation": 32, "device_batch": 16, "dtype": "bfloat16", "remat": "none", "n_params": 19_538_382_848,
+        "state_bytes_per_device": 234_460_594_204, "usable_bytes_per_device": 63_697_010_688,
+    }  # fmt: skip
+    assert planner.devices_for_state(p) == 4  # 234 GB / 4 = 58.6 GB fits 63.7; / 2 does not
+    planner.print_plan(p)
+    planner.print_fixes(p, [])
+    out = capsys.readouterr().out
+    assert "234.46 GB (params, optimizer moments) of 63.70 GB usable: DOES NOT FIT" in out
+    assert "its state alone needs 4 or more (--mesh.fsdp 4" in out

@@ -21,6 +21,7 @@ Loop bodies count once per trip (microbatches, scanned layers), so every figure 
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,6 +51,19 @@ def usable_bytes(target: GpuTarget) -> int:
 def attention_kernel(hlo: str) -> str:
     """`cudnn` when the program calls cuDNN's fused attention, else `xla` (attention as plain HLO)."""
     return "cudnn" if "__cudnn$fmha" in hlo else "xla"
+
+
+def attention_calls(text: str) -> dict[str, Any]:
+    """cuDNN's fused attention calls in the program text: forward and backward (each loop body's
+    call printed once), and the per-device q shapes they take ([batch, seq, heads, head_dim])."""
+    calls = re.findall(
+        r'custom_call_target="__cudnn\$fmha(\w*)", operand_layout_constraints=\{\w+\[([\d,]+)\]', text
+    )
+    return {
+        "forward": sum(1 for kind, _ in calls if not kind.endswith("Backward")),
+        "backward": sum(1 for kind, _ in calls if kind.endswith("Backward")),
+        "q_shapes": sorted({tuple(int(d) for d in dims.split(",")) for _, dims in calls}),
+    }
 
 
 @dataclass
@@ -168,6 +182,7 @@ def analyze(train: Any, evaluate: Any | None, facts: Facts, compile_s: float) ->
         "usable_bytes_per_device": limit,
         "fits": fits(max(mem["total_bytes"], eval_total), limit),
         "attention": attention_kernel(text),
+        "attention_calls": attention_calls(text),
         "collectives": collectives,
         "hbm_bytes_floor": int(hbm_bytes),
         "model_flops_per_step": facts.model_flops_per_step,

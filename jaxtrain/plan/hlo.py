@@ -144,10 +144,6 @@ class Transfer:
     nvlink: float
     network: float
 
-    def seconds(self, nvlink_bytes_per_s: float, network_bytes_per_s: float) -> float:
-        """Its time on links of these bandwidths: the slower of the two legs (they run at once)."""
-        return max(self.nvlink / nvlink_bytes_per_s, self.network / network_bytes_per_s)
-
 
 def transfer(op: Op, ops: dict[str, Op], layout: Placement) -> Transfer:
     """The bytes collective `op` (sync or an async start) moves, and over which mesh axes."""

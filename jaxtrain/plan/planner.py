@@ -167,11 +167,11 @@ def devices_for_state(p: dict[str, Any]) -> int:
 def search(
     cfg: Config, target: targets.GpuTarget, hosts: int, gpus_per_host: int, budget: int
 ) -> list[dict[str, Any]]:
-    """Layouts that fit, fastest schedule-aware bound first: tensor (inside a host) x fsdp (any
-    width) x data filling the devices, the device batch from the largest (no accumulation: the
-    fewest gathers per step) down, remat from full (least memory) to none. A mesh whose state
-    alone does not fit, or that does not divide the batch, is passed over without a compile; at
-    most `budget` compiles. Prints a line per setting as it goes (each compile takes minutes)."""
+    """Layouts that fit, fastest schedule-aware bound first. For each tensor size (inside a host,
+    largest first), the device batch from the largest (no accumulation: the fewest gathers per
+    step) down; at each, the narrowest fsdp that fits (bisected: memory falls as fsdp grows; data
+    fills the rest); then less remat where it still fits. A layout whose state alone cannot fit is
+    passed over without a compile; at most `budget` compiles. Prints a line per setting as it goes."""
     devices = hosts * gpus_per_host
     rows = cfg.total_batch_size // cfg.model.seq_len if cfg.total_batch_size else cfg.batch_size
     powers = [2**i for i in range(devices.bit_length()) if devices % 2**i == 0]
@@ -195,26 +195,40 @@ def search(
         return verdict
 
     for tensor in sorted((n for n in powers if n <= gpus_per_host), reverse=True):
-        for fsdp in (n for n in powers if n * tensor <= devices):
-            shards = devices // tensor
-            if rows % shards:
-                continue
-            batches = [b for b in powers if b <= rows // shards and (rows // shards) % b == 0][::-1]
-            for b in batches:
+        shards = devices // tensor  # data x fsdp: the batch is split over them
+        if rows % shards:
+            print(f"  tensor {tensor}: {rows} sequences do not split over {shards} batch shards")
+            continue
+        fsdps = [n for n in powers if n * tensor <= devices]
+        for b in [b for b in powers if (rows // shards) % b == 0][::-1]:
+            batch = {"device_batch_size": b} if cfg.total_batch_size else {
+                "gradient_accumulation_steps": rows // shards // b}  # fmt: skip
+            # Memory falls as fsdp grows: bisect for the narrowest fsdp that fits (fewest compiles).
+            lo, hi, found = 0, len(fsdps) - 1, None
+            while lo <= hi:
                 if compiles >= budget:
                     print(f"  (search stopped after {budget} compiles: --search_budget)")
                     return sorted(results, key=lambda r: r["schedule_bound_s"])
-                base = {"mesh.data": -1, "mesh.fsdp": fsdp, "mesh.tensor": tensor}
-                batch = {"device_batch_size": b} if cfg.total_batch_size else {
-                    "gradient_accumulation_steps": rows // shards // b}  # fmt: skip
-                verdict = attempt({**base, **batch, "model.remat": "full"})
-                if verdict.startswith("its state alone") or verdict not in ("fits", "does not fit"):
-                    break  # no batch or remat changes the state, or the mesh is rejected
+                mid = (lo + hi) // 2
+                o = {
+                    "mesh.data": -1,
+                    "mesh.fsdp": fsdps[mid],
+                    "mesh.tensor": tensor,
+                    **batch,
+                    "model.remat": "full",
+                }
+                verdict = attempt(o)
                 if verdict == "fits":
-                    for remat in ("dots", "none"):
-                        if compiles < budget and attempt({**base, **batch, "model.remat": remat}) != "fits":
-                            break
-                    break  # the largest device batch that fits: the fewest gathers
+                    found, hi = o, mid - 1
+                elif verdict == "does not fit" or verdict.startswith("its state alone"):
+                    lo = mid + 1
+                else:  # rejected by the config (heads not divisible by tensor, ...): next tensor
+                    lo, hi = 1, 0
+            if found is not None:
+                for remat in ("dots", "none"):  # less recomputation, where memory allows
+                    if compiles >= budget or attempt({**found, "model.remat": remat}) != "fits":
+                        break
+                break  # the largest device batch that fits: the fewest gathers per step
     return sorted(results, key=lambda r: r["schedule_bound_s"])
 
 

@@ -6,8 +6,9 @@ that stream from its `-start` to its `-done`. Replaying the order, each op at it
 gives a schedule-aware LOWER BOUND on the step (still never a prediction):
   an op         max(its matmul FLOPs at the dense peak, twice the bytes it writes at HBM bandwidth:
                 written once, read once, as the floor in compiled.py counts them);
-  a collective  its ideal ring's bytes at NVLink and network bandwidth (hlo.Transfer.seconds); the
-                links are one queue: a transfer starts when it is issued and the one before is done;
+  a collective  its ideal ring's bytes at NVLink and at network bandwidth, the slower leg's time;
+                NVLink and the network are two queues: a transfer starts when it is issued and
+                the transfers before it on the links it uses are done;
   waiting       a synchronous collective stalls the stream for all of it; an async one only at its
                 `-done`, for what is left of the transfer then: the exposed communication.
 Loops run their body trip-count times in order (so a gather a pipelined loop starts in one trip
@@ -31,16 +32,19 @@ class Clock:
     """Where the replay is: the compute stream's time, the links', transfers in flight."""
 
     now: float = 0.0
-    links_free: float = 0.0
+    links_free: dict[str, float] = field(default_factory=dict)  # "nvlink" / "network" -> free from
     in_flight: dict[str, float] = field(default_factory=dict)  # async start -> its transfer's end
     busy: float = 0.0  # time the stream spent running ops
     exposed: float = 0.0  # time the stream spent waiting on collectives
 
-    def send(self, seconds: float) -> float:
-        """Queue a transfer issued now; when it ends."""
-        start = max(self.now, self.links_free)
-        self.links_free = start + seconds
-        return self.links_free
+    def send(self, legs: dict[str, float]) -> float:
+        """Queue a transfer issued now on the links it uses (seconds on each); when it ends."""
+        used = [link for link, seconds in legs.items() if seconds > 0]
+        start = max([self.now, *(self.links_free.get(link, 0.0) for link in used)])
+        end = start + max(legs.values(), default=0.0)
+        for link in used:
+            self.links_free[link] = end
+        return end
 
     def wait(self, until: float) -> None:
         if until > self.now:
@@ -63,9 +67,12 @@ class Replay:
         clock.wait(max(clock.in_flight.values(), default=0.0))
         return clock
 
-    def _seconds(self, op: hlo.Op, ops: dict[str, hlo.Op]) -> float:
+    def _seconds(self, op: hlo.Op, ops: dict[str, hlo.Op]) -> dict[str, float]:
         t = hlo.transfer(op, ops, self.layout)
-        return t.seconds(self.target.nvlink_bytes_per_s, self.target.network_bytes_per_s)
+        return {
+            "nvlink": t.nvlink / self.target.nvlink_bytes_per_s,
+            "network": t.network / self.target.network_bytes_per_s,
+        }
 
     def _run(self, comp: str, clock: Clock) -> None:
         program = self.program
