@@ -182,7 +182,7 @@ def _step_losses(cfg, batch, devices, accum=1):
         _STEPS[key] = (mesh, state, *jit_steps(cfg, model, tx, mesh, state_sharding(mesh, state)))
     mesh, state, train_step, eval_step = _STEPS[key]
     global_batch = mesh_lib.global_batch(batch, mesh, batch.shape[0])
-    val, _ = eval_step(state.params, global_batch)  # (loss, kept targets) with a mask
+    val = eval_step(state.params, global_batch)["loss"]  # its metrics carry the kept count too
     _, metrics = train_step(jax.tree.map(lambda x: x.copy(), state), global_batch)  # it donates its state
     return float(metrics["loss"]), float(val), float(metrics["grad_norm"])
 

@@ -32,7 +32,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from jaxtrain.config import ModelConfig, load_config, to_dict
+from jaxtrain.config import ModelConfig, load_config, saved_model, to_dict
 from jaxtrain.disk import checkpoint as ckpt_lib
 from jaxtrain.errors import UserError
 from jaxtrain.hf import config as hf_config
@@ -119,7 +119,7 @@ def _import(directory: Path | str) -> tuple[ModelConfig, dict]:
         if isinstance(directory, Path)
         else ckpt_lib.open_checkpoint(directory, "x")
     )
-    cfg = ModelConfig(**source.read_meta(step)["config"]["model"])
+    cfg = saved_model(source.read_meta(step)["config"])  # a saved config's model (moe nested)
     abstract = jax.eval_shape(lambda: GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))[
         "params"
     ]

@@ -9,6 +9,7 @@ from jaxtrain.config.schema import (
     DistConfig,
     MeshConfig,
     ModelConfig,
+    MoeConfig,
     OptimConfig,
     check,
     compat_notes,
@@ -24,6 +25,7 @@ from jaxtrain.config.schema import (
 
 __all__ = [
     "MESH_AXES", "CompatConfig", "Config", "ConfigError", "DistConfig", "MeshConfig", "ModelConfig",
+    "MoeConfig",
     "OptimConfig", "check", "compat_notes", "differences", "epoch_at", "flatten", "from_dict",
     "global_rows", "help_text", "load_config", "profile_processes", "profile_range", "saved_model", "to_dict",
     "to_yaml", "with_data",

@@ -19,7 +19,8 @@ def check_batch_split(rows: int, n_processes: int) -> None:
 def batch_plan(cfg: Config, shards: int, n_devices: int) -> tuple[int, int]:
     """(global batch in sequences, microbatches) when the batch is split over `shards` batch shards
     (mesh.data x mesh.fsdp) of `n_devices` devices; the error gives the numbers."""
-    where = "devices" if shards == n_devices else "batch shards (mesh.data x mesh.fsdp)"
+    axes = "mesh.data x mesh.expert x mesh.fsdp" if cfg.mesh.expert != 1 else "mesh.data x mesh.fsdp"
+    where = "devices" if shards == n_devices else f"batch shards ({axes})"
     batch, accum = cfg.batch_size, cfg.gradient_accumulation_steps
     if cfg.total_batch_size:
         rows = global_rows(cfg)

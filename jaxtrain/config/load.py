@@ -23,7 +23,16 @@ from typing import Any
 
 import yaml
 
-from jaxtrain.config.schema import SOURCE_LISTS, Config, ConfigError, ModelConfig, check, flatten, to_dict
+from jaxtrain.config.schema import (
+    SOURCE_LISTS,
+    Config,
+    ConfigError,
+    ModelConfig,
+    MoeConfig,
+    check,
+    flatten,
+    to_dict,
+)
 
 # Other names for our keys, as the PyTorch guides spell them (README: "coming from torchrun/DDP").
 ALIASES = {
@@ -235,7 +244,11 @@ def saved_model(saved: dict[str, Any]) -> ModelConfig:
     """The model of a config saved with a checkpoint (its meta's `config`); keys this version does
     not know (a checkpoint of another jaxtrain) are left out, missing ones take their defaults."""
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    return ModelConfig(**{k: v for k, v in saved.get("model", {}).items() if k in fields})
+    model = {k: v for k, v in saved.get("model", {}).items() if k in fields}
+    if isinstance(model.get("moe"), dict):
+        moe_fields = {f.name for f in dataclasses.fields(MoeConfig)}
+        model["moe"] = MoeConfig(**{k: v for k, v in model["moe"].items() if k in moe_fields})
+    return ModelConfig(**model)
 
 
 def differences(cfg: Config) -> dict[str, Any]:

@@ -24,6 +24,25 @@ class ConfigError(UserError):
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """Mixture of experts (jaxtrain/model/moe.py): routed expert MLPs in place of the dense MLP."""
+
+    n_experts: int = 0  # routed experts per MoE layer; 0 = a dense model
+    experts_per_token: int = 2  # top-k: the experts each token is routed to (Mixtral 2, Qwen3-MoE 8)
+    n_shared_experts: int = 0  # experts every token also passes through (one MLP of n x d_expert)
+    d_expert: int = 0  # each expert's hidden size; 0 = model.ff_dim
+    every: int = 1  # layers every-1, 2*every-1, ... are MoE (1: every layer; Hugging Face's sparse step)
+    renormalize: bool = True  # rescale the top-k router weights to sum to 1 (Mixtral, Qwen3-MoE)
+    balance_coef: float = 0.01  # load-balancing loss coefficient (Switch; 1.0 when perfectly balanced)
+    z_loss_coef: float = 0.0  # router z-loss coefficient (ST-MoE: mean logsumexp(logits)^2); 0 = off
+    # Under mesh.expert, each device's buffer for each peer: 0 = all its copies (dropless, mesh.expert
+    # times an exact exchange's bytes); c > 0: c x its copies / mesh.expert, copies past it dropped
+    capacity_factor: float = 0.0
+    # auto | ragged_dot | blocks: the experts' grouped matmul (auto: blocks on CPUs, ragged_dot elsewhere)
+    grouped_matmul: str = "auto"
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int = 256  # token ids the model knows (256: bytes)
     seq_len: int = 256  # tokens per training sequence (the context)
@@ -56,6 +75,7 @@ class ModelConfig:
     # The boundary token ids, set from the data's manifest (document_mask); -1: none
     doc_bos: int = -1  # a document starts with this token (Llama's BOS)
     doc_eos: int = -1  # a document ends with this token (GPT-2's <|endoftext|>, Qwen's)
+    moe: MoeConfig = field(default_factory=MoeConfig)
 
     @property
     def ff_dim(self) -> int:
@@ -99,18 +119,21 @@ class DistConfig:
     init_timeout: int = 300  # seconds to wait for every process to join
 
 
-MESH_AXES = ("data", "fsdp", "tensor")  # outer to inner
+MESH_AXES = ("data", "expert", "fsdp", "tensor")  # outer to inner
 
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """The device mesh, data x fsdp x tensor; its product is the device count.
+    """The device mesh, data x expert x fsdp x tensor; its product is the device count.
 
     -1 means "the devices left over" (at most one axis). `data` is the outer axis and spans
     processes; `fsdp` and `tensor` stay inside a process (one NVLink domain) wherever they fit.
     """
 
     data: int = -1  # data parallel: replicas of the (fsdp x tensor)-sharded state
+    # expert parallel (MoE): each device holds n_experts / expert of them, tokens sent by all-to-all;
+    # the batch is split over it too, so for everything else it is one more data axis
+    expert: int = 1
     fsdp: int = 1  # ZeRO-3: params, gradients and optimizer state sharded, batch split too
     tensor: int = 1  # Megatron: heads, MLP hidden and vocab split; the batch is not
     zero1: bool = False  # ZeRO-1: also shard the optimizer state over `data` (params replicated)
@@ -238,6 +261,7 @@ _CHOICES = {
     "model.remat": ("none", "full", "dots"),
     "model.attention_impl": ("auto", "xla", "cudnn"),
     "model.mlp": ("gelu", "swiglu"),
+    "model.moe.grouped_matmul": ("auto", "ragged_dot", "blocks"),
     "mesh.reduce_dtype": ("float32", "compute"),
     "compat.backend": ("auto", "nccl", "gloo"),
     "ddp.log_level": ("", "DEBUG", "INFO", "WARNING", "ERROR"),
@@ -247,7 +271,7 @@ _POSITIVE = (
     "batch_size", "total_steps", "gradient_accumulation_steps", "log_interval",
     "checkpoint_interval", "keep_checkpoints", "eval_batches", "prefetch",
     "model.vocab_size", "model.seq_len", "model.n_layer", "model.n_head", "model.d_model",
-    "optim.matrix_lr", "max_new_tokens",
+    "optim.matrix_lr", "max_new_tokens", "model.moe.experts_per_token", "model.moe.every",
     "optim.lr", "dist.init_timeout", "max_bad_steps", "preemption_check_interval", "lock_stale_s",
 )  # fmt: skip
 _NON_NEGATIVE = (
@@ -255,6 +279,8 @@ _NON_NEGATIVE = (
     "sample_tokens", "model.d_ff", "model.n_kv_head", "model.head_dim", "temperature",
     "optim.warmup_steps", "optim.weight_decay",
     "optim.min_lr_ratio", "dist.num_processes", "watchdog_factor", "watchdog_timeout",
+    "model.moe.n_experts", "model.moe.n_shared_experts", "model.moe.d_expert", "model.moe.balance_coef",
+    "model.moe.z_loss_coef", "model.moe.capacity_factor",
     "data_threads", "epochs", "compat.world_size",
 )  # fmt: skip
 # What the guides' flags without an effect of their own do here, said once in the log when set.
@@ -395,8 +421,8 @@ def profile_processes(text: str) -> set[int] | None:
 
 
 def mesh_str(sizes: dict[str, int]) -> str:
-    """{"data": 2, "fsdp": 4} -> "data 2 x fsdp 4"."""
-    return " x ".join(f"{a} {n}" for a, n in sizes.items())
+    """{"data": 2, "fsdp": 4} -> "data 2 x fsdp 4" (an expert axis of 1, a dense model's, unsaid)."""
+    return " x ".join(f"{a} {n}" for a, n in sizes.items() if a != "expert" or n != 1)
 
 
 def _check_mesh_values(cfg: Config) -> None:
@@ -407,11 +433,13 @@ def _check_mesh_values(cfg: Config) -> None:
     if list(sizes.values()).count(-1) > 1:
         raise ConfigError(f"at most one mesh axis may be -1, got {mesh_str(sizes)}")
     m, tp = cfg.model, cfg.mesh.tensor
+    _check_moe(m, cfg.mesh.expert)
     if tp > 1:
         for what, n in (
             ("model.n_head", m.n_head),
             ("model.n_kv_head", m.kv_heads),
             ("model.ff_dim", m.ff_dim),
+            *((("model.moe.d_expert", m.moe.d_expert or m.ff_dim),) if m.moe.n_experts else ()),
             ("model.vocab_size", m.vocab_size),
         ):
             if n % tp:
@@ -419,6 +447,32 @@ def _check_mesh_values(cfg: Config) -> None:
                     f"{what} {n} is not divisible by mesh.tensor {tp}: tensor parallelism splits it "
                     f"evenly; use a mesh.tensor that divides {n}"
                 )
+
+
+def _check_moe(m: ModelConfig, ep: int) -> None:
+    moe = m.moe
+    if not moe.n_experts:
+        if ep > 1:
+            raise ConfigError(
+                f"mesh.expert {ep} needs a mixture of experts; set model.moe.n_experts (a multiple of "
+                f"{ep}) or drop mesh.expert"
+            )
+        return
+    if moe.experts_per_token > moe.n_experts:
+        raise ConfigError(
+            f"model.moe.experts_per_token {moe.experts_per_token} exceeds model.moe.n_experts "
+            f"{moe.n_experts}; route each token to at most {moe.n_experts} experts"
+        )
+    if ep > 1 and moe.n_experts % ep:
+        raise ConfigError(
+            f"model.moe.n_experts {moe.n_experts} is not divisible by mesh.expert {ep}: each device holds "
+            f"n_experts / mesh.expert of them; use a mesh.expert that divides {moe.n_experts}"
+        )
+    if moe.every > 1 and m.scan_layers:
+        raise ConfigError(
+            f"model.moe.every {moe.every} mixes MoE and dense layers, but model.scan_layers compiles one "
+            "layer for all; use model.moe.every 1 or model.scan_layers false"
+        )
 
 
 def global_rows(cfg: Config) -> int:

@@ -3,6 +3,8 @@
 Llama    SwiGLU, rotary, grouped-query attention, no biases          (Mistral reads as Llama)
 Qwen2    the same with q/k/v biases
 Qwen3    the same with RMSNorm of each head's q and k (no biases)
+Mixtral     Llama's attention, every MLP a mixture of experts (renormalised top-k)
+Qwen3-MoE   Qwen3's attention, MoE every decoder_sparse_step-th layer (norm_topk_prob: renormalised)
 """
 
 from __future__ import annotations
@@ -11,10 +13,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from jaxtrain.config import ModelConfig
+from jaxtrain.config import ModelConfig, MoeConfig
 from jaxtrain.errors import UserError
 
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
+)  # fmt: skip
 # A model dir's context can be far longer than anyone trains here by default.
 DEFAULT_SEQ_LEN = 2048
 
@@ -61,7 +66,7 @@ def model_keys(hf: dict[str, Any], where: str) -> dict[str, Any]:
         )
     if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias"):
         raise UserError(f"{where}: only a silu MLP without biases is supported (SwiGLU)")
-    qwen2, qwen3 = arch == "Qwen2ForCausalLM", arch == "Qwen3ForCausalLM"
+    qwen2, qwen3 = arch == "Qwen2ForCausalLM", arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
     if hf.get("attention_bias") and not qwen2:
         raise UserError(f"{where}: attention_bias (a bias on the output projection too) is not supported")
     d, n = hf["hidden_size"], hf["num_attention_heads"]
@@ -81,7 +86,45 @@ def model_keys(hf: dict[str, Any], where: str) -> dict[str, Any]:
         "model.tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "model.qkv_bias": qwen2,
         "model.qk_norm": qwen3,
+        **_moe_keys(hf, arch, where),
     }
+
+
+def _moe_keys(hf: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
+    """model.moe.* of Mixtral and Qwen3-MoE. Hugging Face's balancing loss is experts_per_token
+    times ours (model/moe.py balance_loss): its coefficient is scaled to give the same loss."""
+    if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+        return {}
+    k = hf["num_experts_per_tok"]
+    keys = {
+        "model.moe.n_experts": hf.get("num_local_experts") or hf["num_experts"],
+        "model.moe.experts_per_token": k,
+        "model.moe.balance_coef": float(hf.get("router_aux_loss_coef", 0.0)) * k,
+    }
+    if arch == "MixtralForCausalLM":
+        return keys | {"model.moe.d_expert": hf["intermediate_size"], "model.moe.renormalize": True}
+    if hf.get("mlp_only_layers"):
+        raise UserError(
+            f"{where}: mlp_only_layers {hf['mlp_only_layers']} (dense layers at chosen places) is not "
+            "supported; jaxtrain places MoE layers every decoder_sparse_step-th layer"
+        )
+    return keys | {
+        "model.moe.d_expert": hf["moe_intermediate_size"],
+        "model.moe.every": hf.get("decoder_sparse_step", 1),
+        "model.moe.renormalize": bool(hf.get("norm_topk_prob", False)),
+    }
+
+
+def model_config(keys: dict[str, Any], **extra: Any) -> ModelConfig:
+    """ModelConfig of model_keys' dotted keys (model.moe.* nested), plus `extra` fields."""
+    return ModelConfig(**nested(keys), **extra)
+
+
+def nested(keys: dict[str, Any]) -> dict[str, Any]:
+    """model_keys' dotted keys as ModelConfig's fields: {"d_model": .., "moe": MoeConfig(..)}."""
+    out = {k.split(".", 1)[1]: v for k, v in keys.items() if not k.startswith("model.moe.")}
+    moe = {k.split(".", 2)[2]: v for k, v in keys.items() if k.startswith("model.moe.")}
+    return out | ({"moe": MoeConfig(**moe)} if moe else {})
 
 
 def seq_len(hf: dict[str, Any], wanted: int | None, where: str) -> int:
@@ -129,7 +172,24 @@ def architecture(m: ModelConfig) -> str:
         )
     if m.qk_norm and m.qkv_bias:
         raise UserError("qk_norm with qkv_bias matches no Hugging Face class (Qwen3 biases o_proj too)")
+    if m.moe.n_experts:
+        return _moe_architecture(m)
     return "Qwen3ForCausalLM" if m.qk_norm else "Qwen2ForCausalLM" if m.qkv_bias else "LlamaForCausalLM"
+
+
+def _moe_architecture(m: ModelConfig) -> str:
+    """Mixtral (Llama's attention, every layer MoE, renormalised) or Qwen3-MoE (q/k norms)."""
+    if m.moe.n_shared_experts or m.qkv_bias:
+        raise UserError(
+            "a mixture of experts with shared experts or q/k/v biases matches no class jaxtrain writes "
+            "(Mixtral, Qwen3-MoE); train without them to export"
+        )
+    if not m.qk_norm and (m.moe.every != 1 or not m.moe.renormalize):
+        raise UserError(
+            "Mixtral has experts in every layer and renormalised top-k weights: use model.moe.every 1 "
+            "and model.moe.renormalize true, or model.qk_norm true (Qwen3-MoE) to export"
+        )
+    return "Qwen3MoeForCausalLM" if m.qk_norm else "MixtralForCausalLM"
 
 
 def _rope_parameters(m: ModelConfig) -> dict[str, Any]:
@@ -150,7 +210,7 @@ def to_hf(m: ModelConfig, dtype: str) -> dict[str, Any]:
     arch = architecture(m)
     out: dict[str, Any] = {
         "architectures": [arch],
-        "model_type": {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}.get(arch, "qwen3"),
+        "model_type": _MODEL_TYPES[arch],
         "vocab_size": m.vocab_size,
         "hidden_size": m.d_model,
         "intermediate_size": m.ff_dim,
@@ -174,4 +234,31 @@ def to_hf(m: ModelConfig, dtype: str) -> dict[str, Any]:
     }
     if arch != "LlamaForCausalLM":
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=m.n_layer)
+    if m.moe.n_experts:
+        k = m.moe.experts_per_token
+        out.update(
+            num_local_experts=m.moe.n_experts,
+            num_experts=m.moe.n_experts,  # Qwen3-MoE's name in transformers 4
+            num_experts_per_tok=k,
+            router_aux_loss_coef=m.moe.balance_coef / k,
+            output_router_logits=False,
+        )
+        if arch == "MixtralForCausalLM":
+            out["intermediate_size"] = m.moe.d_expert or m.ff_dim
+        else:
+            out.update(
+                moe_intermediate_size=m.moe.d_expert or m.ff_dim,
+                decoder_sparse_step=m.moe.every,
+                mlp_only_layers=[],
+                norm_topk_prob=m.moe.renormalize,
+            )
     return out
+
+
+_MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}

@@ -9,13 +9,13 @@ devices shard by shard (each process reads only the slices it holds).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
-from jaxtrain.config import ModelConfig
 from jaxtrain.errors import UserError
 from jaxtrain.hf import PREFIX, weights
 from jaxtrain.hf import config as hf_config
@@ -38,7 +38,9 @@ class HFCheckpoint:
 
     def read_meta(self, step: int) -> dict[str, Any]:
         """What tasks.py reads of a checkpoint: its model config (and here its tokenizer)."""
-        model = {k.split(".", 1)[1]: v for k, v in self.keys.items()}
+        model = {
+            k: dataclasses.asdict(v) if k == "moe" else v for k, v in hf_config.nested(self.keys).items()
+        }
         model["seq_len"] = hf_config.seq_len(self.hf, None, self.where)
         tokenizer = self.directory / TOKENIZER_FILE
         return {"config": {"model": model, "tokenizer": str(tokenizer) if tokenizer.is_file() else ""}}
@@ -47,10 +49,7 @@ class HFCheckpoint:
         """The HF tensors of each of target's params, checked: all there, shaped as they must be."""
         leaves = {path_names(p): x.shape for p, x in jax.tree_util.tree_flatten_with_path(target)[0]}
         blocks = [k for k in leaves if k[0].startswith("block")]
-        cfg = ModelConfig(
-            **{k.split(".", 1)[1]: v for k, v in self.keys.items()},
-            scan_layers=("blocks",) in {k[:1] for k in blocks},
-        )
+        cfg = hf_config.model_config(self.keys, scan_layers=("blocks",) in {k[:1] for k in blocks})
         by_leaf: dict[tuple[str, ...], list[weights.Entry]] = {}
         for e in weights.entries(cfg):
             if e.name not in self.reader.names():

@@ -2,7 +2,9 @@
 
 Our kernels are [in..., out...] with heads apart ([d, N, H]); torch's Linear weights are
 [out, in] with heads flattened. Fused params split into several HF tensors: qkv [d, 3, N, H]
-into q/k/v_proj, kv [d, 2, K, H] into k/v_proj, gate_up [d, 2, ff] into gate/up_proj. Rotary
+into q/k/v_proj, kv [d, 2, K, H] into k/v_proj, gate_up [d, 2, ff] into gate/up_proj. A mixture
+of experts' stacked experts ([E, d, 2, ff], [E, ff, d]) into one tensor per expert, as Mixtral
+(block_sparse_moe.experts.j.w1/w3/w2) and Qwen3-MoE (mlp.experts.j.gate/up/down_proj) save them. Rotary
 positions need no permutation: ours rotate contiguous halves (rotate_half), as HF's do.
 """
 
@@ -14,6 +16,7 @@ import math
 import numpy as np
 
 from jaxtrain.config import ModelConfig
+from jaxtrain.model.moe import is_moe_layer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,10 +26,29 @@ class Entry:
     layer: int | None  # index into a scanned stack (leading axis), else None
     part: tuple[int, int] | None  # (axis, index) of a fused param, counted in one layer's view
     kind: str  # same | flat | in ([d, *out] <-> [out, d]) | out ([*in, d] <-> [d, in])
+    expert: int | None = None  # index into a stack of experts (after any layer axis), else None
 
 
-def _layer(cfg: ModelConfig) -> list[tuple[str, tuple[str, ...], tuple[int, int] | None, str]]:
-    """(HF name after model.layers.i., our path inside the block, part, kind) for one layer."""
+_Row = tuple[str, tuple[str, ...], tuple[int, int] | None, str, int | None]
+
+
+def _experts(cfg: ModelConfig) -> list[_Row]:
+    """A mixture of experts' MLP: the router, then each expert's three matrices."""
+    if cfg.qk_norm:  # Qwen3-MoE (hf/config.py architecture)
+        where, names = "mlp", ("gate_proj", "up_proj", "down_proj")
+    else:  # Mixtral
+        where, names = "block_sparse_moe", ("w1", "w3", "w2")
+    out: list[_Row] = [(f"{where}.gate.weight", ("moe", "router", "kernel"), None, "in", None)]
+    for j in range(cfg.moe.n_experts):
+        gate, up, down = (f"{where}.experts.{j}.{name}.weight" for name in names)
+        out.append((gate, ("moe", "gate_up", "kernel"), (1, 0), "in", j))
+        out.append((up, ("moe", "gate_up", "kernel"), (1, 1), "in", j))
+        out.append((down, ("moe", "out", "kernel"), None, "out", j))
+    return out
+
+
+def _layer(cfg: ModelConfig, moe: bool) -> list[_Row]:
+    """(HF name after model.layers.i., our path inside the block, part, kind, expert) for one layer."""
     out: list[tuple[str, tuple[str, ...], tuple[int, int] | None, str]] = [
         ("input_layernorm.weight", ("ln_1", "scale"), None, "flat"),
         ("post_attention_layernorm.weight", ("ln_2", "scale"), None, "flat"),
@@ -44,10 +66,11 @@ def _layer(cfg: ModelConfig) -> list[tuple[str, tuple[str, ...], tuple[int, int]
     if cfg.qk_norm:
         out.append(("self_attn.q_norm.weight", ("attn", "q_norm", "scale"), None, "flat"))
         out.append(("self_attn.k_norm.weight", ("attn", "k_norm", "scale"), None, "flat"))
-    out.append(("mlp.gate_proj.weight", ("mlp", "gate_up", "kernel"), (1, 0), "in"))
-    out.append(("mlp.up_proj.weight", ("mlp", "gate_up", "kernel"), (1, 1), "in"))
-    out.append(("mlp.down_proj.weight", ("mlp", "out", "kernel"), None, "out"))
-    return out
+    if not moe:
+        out.append(("mlp.gate_proj.weight", ("mlp", "gate_up", "kernel"), (1, 0), "in"))
+        out.append(("mlp.up_proj.weight", ("mlp", "gate_up", "kernel"), (1, 1), "in"))
+        out.append(("mlp.down_proj.weight", ("mlp", "out", "kernel"), None, "out"))
+    return [(*row, None) for row in out] + (_experts(cfg) if moe else [])
 
 
 def entries(cfg: ModelConfig) -> list[Entry]:
@@ -55,8 +78,8 @@ def entries(cfg: ModelConfig) -> list[Entry]:
     out = [Entry("model.embed_tokens.weight", ("wte", "embedding"), None, None, "same")]
     for i in range(cfg.n_layer):
         block, layer = (("blocks",), i) if cfg.scan_layers else ((f"block_{i}",), None)
-        for name, path, part, kind in _layer(cfg):
-            out.append(Entry(f"model.layers.{i}.{name}", block + path, layer, part, kind))
+        for name, path, part, kind, expert in _layer(cfg, is_moe_layer(cfg, i)):
+            out.append(Entry(f"model.layers.{i}.{name}", block + path, layer, part, kind, expert))
     out.append(Entry("model.norm.weight", ("ln_f", "scale"), None, None, "flat"))
     if not cfg.tie_embeddings:
         out.append(Entry("lm_head.weight", ("lm_head", "embedding"), None, None, "same"))
@@ -69,6 +92,8 @@ def _index(e: Entry, ndim: int) -> tuple[int | slice, ...]:
     offset = 0
     if e.layer is not None:
         index[0], offset = e.layer, 1
+    if e.expert is not None:
+        index[offset], offset = e.expert, offset + 1
     if e.part is not None:
         index[offset + e.part[0]] = e.part[1]
     return tuple(index)

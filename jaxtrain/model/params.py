@@ -25,6 +25,14 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     ("mlp", "fc", "kernel"): ("embed", "mlp"),
     ("mlp", "gate_up", "kernel"): ("embed", None, "mlp"),
     ("mlp", "out", "kernel"): ("mlp", "embed"),
+    # Mixture of experts (model/moe.py): each expert's matrices stacked on a leading `expert` axis.
+    ("moe", "router", "kernel"): ("embed", None),
+    ("moe", "gate_up", "kernel"): ("expert", "embed", None, "mlp"),
+    ("moe", "fc", "kernel"): ("expert", "embed", "mlp"),
+    ("moe", "out", "kernel"): ("expert", "mlp", "embed"),
+    ("moe", "shared_gate_up", "kernel"): ("embed", None, "mlp"),
+    ("moe", "shared_fc", "kernel"): ("embed", "mlp"),
+    ("moe", "shared_out", "kernel"): ("mlp", "embed"),
     ("scale",): (None,),  # norm scales: small, replicated
 }
 

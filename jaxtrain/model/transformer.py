@@ -30,6 +30,7 @@ from jaxtrain.config import ModelConfig
 from jaxtrain.model.attention import Attention
 from jaxtrain.model.documents import Documents, documents
 from jaxtrain.model.layers import cache_index, constrain, dense, norm, residual_std
+from jaxtrain.model.moe import MoeMlp, is_moe_layer
 
 # gather(variables, where=module name) -> the variables a layer computes with (see GPT.gather)
 Gather = Callable[..., Any]
@@ -62,13 +63,15 @@ class Block(nn.Module):
     cfg: ModelConfig
     dtype: Any
     decode: bool = False
+    moe: bool = False  # routed experts (model/moe.py) in place of the MLP
 
     @nn.compact
     def __call__(self, x: jax.Array, doc: Documents | None = None) -> tuple[jax.Array, None]:
         # (carry, input broadcast to every layer) -> (carry, per-layer output): what nn.scan needs.
         eps = self.cfg.norm_eps
         x = x + Attention(self.cfg, self.dtype, self.decode, name="attn")(norm(x, eps, "ln_1"), doc)
-        x = x + Mlp(self.cfg, self.dtype, name="mlp")(norm(x, eps, "ln_2"))
+        mlp = MoeMlp(self.cfg, self.dtype, name="moe") if self.moe else Mlp(self.cfg, self.dtype, name="mlp")
+        x = x + mlp(norm(x, eps, "ln_2"))
         return x, None
 
 
@@ -132,15 +135,15 @@ class GPT(nn.Module):
             # One traced body for all layers: compile time stays flat in depth.
             stack = nn.scan(
                 block,
-                variable_axes={"params": 0, "cache": 0},
+                variable_axes={"params": 0, "cache": 0, "moe": 0},
                 split_rngs={"params": True},
                 in_axes=nn.broadcast,
                 length=cfg.n_layer,
             )
-            x, _ = stack(cfg, self.dtype, self.decode, name="blocks")(x, doc)
+            x, _ = stack(cfg, self.dtype, self.decode, is_moe_layer(cfg, 0), name="blocks")(x, doc)
         else:
             for i in range(cfg.n_layer):
-                x, _ = block(cfg, self.dtype, self.decode, name=f"block_{i}")(x, doc)
+                x, _ = block(cfg, self.dtype, self.decode, is_moe_layer(cfg, i), name=f"block_{i}")(x, doc)
         x = norm(x, cfg.norm_eps, "ln_f")
         head = wte if cfg.tie_embeddings else embed(cfg.vocab_size, name="lm_head")
         return constrain(head.attend(x), "batch", "length", "vocab").astype(jnp.float32)

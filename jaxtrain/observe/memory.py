@@ -114,7 +114,7 @@ def out_of_memory(
 
 def fixes(cfg: Config, local_devices: int) -> str:
     """Settings that lower the peak per device, most effective first, with this run's numbers."""
-    shards = cfg.mesh.data * cfg.mesh.fsdp
+    shards = cfg.mesh.data * cfg.mesh.expert * cfg.mesh.fsdp
     micro = cfg.batch_size // cfg.gradient_accumulation_steps // shards  # rows per device per microbatch
     out = []
     if micro > 1:

@@ -136,7 +136,7 @@ class Reporter:
         if self.is_main:
             self.bar.update(1)
 
-    def train(self, record: dict[str, float]) -> None:
+    def train(self, record: dict[str, Any]) -> None:
         """A training record: step, loss, lr, grad_norm, tokens_per_sec, step_time_s, ..."""
         if not self.is_main:
             return
@@ -156,16 +156,34 @@ class Reporter:
             line += f" | {flops / 1e12:.3f} TFLOP/s per device"
         if record.get("skipped_steps"):
             line += f" | skipped {record['skipped_steps']}"
+        if "moe_balance_loss" in record:
+            line += (
+                f" | balance {record['moe_balance_loss']:.3f} | expert load max/mean "
+                f"{max(record['expert_load_max_mean']):.2f}"
+            )
+            if record["moe_dropped"]:
+                line += f" | dropped {record['moe_dropped']:.2%}"
         self._emit(record, line)
 
-    def eval(self, step: int, val_loss: float, per_source: dict[str, float] | None = None) -> None:
-        """An eval record; with several validation sets also `val_loss/<name>` for each."""
+    def eval(
+        self,
+        step: int,
+        val_loss: float,
+        per_source: dict[str, float] | None = None,
+        router: Mapping[str, Any] | None = None,
+    ) -> None:
+        """An eval record; with several validation sets also `val_loss/<name>` for each; `router`:
+        the eval step's metrics, whose expert load (a mixture of experts') goes in as `val_*`."""
         if self.is_main:
             record: dict[str, Any] = {"step": step, "val_loss": val_loss}
             line = f"step {step:>6} | val_loss {val_loss:.4f}"
             for name, loss in (per_source or {}).items():
                 record[f"val_loss/{name}"] = loss
                 line += f" | {name} {loss:.4f}"
+            if router and "expert_load" in router:
+                moe = expert_load_record(router)
+                record.update({f"val_{k}": v for k, v in moe.items()})
+                line += f" | expert load max/mean {max(moe['expert_load_max_mean']):.2f}"
             self._emit(record, line)
 
     def _emit(self, record: dict[str, Any], line: str) -> None:
@@ -258,6 +276,20 @@ def _start_wandb(cfg: Config, run_dir: Path) -> Any:
         return init("offline")
 
 
+def expert_load_record(m: Mapping[str, Any]) -> dict[str, Any]:
+    """A mixture of experts' router, for a record: the balancing and z losses, and per MoE layer
+    the fraction of routed tokens each expert got and its max over its mean (1.0: even; a router
+    collapsing onto few experts shows as a large max/mean)."""
+    load = m["expert_load"]  # [MoE layers, experts]
+    return {
+        "moe_balance_loss": float(m["moe_balance_loss"]),
+        "moe_z_loss": float(m["moe_z_loss"]),
+        "moe_dropped": float(m["moe_dropped"]),  # share of routed copies over capacity (capacity_factor)
+        "expert_load": [[round(float(x), 5) for x in layer] for layer in load],
+        "expert_load_max_mean": [round(float(layer.max() / layer.mean()), 4) for layer in load],
+    }
+
+
 class StepTracker:
     """Per-step bookkeeping on the host: logging intervals, non-finite steps, the watchdog."""
 
@@ -309,5 +341,7 @@ class StepTracker:
             }
             if cfg.dtype == "float16":
                 record["loss_scale"] = float(m["loss_scale"])
+            if "expert_load" in m:
+                record.update(expert_load_record(m))
             self.reporter.train(record)
             self.restart_clock(step)

@@ -43,7 +43,7 @@ def compile_for(cfg: Config, devices: list[Any]) -> tuple[Any, Any, dict[str, An
 
 def _facts(run: Run) -> dict[str, Any]:
     cfg = run.cfg  # resolved on the devices: mesh, global batch, microbatches
-    shards = cfg.mesh.data * cfg.mesh.fsdp
+    shards = cfg.mesh.data * cfg.mesh.expert * cfg.mesh.fsdp
     return {
         "cfg": cfg,
         "mesh": mesh_lib.mesh_shape(run.mesh),

@@ -23,6 +23,7 @@ from jaxtrain import faults as faults_lib
 from jaxtrain.config import Config
 from jaxtrain.faults import FaultPlan, Faults
 from jaxtrain.model.attention import attention_kernel
+from jaxtrain.model.moe import active_params
 from jaxtrain.model.params import param_count
 from jaxtrain.model.transformer import GPT, flops_per_token
 from jaxtrain.observe import memory as memory_lib
@@ -73,8 +74,13 @@ class Run:
         return param_count(self.abstract.params)
 
     @property
+    def n_active_params(self) -> int:
+        """Params each token computes with (a mixture of experts': only its routed experts')."""
+        return active_params(self.cfg.model, self.n_params)
+
+    @property
     def flops_per_token(self) -> float:
-        return flops_per_token(self.cfg.model, self.n_params)
+        return flops_per_token(self.cfg.model, self.n_active_params)
 
     @property
     def state_bytes_per_device(self) -> int:

@@ -20,14 +20,22 @@ from jaxtrain.run.build import Run
 
 def mean_loss(run: Run, params: Any, batches: Iterable[np.ndarray]) -> float:
     """Mean loss of `params` over batches of this process's rows (every process calls it); with a
-    loss mask, the mean over every kept target of every batch (each batch weighs its kept count)."""
-    losses = [
-        run.eval_step(params, mesh_lib.global_batch(rows, run.mesh, run.cfg.batch_size)) for rows in batches
-    ]
-    if not run.cfg.loss_mask:
-        return float(np.mean(jax.device_get(losses)))
-    loss, kept = np.asarray(jax.device_get(losses), np.float64).T
-    return float(np.sum(loss * kept) / max(np.sum(kept), 1.0))
+    loss mask, the mean over every kept target of every batch."""
+    return float(mean_metrics(run, params, batches)["loss"])
+
+
+def mean_metrics(run: Run, params: Any, batches: Iterable[np.ndarray]) -> dict[str, np.ndarray]:
+    """The eval step's metrics (loss; a mixture of experts' expert load...), each a mean over
+    batches; with a loss mask each batch's loss weighs its kept count (the step's `kept`)."""
+    metrics = jax.device_get(
+        [run.eval_step(params, mesh_lib.global_batch(rows, run.mesh, run.cfg.batch_size)) for rows in batches]
+    )
+    means = {k: np.mean([m[k] for m in metrics], axis=0) for k in metrics[0] if k != "kept"}
+    if "kept" in metrics[0]:
+        kept = np.array([m["kept"] for m in metrics], np.float64)
+        loss = np.array([m["loss"] for m in metrics], np.float64)
+        means["loss"] = np.sum(loss * kept) / max(np.sum(kept), 1.0)
+    return means
 
 
 def overall(per_source: dict[str, float], sources: Sequence[Source]) -> float:

@@ -166,7 +166,7 @@ def resolve_mesh(mesh: MeshConfig, n_devices: int) -> MeshConfig:
     if free and n_devices % known == 0:
         sizes[free[0]] = n_devices // known
     if math.prod(sizes.values()) != n_devices:
-        inner = {a: n for a, n in sizes.items() if a != "data" and n != -1}
+        inner = {a: n for a, n in sizes.items() if a != "data" and n != -1 and (a != "expert" or n > 1)}
         fits = n_devices % math.prod(inner.values()) == 0
         hint = (
             f"--mesh.data -1 {' '.join(f'--mesh.{a} {n}' for a, n in inner.items())}"
@@ -204,6 +204,6 @@ def with_topology(cfg: Config, n_devices: int, n_processes: int, platform: str =
             f"model.d_model {cfg.model.d_model} is not divisible by mesh.fsdp {mesh.fsdp}: FSDP splits "
             "every param along d_model; use an fsdp size that divides it"
         )
-    # A tensor group shares its rows: the batch is split over data x fsdp only.
-    batch, accum = batch_plan(cfg, mesh.data * mesh.fsdp, n_devices)
+    # A tensor group shares its rows: the batch is split over data x expert x fsdp only.
+    batch, accum = batch_plan(cfg, mesh.data * mesh.expert * mesh.fsdp, n_devices)
     return dataclasses.replace(cfg, batch_size=batch, gradient_accumulation_steps=accum, mesh=mesh)

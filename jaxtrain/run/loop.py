@@ -230,8 +230,9 @@ def _say_what_runs(run: Run, data: _Data) -> None:
         f"data {data.train_path}"
     )
     log.info(
-        f"model: {run.n_params:,} parameters, {run.flops_per_token / 1e6:.1f} MFLOPs per token "
-        f"(6N + 12*L*d*T)\n{param_summary(run.abstract.params)}"
+        f"model: {run.n_params:,} parameters ({run.n_active_params:,} active per token), "
+        f"{run.flops_per_token / 1e6:.1f} MFLOPs per token (6N + 12*L*d*T, N active)\n"
+        f"{param_summary(run.abstract.params)}"
     )
     if not metrics.peak_flops(job.device_kind):
         log.info(
@@ -287,6 +288,7 @@ def _reporter(
             "processes": job.process_count,
             "devices": n_devices,
             "n_params": run.n_params,
+            "n_active_params": run.n_active_params,
             "attention": run.attention,
             "xla_flags": os.environ.get("XLA_FLAGS", ""),  # read once, when the backend started
             "state_bytes_per_device": run.state_bytes_per_device,
@@ -362,9 +364,12 @@ class _Evaluator:
         """Evaluate, report and time it."""
         t0 = time.perf_counter()
         with watchdog.phase(f"eval at step {step}"):
-            per_source = {s.name: evaluate.mean_loss(self.built, params, batches) for s, batches in self.sets}
+            metrics = {s.name: evaluate.mean_metrics(self.built, params, batches) for s, batches in self.sets}
+            per_source = {name: float(m["loss"]) for name, m in metrics.items()}
             val_loss = evaluate.overall(per_source, [s for s, _ in self.sets])
-        reporter.eval(step, val_loss, per_source if len(per_source) > 1 else None)
+        # A mixture of experts' router on the validation rows (of every set alike).
+        router = {k: np.mean([m[k] for m in metrics.values()], axis=0) for k in next(iter(metrics.values()))}
+        reporter.eval(step, val_loss, per_source if len(per_source) > 1 else None, router)
         timeline.event("eval", step=step, seconds=round(time.perf_counter() - t0, 3))
         return val_loss
 

@@ -1,7 +1,10 @@
 """The device mesh and every sharding decision. Only this module knows the topology.
 
-The mesh is data x fsdp x tensor (config `mesh`):
+The mesh is data x expert x fsdp x tensor (config `mesh`):
   data    replicas; the outer axis, spanning processes (hosts). Batch rows split over it.
+  expert  MoE: each device holds its share of every MoE layer's experts and receives the tokens
+          routed to them by all-to-all (model/moe.py). Batch rows split over it too, so every
+          other param is replicated over it as over `data`.
   fsdp    ZeRO-3: every large parameter, its gradient and both Adam moments split over it, and
           the batch rows too. Params are all-gathered for compute and gradients reduce-scattered.
   tensor  Megatron: attention heads, the MLP hidden dim and the vocabulary split over it; the
@@ -29,9 +32,9 @@ from jaxtrain.model.params import path_names
 
 log = logging.getLogger("jaxtrain")
 
-DATA_AXIS, FSDP_AXIS, TENSOR_AXIS = MESH_AXES
+DATA_AXIS, EXPERT_AXIS, FSDP_AXIS, TENSOR_AXIS = MESH_AXES
 # Axes a batch is split over (a tensor group shares its rows); the step runs manual over these.
-BATCH_AXES = (DATA_AXIS, FSDP_AXIS)
+BATCH_AXES = (DATA_AXIS, EXPERT_AXIS, FSDP_AXIS)
 
 # Logical axis of a parameter -> mesh axis. `embed` (d_model) is the dim FSDP splits: every
 # matrix and embedding has one, and d_model is a multiple of the fsdp size in every sane shape.
@@ -40,14 +43,17 @@ PARAM_RULES: dict[str, str | None] = {
     "heads": TENSOR_AXIS,
     "mlp": TENSOR_AXIS,
     "embed": FSDP_AXIS,
+    "expert": EXPERT_AXIS,
 }
 # Logical axis of an activation inside the step -> mesh axis. The step is already manual over
-# data and fsdp (each device holds its own rows), so only the tensor axis is left to place.
+# the batch axes (each device holds its own rows), so only the tensor axis is left to place;
+# `expert` names the (manual) axis MoE layers exchange tokens over (EXPERT_RULES).
 ACTIVATION_RULES = (("heads", TENSOR_AXIS), ("mlp", TENSOR_AXIS), ("vocab", TENSOR_AXIS))
+EXPERT_RULES = (("expert", EXPERT_AXIS),)
 
 
 def make_mesh(devices: list[jax.Device] | None = None, shape: MeshConfig | None = None) -> Mesh:
-    """A data x fsdp x tensor mesh over `devices` (default: every device of every process).
+    """A data x expert x fsdp x tensor mesh over `devices` (default: every device of every process).
 
     `shape` must be resolved (config.with_topology); None means pure data parallelism.
     """
@@ -63,7 +69,7 @@ def make_mesh(devices: list[jax.Device] | None = None, shape: MeshConfig | None 
 
 
 def _warn_if_inner_axes_cross_hosts(sizes: tuple[int, ...], devices: list[jax.Device]) -> None:
-    inner = math.prod(sizes[1:])
+    inner = math.prod(sizes[MESH_AXES.index(FSDP_AXIS) :])
     per_process = sum(d.process_index == devices[0].process_index for d in devices)
     if inner > per_process:
         log.warning(
@@ -82,7 +88,8 @@ def check_mesh(mesh: Mesh) -> None:
 
 
 def mesh_shape(mesh: Mesh) -> dict[str, int]:
-    return {a: int(mesh.shape[a]) for a in MESH_AXES}
+    """Axis sizes by name; `expert` only when used (a dense model's mesh reads as before)."""
+    return {a: int(mesh.shape[a]) for a in MESH_AXES if a != EXPERT_AXIS or mesh.shape[a] > 1}
 
 
 def describe(mesh: Mesh) -> str:

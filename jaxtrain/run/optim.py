@@ -36,6 +36,13 @@ _MUON_DIMS = {
     ("mlp", "fc", "kernel"): MuonDimensionNumbers(-2, -1),  # [d, ff]
     ("mlp", "gate_up", "kernel"): MuonDimensionNumbers(-3, -1),  # [d, 2, ff]: gate and up apart
     ("mlp", "out", "kernel"): MuonDimensionNumbers(-2, -1),  # [ff, d]
+    # A mixture of experts (model/moe.py): each expert's matrix apart (the router stays AdamW's)
+    ("moe", "gate_up", "kernel"): MuonDimensionNumbers(-3, -1),  # [experts, d, 2, ff]
+    ("moe", "fc", "kernel"): MuonDimensionNumbers(-2, -1),  # [experts, d, ff]
+    ("moe", "out", "kernel"): MuonDimensionNumbers(-2, -1),  # [experts, ff, d]
+    ("moe", "shared_gate_up", "kernel"): MuonDimensionNumbers(-3, -1),
+    ("moe", "shared_fc", "kernel"): MuonDimensionNumbers(-2, -1),
+    ("moe", "shared_out", "kernel"): MuonDimensionNumbers(-2, -1),
 }
 
 

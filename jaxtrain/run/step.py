@@ -1,13 +1,16 @@
-"""Pure train and eval steps on a data x fsdp x tensor mesh, with scanned gradient accumulation.
+"""Pure train and eval steps on a data x expert x fsdp x tensor mesh, with scanned gradient
+accumulation.
 
 The step is one jitted function. Inside it a `shard_map` is manual over the batch axes
-(data, fsdp) and leaves `tensor` to the compiler (GSPMD), guided by the model's logical
+(data, expert, fsdp) and leaves `tensor` to the compiler (GSPMD), guided by the model's logical
 activation constraints:
   - each device computes the gradient of its own rows, all microbatches scanned;
   - fsdp-split params are all-gathered one layer at a time as the model runs (`GPT.gather`),
     so autodiff turns each gather into a reduce-scatter of that layer's gradient: no full
     gradient is all-reduced on fsdp (tests/test_sharding.py checks the compiled HLO);
-  - one `pmean` over `data` per optimizer step, however many microbatches.
+  - one `pmean` over `data` per optimizer step, however many microbatches;
+  - MoE layers exchange tokens over `expert` by all-to-all (model/moe.py), so an expert's
+    gradient arrives summed over the expert axis, as an fsdp-split param's does over fsdp.
 Why explicit collectives for data and fsdp: GSPMD alone all-reduced the whole fsdp gradient and
 then sliced it (XLA:CPU), and an explicit data reduction stays once per step, outside the
 microbatch loop (tests/test_step.py).
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtrain.config import Config
 from jaxtrain.faults import NO_FAULTS, FaultPlan, poison_gradients
 from jaxtrain.model.attention import attention_kernel
+from jaxtrain.model.moe import balance_loss, grouped_matmul, router_stats
 from jaxtrain.model.params import logical_axes, path_names
 from jaxtrain.model.transformer import GPT
 from jaxtrain.prepare.format import NO_LOSS, TOKEN_BITS
@@ -53,15 +58,27 @@ def compute_dtype(cfg: Config) -> Any:
     return _DTYPES[cfg.dtype]
 
 
-def _token_loss(model: GPT, params: Any, rows: jax.Array, share: jax.Array | None = None) -> jax.Array:
-    """Mean next-token cross-entropy of rows [b, T+1], in float32. With a loss mask (`share`, see
-    `_ParamLayout.kept_share`): the sum over the targets that take loss (no NO_LOSS bit) over `share`."""
+def _token_loss(
+    model: GPT, params: Any, rows: jax.Array, mean: Callable[[Any], Any], share: jax.Array | None = None
+) -> tuple[jax.Array, Metrics]:
+    """(loss to differentiate, metrics): mean next-token cross-entropy of rows [b, T+1] in float32
+    (metrics' `loss`), plus a mixture of experts' router losses, averaged over its MoE layers.
+    `mean`: the mean over the batch shards, for the whole batch's expert load. With a loss mask
+    (`share`, see `_ParamLayout.kept_share`): the sum over the targets that take loss (no NO_LOSS
+    bit) over `share`."""
     tokens = rows & TOKEN_BITS
-    logits = model.apply({"params": params}, tokens[:, :-1])
+    logits, sown = model.apply({"params": params}, tokens[:, :-1], mutable=["moe"])
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
-    if share is None:
-        return losses.mean()
-    return jnp.where(rows[:, 1:] & NO_LOSS, 0.0, losses).sum() / share
+    loss = losses.mean() if share is None else jnp.where(rows[:, 1:] & NO_LOSS, 0.0, losses).sum() / share
+    if "moe" not in sown:
+        return loss, {"loss": loss}
+    stats, moe = router_stats(sown["moe"]), model.cfg.moe
+    load = mean(stats["load"])  # the whole batch's: balance_loss's mean over devices is the batch's
+    balance = balance_loss(load, stats["probs"]).mean()
+    z = stats["z"].mean()
+    total = loss + moe.balance_coef * balance + moe.z_loss_coef * z
+    metrics = {"loss": loss, "moe_balance_loss": balance, "moe_z_loss": z, "expert_load": load}
+    return total, metrics | {"moe_dropped": stats["dropped"].mean()}
 
 
 def _fsdp_gather(p: jax.Array, dim: int, dtype: Any, reduce_dtype: Any) -> jax.Array:
@@ -94,10 +111,11 @@ class _ParamLayout:
     ) -> None:
         is_spec = lambda x: isinstance(x, P)  # noqa: E731
         self.manual = jax.tree.map(mesh_lib.manual_part, param_specs, is_leaf=is_spec)
-        self.fsdp_dims = jax.tree.map(mesh_lib.fsdp_dim, param_specs, is_leaf=is_spec)
         self.fsdp = int(mesh.shape[mesh_lib.FSDP_AXIS])
-        self.data = int(mesh.shape[mesh_lib.DATA_AXIS])
-        self.rules = mesh_lib.ACTIVATION_RULES if mesh.shape[mesh_lib.TENSOR_AXIS] > 1 else ()
+        self.sizes = {a: int(mesh.shape[a]) for a in mesh_lib.BATCH_AXES}
+        self.rules = (mesh_lib.ACTIVATION_RULES if mesh.shape[mesh_lib.TENSOR_AXIS] > 1 else ()) + (
+            mesh_lib.EXPERT_RULES if mesh.shape[mesh_lib.EXPERT_AXIS] > 1 else ()
+        )
         self.platform = mesh.devices.flat[0].platform  # what the step compiles for, not jax's default
         self.dtype, self.reduce_dtype = dtype, dtype if reduce_dtype is None else reduce_dtype
 
@@ -134,44 +152,51 @@ class _ParamLayout:
         """The model with its attention kernel chosen for the mesh's devices, and FSDP's per-layer gather."""
         kernel = attention_kernel(model.cfg, self.platform, model.dtype)
         cfg = dataclasses.replace(model.cfg, attention_impl=kernel)
+        if cfg.moe.grouped_matmul == "auto":
+            moe = dataclasses.replace(cfg.moe, grouped_matmul=grouped_matmul(self.platform))
+            cfg = dataclasses.replace(cfg, moe=moe)
         return model.clone(cfg=cfg, gather=self.gather if self.fsdp > 1 else None)
 
-    def loss(self, model: GPT, params: Any, rows: jax.Array, share: jax.Array | None = None) -> jax.Array:
+    def loss(
+        self, model: GPT, params: Any, rows: jax.Array, share: jax.Array | None = None
+    ) -> tuple[jax.Array, Metrics]:
         with nn.logical_axis_rules(self.rules):
-            return _token_loss(self.model(model), params, rows, share)
+            return _token_loss(self.model(model), params, rows, self.mean, share)
+
+    def _pmean(self, tree: Any, axes: tuple[str, ...]) -> Any:
+        """Mean over those of `axes` with more than one device. A pmean over size-1 manual axes
+        beside an automatic tensor axis fails XLA's SPMD partitioner ("Cross-partition allreduce
+        must be in (partial) manual partitioning mode")."""
+        axes = tuple(a for a in axes if self.sizes[a] > 1)
+        return jax.lax.pmean(tree, axes) if axes else tree
 
     def kept(self, rows: jax.Array) -> jax.Array:
         """How many targets of the whole global batch take loss (a loss-masked batch)."""
         kept = jnp.sum((rows[:, 1:] & NO_LOSS) == 0).astype(jnp.float32)
-        if self.data * self.fsdp > 1:  # see `mean`: nothing to add up over one shard
-            kept = jax.lax.psum(kept, mesh_lib.BATCH_AXES)
-        return kept
+        axes = tuple(a for a in mesh_lib.BATCH_AXES if self.sizes[a] > 1)  # as in _pmean
+        return jax.lax.psum(kept, axes) if axes else kept
 
     def kept_share(self, kept: jax.Array, accum: int) -> jax.Array:
         """The global batch's kept count per microbatch of each shard: each microbatch's loss is its
         kept sum over this, so the mean over microbatches and shards (what the step takes) is the
         global kept sum over the global kept count, however the batch is split. A batch keeping
         nothing has loss 0, not NaN."""
-        return jnp.maximum(kept, 1.0) / (accum * self.data * self.fsdp)
+        return jnp.maximum(kept, 1.0) / (accum * math.prod(self.sizes.values()))
 
     def mean(self, tree: Any) -> Any:
-        """Mean over the batch shards. With one shard there is nothing to average, and a pmean
-        over size-1 manual axes beside an automatic tensor axis fails XLA's SPMD partitioner
-        ("Cross-partition allreduce must be in (partial) manual partitioning mode")."""
-        return tree if self.data * self.fsdp == 1 else jax.lax.pmean(tree, mesh_lib.BATCH_AXES)
+        """Mean over the batch shards."""
+        return self._pmean(tree, mesh_lib.BATCH_AXES)
 
     def reduce_grads(self, grads: Any) -> Any:
-        """Mean over every batch shard: fsdp-split grads arrive summed over fsdp already."""
+        """Mean over every batch shard. A param split over a batch axis gets its gradient summed
+        over that axis already (fsdp's reduce-scatter, the experts' all-to-all back): divided there."""
 
-        def over_data(g: jax.Array) -> jax.Array:
-            return g if self.data == 1 else jax.lax.pmean(g, mesh_lib.DATA_AXIS)
+        def one(g: jax.Array, spec: P) -> jax.Array:
+            split = {a for entry in spec for a in (entry if isinstance(entry, tuple) else (entry,))}
+            g = self._pmean(g, tuple(a for a in mesh_lib.BATCH_AXES if a not in split))
+            return g / math.prod(self.sizes[a] for a in mesh_lib.BATCH_AXES if a in split)
 
-        return jax.tree.map(
-            lambda g, dim: self.mean(g) if dim is None else over_data(g) / self.fsdp,
-            grads,
-            self.fsdp_dims,
-            is_leaf=lambda x: x is None,
-        )
+        return jax.tree.map(one, grads, self.manual, is_leaf=lambda x: isinstance(x, P))
 
 
 def _local_grads(
@@ -182,26 +207,25 @@ def _local_grads(
     rows: jax.Array,
     scale: jax.Array,
     share: jax.Array | None = None,
-) -> tuple[Any, jax.Array]:
-    """Gradient and loss of this device's rows, averaged over `accum` microbatches."""
+) -> tuple[Any, Metrics]:
+    """Gradient and loss metrics of this device's rows, averaged over `accum` microbatches."""
 
-    def scaled_loss(p: Any, mb: jax.Array) -> tuple[jax.Array, jax.Array]:
-        loss = layout.loss(model, p, mb, share)
-        return loss * scale, loss
+    def scaled_loss(p: Any, mb: jax.Array) -> tuple[jax.Array, Metrics]:
+        loss, metrics = layout.loss(model, p, mb, share)
+        return loss * scale, metrics
 
     grad_fn = jax.grad(scaled_loss, has_aux=True)
     if accum == 1:
         return grad_fn(params, rows)
 
-    def body(carry: tuple[Any, jax.Array], mb: jax.Array) -> tuple[tuple[Any, jax.Array], None]:
-        g_sum, l_sum = carry
-        g, loss = grad_fn(params, mb)
-        return (jax.tree.map(jnp.add, g_sum, g), l_sum + loss), None
+    def body(carry: tuple[Any, Metrics], mb: jax.Array) -> tuple[tuple[Any, Metrics], None]:
+        g, metrics = grad_fn(params, mb)
+        return jax.tree.map(jnp.add, carry, (g, metrics)), None
 
     micro = rows.reshape(accum, rows.shape[0] // accum, rows.shape[1])
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    (g_sum, l_sum), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), micro)
-    return jax.tree.map(lambda g: g / accum, g_sum), l_sum / accum
+    zeros = jax.tree.map(jnp.zeros_like, (params, jax.eval_shape(grad_fn, params, micro[0])[1]))
+    sums, _ = jax.lax.scan(body, zeros, micro)
+    return jax.tree.map(lambda x: x / accum, sums)
 
 
 def make_train_step(
@@ -224,14 +248,12 @@ def make_train_step(
     clip = cfg.gradient_clip_val
     masked = cfg.loss_mask  # unmasked data keeps the plain mean: its losses stay bit for bit
 
-    def device_grads(
-        params: Any, rows: jax.Array, scale: jax.Array, step: jax.Array
-    ) -> tuple[Any, jax.Array]:
+    def device_grads(params: Any, rows: jax.Array, scale: jax.Array, step: jax.Array) -> tuple[Any, Metrics]:
         if faults.nan_step > 0:  # test-only fault, traced only when asked for
             scale = poison_gradients(faults, scale, step, jax.lax.axis_index(mesh_lib.BATCH_AXES) == 0)
         share = layout.kept_share(layout.kept(rows), accum) if masked else None
-        grads, loss = _local_grads(model, layout, accum, params, rows, scale, share)
-        return layout.reduce_grads(grads), layout.mean(loss)
+        grads, metrics = _local_grads(model, layout, accum, params, rows, scale, share)
+        return layout.reduce_grads(grads), layout.mean(metrics)
 
     # check_vma=False: we reduce explicitly, exactly once per step. `tensor` stays automatic.
     sharded_grads = jax.shard_map(
@@ -254,7 +276,8 @@ def make_train_step(
         return state.params, state.opt_state
 
     def train_step(state: TrainState, batch: jax.Array) -> tuple[TrainState, Metrics]:
-        grads, loss = sharded_grads(state.params, batch, state.loss_scale, state.step)
+        grads, loss_metrics = sharded_grads(state.params, batch, state.loss_scale, state.step)
+        loss = loss_metrics["loss"]
         if fp16:
             grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
         grad_norm = optax.tree.norm(grads)
@@ -277,7 +300,7 @@ def make_train_step(
             skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
         )
         metrics = {
-            "loss": loss,
+            **loss_metrics,
             "grad_norm": grad_norm,
             "lr": schedule(state.step),
             "finite": finite,
@@ -293,30 +316,31 @@ def make_train_step(
 def make_eval_step(
     model: GPT, mesh: Mesh, param_specs: Any, accum: int = 1, masked: bool = False
 ) -> Callable:
-    """eval_step(params, batch) -> mean loss over the global batch, taken in `accum` microbatches
+    """eval_step(params, batch) -> metrics of the global batch: `loss` (its mean; a mixture of
+    experts' router figures beside it, as the train step's), taken in `accum` microbatches
     of the train step's device batch, one after another: evaluation fits wherever training does
     (the whole batch at once needed 145 GB per device for llama3_8b on 8 H100s). masked: the
-    batch carries a loss mask, the loss is the train step's (over kept targets), and the step
-    returns (loss, kept count), so evaluations over several batches weigh each by its count."""
+    batch carries a loss mask, the loss is the train step's (over kept targets), and the metrics
+    carry the kept count (`kept`), so evaluations over several batches weigh each by it."""
     layout = _ParamLayout(mesh, param_specs, model.dtype)
 
-    def device_loss(params: Any, rows: jax.Array) -> Any:
+    def device_metrics(params: Any, rows: jax.Array) -> Metrics:
         kept = layout.kept(rows) if masked else None
         share = None if kept is None else layout.kept_share(kept, accum)
         if accum == 1:
-            loss = layout.mean(layout.loss(model, params, rows, share))
+            metrics = layout.mean(layout.loss(model, params, rows, share)[1])
         else:
             micro = rows.reshape(accum, rows.shape[0] // accum, rows.shape[1])
             # Equal microbatches: the mean of their means is the mean over every row.
-            losses = jax.lax.map(lambda mb: layout.loss(model, params, mb, share), micro)
-            loss = layout.mean(losses.mean())
-        return loss if kept is None else (loss, kept)
+            per_micro = jax.lax.map(lambda mb: layout.loss(model, params, mb, share)[1], micro)
+            metrics = layout.mean(jax.tree.map(lambda x: x.mean(axis=0), per_micro))
+        return metrics if kept is None else metrics | {"kept": kept}
 
     return jax.shard_map(
-        device_loss,
+        device_metrics,
         mesh=mesh,
         in_specs=(layout.manual, mesh_lib.batch_spec()),
-        out_specs=(P(), P()) if masked else P(),
+        out_specs=P(),
         axis_names=set(mesh_lib.BATCH_AXES),
         check_vma=False,
     )

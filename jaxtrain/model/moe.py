@@ -1,0 +1,272 @@
+"""Mixture of experts: a router picks each token's top-k experts, and only those run on it.
+
+Routing: softmax over the experts' logits, then the top k (Mixtral, Qwen3-MoE), their weights
+optionally renormalised to sum to 1. Dropless: every routed copy of a token is computed. The
+copies are sorted by expert and each expert's rows run as one group of a grouped matmul, so no
+expert pads to a capacity and none drops a token. Two grouped matmuls (`grouped_matmul`):
+  ragged_dot  `jax.lax.ragged_dot`, the grouped GEMM GPUs and TPUs compile. XLA:CPU gets jax's
+              fallback: every row against every expert, masked (8 experts: 22x one dense matmul).
+  blocks      each expert's rows padded to whole blocks of BLOCK rows, one batched matmul over the
+              blocks with each block's expert's weights gathered (MegaBlocks' layout): at most
+              n_experts x BLOCK rows of extra work, but a weight copy per block: for CPUs and
+              small experts, not for an 8x7B.
+
+Expert parallelism: inside the train step the batch axes are manual, and the mesh axis the
+logical `expert` axis maps to (mesh.EXPERT_RULES) holds n_experts / ep experts per device. Each
+device sends every copy to the device holding its expert with one `all_to_all`, computes its own
+experts' rows, and sends the results back with another. all_to_all needs static shapes, and
+XLA:CPU has no `ragged_all_to_all` ("HLO opcode ragged-all-to-all is not supported by XLA:CPU",
+jax 0.10.2), so by default each device's buffer for each peer holds all of its copies: dropless
+whatever the routing, at ep times the bytes of an exact exchange. `capacity_factor` c > 0 sizes
+each buffer to c x copies / ep instead: copies past it are dropped (their expert adds nothing; the
+residual carries the token), and their share is logged (`dropped`).
+
+The router's statistics are sown into the "moe" collection, per layer (`router_stats`): the
+fraction of copies each expert got (`load`), the mean router probability (`probs`) and the
+z-loss; the step turns them into the balancing loss with the whole batch's load (`balance_loss`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxtrain.config import ModelConfig
+from jaxtrain.model.layers import constrain, dense, residual_std
+
+
+def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
+    """Whether block `layer` has experts: every `every`-th, counted from 1 (Hugging Face's sparse step)."""
+    return cfg.moe.n_experts > 0 and (layer + 1) % cfg.moe.every == 0
+
+
+def expert_hidden(cfg: ModelConfig) -> int:
+    return cfg.moe.d_expert or cfg.ff_dim
+
+
+def _mesh_axis(logical: str) -> str | None:
+    """The mesh axis the step's logical rules map `logical` to (None outside a step, or unmapped)."""
+    axes = nn.logical_to_mesh_axes((logical,))
+    return axes[0] if axes else None
+
+
+def _expert_parallelism() -> tuple[str | None, int]:
+    """(mesh axis, size) the experts are split over: the step's manual `expert` axis, else (None, 1)."""
+    axis = _mesh_axis("expert")
+    mesh = jax.sharding.get_abstract_mesh()
+    if axis is None or mesh.empty or axis not in mesh.manual_axes:
+        return None, 1
+    return axis, int(mesh.shape[axis])
+
+
+BLOCK = 128  # rows per block of the `blocks` grouped matmul
+
+
+def grouped_matmul(platform: str) -> str:
+    """The grouped matmul the experts compile to on `platform` ("cpu", "gpu", ...: jax's Device.platform)."""
+    return "blocks" if platform == "cpu" else "ragged_dot"
+
+
+def _activation(h: jax.Array, swiglu: bool) -> jax.Array:
+    if swiglu:
+        gate, up = jnp.split(h, 2, axis=-1)
+        return nn.silu(gate) * up
+    return nn.gelu(h)
+
+
+def expert_mlps(rows: jax.Array, sizes: jax.Array, w_in: jax.Array, w_out: jax.Array, impl: str) -> jax.Array:
+    """Rows [m, d] sorted by expert, `sizes[e]` of them for expert e -> each through its expert's MLP.
+
+    w_in is [E, d, 2, ff] (SwiGLU: gate and up) or [E, d, ff] (GELU); w_out [E, ff, d]. Rows past
+    sum(sizes) (exchange padding) belong to no expert: they come out zero.
+    """
+    e, d = w_in.shape[:2]
+    w_in, swiglu = w_in.reshape(e, d, -1), w_in.ndim == 4
+    if impl == "ragged_dot":
+        h = _activation(jax.lax.ragged_dot(rows, w_in, sizes), swiglu)
+        return jax.lax.ragged_dot(h, w_out, sizes)
+    m = rows.shape[0]
+    n_blocks = -(-m // BLOCK) + e  # each expert wastes less than one block
+    padded = -(-sizes // BLOCK) * BLOCK
+    ends = jnp.cumsum(sizes)
+    expert = jnp.searchsorted(ends, jnp.arange(m), side="right")  # e for rows past sum(sizes)
+    start = (jnp.cumsum(padded) - padded)[jnp.minimum(expert, e - 1)]
+    # A row's place in the padded blocks; rows of no expert go past the end: dropped, read as zeros.
+    pos = jnp.where(
+        expert < e, start + jnp.arange(m) - (ends - sizes)[jnp.minimum(expert, e - 1)], n_blocks * BLOCK
+    )
+    blocks = jnp.zeros((n_blocks * BLOCK, d), rows.dtype).at[pos].set(rows, mode="drop")
+    block_expert = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(n_blocks) * BLOCK, side="right")
+    block_expert = jnp.minimum(block_expert, e - 1)  # blocks past the last expert's hold zeros
+    blocks = blocks.reshape(n_blocks, BLOCK, d)
+    h = _activation(jnp.einsum("bmd,bdf->bmf", blocks, w_in[block_expert]), swiglu)
+    out = jnp.einsum("bmf,bfd->bmd", h, w_out[block_expert]).reshape(n_blocks * BLOCK, -1)
+    return out.at[pos].get(mode="fill", fill_value=0)
+
+
+def _tensor_split(
+    rows: jax.Array, sizes: jax.Array, w_in: jax.Array, w_out: jax.Array, impl: str
+) -> jax.Array:
+    """expert_mlps with each expert's hidden dim split over the tensor axis, if the step has one:
+    each device runs its slice of every expert (Megatron's column then row split) and one psum adds
+    them. Written per device because XLA's partitioner does not split a ragged_dot."""
+    axis = _mesh_axis("mlp")
+    mesh = jax.sharding.get_abstract_mesh()
+    if axis is None or mesh.empty or axis in mesh.manual_axes or mesh.shape[axis] == 1:
+        return expert_mlps(rows, sizes, w_in, w_out, impl)
+    spec_in = jax.sharding.PartitionSpec(*(None,) * (w_in.ndim - 1), axis)
+    spec_out = jax.sharding.PartitionSpec(None, axis, None)
+    return jax.shard_map(
+        lambda r, s, a, b: jax.lax.psum(expert_mlps(r, s, a, b, impl), axis),
+        mesh=mesh,
+        in_specs=(jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec(), spec_in, spec_out),
+        out_specs=jax.sharding.PartitionSpec(),
+        axis_names={axis},
+    )(rows, sizes, w_in, w_out)
+
+
+def _exchange(
+    rows: jax.Array,
+    experts: jax.Array,
+    axis: str,
+    ep: int,
+    w_in: jax.Array,
+    w_out: jax.Array,
+    impl: str,
+    capacity_factor: float,
+) -> tuple[jax.Array, jax.Array]:
+    """Rows [n, d] sorted by global expert id `experts` [n] -> (their experts' outputs, computed
+    on the devices along `axis` (ep of them) that hold those experts (w_in, w_out: this device's),
+    the share of rows dropped: past their peer's buffer, zero out)."""
+    n, local = rows.shape[0], w_in.shape[0]
+    # A buffer of n rows for each peer is dropless however the router splits them.
+    capacity = min(n, math.ceil(capacity_factor * n / ep)) if capacity_factor else n
+    dest = experts // local  # the device holding each row's expert; rows sorted, so in runs
+    counts = jnp.zeros(ep, jnp.int32).at[dest].add(1)
+    slot = jnp.arange(n) - (jnp.cumsum(counts) - counts)[dest]  # place in its device's buffer
+    send = jnp.zeros((ep, capacity, rows.shape[1]), rows.dtype).at[dest, slot].set(rows, mode="drop")
+    send_expert = jnp.full((ep, capacity), local, jnp.int32).at[dest, slot].set(experts % local, mode="drop")
+    recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True).reshape(ep * capacity, -1)
+    recv_expert = jax.lax.all_to_all(send_expert, axis, 0, 0, tiled=True).reshape(ep * capacity)
+    # Padding carries expert id `local`: sorted last, in no group.
+    order = jnp.argsort(recv_expert, stable=True)
+    sizes = jnp.zeros(local, jnp.int32).at[recv_expert].add(1, mode="drop")
+    out = _tensor_split(recv[order], sizes, w_in, w_out, impl)
+    out = out[jnp.argsort(order)].reshape(ep, capacity, -1)
+    back = jax.lax.all_to_all(out, axis, 0, 0, tiled=True)
+    return back.at[dest, slot].get(mode="fill", fill_value=0), jnp.mean(slot >= capacity)
+
+
+class _Stack(nn.Module):
+    """The experts' matrices of one kind stacked [E, ...], as one float32 param named `kernel`:
+    decayed and given to Muon like a dense layer's (run/optim.py reads param names)."""
+
+    shape: tuple[int, ...]
+    std: float
+
+    @nn.compact
+    def __call__(self) -> jax.Array:
+        return self.param("kernel", nn.initializers.normal(self.std), self.shape, jnp.float32)
+
+
+class MoeMlp(nn.Module):
+    """Routed experts (plus optional shared ones) in place of a block's MLP: [B, T, d] -> [B, T, d]."""
+
+    cfg: ModelConfig
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg, moe = self.cfg, self.cfg.moe
+        b, t, d = x.shape
+        n_experts, k, ff = moe.n_experts, moe.experts_per_token, expert_hidden(cfg)
+        tokens = x.reshape(b * t, d)
+        # The router in float32: a low-precision softmax over experts flips near-tied top-k picks.
+        logits = dense(n_experts, cfg.init_std, jnp.float32, "router")(tokens.astype(jnp.float32))
+        probs = jax.nn.softmax(logits, axis=-1)
+        weights, experts = jax.lax.top_k(probs, k)  # [N, k]
+        if moe.renormalize:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+
+        axis, ep = _expert_parallelism()
+        impl = "ragged_dot" if moe.grouped_matmul == "auto" else moe.grouped_matmul  # the step resolves auto
+        # Declared as this device's share: inside the step each device sees only its experts.
+        shape_in = (n_experts // ep, d, 2, ff) if cfg.mlp == "swiglu" else (n_experts // ep, d, ff)
+        w_in = _Stack(shape_in, cfg.init_std, name="gate_up" if cfg.mlp == "swiglu" else "fc")()
+        w_out = _Stack((n_experts // ep, ff, d), residual_std(cfg), name="out")()
+        w_in, w_out = w_in.astype(self.dtype), w_out.astype(self.dtype)
+
+        flat = experts.reshape(-1)  # [N * k]: token i's copies at i*k .. i*k + k-1
+        order = jnp.argsort(flat, stable=True)
+        rows = tokens[order // k]
+        dropped = jnp.zeros((), jnp.float32)
+        if axis is None:
+            sizes = jnp.zeros(n_experts, jnp.int32).at[flat].add(1)
+            out = _tensor_split(rows, sizes, w_in, w_out, impl)
+        else:
+            out, dropped = _exchange(rows, flat[order], axis, ep, w_in, w_out, impl, moe.capacity_factor)
+        out = out[jnp.argsort(order)].reshape(b * t, k, d)
+        y = jnp.einsum("nk,nkd->nd", weights.astype(self.dtype), out).reshape(b, t, d)
+        if moe.n_shared_experts:
+            y = y + self._shared(x, moe.n_shared_experts * ff)
+
+        load = jnp.zeros(n_experts, jnp.float32).at[flat].add(1.0) / flat.size
+        self.sow("moe", "load", jax.lax.stop_gradient(load))
+        self.sow("moe", "probs", probs.mean(axis=0))
+        self.sow("moe", "z", jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2))
+        self.sow("moe", "dropped", dropped)
+        return constrain(y, "batch", "length", "embed")
+
+    def _shared(self, x: jax.Array, hidden: int) -> jax.Array:
+        """The shared experts: one dense MLP of their summed hidden size, as every token's."""
+        cfg = self.cfg
+        if cfg.mlp == "swiglu":
+            gate_up = dense((2, hidden), cfg.init_std, self.dtype, "shared_gate_up")(x)
+            gate_up = constrain(gate_up, "batch", "length", None, "mlp")
+            h = nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
+        else:
+            h = nn.gelu(dense(hidden, cfg.init_std, self.dtype, "shared_fc")(x))
+        h = constrain(h, "batch", "length", "mlp")
+        return dense(x.shape[-1], residual_std(cfg), self.dtype, "shared_out")(h)
+
+
+def router_stats(collection: Any) -> dict[str, jax.Array]:
+    """The "moe" collection as arrays over MoE layers, in layer order: load and probs [L, E], z and
+    dropped [L]."""
+    layers: list[tuple[int, Any]] = []
+    for name, sub in collection.items():
+        stats = sub["moe"]
+        if name == "blocks":  # scanned: each sown value already stacks every layer
+            return {key: stats[key][0] for key in _STATS}
+        layers.append((int(name.split("_")[1]), stats))
+    layers.sort(key=lambda item: item[0])
+    return {key: jnp.stack([s[key][0] for _, s in layers]) for key in _STATS}
+
+
+_STATS = ("load", "probs", "z", "dropped")
+
+
+def balance_loss(load: jax.Array, probs: jax.Array) -> jax.Array:
+    """Switch/GShard load balancing, per layer: n_experts * sum_e load_e * probs_e (1.0 when even).
+
+    `load` should be the whole batch's (a constant to the gradient), `probs` this device's rows':
+    then the mean over devices of this loss, and of its gradient, is the whole batch's. With
+    gradient accumulation it is each microbatch's, and which rows make a microbatch depends on the
+    layout: there the losses of two meshes differ slightly (1.5e-5 relative after 3 steps, measured).
+    Hugging Face's Mixtral loss is experts_per_token times this (its load sums to k).
+    """
+    return load.shape[-1] * jnp.sum(load * probs, axis=-1)
+
+
+def active_params(cfg: ModelConfig, n_params: int) -> int:
+    """Params a token computes with: all but the routed experts it is not sent to."""
+    moe = cfg.moe
+    if not moe.n_experts:
+        return n_params
+    per_expert = (3 if cfg.mlp == "swiglu" else 2) * cfg.d_model * expert_hidden(cfg)
+    n_moe_layers = sum(is_moe_layer(cfg, i) for i in range(cfg.n_layer))
+    return n_params - n_moe_layers * (moe.n_experts - moe.experts_per_token) * per_expert

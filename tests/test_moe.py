@@ -1,0 +1,253 @@
+"""Mixture of experts on 8 fake CPU devices: expert parallelism (with data, fsdp and tensor) trains
+like one device, exchanges tokens by all-to-all, restores across expert-parallel sizes, reports its
+router, and refuses impossible configs in one line.
+
+pytest tests/test_moe.py     # about a minute on 2 idle cores
+"""
+
+import json
+import re
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxtrain.cluster.detect import detect
+from jaxtrain.cluster.shutdown import exit_on_user_error
+from jaxtrain.config import ConfigError, DistConfig, load_config
+from jaxtrain.model.moe import active_params, balance_loss, expert_mlps, router_stats
+from jaxtrain.model.params import param_count
+from jaxtrain.model.transformer import GPT
+from jaxtrain.run import cli
+from jaxtrain.run import mesh as mesh_lib
+from jaxtrain.run.job import with_topology
+from jaxtrain.run.loop import train
+from jaxtrain.run.optim import decay_mask, make_optimizer, muon_labels
+from jaxtrain.run.state import create_state, state_sharding
+from jaxtrain.run.step import compute_dtype, jit_steps
+
+# tests/test_sharding.py's tiny model with SwiGLU experts: 8 of them, 2 per token; 4 heads so
+# tensor 2 splits them. Clipping on: the global norm must agree across layouts.
+MOE = [
+    "--config", "configs/tiny.yaml", "--optim.warmup_steps", "0", "--model.n_head", "4",
+    "--model.mlp", "swiglu", "--model.moe.n_experts", "8", "--model.moe.d_expert", "32",
+    "--model.moe.z_loss_coef", "0.001",
+]  # fmt: skip
+STEPS = 20
+MESHES = {
+    "expert4xdata2": ["--mesh.expert", "4", "--mesh.data", "2"],
+    "expert2xfsdp2xtensor2": [
+        "--mesh.expert", "2", "--mesh.fsdp", "2", "--mesh.tensor", "2", "--mesh.data", "1",
+    ],
+}  # fmt: skip
+
+
+def _train(argv, n_devices, steps=STEPS):
+    """Losses, last metrics, final params, shardings and the compiled step's HLO of `steps` steps."""
+    cfg = with_topology(load_config(MOE + argv), n_devices, 1)
+    mesh = mesh_lib.make_mesh(jax.devices()[:n_devices], cfg.mesh)
+    model, tx = GPT(cfg.model, dtype=compute_dtype(cfg)), make_optimizer(cfg)
+    state = create_state(cfg, model, tx, mesh)
+    shardings = state_sharding(mesh, state, cfg.mesh.zero1)
+    train_step, _ = jit_steps(cfg, model, tx, mesh, shardings)
+    batch_shape = jax.ShapeDtypeStruct(
+        (cfg.batch_size, cfg.model.seq_len + 1), jnp.int32, sharding=mesh_lib.batch_sharding(mesh)
+    )
+    compiled = train_step.lower(state, batch_shape).compile()
+    rng = np.random.default_rng(0)
+    # Two batches in turn: random tokens, but seen again, so the loss must fall.
+    batches = [
+        rng.integers(0, 256, (cfg.batch_size, cfg.model.seq_len + 1), dtype=np.int32) for _ in range(2)
+    ]
+    losses = []
+    for i in range(steps):
+        state, m = compiled(state, mesh_lib.global_batch(batches[i % 2], mesh, cfg.batch_size))
+        losses.append(float(m["loss"]))
+    return {
+        "losses": np.array(losses),
+        "metrics": jax.device_get(m),
+        "params": jax.device_get(state.params),
+        "shardings": shardings,
+        "hlo": compiled.as_text(),
+    }
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return _train([], 1)
+
+
+@pytest.fixture(scope="module", params=list(MESHES), ids=list(MESHES))
+def expert_parallel(request):
+    return request.param, _train(MESHES[request.param], 8)
+
+
+def test_expert_parallel_meshes_train_like_one_device(one_device, expert_parallel):
+    _, run = expert_parallel
+    np.testing.assert_allclose(run["losses"], one_device["losses"], rtol=1e-4)  # test_sharding's
+    assert run["losses"][-1] < run["losses"][0] - 0.5
+    # Params: each layout sums in its own order, and a token whose top-2 experts were nearly tied
+    # (one, in this data, from step ~10) picks another one; Adam then moves a rarely-updated
+    # expert weight by up to a whole step (lr 3e-3): 24 weights of 32,768 differ by up to 6e-4.
+    # Routed to all 8 experts (no top-k choice) the tensor mesh agrees within 5e-6 (measured).
+    for a, b in zip(jax.tree.leaves(run["params"]), jax.tree.leaves(one_device["params"]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-3)
+    # The router's figures are the whole batch's on every layout.
+    for key in ("moe_balance_loss", "moe_z_loss", "expert_load", "grad_norm"):
+        np.testing.assert_allclose(run["metrics"][key], one_device["metrics"][key], rtol=2e-3, atol=2e-3)
+    print("max relative loss difference", np.max(np.abs(run["losses"] / one_device["losses"] - 1)))
+
+
+def _collectives(hlo, kind):
+    """The result type (a shape, or a tuple of them) of every `kind` op in an HLO text."""
+    return re.findall(rf"= (.*?) {kind}(?:-start)?\(", hlo)
+
+
+def test_tokens_go_by_all_to_all_and_experts_stay_split(expert_parallel):
+    name, run = expert_parallel
+    hlo, cfg = run["hlo"], with_topology(load_config(MOE + MESHES[name]), 8, 1)
+    ep, fsdp = cfg.mesh.expert, cfg.mesh.fsdp
+    # Per device and layer, this device's copies of its tokens (rows x T x k), a buffer for each
+    # of the ep peers (XLA splits the exchange into one operand per peer): there and back, in the
+    # forward and again in the backward.
+    copies = cfg.batch_size // (cfg.mesh.data * ep * fsdp) * cfg.model.seq_len * 2
+    buffers = f"f32[1,{copies},{cfg.model.d_model}]"
+    to_all = _collectives(hlo, "all-to-all")
+    assert sum(t.count(buffers) == ep for t in to_all) >= 4 * cfg.model.n_layer, to_all
+    # No all-gather holds tokens: its results are fsdp's params (a d_model dim split over fsdp).
+    gathers = _collectives(hlo, "all-gather")
+    assert all(str(cfg.model.d_model) in t for t in gathers) and (gathers != []) == (fsdp > 1), gathers
+    spec = run["shardings"].params["block_0"]["moe"]["gate_up"]["kernel"].spec
+    assert spec == (
+        jax.sharding.PartitionSpec("expert", None, None, None)
+        if fsdp == 1
+        else jax.sharding.PartitionSpec("expert", "fsdp", None, "tensor")
+    )
+
+
+def test_capacity_factor_bounds_the_exchange_and_counts_what_it_drops(one_device):
+    """capacity_factor 1: each peer's buffer holds a quarter of a device's copies (expert 4), not
+    all of them; copies past it are dropped, counted, and the loss stays near the dropless one."""
+    run = _train([*MESHES["expert4xdata2"], "--model.moe.capacity_factor", "1.0"], 8, steps=2)
+    copies = 16 // 8 * 32 * 2
+    to_all = _collectives(run["hlo"], "all-to-all")
+    assert sum(t.count(f"f32[1,{copies // 4},64]") == 4 for t in to_all) >= 8, to_all
+    assert not any(f"f32[1,{copies},64]" in t for t in to_all)
+    assert 0 < run["metrics"]["moe_dropped"] < 0.5  # the router is uneven: some peer overflows
+    np.testing.assert_allclose(run["losses"], one_device["losses"][:2], rtol=2e-2)
+
+
+def test_router_stats_balance_loss_and_active_params():
+    cfg = load_config(MOE + ["--model.moe.every", "2", "--model.n_layer", "4"]).model
+    model = GPT(cfg)
+    tokens = jnp.zeros((2, 8), jnp.int32)
+    params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
+    assert [k for k in params if "moe" in params[k]] == ["block_1", "block_3"]  # every 2nd, from 1
+    _, sown = jax.jit(lambda p: model.apply({"params": p}, tokens, mutable=["moe"]))(params)
+    stats = router_stats(sown["moe"])
+    assert stats["load"].shape == (2, 8) and np.allclose(stats["load"].sum(-1), 1.0)
+    # Even load and even probabilities: the loss is 1; everything on one expert: n_experts.
+    even = jnp.full((8,), 1 / 8)
+    assert float(balance_loss(even, even)) == pytest.approx(1.0)
+    assert float(balance_loss(jnp.eye(8)[0], jnp.eye(8)[0])) == pytest.approx(8.0)
+    # Active: all but the 6 experts (of 8) a token is not sent to, in 2 MoE layers.
+    n = param_count(params)
+    assert active_params(cfg, n) == n - 2 * 6 * 3 * cfg.d_model * 32
+    # The experts' matrices are decayed and Muon's, like a dense MLP's; the router is AdamW's.
+    decayed, labels = decay_mask(params)["block_1"]["moe"], muon_labels(params)["block_1"]["moe"]
+    assert decayed["gate_up"]["kernel"] and decayed["out"]["kernel"]
+    assert (
+        labels["gate_up"]["kernel"] == labels["out"]["kernel"] == "muon"
+        and labels["router"]["kernel"] == "adamw"
+    )
+    # Generation applies the model without the "moe" collection: nothing sown, nothing fails.
+    assert jax.eval_shape(lambda p: model.apply({"params": p}, tokens), params).shape == (2, 8, 256)
+
+
+def test_both_grouped_matmuls_agree_with_uneven_empty_and_padded_groups():
+    """blocks (CPUs) computes what ragged_dot (GPUs) does, gradients too: an empty expert, one past
+    a block, and rows of no expert (exchange padding) that must come out zero."""
+    rng = np.random.default_rng(0)
+    sizes = jnp.array([0, 37, 200, 13], jnp.int32)  # 250 rows of 300
+    rows = jnp.asarray(rng.normal(size=(300, 16)), jnp.float32).at[250:].set(0)
+    w_in = jnp.asarray(rng.normal(size=(4, 16, 2, 24)) * 0.1, jnp.float32)
+    w_out = jnp.asarray(rng.normal(size=(4, 24, 16)) * 0.1, jnp.float32)
+
+    def run(impl):
+        def loss(r, a, b):
+            return (expert_mlps(r, sizes, a, b, impl) ** 2).sum()
+
+        return jax.jit(lambda *x: (expert_mlps(*x[:1], sizes, *x[1:], impl), jax.grad(loss, (0, 1, 2))(*x)))(
+            rows, w_in, w_out
+        )
+
+    ragged, blocks = run("ragged_dot"), run("blocks")
+    assert not np.asarray(blocks[0][250:]).any()
+    for a, b in zip(jax.tree.leaves(ragged), jax.tree.leaves(blocks), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--mesh.expert", "3"],
+            "model.moe.n_experts 8 is not divisible by mesh.expert 3: each device holds n_experts / "
+            "mesh.expert of them; use a mesh.expert that divides 8",
+        ),
+        (
+            ["--model.moe.experts_per_token", "9"],
+            "model.moe.experts_per_token 9 exceeds model.moe.n_experts 8",
+        ),
+    ],
+    ids=["experts-not-dividing", "top-k-over-experts"],
+)
+def test_bad_moe_config_is_one_line_exit_2(argv, message, tmp_path, capfd):
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        exit_on_user_error(cli.main)([*MOE, *argv, "--run_dir", str(run_dir)])
+    err = capfd.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and message in err[0], err
+    assert not run_dir.exists()
+    with pytest.raises(ConfigError, match="mesh.expert 2 needs a mixture of experts"):
+        load_config(["--config", "configs/tiny.yaml", "--mesh.expert", "2"])
+
+
+def _records(run_dir):
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_checkpoint_restores_across_expert_parallel_sizes_and_reports_the_router(tmp_path):
+    """The real loop: 20 steps under expert 4 x data 2 (checkpoints at 10 and 20); its step-10
+    checkpoint resumed under expert 2 x fsdp 2 x tensor 2 gives the same losses to 20."""
+    ref = tmp_path / "ref"
+    launch = detect(DistConfig(), {})
+    train(load_config([*MOE, "--run_dir", str(ref), *MESHES["expert4xdata2"]]), launch)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(ref, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "20")  # as if the job had stopped after step 10
+    train(load_config([*MOE, "--run_dir", str(resumed), *MESHES["expert2xfsdp2xtensor2"]]), launch)
+
+    def losses(records):
+        return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+    a, b = _records(ref), _records(resumed)
+    starts = [r for r in b if r.get("event") == "start"]
+    assert [s["mesh"] for s in starts] == [
+        {"data": 2, "expert": 4, "fsdp": 1, "tensor": 1},
+        {"data": 1, "expert": 2, "fsdp": 2, "tensor": 2},
+    ]
+    assert starts[1]["step"] == 10
+    np.testing.assert_allclose([losses(b)[s] for s in (15, 20)], [losses(a)[s] for s in (15, 20)], rtol=2e-4)
+    # The start record counts every param and the active ones; log lines carry the router.
+    assert starts[0]["n_active_params"] < starts[0]["n_params"]
+    logged = [r for r in a if "loss" in r]
+    assert all(len(r["expert_load_max_mean"]) == 2 and r["expert_load_max_mean"][0] >= 1 for r in logged)
+    assert all(r["moe_balance_loss"] > 0.5 and len(r["expert_load"][1]) == 8 for r in logged)
+    assert "balance" in (ref / "train.log").read_text()
+    evals = [r for r in a if "val_loss" in r]  # the router on the validation rows too
+    assert [len(r["val_expert_load"]) for r in evals] == [2, 2] and all(
+        r["val_moe_balance_loss"] for r in evals
+    )

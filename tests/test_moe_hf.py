@@ -1,0 +1,140 @@
+"""Mixtral and Qwen3-MoE in and out (jaxtrain/hf/), checked by transformers itself: tiny random
+models made by transformers import with its logits and greedy tokens, export back to the same
+tensors, which transformers loads with no missing or unexpected key; MoE classes we do not read
+are refused in one line.
+
+    pytest tests/test_moe_hf.py     # about 30 s on 2 cores
+"""
+
+import json
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+from transformers import (
+    AutoModelForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+from jaxtrain.config import load_config, saved_model, to_dict
+from jaxtrain.disk import checkpoint as ckpt_lib
+from jaxtrain.errors import UserError
+from jaxtrain.hf.config import with_hf_model
+from jaxtrain.hf.export import export
+from jaxtrain.hf.load import HFCheckpoint
+from jaxtrain.model.generate import generate
+from jaxtrain.model.transformer import GPT
+
+COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    num_experts_per_tok=2,
+)
+FAMILIES = {
+    # every layer MoE, renormalised top-2 of 4 experts
+    "mixtral": (MixtralConfig, MixtralForCausalLM, dict(intermediate_size=48, num_local_experts=4)),
+    # q/k norms; layer 0 dense (intermediate_size), layer 1 MoE (decoder_sparse_step 2), top-2 of
+    # 8 experts as the router gives them (norm_topk_prob false, transformers' default)
+    "qwen3_moe": (
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+        dict(
+            intermediate_size=96, moe_intermediate_size=32, num_experts=8, head_dim=32, decoder_sparse_step=2
+        ),
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def hf_model(request, tmp_path_factory) -> tuple[str, Path, torch.nn.Module]:
+    """The family saved by transformers, params nudged off their init (so a misplaced tensor shows)."""
+    config_cls, model_cls, extra = FAMILIES[request.param]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**{**COMMON, **extra})).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    directory = tmp_path_factory.mktemp("hf") / request.param
+    model.save_pretrained(directory)
+    return request.param, directory, model
+
+
+def _torch_logits(model, tokens: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+
+
+def test_import_export_agree_with_transformers(hf_model, tmp_path):
+    family, directory, model = hf_model
+    source = HFCheckpoint(directory, "x")
+    cfg = saved_model(source.read_meta(0)["config"])
+    assert cfg.moe.n_experts == (4 if family == "mixtral" else 8) and cfg.moe.experts_per_token == 2
+    abstract = jax.eval_shape(lambda: GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
+    params = source.restore_params(0, target["params"], "x")
+    tokens = np.random.default_rng(0).integers(0, 256, (2, 40))
+    ours = np.asarray(jax.jit(lambda p, t: GPT(cfg).apply({"params": p}, t))(params, jnp.asarray(tokens)))
+    theirs = _torch_logits(model, tokens)
+    print(f"{family}: max |logit difference| {np.abs(ours - theirs).max():.2e}")
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+    # Greedy decoding (our KV-cached path, experts and all) picks transformers' tokens.
+    prompt = tokens[0, :5].astype(np.int32)
+    mine = generate(params, cfg, prompt, 12, jax.random.key(0), temperature=0.0)
+    with torch.no_grad():
+        greedy = model.generate(
+            torch.tensor(prompt[None]), do_sample=False, max_new_tokens=12, pad_token_id=0
+        )
+    assert np.asarray(mine).tolist() == greedy[0, 5:].tolist()
+
+    # Saved as a checkpoint of ours, then exported: every tensor comes back as it was.
+    ckpt = ckpt_lib.Checkpointer(tmp_path / "checkpoints", 1)
+    ckpt.save(0, {"params": params}, {"config": {"model": to_dict(cfg)}})
+    ckpt.wait()
+    result = export(str(tmp_path / "checkpoints"), tmp_path / "out")
+    assert result["architecture"] == model.config.architectures[0]
+    before = load_file(directory / "model.safetensors")
+    after = load_file(tmp_path / "out" / "model.safetensors")
+    assert before.keys() == after.keys()
+    for name, tensor in before.items():
+        np.testing.assert_array_equal(after[name], tensor, err_msg=name)
+    exported, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not any(info.values()), info
+    np.testing.assert_allclose(_torch_logits(exported.eval(), tokens), theirs, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (
+            {**COMMON, "architectures": ["Qwen2MoeForCausalLM"]},
+            "architecture Qwen2MoeForCausalLM is not supported; jaxtrain reads",
+        ),
+        ({**COMMON, "architectures": ["DeepseekV3ForCausalLM"]}, "architecture DeepseekV3ForCausalLM"),
+        (
+            {
+                **COMMON, "architectures": ["Qwen3MoeForCausalLM"], "intermediate_size": 96, "num_experts": 8,
+                "moe_intermediate_size": 32, "mlp_only_layers": [0],
+            },
+            "mlp_only_layers [0] (dense layers at chosen places) is not supported",
+        ),
+    ],
+    ids=["qwen2-moe", "deepseek-v3", "qwen3-moe-mlp-only-layers"],
+)  # fmt: skip
+def test_moe_models_we_do_not_read_are_one_line_errors(tmp_path, config, message):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=re.escape(message)) as e:
+        load_config(["--init_from", f"hf:{tmp_path}"], fill=with_hf_model)
+    assert "\n" not in str(e.value)
