@@ -14,6 +14,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
+# torch.compile (tests/test_bench.py's peer) compiles in-process: a pool of compile workers, each
+# importing torch, costs more CPU than it saves on 2 cores. The step it times is the same.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # The session's own cache (compiled steps, the default dataset, token scans): tests never fill
 # the user's ~/.cache/jaxtrain, and each session starts cold. Building the dataset takes ~1 s.
 # The CUDA plugin is the exception: it stays in the user's cache (make gpu-plugin), found there first.
