@@ -27,12 +27,11 @@ if "PYTEST_XDIST_WORKER" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="jaxtrain-test-cache-")
     os.environ["XDG_CACHE_HOME"] = _cache
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
-if os.environ.get("JAXTRAIN_TEST_COMPILE_CACHE", "1") == "1":
-    # Steps compiled in this process go to the same cache: a program another test or worker
-    # already compiled (the same tiny model under the same mesh, again and again) is read back.
-    from jaxtrain.xla_env import enable_compile_cache
+# Steps compiled in this process go to the same cache: a program another test or worker already
+# compiled (the same tiny model under the same mesh, again and again) is read back.
+from jaxtrain.xla_env import enable_compile_cache  # noqa: E402  (after the environment above)
 
-    enable_compile_cache("")
+enable_compile_cache("")
 
 
 def pytest_sessionfinish(session, exitstatus):
