@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -43,11 +44,23 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module", autouse=True)
-def cluster() -> None:
+def cluster() -> Iterator[None]:
+    """The local cluster, up for these tests; stopped after them unless it was up before, so no
+    daemon outlives the run (a munged left holding its socket's lock stops the next one starting)."""
+    was_up = (
+        shutil.which("scontrol")
+        and " is UP"
+        in subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=30).stdout
+    )
     done = subprocess.run(
         ["bash", "scripts/dev/local_slurm.sh"], cwd=REPO, capture_output=True, text=True, timeout=900
     )
     assert done.returncode == 0, done.stdout + done.stderr
+    yield
+    if not was_up:
+        subprocess.run(
+            ["bash", "scripts/dev/local_slurm.sh", "stop"], cwd=REPO, capture_output=True, timeout=60
+        )
 
 
 def losses(run_dir: Path) -> list[float]:

@@ -3,7 +3,7 @@
 #
 #     sudo scripts/dev/local_slurm.sh          # install (apt) if needed, configure, start, wait
 #     sinfo; srun -n 2 hostname                # then use it like any cluster
-#     sudo scripts/dev/local_slurm.sh stop     # stop the daemons (packages and config stay)
+#     sudo scripts/dev/local_slurm.sh stop     # stop the daemons, munged too (packages and config stay)
 #
 # Idempotent: safe to run when the cluster is already up (it then only checks it).
 # Needs root and apt (Debian/Ubuntu). Facts this relies on: inside containers there is no
@@ -21,13 +21,19 @@ die() { echo "error: $*" >&2; exit "${2:-1}"; }
 [[ $(id -u) -eq 0 ]] || die "run as root (it installs packages and starts system daemons)" 2
 [[ $# -le 1 && ${1:-start} =~ ^(start|stop)$ ]] || die "usage: $0 [start|stop]" 2
 
-pid_of() { [[ -s $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null && cat "$1"; }
-running() { pid_of "/run/$1.pid" >/dev/null; }
+# The pid in a daemon's pid file, if that process is alive and is that daemon: a pid file left from
+# another boot or container may name a live process that is something else.
+pid_of() {
+    local pid
+    [[ -s $1 ]] && pid=$(<"$1") && [[ $(cat "/proc/$pid/comm" 2>/dev/null) == "$2" ]] && echo "$pid"
+}
+running() { pid_of "/run/$1.pid" "$1" >/dev/null; }
+munge_answers() { timeout 5 bash -c 'munge -n </dev/null | unmunge' >/dev/null 2>&1; }
 
 stop_daemons() {
     local d pid
     for d in slurmd slurmctld; do
-        if pid=$(pid_of "/run/$d.pid"); then
+        if pid=$(pid_of "/run/$d.pid" "$d"); then
             kill "$pid"
         fi
     done
@@ -40,6 +46,7 @@ stop_daemons() {
 
 if [[ ${1:-start} == stop ]]; then
     stop_daemons
+    munge_answers && munged --stop >/dev/null
     echo "local SLURM stopped"
     exit 0
 fi
@@ -66,11 +73,19 @@ start_munge() {
     fi
     chown -R munge:munge /etc/munge /run/munge /var/lib/munge /var/log/munge
     chmod 0700 /etc/munge && chmod 0400 /etc/munge/munge.key
-    if ! pid_of /run/munge/munged.pid >/dev/null; then
-        runuser -u munge -- munged
+    munge_answers && return 0
+    # No answer: a munged that is not ours to reach (left from another session or container, or
+    # hung) may still hold the socket's lock, and a new munged then refuses to start ("Failed to
+    # lock ... pid N bound to socket"). Stop ours if it is one, and start on fresh files.
+    local pid
+    if pid=$(pid_of /run/munge/munged.pid munged); then
+        kill "$pid" 2>/dev/null || true
+        sleep 0.5
     fi
+    rm -f /run/munge/munge.socket.2 /run/munge/munge.socket.2.lock /run/munge/munged.pid
+    runuser -u munge -- munged
     for _ in $(seq 50); do
-        munge -n </dev/null | unmunge >/dev/null 2>&1 && return 0
+        munge_answers && return 0
         sleep 0.2
     done
     die "munged does not answer (munge -n | unmunge fails); see /var/log/munge/munged.log"
