@@ -53,6 +53,10 @@ def pytest_sessionfinish(session, exitstatus):
 SERIAL = ("test_slurm.py", "test_multihost.py", "test_storage.py")
 
 
+# tryfirst: xdist's hook on the worker (registered after this file) reads the group marks to keep a
+# group on one worker; after it, the marks came too late and a file's tests were split over both
+# workers (two SLURM set-ups raced, and one munged refused to start).
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in SERIAL:
@@ -61,3 +65,12 @@ def pytest_collection_modifyitems(config, items):
     # name order) they ran alone at the end while the other worker sat idle. First, the rest of
     # the suite fills in beside them. The sort is stable: every file keeps its own order.
     items.sort(key=lambda item: SERIAL.index(item.path.name) if item.path.name in SERIAL else len(SERIAL))
+
+
+def pytest_collection_finish(session):
+    """Refuse to run when xdist did not group the serial files (a pytest or xdist upgrade has
+    broken loadgroup before, silently: see pyproject.toml), rather than race on their resources."""
+    if getattr(session.config.option, "loadgroup", False):
+        loose = [i.nodeid for i in session.items if i.path.name in SERIAL and "@" not in i.nodeid]
+        if loose:
+            raise pytest.UsageError(f"--dist loadgroup did not group {loose[0]}: pin pytest/xdist")
