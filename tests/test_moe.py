@@ -8,6 +8,7 @@ pytest tests/test_moe.py     # about a minute on 2 idle cores
 import json
 import re
 import shutil
+import types
 
 import jax
 import jax.numpy as jnp
@@ -213,6 +214,29 @@ def test_bad_moe_config_is_one_line_exit_2(argv, message, tmp_path, capfd):
     assert not run_dir.exists()
     with pytest.raises(ConfigError, match="mesh.expert 2 needs a mixture of experts"):
         load_config(["--config", "configs/tiny.yaml", "--mesh.expert", "2"])
+
+
+@pytest.mark.parametrize(
+    "sizes, crosses",
+    [((2, 4, 1, 1), False), ((1, 4, 2, 1), True), ((1, 8, 1, 1), True), ((2, 2, 2, 1), False)],
+    ids=["expert4xdata2", "expert4xfsdp2", "expert8", "expert2xfsdp2xdata2"],
+)
+def test_an_expert_axis_across_hosts_is_warned_of_once(sizes, crosses):
+    """2 hosts x 4 devices (fakes: only their host is read). Expert groups stride by fsdp, so
+    expert 4 x fsdp 2 puts each group's peers on both hosts though fsdp 2 stays inside one."""
+    hosts = [types.SimpleNamespace(process_index=i // 4) for i in range(8)]
+    mesh = types.SimpleNamespace(
+        devices=np.asarray(hosts, dtype=object).reshape(sizes),
+        shape=dict(zip(mesh_lib.MESH_AXES, sizes, strict=True)),
+        axis_names=mesh_lib.MESH_AXES,
+    )
+    said = mesh_lib.host_warnings(mesh)
+    expected = [
+        f"mesh expert {sizes[1]} spans hosts (4 devices per process): each MoE layer's token "
+        "all-to-alls (2 forward, 2 backward) cross the network; keep expert x fsdp x tensor <= 4 "
+        "(experts inside a host) with data across hosts"
+    ]
+    assert said == (expected if crosses else [])
 
 
 def _records(run_dir):
