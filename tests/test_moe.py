@@ -257,7 +257,7 @@ def test_an_expert_axis_across_hosts_is_warned_of_once(sizes, crosses):
     said = mesh_lib.host_warnings(mesh)
     expected = [
         f"mesh expert {sizes[1]} spans hosts (4 devices per process): each MoE layer's token "
-        "all-to-alls (2 forward, 2 backward) cross the network; keep expert x fsdp x tensor <= 4 "
+        "all-to-alls (forward and backward) cross the network; keep expert x fsdp x tensor <= 4 "
         "(experts inside a host) with data across hosts"
     ]
     assert said == (expected if crosses else [])

@@ -86,7 +86,7 @@ def host_warnings(mesh: Mesh) -> list[str]:
     if (hosts != hosts.take([0], axis=expert)).any():
         said.append(
             f"mesh expert {mesh.shape[EXPERT_AXIS]} spans hosts ({per_process} devices per process): each "
-            "MoE layer's token all-to-alls (2 forward, 2 backward) cross the network; keep expert x fsdp "
+            "MoE layer's token all-to-alls (forward and backward) cross the network; keep expert x fsdp "
             f"x tensor <= {per_process} (experts inside a host) with data across hosts"
         )
     return said
