@@ -6,6 +6,7 @@ plugin first (make gpu-plugin); without it these tests fail, naming the fix.
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -22,6 +23,9 @@ H100 = "gpt2_124m_h100x8_"
 MESHES = ["data8", "fsdp8", "fsdp4_tensor2_fp16", "zero1"]
 # Bytes of gpt2_124m's largest parameter (the 50304 x 768 float32 embedding), one fsdp-8 shard of it.
 LARGEST_PARAM = 50304 * 768 * 4
+# tests/gpu_plans.py's mixture of experts: 8 layers of Qwen3-30B-A3B on one host of 8.
+MOE = "qwen3_30b_a3b_8l_h100x8"
+QWEN3_MOE = {"d_model": 2048, "n_layer": 8, "n_experts": 128, "k": 8, "d_expert": 768}
 
 
 @pytest.fixture(scope="module")
@@ -101,13 +105,47 @@ def test_llama3_70b_fits_1024_h100_at_full_speed_by_the_floor(plans):
     )
 
 
+def test_moe_tokens_go_by_all_to_all_inside_the_host(plans):
+    """The experts stay put and the tokens move: one all-to-all per direction and pass, never an
+    all-gather (of tokens or of experts), every byte inside the host; the buffer per peer holds
+    capacity_factor 1.25 x a device's copies / 8, not all of them (the dropless exchange)."""
+    p = plans[MOE]
+    assert p["fits"] and p["mesh"] == {"data": 1, "expert": 8, "fsdp": 1, "tensor": 1}, p
+    moved = {(c["kind"], c["axis"]): c for c in p["collectives"]}
+    assert set(moved) == {("all-to-all", "expert"), ("all-reduce", "expert")}, p["collectives"]
+    assert not any(c["crosses_hosts"] for c in p["collectives"])
+    to_all = moved[("all-to-all", "expert")]
+    copies = p["device_batch"] * p["seq_len"] * QWEN3_MOE["k"]
+    assert to_all["largest_bytes"] == 8 * math.ceil(1.25 * copies / 8) * QWEN3_MOE["d_model"] * 2
+    assert to_all["bytes"] == _exchange(QWEN3_MOE, p)[("all-to-all", "expert")]
+
+
 def test_a_job_whose_state_cannot_fit_gets_its_verdict_without_a_compile(plans):
     p = plans["gpt_19b_h100x1"]
     assert not p["compiled"] and not p["fits"]
     assert p["state_bytes_per_device"] > p["usable_bytes_per_device"] > 60e9
 
 
-def _analytic(p: dict) -> dict[tuple[str, str], float]:
+def _exchange(moe: dict[str, int], p: dict) -> dict[tuple[str, str], float]:
+    """A mixture of experts under expert parallelism (experts whole on each device: no fsdp or
+    tensor), bytes per device per step: in each MoE layer, per microbatch, each device's
+    device_batch x T x k token copies go to the ep devices by all-to-all in one bfloat16 buffer
+    per peer of capacity_factor x copies / ep rows, and the results come back the same way: there
+    and back in the forward (with an int32 buffer of expert ids), again under full remat, and the
+    two transposed in the backward. The gradients of every param not an expert's (replicated over
+    expert) all-reduce in float32 once a step."""
+    ep, d, layers = p["mesh"]["expert"], moe["d_model"], moe["n_layer"]
+    passes = 2 if p["remat"] == "full" else 1
+    capacity = math.ceil(1.25 * p["device_batch"] * p["seq_len"] * moe["k"] / ep)
+    tokens, ids = ep * capacity * d * 2, ep * capacity * 4
+    experts = layers * moe["n_experts"] * 3 * d * moe["d_expert"]
+    return {
+        ("all-to-all", "expert"): p["accumulation"] * layers * ((2 * passes + 2) * tokens + passes * ids),
+        ("all-reduce", "expert"): (p["n_params"] - experts) * 4,
+    }
+
+
+def _analytic(p: dict, case: str) -> dict[tuple[str, str], float]:
     """The bytes per device per step each collective must move (buffers, as the plan counts them):
     fsdp gathers params in the compute dtype (2 bytes), once per microbatch and again in the
     backward under full remat, each device its tensor shard; gradients reduce-scatter in float32
@@ -121,21 +159,21 @@ def _analytic(p: dict) -> dict[tuple[str, str], float]:
         out[("reduce-scatter", "fsdp")] = accum * n / mesh["tensor"] * 4
     if mesh["data"] > 1:
         out[("all-reduce", "data")] = n / (mesh["fsdp"] * mesh["tensor"]) * 4
-    if p["zero1"]:
+    if p["zero1"] and mesh["data"] > 1:
         out[("all-gather", "data")] = n * 4
-    return out
+    return out | (_exchange(QWEN3_MOE, p) if case == MOE else {})
 
 
 @pytest.mark.parametrize("case", [c for c in CI_CASES if c != "gpt_19b_h100x1"])
 def test_every_collective_moves_its_analytic_bytes(plans, case):
     p = plans[case]
     moved = {(c["kind"], c["axis"]): c["bytes"] for c in p["collectives"]}
-    for key, want in _analytic(p).items():
+    for key, want in _analytic(p, case).items():
         assert moved.get(key, 0) == pytest.approx(want, rel=0.1), (key, p["collectives"])
     # Tensor parallelism moves activations, never a weight: no all-gather over `tensor`.
     assert not [c for c in p["collectives"] if c["kind"] == "all-gather" and "tensor" in c["axis"]]
     # No collective the analysis does not expect moves a weight-sized buffer.
-    expected = set(_analytic(p)) | {("all-reduce", "tensor")}
+    expected = set(_analytic(p, case)) | {("all-reduce", "tensor")}
     others = [c for c in p["collectives"] if (c["kind"], c["axis"]) not in expected]
     assert all(c["largest_bytes"] < 0.01 * p["n_params"] for c in others), others
 
@@ -145,8 +183,8 @@ def test_both_fused_attention_calls_take_each_devices_share(plans, case):
     p = plans[case]
     calls = p["attention_calls"]
     assert calls["forward"] > 0 and calls["backward"] > 0, calls
-    heads = 64 if case.startswith("llama3_70b") else 32 if case.startswith("gpt_7b") else 12
-    head_dim = 128 if case.startswith(("llama3_70b", "gpt_7b")) else 64
+    heads = 64 if case.startswith("llama3_70b") else 32 if case.startswith(("gpt_7b", "qwen3")) else 12
+    head_dim = 128 if case.startswith(("llama3_70b", "gpt_7b", "qwen3")) else 64
     want = [p["device_batch"], p["seq_len"], heads // p["mesh"]["tensor"], head_dim]
     assert calls["q_shapes"] == [want], calls
 
@@ -160,6 +198,7 @@ TEMP_GB = {
     "gpt2_124m_h100_2x8_data16": 11.82,
     "gpt_7b_h100x8_fsdp8": 13.32,
     "llama3_70b_h100_128x8": 52.64,
+    "qwen3_30b_a3b_8l_h100x8": 25.17,
 }
 
 

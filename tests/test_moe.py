@@ -8,6 +8,7 @@ pytest tests/test_moe.py     # about a minute on 2 idle cores
 import json
 import re
 import shutil
+import types
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,7 @@ import pytest
 from jaxtrain.cluster.detect import detect
 from jaxtrain.cluster.shutdown import exit_on_user_error
 from jaxtrain.config import ConfigError, DistConfig, load_config
-from jaxtrain.model.moe import active_params, balance_loss, expert_mlps, router_stats
+from jaxtrain.model.moe import MoeMlp, active_params, balance_loss, expert_mlps, router_stats
 from jaxtrain.model.params import param_count
 from jaxtrain.model.transformer import GPT
 from jaxtrain.run import cli
@@ -28,12 +29,13 @@ from jaxtrain.run.optim import decay_mask, make_optimizer, muon_labels
 from jaxtrain.run.state import create_state, state_sharding
 from jaxtrain.run.step import compute_dtype, jit_steps
 
-# tests/test_sharding.py's tiny model with SwiGLU experts: 8 of them, 2 per token; 4 heads so
-# tensor 2 splits them. Clipping on: the global norm must agree across layouts.
+# tests/test_sharding.py's tiny model with SwiGLU experts: 8 of them, 2 per token, and a shared
+# one every token passes through (split over tensor and fsdp like a dense MLP, replicated over
+# expert); 4 heads so tensor 2 splits them. Clipping on: the global norm must agree across layouts.
 MOE = [
     "--config", "configs/tiny.yaml", "--optim.warmup_steps", "0", "--model.n_head", "4",
     "--model.mlp", "swiglu", "--model.moe.n_experts", "8", "--model.moe.d_expert", "32",
-    "--model.moe.z_loss_coef", "0.001",
+    "--model.moe.n_shared_experts", "1", "--model.moe.z_loss_coef", "0.001",
 ]  # fmt: skip
 STEPS = 20
 MESHES = {
@@ -119,11 +121,17 @@ def test_tokens_go_by_all_to_all_and_experts_stay_split(expert_parallel):
     # No all-gather holds tokens: its results are fsdp's params (a d_model dim split over fsdp).
     gathers = _collectives(hlo, "all-gather")
     assert all(str(cfg.model.d_model) in t for t in gathers) and (gathers != []) == (fsdp > 1), gathers
-    spec = run["shardings"].params["block_0"]["moe"]["gate_up"]["kernel"].spec
-    assert spec == (
+    moe = run["shardings"].params["block_0"]["moe"]
+    assert moe["gate_up"]["kernel"].spec == (
         jax.sharding.PartitionSpec("expert", None, None, None)
         if fsdp == 1
         else jax.sharding.PartitionSpec("expert", "fsdp", None, "tensor")
+    )
+    # The shared expert is a dense MLP: split like one, whole on every expert peer.
+    assert moe["shared_gate_up"]["kernel"].spec == (
+        jax.sharding.PartitionSpec(None, None, None)
+        if fsdp == 1
+        else jax.sharding.PartitionSpec("fsdp", None, "tensor")
     )
 
 
@@ -164,6 +172,23 @@ def test_router_stats_balance_loss_and_active_params():
     )
     # Generation applies the model without the "moe" collection: nothing sown, nothing fails.
     assert jax.eval_shape(lambda p: model.apply({"params": p}, tokens), params).shape == (2, 8, 256)
+
+
+def test_shared_experts_add_their_dense_mlp_to_every_token():
+    """The layer's output is the routed experts' plus one SwiGLU MLP of n_shared x d_expert on
+    every token, computed here by hand from the shared weights (2 shared experts: hidden 64)."""
+    cfg = load_config([*MOE, "--model.moe.n_shared_experts", "2"]).model
+    layer = MoeMlp(cfg, jnp.float32)
+    x = jax.random.normal(jax.random.key(1), (2, 5, cfg.d_model))
+    params = layer.init(jax.random.key(0), x)["params"]
+    gate_up, out = params["shared_gate_up"]["kernel"], params["shared_out"]["kernel"]
+    assert gate_up.shape == (cfg.d_model, 2, 64) and out.shape == (64, cfg.d_model)
+    routed_only = {**params, "shared_out": {"kernel": jnp.zeros_like(out)}}
+    h = jnp.einsum("btd,dgf->btgf", x, gate_up)
+    by_hand = jnp.einsum("btf,fd->btd", jax.nn.silu(h[..., 0, :]) * h[..., 1, :], out)
+    added = layer.apply({"params": params}, x) - layer.apply({"params": routed_only}, x)
+    assert float(jnp.abs(by_hand).min()) > 0
+    np.testing.assert_allclose(added, by_hand, rtol=1e-4, atol=1e-6)
 
 
 def test_both_grouped_matmuls_agree_with_uneven_empty_and_padded_groups():
@@ -213,6 +238,29 @@ def test_bad_moe_config_is_one_line_exit_2(argv, message, tmp_path, capfd):
     assert not run_dir.exists()
     with pytest.raises(ConfigError, match="mesh.expert 2 needs a mixture of experts"):
         load_config(["--config", "configs/tiny.yaml", "--mesh.expert", "2"])
+
+
+@pytest.mark.parametrize(
+    "sizes, crosses",
+    [((2, 4, 1, 1), False), ((1, 4, 2, 1), True), ((1, 8, 1, 1), True), ((2, 2, 2, 1), False)],
+    ids=["expert4xdata2", "expert4xfsdp2", "expert8", "expert2xfsdp2xdata2"],
+)
+def test_an_expert_axis_across_hosts_is_warned_of_once(sizes, crosses):
+    """2 hosts x 4 devices (fakes: only their host is read). Expert groups stride by fsdp, so
+    expert 4 x fsdp 2 puts each group's peers on both hosts though fsdp 2 stays inside one."""
+    hosts = [types.SimpleNamespace(process_index=i // 4) for i in range(8)]
+    mesh = types.SimpleNamespace(
+        devices=np.asarray(hosts, dtype=object).reshape(sizes),
+        shape=dict(zip(mesh_lib.MESH_AXES, sizes, strict=True)),
+        axis_names=mesh_lib.MESH_AXES,
+    )
+    said = mesh_lib.host_warnings(mesh)
+    expected = [
+        f"mesh expert {sizes[1]} spans hosts (4 devices per process): each MoE layer's token "
+        "all-to-alls (forward and backward) cross the network; keep expert x fsdp x tensor <= 4 "
+        "(experts inside a host) with data across hosts"
+    ]
+    assert said == (expected if crosses else [])
 
 
 def _records(run_dir):

@@ -1,6 +1,6 @@
 """Sharded checkpoints from real processes: 2 processes x 4 devices as data 2 x fsdp 4 (fsdp inside
 each process). Each process writes its own shards; the checkpoint resumes on other meshes and
-process counts; kill -9 and relaunch stays bitwise.
+process counts; kill -9 and relaunch stays bitwise, under fsdp and under expert parallelism.
 """
 
 import json
@@ -19,6 +19,12 @@ from test_faults import _bitwise_same_end, _losses, _ok, _run, _start, _wait_for
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 FSDP = ["--mesh.fsdp", "4"]  # data -1 = 2: the outer axis spans the processes
+# tests/test_moe.py's experts (8, 2 per token) over expert 4 x fsdp 2: an expert group strides by
+# fsdp over all 8 devices, so every MoE layer's token all-to-all crosses the two processes.
+EXPERT = [
+    "--model.n_head", "4", "--model.mlp", "swiglu", "--model.moe.n_experts", "8",
+    "--model.moe.d_expert", "32", "--mesh.expert", "4", "--mesh.fsdp", "2", "--mesh.data", "1",
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +94,25 @@ def test_fsdp_across_processes_trains_and_says_what_it_costs(tmp_path):
         _run(tmp_path / "run", 2, 2, "--mesh.fsdp", "4", "--total_steps", "2", "--checkpoint_interval", "2")
     )
     assert "mesh fsdp x tensor = 4 devices spans hosts (2 devices per process)" in out.stdout + out.stderr
+
+
+def test_kill_9_under_expert_parallelism_then_relaunch_is_bitwise_identical(tmp_path):
+    """The killed launch is its own uninterrupted reference: it ran steps 11-15 past checkpoint 10
+    before the kill, and the relaunch from that checkpoint must compute them again bit for bit (a
+    separate reference run would cost one more launch and compile). Read before the relaunch, which
+    marks those records redone."""
+    run_dir, marker = tmp_path / "run", uuid.uuid4().hex
+    proc = _start(run_dir, 2, 4, marker, *EXPERT, faults="stall_step=15,stall_process=1")
+    _wait_for_step(run_dir, 15, proc)
+    os.kill(rank_pid(marker, 1), signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert proc.returncode != 0 and not processes_marked(marker), "processes left behind"
+    first = _losses(run_dir)
+    out = _ok(_run(run_dir, 2, 4, *EXPERT))
+    assert "checkpoints/10" in out.stdout + out.stderr
+    relaunch = _losses(run_dir)
+    assert max(first) == 15 and sorted(relaunch) == list(range(1, 21)), (first, relaunch)
+    assert all(first[s] == relaunch[s] for s in range(11, 16)), (first, relaunch)
+    # Process 0's log says once per launch that the all-to-all crosses hosts (each process warns).
+    warning = "mesh expert 4 spans hosts (4 devices per process)"
+    assert (run_dir / "train.log").read_text().count(warning) == 2

@@ -12,6 +12,7 @@ target's devices, its steps compiled by XLA's GPU compiler and analyzed (jaxtrai
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any
 
@@ -25,6 +26,8 @@ from jaxtrain.plan import targets
 from jaxtrain.run import mesh as mesh_lib
 from jaxtrain.run.build import Run, build
 from jaxtrain.run.job import Job
+
+log = logging.getLogger("jaxtrain")
 
 # What a search keeps of each plan that fits.
 SEARCH_KEYS = (
@@ -76,6 +79,8 @@ def plan_one(cfg: Config, target: targets.GpuTarget, hosts: int, gpus_per_host: 
     """
     devices = targets.target_devices(target, hosts, gpus_per_host)
     run = build(Job.of_devices(cfg, devices))
+    for warning in mesh_lib.host_warnings(run.mesh):  # what training's log would say at start
+        log.warning(warning)
     f = _facts(run)
     head = _head(f, target, hosts, gpus_per_host)
     limit = plan.usable_bytes(target)

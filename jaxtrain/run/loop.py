@@ -244,6 +244,8 @@ def _say_what_runs(run: Run, data: _Data) -> None:
         f"mesh {mesh_lib.describe(run.mesh)}{' + zero1' if cfg.mesh.zero1 else ''}: train state "
         f"{state_bytes / 2**20:,.1f} MiB per device (params + 2 Adam moments, float32)"
     )
+    for warning in mesh_lib.host_warnings(run.mesh):
+        log.warning(warning)
 
 
 def _record_start(

@@ -63,21 +63,33 @@ def make_mesh(devices: list[jax.Device] | None = None, shape: MeshConfig | None 
     sizes = tuple(getattr(shape, a) for a in MESH_AXES)
     # Process-major order: consecutive devices share a host, so the inner axes stay on one.
     ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
-    _warn_if_inner_axes_cross_hosts(sizes, ordered)
     grid = np.asarray(ordered, dtype=object).reshape(sizes)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
-def _warn_if_inner_axes_cross_hosts(sizes: tuple[int, ...], devices: list[jax.Device]) -> None:
-    inner = math.prod(sizes[MESH_AXES.index(FSDP_AXIS) :])
-    per_process = sum(d.process_index == devices[0].process_index for d in devices)
+def host_warnings(mesh: Mesh) -> list[str]:
+    """One line for each axis whose collectives cross hosts when they need not (data is the axis
+    meant to): fsdp x tensor past a host's devices, or an expert group with peers on another host
+    (groups stride by fsdp x tensor inside `data`, so read off the device grid). Empty on one host."""
+    hosts = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
+    per_process = int((hosts == hosts.flat[0]).sum())
+    said = []
+    inner = mesh.shape[FSDP_AXIS] * mesh.shape[TENSOR_AXIS]
     if inner > per_process:
-        log.warning(
+        said.append(
             f"mesh fsdp x tensor = {inner} devices spans hosts ({per_process} devices per process): its "
             "all-gathers and reduce-scatters of params and gradients (and tensor parallelism's per-layer "
             "all-reduces) cross the network, ~10-20x slower than NVLink; prefer fsdp x tensor <= "
             f"{per_process} with data across hosts"
         )
+    expert = mesh.axis_names.index(EXPERT_AXIS)
+    if (hosts != hosts.take([0], axis=expert)).any():
+        said.append(
+            f"mesh expert {mesh.shape[EXPERT_AXIS]} spans hosts ({per_process} devices per process): each "
+            "MoE layer's token all-to-alls (forward and backward) cross the network; keep expert x fsdp "
+            f"x tensor <= {per_process} (experts inside a host) with data across hosts"
+        )
+    return said
 
 
 def check_mesh(mesh: Mesh) -> None:
