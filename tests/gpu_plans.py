@@ -39,25 +39,9 @@ CASES = {
     "gpt2_124m_h100x8_zero1": ([*GPT2, "--mesh.zero1", "true"], "h100", 1, 8),
     "gpt2_124m_h100_2x8_data16": (GPT2, "h100", 2, 8),
     "gpt_7b_h100x8_fsdp8": ([*GPT_7B, "--total_batch_size", "16384", "--mesh.fsdp", "8"], "h100", 1, 8),
-    # Llama-3-70B as shipped (4M-token batches) on 1,024 H100: tensor inside a host, fsdp and
-    # data across, 4 sequences per device in one microbatch (the layout `--search` ranks first).
-    "llama3_70b_h100_128x8": (
-        [
-            "--config",
-            "configs/llama3_70b.yaml",
-            "--mesh.tensor",
-            "8",
-            "--mesh.fsdp",
-            "16",
-            "--mesh.data",
-            "8",
-            "--device_batch_size",
-            "4",
-        ],
-        "h100",
-        128,
-        8,
-    ),  # fmt: skip
+    # Llama-3-70B as shipped (4M-token batches) on 1,024 H100: tensor 2 inside a host, fsdp 16 and
+    # data 32 across, one sequence per device in one microbatch (the layout `--search` ranks first).
+    "llama3_70b_h100_128x8": (["--config", "configs/llama3_70b.yaml"], "h100", 128, 8),
     # 19.5B on one H100: its state alone does not fit, the verdict comes without a compile.
     "gpt_19b_h100x1": (
         [*GPT2, "--model.n_layer", "96", "--model.d_model", "4096", "--model.n_head", "32"],
@@ -115,6 +99,8 @@ CASES = {
             "2097152",
             "--mesh.fsdp",
             "128",
+            "--mesh.tensor",
+            "1",
             "--device_batch_size",
             "2",
         ],

@@ -91,18 +91,17 @@ def test_7b_fits_8_h100_with_fsdp(plans):
     assert p["fits"], p
 
 
-def test_llama3_70b_fits_1024_h100_at_full_speed_by_the_floor(plans):
+def test_llama3_70b_as_shipped_fits_1024_h100_at_full_speed(plans):
     p = plans["llama3_70b_h100_128x8"]
     assert 70e9 < p["n_params"] < 71e9 and p["hosts"] == 128 and p["accumulation"] == 1
+    assert p["mesh"] == {"data": 32, "fsdp": 16, "tensor": 2} and p["device_batch"] == 1
     assert p["fits"], p
     assert any(c["crosses_hosts"] and c["axis"] == "fsdp" for c in p["collectives"])
-    # Issue 25's targets: the floor is compute-bound (ceiling >= 80%). The schedule-aware ceiling
-    # is asserted at what XLA's schedule gives today (docs/scaling.md says why it is not 60%).
+    # Issue 25's targets: the floor is compute-bound (ceiling >= 80%), and the compiled order
+    # replayed leaves the step compute-bound enough for a 60% ceiling.
     assert p["mfu_ceiling"] >= 0.8, p["bound_terms_s"]
-    assert (
-        p["schedule_mfu_ceiling"] <= p["mfu_ceiling"]
-        and p["schedule_bound_s"] >= p["step_time_lower_bound_s"]
-    )
+    assert 0.6 <= p["schedule_mfu_ceiling"] <= p["mfu_ceiling"], p["schedule_bound_s"]
+    assert p["schedule_bound_s"] >= p["step_time_lower_bound_s"]
 
 
 def test_moe_tokens_go_by_all_to_all_inside_the_host(plans):
@@ -197,7 +196,7 @@ TEMP_GB = {
     "gpt2_124m_h100x8_zero1": 11.82,
     "gpt2_124m_h100_2x8_data16": 11.82,
     "gpt_7b_h100x8_fsdp8": 13.32,
-    "llama3_70b_h100_128x8": 52.64,
+    "llama3_70b_h100_128x8": 35.30,
     "qwen3_30b_a3b_8l_h100x8": 25.17,
 }
 
