@@ -6,12 +6,13 @@ import shutil
 import tempfile
 
 import pytest
+from processes import FAST_COMPILE
 
 from jaxtrain.plan.targets import plugin_dir
 
 # Must be set before jax is imported anywhere in the test session.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {FAST_COMPILE}")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 # torch.compile (tests/test_bench.py's peer) compiles in-process: a pool of compile workers, each
