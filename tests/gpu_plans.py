@@ -110,6 +110,7 @@ CASES = {
     ),  # fmt: skip
     "llama3_8b_h100x8": (["--config", "configs/llama3_8b.yaml"], "h100", 1, 8),
     "llama3_8b_h100_8x8": (["--config", "configs/llama3_8b.yaml"], "h100", 8, 8),
+    "llama3_8b_h100_8x8_fsdp16": (["--config", "configs/llama3_8b.yaml", "--mesh.fsdp", "16"], "h100", 8, 8),
     # Issue 26's mixtures of experts (docs/scaling.md): as shipped, then the experts inside a host
     # (they do not fit), and XLA:GPU's ragged_dot for Qwen3's 16 experts a GPU.
     "qwen3_30b_a3b_h100_4x8": (QWEN3_MOE, "h100", 4, 8),

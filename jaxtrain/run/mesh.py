@@ -80,8 +80,9 @@ def host_warnings(mesh: Mesh) -> list[str]:
             f"mesh fsdp x tensor = {inner} devices spans hosts ({per_process} devices per process): its "
             "all-gathers and reduce-scatters of params and gradients (and tensor parallelism's per-layer "
             "all-reduces) cross the network, ~10-20x slower than NVLink; where the train state fits "
-            f"{per_process} devices, prefer fsdp x tensor <= {per_process} with data across hosts "
-            "(a larger model needs the span: scripts/plan.py --search ranks the layouts)"
+            f"{per_process} devices, fsdp x tensor <= {per_process} with data across hosts keeps them "
+            "inside a host, though a wider fsdp can still be faster (a smaller data all-reduce): "
+            "scripts/plan.py --search ranks the layouts"
         )
     expert = mesh.axis_names.index(EXPERT_AXIS)
     if (hosts != hosts.take([0], axis=expert)).any():
