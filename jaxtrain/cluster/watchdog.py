@@ -32,8 +32,9 @@ from typing import NoReturn
 
 from jaxtrain.errors import EXIT_HUNG
 
-# Never judge a step faster than this, whatever the typical step time (log and eval jitter).
-MIN_LIMIT_S = 5.0
+# Never judge a step faster than this, whatever the typical step time (log and eval jitter, and
+# a machine shared with other work: at 5 s a healthy 30 ms step of a tiny run was once ended in CI).
+MIN_LIMIT_S = 15.0
 # A report may itself hang (on a dead coordinator, on a dead mount for the log): exit after this.
 REPORT_GRACE_S = 10.0
 # Beats do not wake the watcher (that would be every step), so a step limit that shrinks once
