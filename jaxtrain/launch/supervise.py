@@ -222,7 +222,7 @@ def supervise(specs: list[Spec], grace: float, log_dir: Path | None = None, bann
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
     children: list[_Child] = []
-    pumps: dict[int, threading.Thread] = {}  # child pid -> the thread copying its output
+    pumps: list[threading.Thread] = []
     files: list[IO[bytes]] = []
     ended: queue.Queue[_Child] = queue.Queue()
     handlers = {s: signal.signal(s, _raise_stop) for s in _STOP_SIGNALS}
@@ -253,7 +253,7 @@ def supervise(specs: list[Spec], grace: float, log_dir: Path | None = None, bann
                     target=_pump, args=(child.proc.stdout, f"[{spec.tag}] ".encode(), sys.stderr.buffer)
                 )
                 t.start()
-                pumps[child.proc.pid] = t
+                pumps.append(t)
         if banner:
             print(banner, file=sys.stderr, flush=True)
         order: list[_Child] = []
@@ -269,9 +269,6 @@ def supervise(specs: list[Spec], grace: float, log_dir: Path | None = None, bann
                         order.append(ended.get(timeout=left))
                     except queue.Empty:
                         break
-                for c in order:  # their last lines before our verdict, which must end the output
-                    if c.proc.pid in pumps:
-                        pumps[c.proc.pid].join(timeout=2)
                 code = _first_failure(children, order)
                 _stop_all(children, grace)
                 return code
@@ -288,7 +285,7 @@ def supervise(specs: list[Spec], grace: float, log_dir: Path | None = None, bann
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
-        for t in pumps.values():
+        for t in pumps:
             t.join(timeout=5)
         for f in files:
             f.close()
