@@ -222,7 +222,7 @@ def supervise(specs: list[Spec], grace: float, log_dir: Path | None = None, bann
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
     children: list[_Child] = []
-    pumps: list[threading.Thread] = []
+    pumps: dict[int, threading.Thread] = {}  # child pid -> the thread copying its output
     files: list[IO[bytes]] = []
     ended: queue.Queue[_Child] = queue.Queue()
     handlers = {s: signal.signal(s, _raise_stop) for s in _STOP_SIGNALS}
@@ -253,7 +253,7 @@ def supervise(specs: list[Spec], grace: float, log_dir: Path | None = None, bann
                     target=_pump, args=(child.proc.stdout, f"[{spec.tag}] ".encode(), sys.stderr.buffer)
                 )
                 t.start()
-                pumps.append(t)
+                pumps[child.proc.pid] = t
         if banner:
             print(banner, file=sys.stderr, flush=True)
         order: list[_Child] = []
@@ -269,6 +269,12 @@ def supervise(specs: list[Spec], grace: float, log_dir: Path | None = None, bann
                         order.append(ended.get(timeout=left))
                     except queue.Empty:
                         break
+                # Their last lines before our verdict, which ends the output. Only of those that
+                # exited: a killed one's pipe stays open while its orphans live, and waiting there
+                # delays this launcher's own exit behind another host's report.
+                for c in order:
+                    if c.proc.pid in pumps and c.proc.returncode >= 0:
+                        pumps[c.proc.pid].join(timeout=0.5)
                 code = _first_failure(children, order)
                 _stop_all(children, grace)
                 return code
@@ -285,7 +291,7 @@ def supervise(specs: list[Spec], grace: float, log_dir: Path | None = None, bann
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
-        for t in pumps:
+        for t in pumps.values():
             t.join(timeout=5)
         for f in files:
             f.close()
