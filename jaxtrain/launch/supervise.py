@@ -41,6 +41,10 @@ from jaxtrain.errors import EXIT_PREEMPTED, ArgumentError, UserError
 from jaxtrain.parser import Parser
 
 _SETTLE_S = 1.0  # after a first failure, how long the others get to report theirs
+# After a crash (a first failure that is not a pre-emption), what the others get of the grace: a
+# checkpoint needs every process, so theirs cannot complete; they need only flush their logs.
+# (They waited out the whole grace, 10 s, blocked on the dead peer.)
+_CRASH_GRACE_S = 2.0
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -192,8 +196,12 @@ def _stop_all(children: list[_Child], grace: float) -> None:
 
 
 def _first_failure(children: list[_Child], ended: list[_Child]) -> int:
-    """Report the first child that failed (and the others that did); its exit status."""
+    """Report the first child that failed (and the others that did); its exit status. A child
+    killed by a signal (or a node whose process was: exit status 128+N) counts before one that
+    exited with an error: its peers fail after it, on the collectives it left (a killed worker's
+    host, reporting through its own launcher, could otherwise be beaten by its peer's exit 1)."""
     failed = [c for c in ended if c.proc.returncode != 0]
+    failed.sort(key=lambda c: not (c.proc.returncode < 0 or c.proc.returncode > 128))  # stable
     first, code = failed[0], failed[0].proc.returncode
     what = f"{_name(first, culprit=True)} {_describe_exit(code)}"
     if code == EXIT_PREEMPTED:
@@ -276,7 +284,7 @@ def supervise(specs: list[Spec], grace: float, log_dir: Path | None = None, bann
                     if c.proc.pid in pumps and c.proc.returncode >= 0:
                         pumps[c.proc.pid].join(timeout=0.5)
                 code = _first_failure(children, order)
-                _stop_all(children, grace)
+                _stop_all(children, grace if code == EXIT_PREEMPTED else min(grace, _CRASH_GRACE_S))
                 return code
         return 0
     except _Stop as stop:
