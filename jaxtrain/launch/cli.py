@@ -44,7 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--port", "--master-port", "--master_port", type=int, help="coordinator port (default: a free one)"
     )
     m.add_argument("--log-dir", help="write rank>0 output to DIR/rank_<r>.log instead of the terminal")
-    m.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    m.add_argument(
+        "--grace",
+        type=float,
+        default=10.0,
+        help="seconds between SIGTERM and SIGKILL (after a process crashed, at most 2: with one gone, "
+        "the others' checkpoint cannot complete)",
+    )
     s = p.add_argument_group("slurm, create_slurm")
     s.add_argument(
         "--nodes", "--num-nodes", "--nnodes", type=int, help="nodes (default 1, or the allocation's)"

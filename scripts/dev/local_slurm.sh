@@ -108,8 +108,9 @@ write_conf() {
     # KillWait: seconds between SIGTERM and SIGKILL when a job is requeued, pre-empted or hits its
     # limit; the tiny test runs save their pre-emption checkpoint in about a second (SLURM's
     # default is 30). cred_expire: a requeued job may start again only this many seconds later
-    # (default 120; 5 is the least slurmd takes: at 3 it says invalid and uses 120); then it waits for the next scheduling pass (sched_interval, bf_interval:
-    # default 60 and 30 s). All short here so the requeue tests run in seconds.
+    # (default 120; 5 is the least slurmd takes: at 3 it says invalid and uses 120); then it waits
+    # for the next scheduling pass (sched_interval, bf_interval: default 60 and 30 s). All short
+    # here so the requeue tests run in seconds.
     cat >"$tmp" <<EOF
 # Written by scripts/dev/local_slurm.sh: one-node development cluster on $host.
 ClusterName=jaxtrain-dev
