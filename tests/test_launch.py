@@ -346,3 +346,43 @@ def test_quick_start_menu_prints_commands_that_name_real_files():
         text=True,
     )
     assert menu.returncode == 0 and "scripts/train.py --config configs/tiny.yaml" in menu.stdout
+
+
+# Stand-ins for ranks under jaxtrain.launch.supervise itself (no jax): argv[1] a shared folder.
+_STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+_EXIT_AFTER = "import sys, time; time.sleep(0.5); sys.exit(int(sys.argv[1]))"
+
+
+def _supervised(commands: list[str], grace: float, *args: str) -> tuple[int, float]:
+    from jaxtrain.launch.supervise import Spec, supervise
+
+    specs = [Spec(f"rank {r}", [sys.executable, "-c", c, *args]) for r, c in enumerate(commands)]
+    t0 = time.monotonic()
+    return supervise(specs, grace), time.monotonic() - t0
+
+
+def test_after_a_crash_the_others_are_stopped_without_waiting_out_the_grace():
+    """A rank that ignores SIGTERM (as one blocked on a dead peer does): killed 2 s after the
+    crash, not after the 30 s grace, which only a pre-emption (exit 75) waits out."""
+    code, seconds = _supervised([_STUBBORN, _EXIT_AFTER], 30, "3")
+    assert code == 3 and seconds < 10, (code, seconds)
+    code, seconds = _supervised([_STUBBORN, _EXIT_AFTER], 4, "75")
+    assert code == 75 and seconds >= 4, (code, seconds)
+
+
+def test_a_rank_killed_by_a_signal_is_named_before_the_peer_that_failed_after_it(tmp_path, capfd):
+    """Rank 0 exits 1 (as a peer's collective fails); rank 1, SIGKILLed at that moment, reports
+    after it. The verdict names rank 1 and returns its status; it is the launcher's last line."""
+    failed = repr(str(tmp_path / "failed"))
+    first = f"import pathlib, sys; pathlib.Path({failed}).touch(); sys.exit(1)"
+    then = (
+        "import os, pathlib, signal, time; print('rank 1 up', flush=True)\n"
+        f"while not pathlib.Path({failed}).exists(): time.sleep(0.01)\n"
+        "time.sleep(0.05); os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    code, _ = _supervised([first, then], 10)
+    err = capfd.readouterr().err
+    assert code == 128 + signal.SIGKILL, err
+    assert "[rank 1] rank 1 up" in err
+    assert err.strip().splitlines()[-1].startswith("error: rank 1 (pid "), err
+    assert "was killed by SIGKILL; rank 0 exited with code 1" in err, err
