@@ -42,6 +42,9 @@ def main(argv: list[str], usage: str) -> int:
     if "jax" not in sys.modules:
         targets.use_plugin(xla_logs=cfg.verbose)
     from jaxtrain.plan import planner  # imports jax, so after use_plugin
+    from jaxtrain.run.resolve import resolve
+
+    cfg = resolve(cfg, default_data=False).cfg  # the data's framing, as training takes it
 
     where = (target, args.hosts, args.gpus_per_host)
     try:

@@ -19,9 +19,8 @@ from typing import Any
 
 from jaxtrain.cluster import join
 from jaxtrain.cluster.detect import LaunchSpec
-from jaxtrain.config import MESH_AXES, Config, ConfigError, MeshConfig, global_rows
+from jaxtrain.config import MESH_AXES, Config, ConfigError, MeshConfig, global_rows, mesh_str
 from jaxtrain.config.batch import batch_plan, check_batch_split
-from jaxtrain.config.schema import mesh_str
 
 
 @dataclass(frozen=True)
@@ -128,7 +127,7 @@ def _world_of_one_process(world_size: int, devices: tuple[Any, ...]) -> tuple[An
 
 # ------------------------------------------------------------------------------------- checks
 # The rules that need the launch (before joining) or the devices (after): the config's own value
-# checks, which need neither, are in jaxtrain/config/schema.py.
+# checks, which need neither, are in jaxtrain/config/checks.py.
 
 
 def check_launch(cfg: Config, launch: LaunchSpec) -> None:
