@@ -56,19 +56,25 @@ class Trained:
         given = 0 if given_seq_len == ModelConfig().seq_len else given_seq_len
         if isinstance(self.source, HFCheckpoint):  # its window is checked against its config.json
             return dataclasses.replace(model, seq_len=self.source.window(given or None))
-        if not given or given == model.seq_len:
-            return model
-        if model.pos_embedding != "rope":
-            raise UserError(
-                f"--model.seq_len {given}: the checkpoint's model has learned positions for windows of "
-                f"{model.seq_len} tokens only; leave the flag out"
-            )
-        if given > model.seq_len:
-            raise UserError(
-                f"--model.seq_len {given}: the checkpoint's model was trained on windows of {model.seq_len} "
-                f"tokens; pass at most {model.seq_len}"
-            )
-        return dataclasses.replace(model, seq_len=given)
+        return window(model, given)
+
+
+def window(model: ModelConfig, given: int) -> ModelConfig:
+    """A checkpoint's model in the window given (0: its own): a rotary model runs on any window up
+    to the one it was trained with."""
+    if not given or given == model.seq_len:
+        return model
+    if model.pos_embedding != "rope":
+        raise UserError(
+            f"--model.seq_len {given}: the checkpoint's model has learned positions for windows of "
+            f"{model.seq_len} tokens only; leave the flag out"
+        )
+    if given > model.seq_len:
+        raise UserError(
+            f"--model.seq_len {given}: the checkpoint's model was trained on windows of {model.seq_len} "
+            f"tokens; pass at most {model.seq_len}"
+        )
+    return dataclasses.replace(model, seq_len=given)
 
 
 def open_trained(path: str, flag: str) -> Trained:
