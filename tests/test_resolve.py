@@ -159,3 +159,22 @@ def test_test_predict_and_chat_give_the_same_on_1_2_4_and_8_devices(chat_run, tm
         assert results[n]["loss"] == pytest.approx(results[2]["loss"], rel=1e-5), results
         assert (results[n]["predict"], results[n]["chat"]) == (results[2]["predict"], results[2]["chat"])
     assert np.isfinite(results[1]["loss"])
+
+
+def test_a_loss_mask_cut_short_is_one_line_before_the_run_dir_is_made(chat_run, tmp_path):
+    import shutil
+
+    run_dir, tok = chat_run
+    data = tmp_path / "data"
+    shutil.copytree(run_dir.parent / "data", data)
+    (mask,) = data.glob("train*.mask")
+    mask.write_bytes(mask.read_bytes()[:-10])
+    cfg = load_config([
+        "--config", "configs/tiny.yaml", "--train_data_path", str(data / "manifest.json"),
+        "--model.seq_len", "32", "--model.vocab_size", str(tok.vocab_size), "--run_dir", str(tmp_path / "run"),
+    ])  # fmt: skip
+    with pytest.raises(
+        DataError, match=r"loss mask .*train.*\.mask holds [\d,]+ bytes but .* holds [\d,]+ tokens"
+    ):
+        train(cfg, detect(DistConfig(), {}))
+    assert not (tmp_path / "run").exists()
