@@ -14,9 +14,9 @@ import dataclasses
 from collections.abc import Sequence
 
 from jaxtrain.config import Config, ModelConfig
+from jaxtrain.config.origin import PREFIX, hf_dir
 from jaxtrain.data.sources import Source
 from jaxtrain.errors import DataError
-from jaxtrain.hf import PREFIX, hf_dir
 from jaxtrain.prepare.chat import chat_framing
 from jaxtrain.tokenizer import TOKENIZER_FILE, BPETokenizer, Framing
 

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from jaxtrain.config import ModelConfig, MoeConfig
+from jaxtrain.config.origin import hf_dir
 from jaxtrain.errors import UserError
-from jaxtrain.hf import hf_dir
 
 SUPPORTED = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM",
