@@ -21,12 +21,13 @@ from jaxtrain.config import load_config
 from jaxtrain.data import sources
 from jaxtrain.data.framing import with_framing
 from jaxtrain.model.transformer import GPT
-from jaxtrain.prepare.chat import ChatFormat, prepare_chat, stop_tokens
-from jaxtrain.prepare.format import NO_LOSS, TOKEN_BITS
+from jaxtrain.prepare.chat import prepare_chat
+from jaxtrain.text.chat_template import ChatFormat, stop_tokens
 from jaxtrain.run import mesh as mesh_lib
 from jaxtrain.run.optim import make_optimizer
 from jaxtrain.run.state import create_state, state_sharding
 from jaxtrain.run.step import compute_dtype, jit_steps
+from jaxtrain.text.format import NO_LOSS, TOKEN_BITS
 from jaxtrain.tokenizer import BPETokenizer
 
 REPO = Path(__file__).resolve().parent.parent

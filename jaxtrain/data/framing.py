@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from pathlib import Path
 
 from jaxtrain.config import Config
 from jaxtrain.data.sources import Source
 from jaxtrain.errors import DataError
-from jaxtrain.prepare.chat import chat_framing
-from jaxtrain.tokenizer import TOKENIZER_FILE, BPETokenizer, Framing
+from jaxtrain.text.chat_template import chat_framing
+from jaxtrain.tokenizer import BPETokenizer, Framing, find_tokenizer
 
 _HF = "hf:"
 
@@ -26,9 +25,8 @@ _HF = "hf:"
 def model_tokenizer(cfg: Config) -> BPETokenizer | None:
     """The tokenizer of the model a run starts from, where it has its own (a Hugging Face dir's)."""
     start = cfg.init_from or cfg.resume_from
-    if not start.startswith(_HF) or not (Path(start[len(_HF) :]) / TOKENIZER_FILE).is_file():
-        return None
-    return BPETokenizer.from_file(Path(start[len(_HF) :]))
+    where = find_tokenizer(start[len(_HF) :]) if start.startswith(_HF) else None
+    return BPETokenizer.from_file(where) if where is not None else None
 
 
 def _name(framing: tuple[int | None, int | None]) -> str:

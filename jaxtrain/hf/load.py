@@ -21,7 +21,7 @@ from jaxtrain.hf import PREFIX, weights
 from jaxtrain.hf import config as hf_config
 from jaxtrain.hf.store import Reader
 from jaxtrain.model.params import path_names
-from jaxtrain.tokenizer import TOKENIZER_FILE
+from jaxtrain.tokenizer import find_tokenizer
 
 
 class HFCheckpoint:
@@ -42,8 +42,8 @@ class HFCheckpoint:
             k: dataclasses.asdict(v) if k == "moe" else v for k, v in hf_config.nested(self.keys).items()
         }
         model["seq_len"] = hf_config.seq_len(self.hf, None, self.where)
-        tokenizer = self.directory / TOKENIZER_FILE
-        return {"config": {"model": model, "tokenizer": str(tokenizer) if tokenizer.is_file() else ""}}
+        tokenizer = find_tokenizer(self.directory)
+        return {"config": {"model": model, "tokenizer": str(tokenizer or "")}}
 
     def _entries(self, target: Any) -> dict[tuple[str, ...], list[weights.Entry]]:
         """The HF tensors of each of target's params, checked: all there, shaped as they must be."""

@@ -46,7 +46,7 @@ from jaxtrain.disk.files import require_writable, write_text
 from jaxtrain.errors import UserError
 from jaxtrain.model.generate import generate
 from jaxtrain.observe import metrics
-from jaxtrain.prepare.chat import ChatFormat, stop_tokens
+from jaxtrain.text.chat_template import ChatFormat, stop_tokens
 from jaxtrain.run import evaluate, start
 from jaxtrain.run import mesh as mesh_lib
 from jaxtrain.run.build import Run, build
