@@ -15,18 +15,18 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from chat_tokenizers import CONVERSATIONS, KINDS, make_tokenizer_dir
+from chat_tokenizers import CONVERSATIONS, FORMS, KINDS, make_tokenizer_dir, saved_by_transformers
 
 from jaxtrain.config import load_config
 from jaxtrain.data import sources
 from jaxtrain.data.framing import with_framing
 from jaxtrain.model.transformer import GPT
 from jaxtrain.prepare.chat import prepare_chat
-from jaxtrain.text.chat_template import ChatFormat, stop_tokens
 from jaxtrain.run import mesh as mesh_lib
 from jaxtrain.run.optim import make_optimizer
 from jaxtrain.run.state import create_state, state_sharding
 from jaxtrain.run.step import compute_dtype, jit_steps
+from jaxtrain.text.chat_template import ChatFormat, stop_tokens
 from jaxtrain.text.format import NO_LOSS, TOKEN_BITS
 from jaxtrain.tokenizer import BPETokenizer
 
@@ -34,16 +34,26 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def tokenizer_dirs(tmp_path_factory):
+def saved_dirs(tmp_path_factory):
+    """Each tokenizer as transformers' save_pretrained writes it, in each form: {(kind, form): dir}."""
     root = tmp_path_factory.mktemp("tokenizers")
-    return {kind: make_tokenizer_dir(root / kind, kind) for kind in KINDS}
+    made = {kind: make_tokenizer_dir(root / kind, kind) for kind in KINDS}
+    return {(k, f): saved_by_transformers(made[k], root / f"{k}-{f}", f) for k in KINDS for f in FORMS}
 
 
+@pytest.fixture(scope="module")
+def tokenizer_dirs(saved_dirs):
+    """Each tokenizer in the form transformers 5 saves it (chat_template.jinja)."""
+    return {kind: saved_dirs[kind, "jinja"] for kind in KINDS}
+
+
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_rendering_equals_transformers_apply_chat_template(tokenizer_dirs, kind):
-    transformers = pytest.importorskip("transformers")
-    reference = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dirs[kind]))
-    chat = ChatFormat(BPETokenizer.from_file(tokenizer_dirs[kind]))
+def test_rendering_equals_transformers_apply_chat_template(saved_dirs, kind, form):
+    import transformers
+
+    reference = transformers.AutoTokenizer.from_pretrained(str(saved_dirs[kind, form]))
+    chat = ChatFormat(BPETokenizer.from_file(saved_dirs[kind, form]))
     for messages in CONVERSATIONS:
         expected = reference.apply_chat_template(messages, tokenize=True)
         expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
@@ -66,13 +76,13 @@ def test_rendering_equals_transformers_apply_chat_template(tokenizer_dirs, kind)
         assert keep[ids == eot].sum() == len(answers)  # the users' and system's end of turn take no loss
 
 
-def test_a_template_with_generation_tags_renders_as_transformers_renders_it(tokenizer_dirs, tmp_path):
+def test_a_template_with_generation_tags_renders_as_transformers_renders_it(saved_dirs, tmp_path):
     """transformers' {% generation %} tag (templates that mark assistant text for its own masks)."""
     import shutil
 
     transformers = pytest.importorskip("transformers")
     directory = tmp_path / "tagged"
-    shutil.copytree(tokenizer_dirs["qwen2"], directory)
+    shutil.copytree(saved_dirs["qwen2", "config"], directory)
     config = json.loads((directory / "tokenizer_config.json").read_text())
     turn = "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
     tagged = (
@@ -164,6 +174,56 @@ def test_conversations_are_packed_whole_with_their_masks(chat_data, tokenizer_di
         [sources.Source("chats", 1.0, shards)],
     )
     assert cfg.loss_mask and (cfg.model.doc_bos, cfg.model.doc_eos) == (bos, -1)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_model_folder_saved_by_transformers_in_either_form_prepares_and_frames_a_run(
+    saved_dirs, chat_data, tmp_path, form
+):
+    """A folder as transformers' save_pretrained writes it, the chat template in chat_template.jinja
+    (transformers 5) or in tokenizer_config.json (before): --chat --tokenizer DIR prepares the same
+    bytes from either; the set keeps the template as transformers 5 saves it, and transformers reads
+    it back; --init_from hf:DIR takes the data its template framed (the model's own tokenizer)."""
+    import transformers
+
+    from jaxtrain.config import Config, ModelConfig
+    from jaxtrain.data.framing import model_tokenizer
+
+    directory = saved_dirs["llama3", form]
+    source = json.loads(chat_data.manifest_path.read_text())["sources"][0]["path"]
+    again = prepare_chat([source], tmp_path / "out", str(directory), seq_len=32, val_fraction=0.1)
+    for name in ("train.bin", "train.mask", "val.bin", "val.mask"):
+        assert (tmp_path / "out" / name).read_bytes() == (chat_data.manifest_path.parent / name).read_bytes()
+    assert "chat_template" not in json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    assert (tmp_path / "out" / "chat_template.jinja").read_text() == KINDS["llama3"]["config"][
+        "chat_template"
+    ]
+    reread = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    assert reread.chat_template == KINDS["llama3"]["config"]["chat_template"]
+    tok = BPETokenizer.from_file(directory)
+    shards = sources.open_shards(str(again.manifest_path), "train", tok.vocab_size, "auto", 32)
+    cfg = Config(init_from=f"hf:{directory}", model=ModelConfig(seq_len=32))
+    framed = with_framing(cfg, [sources.Source("chats", 1.0, shards)], model_tokenizer(cfg))
+    assert framed.model.doc_bos == tok.token_id("<|begin_of_text|>") and framed.loss_mask
+
+
+def test_named_chat_templates_are_read_and_written_as_transformers_does(saved_dirs, tmp_path):
+    """additional_chat_templates/NAME.jinja beside chat_template.jinja: the default one is used,
+    and saving writes both back where transformers reads them."""
+    import transformers
+
+    reference = transformers.AutoTokenizer.from_pretrained(str(saved_dirs["qwen2", "jinja"]))
+    reference.chat_template = {"default": reference.chat_template, "tool_use": "{{ messages[0]['content'] }}"}
+    reference.save_pretrained(tmp_path / "named")
+    assert (tmp_path / "named" / "additional_chat_templates" / "tool_use.jinja").is_file()
+    tok = BPETokenizer.from_file(tmp_path / "named")
+    assert tok.chat_template == KINDS["qwen2"]["config"]["chat_template"]
+    (tmp_path / "again").mkdir()
+    tok.save(tmp_path / "again")
+    assert (
+        transformers.AutoTokenizer.from_pretrained(str(tmp_path / "again")).chat_template
+        == reference.chat_template
+    )
 
 
 _STEPS: dict = {}  # (devices, accumulation) -> compiled steps and a fresh state: each compiles once
@@ -345,15 +405,20 @@ def test_task_chat_answers_as_transformers_generate_in_the_window_given(tokenize
         _window(saved, 128)
 
 
-def test_a_run_on_chat_data_takes_its_mask_and_boundaries_and_test_reads_them_too(chat_data, tmp_path):
+def test_a_run_on_chat_data_takes_its_mask_and_boundaries_test_reads_them_and_export_its_template(
+    chat_data, tmp_path
+):
     """The whole loop, in this process: the manifest sets loss_mask and model.doc_bos, the run
-    trains and evaluates, and --task test on its checkpoint takes the same mask."""
+    trains and evaluates, and --task test on its checkpoint takes the same mask. Its export holds
+    the chat template as transformers 5 saves it (chat_template.jinja), and transformers reads it."""
     import math
 
+    import transformers
     import yaml
 
     from jaxtrain.cluster.detect import detect
     from jaxtrain.config import DistConfig
+    from jaxtrain.hf.export import export
     from jaxtrain.run.loop import train
     from jaxtrain.run.tasks import evaluate_checkpoint
 
@@ -363,7 +428,7 @@ def test_a_run_on_chat_data_takes_its_mask_and_boundaries_and_test_reads_them_to
         "--config", "configs/tiny.yaml", "--train_data_path", str(chat_data.manifest_path),
         "--model.seq_len", "32", "--model.vocab_size", str(tok.vocab_size), "--model.n_layer", "1",
         "--batch_size", "8", "--total_steps", "2", "--eval_interval", "2", "--eval_batches", "1",
-        "--checkpoint_interval", "2", "--run_dir", str(run_dir),
+        "--checkpoint_interval", "2", "--run_dir", str(run_dir), "--model.mlp", "swiglu",  # exportable
     ])  # fmt: skip
     single = detect(DistConfig(), {})
     result = train(cfg, single)
@@ -374,6 +439,12 @@ def test_a_run_on_chat_data_takes_its_mask_and_boundaries_and_test_reads_them_to
         load_config(["--task", "test", "--resume_from", str(run_dir / "checkpoints")]), single
     )
     assert math.isfinite(tested["loss"]) and 0 < tested["loss"] < 2 * math.log(tok.vocab_size)
+    export(str(run_dir), tmp_path / "hf")
+    assert "chat_template" not in json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    reread = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert reread.chat_template == (tmp_path / "hf" / "chat_template.jinja").read_text() == tok.chat_template
+    eot = json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"]
+    assert eot == [tok.token_id("<|eot_id|>")]
 
 
 def test_parquet_rows_give_what_the_same_jsonl_rows_give(tokenizer_dirs, tmp_path):

@@ -46,7 +46,6 @@ from jaxtrain.disk.files import require_writable, write_text
 from jaxtrain.errors import UserError
 from jaxtrain.model.generate import generate
 from jaxtrain.observe import metrics
-from jaxtrain.text.chat_template import ChatFormat, stop_tokens
 from jaxtrain.run import evaluate, start
 from jaxtrain.run import mesh as mesh_lib
 from jaxtrain.run.build import Run, build
@@ -54,6 +53,7 @@ from jaxtrain.run.job import Job
 from jaxtrain.run.loop import train
 from jaxtrain.run.start import ParamSource
 from jaxtrain.run.step import compute_dtype
+from jaxtrain.text.chat_template import ChatFormat, stop_tokens
 from jaxtrain.tokenizer import BPETokenizer
 from jaxtrain.xla_env import compile_cache_dir, enable_compile_cache
 
