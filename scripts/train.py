@@ -1,4 +1,4 @@
-"""Train a GPT language model with jaxtrain.
+r"""Train a GPT language model with jaxtrain.
 
 One process, every local device (CPU, one GPU, or a GPU box):
     python scripts/train.py --config configs/default.yaml

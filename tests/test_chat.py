@@ -357,8 +357,10 @@ def test_sampling_stops_at_a_stop_token_and_predict_stops_at_the_ends_of_text_an
 
 
 def test_task_chat_answers_as_transformers_generate_in_the_window_given(tokenizer_dirs, tmp_path):
-    """--task chat on a Hugging Face Llama dir renders the prompt with its template and greedy
-    decodes what transformers' generate decodes; --model.seq_len 32 (the dir says 64) is taken."""
+    """--task chat on a Hugging Face Llama dir as transformers 5 saves it (chat_template.jinja)
+    renders the --system turn and the prompt with its template and greedy decodes what
+    transformers' generate decodes; --model.seq_len 48 (the dir says 64) is taken. It prints
+    `prompt -> answer` and logs the task and the answer's own length."""
     import shutil
 
     import torch
@@ -379,16 +381,21 @@ def test_task_chat_answers_as_transformers_generate_in_the_window_given(tokenize
         for p in model.parameters():
             p.add_(0.2 * torch.randn_like(p))
     model.save_pretrained(directory)
-    question = "What is 3 plus 4?"
+    question, system = "What is 3 plus 4?", "You answer sums."
     done = subprocess.run(
         [sys.executable, "scripts/train.py", "--task", "chat", "--resume_from", f"hf:{directory}",
-         "--temperature", "0", "--max_new_tokens", "8", "--model.seq_len", "32", "--run_dir", str(tmp_path)],
-        input=question, cwd=REPO, capture_output=True, text=True, timeout=300,
+         "--temperature", "0", "--max_new_tokens", "8", "--model.seq_len", "48", "--run_dir", str(tmp_path),
+         "--system", system],  # (the prompt is 36 tokens: with its answer, within the window)
+        input=question + "\n", cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     (record,) = [json.loads(line) for line in (tmp_path / "chat_step0.jsonl").read_text().splitlines()]
-    assert record["prompt"] == question
-    ids = reference.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+    assert record["prompt"] == question and record["system"] == system
+    assert f"{question} -> {record['completion'].strip()}\n" in done.stdout, done.stdout
+    logged = f"chat: 1 answer of {record['tokens']} tokens (--max_new_tokens 8) written to "
+    assert logged in done.stdout + done.stderr
+    turns = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    ids = reference.apply_chat_template(turns, add_generation_prompt=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     with torch.no_grad():
         model.generation_config.eos_token_id = reference.convert_tokens_to_ids("<|eot_id|>")
@@ -459,3 +466,60 @@ def test_parquet_rows_give_what_the_same_jsonl_rows_give(tokenizer_dirs, tmp_pat
         prepare_chat([src], tmp_path / name, str(tokenizer_dirs["qwen2"]), seq_len=32, val_fraction=0)
         out[name] = [(tmp_path / name / f).read_bytes() for f in ("train.bin", "train.mask")]
     assert out["jsonl"] == out["parquet"] and out["jsonl"][1].count(1) > 0
+
+
+def test_a_system_turn_the_template_refuses_or_drops_is_a_one_line_error(saved_dirs, tmp_path):
+    """--system goes before the user turn; a template that raises on a system role (as Gemma's
+    does) or renders without it is refused in one line, naming --system."""
+    import shutil
+
+    from jaxtrain.errors import UserError
+
+    chat = ChatFormat(BPETokenizer.from_file(saved_dirs["qwen2", "jinja"]))
+    assert chat.prompt("hi", "Be brief.").startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    refusing = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    dropping = "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    for name, template in (("refusing", refusing + "{% endif %}" + dropping), ("dropping", dropping)):
+        directory = shutil.copytree(saved_dirs["qwen2", "jinja"], tmp_path / name)
+        (directory / "chat_template.jinja").write_text(template)
+        chat = ChatFormat(BPETokenizer.from_file(directory))
+        assert chat.prompt("hi") == "hi"
+        with pytest.raises(UserError) as e:
+            chat.prompt("hi", "Be brief.")
+        assert "--system" in str(e.value) and "\n" not in str(e.value), e.value
+
+
+def test_task_chat_without_a_chat_template_names_the_flags_train_py_takes(saved_dirs, tmp_path):
+    import shutil
+
+    from jaxtrain.config import Config
+    from jaxtrain.errors import UserError
+    from jaxtrain.run.tasks import _starts
+    from jaxtrain.tokenizer import ByteTokenizer
+
+    directory = shutil.copytree(saved_dirs["qwen2", "jinja"], tmp_path / "plain")
+    (directory / "chat_template.jinja").unlink()
+    for tokenizer in (BPETokenizer.from_file(directory), ByteTokenizer()):
+        with pytest.raises(UserError) as e:
+            _starts(Config(task="chat", resume_from="x"), tokenizer, ["hi"])
+        assert "--resume_from hf:DIR" in str(e.value) and "--tokenizer" not in str(e.value), e.value
+
+
+@pytest.mark.parametrize(
+    "row,message",
+    [
+        (
+            {"messages": json.dumps(CONVERSATIONS[0])},
+            "'messages' is a str, not a non-empty list of {role, content}",
+        ),
+        ({"messages": []}, "'messages' is an empty list"),
+        ({"conversation": []}, "has no 'messages' (the list of messages; it holds: conversation)"),
+        ([1, 2], "has no 'messages' (the list of messages; it holds: a list, not an object)"),
+    ],
+)
+def test_a_row_without_a_list_of_messages_says_what_it_holds(row, message):
+    from jaxtrain.prepare.chat import check_messages
+
+    with pytest.raises(ValueError) as e:
+        check_messages(row, "messages")
+    assert message in str(e.value), e.value

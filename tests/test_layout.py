@@ -173,6 +173,12 @@ def test_every_script_answers_help(script):
     cmd = [sys.executable if script.endswith(".py") else "bash", f"scripts/{script}", "--help"]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and len(done.stdout.splitlines()) > 3, done.stdout + done.stderr[-2000:]
+    # A usage line continued with a backslash shows as written, not joined to the next one
+    doc = (REPO / "scripts" / script).read_text().split('"""')[1] if script.endswith(".py") else ""
+    if doc and doc.splitlines()[0] in done.stdout:
+        shown = {line.strip() for line in done.stdout.splitlines()}
+        continued = [line.strip() for line in doc.splitlines() if line.endswith(" \\")]
+        assert all(line in shown for line in continued), [c for c in continued if c not in shown]
 
 
 def _import_graph(root: Path = REPO) -> dict[str, set[str]]:

@@ -126,8 +126,7 @@ def prepare_chat(
     """jsonl/parquet conversations -> train.bin/val.bin, their .mask files and manifest.json."""
     out_dir = Path(out_dir)
     if seq_len < 2:
-        given = "none was given" if not seq_len else f"got {seq_len}"
-        raise UserError(f"--chat needs --seq_len N, the model's window (>= 2, e.g. 1024); {given}")
+        raise UserError(f"--chat needs --seq_len N, the window of the model to train (>= 2); got {seq_len}")
     if not 0 <= val_fraction < 1:
         raise UserError(f"--val_fraction must be in [0, 1), got {val_fraction}")
     require_writable(out_dir, "--out_dir")
