@@ -10,9 +10,10 @@ thing.
         text from the checkpoint's model and its run's tokenizer (KV-cached sampling, process 0);
         printed and written to <run dir>/predict_step<N>.jsonl. No prompt: unconditional samples
         (from the tokenizer's begin-of-text, else a newline); --temperature 0: greedy
-    --task chat --resume_from hf:DIR --prompt "What is 2 plus 3?"   (no --prompt: standard input)
-        the prompt as a user turn rendered with the tokenizer's chat template, the answer generated
-        up to the end of its turn
+    --task chat --resume_from hf:DIR --prompt "What is 2 plus 3?" [--system "Be brief."]
+        the prompt (no --prompt: standard input) as a user turn, after the system turn, rendered with
+        the tokenizer's chat template; the answer generated up to the end of its turn, printed as
+        `prompt -> answer`
     --resume_from hf:DIR reads a Hugging Face model dir (jaxtrain/hf/), its tokenizer.json too
     --model.seq_len N: the window to test or generate in (rotary models: any up to their context)
 
