@@ -247,6 +247,10 @@ def commit_outputs(staging: Path, out_dir: Path, manifest: dict[str, Any]) -> No
             shutil.rmtree(old)
         elif old.is_file() and _is_output(old.name) and old.name not in new:
             old.unlink()
+    for path in staging.rglob("*"):  # on disk before the manifest says the set is whole
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
     for name in sorted(new):
         os.replace(staging / name, out_dir / name)
     manifest = {"format": MANIFEST_FORMAT, "version": 1} | manifest
