@@ -177,7 +177,7 @@ class Config:
     run_dir: str = ""  # "" means runs/<name> (test, predict: the checkpoint's run dir)
     overwrite: bool = False  # start fresh even if run_dir holds a different run
     # data: token files (nanoGPT raw uint16/uint32, or llm.c header): a file, a glob, a comma list
-    # or a manifest.json; or a YAML list of {path, weight, name} sources (jaxtrain/sources.py);
+    # or a manifest.json; or a YAML list of {path, weight, name} sources (jaxtrain/data/sources.py);
     # "" = embedded default
     train_data_path: str = ""
     valid_data_path: str = ""  # validation tokens, same forms; "" = the training path's val shards
@@ -213,8 +213,9 @@ class Config:
     test_data_path: str = ""  # "" = valid_data_path, else the checkpoint's validation data
     prompt: str = ""  # --task predict: text to continue; --task chat: the user turn
     prompt_file: str = ""  # one prompt per line
-    max_new_tokens: int = 256  # tokens --task predict generates per prompt
-    temperature: float = 0.8  # sampling temperature (predict and the end-of-run sample)
+    system: str = ""  # --task chat: a system turn before the user turn ("" = none)
+    max_new_tokens: int = 256  # tokens --task predict or chat generates per prompt, at most
+    temperature: float = 0.8  # sampling temperature (predict, chat, the end-of-run sample); 0 = greedy
     top_k: int = 40  # 0 = sample from the whole vocabulary
     # nanochat's one-number model: n_layer = depth, d_model = 64 * depth, heads of 128, optim.lr
     # 0.004 * (d_model / 768) ** -0.5; keys given beside it win. 0 = off

@@ -42,10 +42,10 @@ from jaxtrain.model.attention import attention_kernel
 from jaxtrain.model.moe import balance_loss, grouped_matmul, router_stats
 from jaxtrain.model.params import logical_axes, path_names
 from jaxtrain.model.transformer import GPT
-from jaxtrain.prepare.format import NO_LOSS, TOKEN_BITS
 from jaxtrain.run import mesh as mesh_lib
 from jaxtrain.run.optim import lr_schedule
 from jaxtrain.run.state import TrainState
+from jaxtrain.text.format import NO_LOSS, TOKEN_BITS
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # Dynamic loss scaling (float16): double the scale after this many finite steps in a row.
