@@ -32,7 +32,7 @@ from jaxtrain.model.params import path_names
 
 log = logging.getLogger("jaxtrain")
 
-DATA_AXIS, EXPERT_AXIS, FSDP_AXIS, TENSOR_AXIS = MESH_AXES
+DATA_AXIS, EXPERT_AXIS, FSDP_AXIS, CONTEXT_AXIS, TENSOR_AXIS = MESH_AXES
 # Axes a batch is split over (a tensor group shares its rows); the step runs manual over these.
 BATCH_AXES = (DATA_AXIS, EXPERT_AXIS, FSDP_AXIS)
 
@@ -50,6 +50,27 @@ PARAM_RULES: dict[str, str | None] = {
 # `expert` names the (manual) axis MoE layers exchange tokens over (EXPERT_RULES).
 ACTIVATION_RULES = (("heads", TENSOR_AXIS), ("mlp", TENSOR_AXIS), ("vocab", TENSOR_AXIS))
 EXPERT_RULES = (("expert", EXPERT_AXIS),)
+# Context parallelism: activations split along the sequence (`length`), left to the compiler as
+# tensor is. Attention needs whole sequences: model/attention.py re-splits its queries, keys and
+# values by heads over context, an all-to-all each way (Ulysses), and runs the plain causal kernel.
+CONTEXT_RULES = (("length", CONTEXT_AXIS),)
+# Axes a dense model's mesh leaves at 1 unless asked for: unsaid in what is printed.
+OPTIONAL_AXES = (EXPERT_AXIS, CONTEXT_AXIS)
+
+
+def activation_rules(mesh: Any) -> tuple[tuple[str, str], ...]:
+    """The logical activation axes the step places on `mesh`'s axes (those larger than 1).
+
+    With sequences split over context, the logits are not split over tensor by vocabulary: XLA's
+    SPMD partitioner aborts on the loss over logits split both ways (a CHECK in
+    spmd_partitioner_util.cc, jax 0.10.2, CPU); each tensor peer computes its tokens' whole logits.
+    """
+    tensor, context = mesh.shape[TENSOR_AXIS] > 1, mesh.shape[CONTEXT_AXIS] > 1
+    return (
+        tuple(rule for rule in ACTIVATION_RULES if tensor and not (context and rule[0] == "vocab"))
+        + (CONTEXT_RULES if context else ())
+        + (EXPERT_RULES if mesh.shape[EXPERT_AXIS] > 1 else ())
+    )
 
 
 def make_mesh(devices: list[jax.Device] | None = None, shape: MeshConfig | None = None) -> Mesh:
@@ -74,7 +95,7 @@ def host_warnings(mesh: Mesh) -> list[str]:
     hosts = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
     per_process = int((hosts == hosts.flat[0]).sum())
     said = []
-    inner = mesh.shape[FSDP_AXIS] * mesh.shape[TENSOR_AXIS]
+    inner = mesh.shape[FSDP_AXIS] * mesh.shape[CONTEXT_AXIS] * mesh.shape[TENSOR_AXIS]
     if inner > per_process:
         said.append(
             f"mesh fsdp x tensor = {inner} devices spans hosts ({per_process} devices per process): its "
@@ -102,8 +123,8 @@ def check_mesh(mesh: Mesh) -> None:
 
 
 def mesh_shape(mesh: Mesh) -> dict[str, int]:
-    """Axis sizes by name; `expert` only when used (a dense model's mesh reads as before)."""
-    return {a: int(mesh.shape[a]) for a in MESH_AXES if a != EXPERT_AXIS or mesh.shape[a] > 1}
+    """Axis sizes by name; `expert` and `context` only when used (a mesh reads as it did before them)."""
+    return {a: int(mesh.shape[a]) for a in MESH_AXES if a not in OPTIONAL_AXES or mesh.shape[a] > 1}
 
 
 def describe(mesh: Mesh) -> str:
