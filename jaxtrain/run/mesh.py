@@ -1,19 +1,21 @@
 """The device mesh and every sharding decision. Only this module knows the topology.
 
-The mesh is data x expert x fsdp x tensor (config `mesh`):
+The mesh is data x expert x fsdp x context x tensor (config `mesh`):
   data    replicas; the outer axis, spanning processes (hosts). Batch rows split over it.
   expert  MoE: each device holds its share of every MoE layer's experts and receives the tokens
           routed to them by all-to-all (model/moe.py). Batch rows split over it too, so every
           other param is replicated over it as over `data`.
   fsdp    ZeRO-3: every large parameter, its gradient and both Adam moments split over it, and
           the batch rows too. Params are all-gathered for compute and gradients reduce-scattered.
+  context long windows: each sequence split along its length; every token's work is local, and
+          attention takes whole sequences for a share of the heads (an all-to-all each way).
   tensor  Megatron: attention heads, the MLP hidden dim and the vocabulary split over it; the
           residual stream is whole, so a layer needs one collective in and one out.
 With `mesh.zero1` the optimizer state is also split over `data` (params stay replicated there).
 
 The model names the logical axes of its params and activations (model/params.py PARAM_AXES); the tables
 below map logical axes to mesh axes, in one place. Devices are ordered by process, so `data`
-is the axis that crosses hosts and fsdp x tensor groups stay inside one (one NVLink domain).
+is the axis that crosses hosts and fsdp x context x tensor groups stay inside one (one NVLink domain).
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ def activation_rules(mesh: Any) -> tuple[tuple[str, str], ...]:
 
 
 def make_mesh(devices: list[jax.Device] | None = None, shape: MeshConfig | None = None) -> Mesh:
-    """A data x expert x fsdp x tensor mesh over `devices` (default: every device of every process).
+    """A data x expert x fsdp x context x tensor mesh over `devices` (default: every device of every process).
 
     `shape` must be resolved (config.with_topology); None means pure data parallelism.
     """
@@ -95,13 +97,14 @@ def host_warnings(mesh: Mesh) -> list[str]:
     hosts = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
     per_process = int((hosts == hosts.flat[0]).sum())
     said = []
-    inner = mesh.shape[FSDP_AXIS] * mesh.shape[CONTEXT_AXIS] * mesh.shape[TENSOR_AXIS]
+    group = [a for a in (FSDP_AXIS, CONTEXT_AXIS, TENSOR_AXIS) if a != CONTEXT_AXIS or mesh.shape[a] > 1]
+    inner, named = math.prod(mesh.shape[a] for a in group), " x ".join(group)
     if inner > per_process:
         said.append(
-            f"mesh fsdp x tensor = {inner} devices spans hosts ({per_process} devices per process): its "
+            f"mesh {named} = {inner} devices spans hosts ({per_process} devices per process): its "
             "all-gathers and reduce-scatters of params and gradients (and tensor parallelism's per-layer "
             "all-reduces) cross the network, ~10-20x slower than NVLink; where the train state fits "
-            f"{per_process} devices, fsdp x tensor <= {per_process} with data across hosts keeps them "
+            f"{per_process} devices, {named} <= {per_process} with data across hosts keeps them "
             "inside a host, though a wider fsdp can still be faster (a smaller data all-reduce): "
             "scripts/plan.py --search ranks the layouts"
         )
