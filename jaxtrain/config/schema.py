@@ -119,15 +119,15 @@ class DistConfig:
     init_timeout: int = 300  # seconds to wait for every process to join
 
 
-MESH_AXES = ("data", "expert", "fsdp", "tensor")  # outer to inner
+MESH_AXES = ("data", "expert", "fsdp", "context", "tensor")  # outer to inner
 
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """The device mesh, data x expert x fsdp x tensor; its product is the device count.
+    """The device mesh, data x expert x fsdp x context x tensor; its product is the device count.
 
     -1 means "the devices left over" (at most one axis). `data` is the outer axis and spans
-    processes; `fsdp` and `tensor` stay inside a process (one NVLink domain) wherever they fit.
+    processes; `fsdp`, `context` and `tensor` stay inside a process (one NVLink domain) wherever they fit.
     """
 
     data: int = -1  # data parallel: replicas of the (fsdp x tensor)-sharded state
@@ -135,6 +135,9 @@ class MeshConfig:
     # the batch is split over it too, so for everything else it is one more data axis
     expert: int = 1
     fsdp: int = 1  # ZeRO-3: params, gradients and optimizer state sharded, batch split too
+    # context parallel: each sequence split along its length (long windows), keys and values
+    # all-gathered for attention; the batch is not split over it (like tensor)
+    context: int = 1
     tensor: int = 1  # Megatron: heads, MLP hidden and vocab split; the batch is not
     zero1: bool = False  # ZeRO-1: also shard the optimizer state over `data` (params replicated)
     # fsdp gathers params in the compute dtype (dtype) and reduce-scatters their gradients in this

@@ -113,9 +113,7 @@ class _ParamLayout:
         self.manual = jax.tree.map(mesh_lib.manual_part, param_specs, is_leaf=is_spec)
         self.fsdp = int(mesh.shape[mesh_lib.FSDP_AXIS])
         self.sizes = {a: int(mesh.shape[a]) for a in mesh_lib.BATCH_AXES}
-        self.rules = (mesh_lib.ACTIVATION_RULES if mesh.shape[mesh_lib.TENSOR_AXIS] > 1 else ()) + (
-            mesh_lib.EXPERT_RULES if mesh.shape[mesh_lib.EXPERT_AXIS] > 1 else ()
-        )
+        self.rules = mesh_lib.activation_rules(mesh)
         self.platform = mesh.devices.flat[0].platform  # what the step compiles for, not jax's default
         self.dtype, self.reduce_dtype = dtype, dtype if reduce_dtype is None else reduce_dtype
 
