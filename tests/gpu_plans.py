@@ -1,10 +1,13 @@
 """Plans of the jobs CI compiles for GPUs (tests/test_gpu_compile.py), several in one process.
 
     .venv/bin/python tests/gpu_plans.py OUT_DIR [CASE ...]     # writes OUT_DIR/plan_<case>.json
+    nice -n 15 .venv/bin/python tests/gpu_plans.py bench/results all    # every committed plan
+    .venv/bin/python scripts/scaling_tables.py                # then docs/scaling.md's tables
 
-Each plan is what `scripts/plan.py <flags> --json F` writes (jaxtrain/plan/planner.py: plan_one);
-one process compiles them all, since starting jax with the CUDA plugin costs seconds each time.
-bench/results/plan_*.json come from here.
+Each plan is what `scripts/plan.py <flags> --json F` writes less its advice (planner.plan_one);
+a SEARCHES case what `scripts/plan.py <flags> --search --json F` writes (search_<case>.json).
+One process compiles them all, since starting jax with the CUDA plugin costs seconds each time.
+bench/results/plan_*.json and search_*.json come from here (`all`: about 20 minutes here).
 """
 
 import json
@@ -124,10 +127,26 @@ CASES = {
     "qwen3_30b_a3b_h100_4x8_data4_expert8": ([*QWEN3_MOE, *RAGGED_IN_HOST], "h100", 4, 8),
     "qwen3_30b_a3b_h100x8": ([*QWEN3_MOE, *RAGGED_IN_HOST], "h100", 1, 8),
     "mixtral_8x7b_h100_2x8": (["--config", "configs/mixtral_8x7b.yaml", "--mesh.fsdp", "2"], "h100", 2, 8),
+    "llama3_8b_h100_8x8_reduce_compute": (
+        ["--config", "configs/llama3_8b.yaml", "--mesh.reduce_dtype", "compute"],
+        "h100",
+        8,
+        8,
+    ),  # fmt: skip
     "gpt2_124m_h100x1": (GPT2, "h100", 1, 1),
     "gpt2_124m_h100x8_fsdp4_tensor2": ([*GPT2, "--mesh.fsdp", "4", "--mesh.tensor", "2"], "h100", 1, 8),
 }
 CI_CASES = list(CASES)[:9]
+# case -> (flags, target, hosts, gpus per host, --search_budget): the plan and a --search's layouts.
+SEARCHES = {"llama3_70b_h100_128x8": (["--config", "configs/llama3_70b.yaml"], "h100", 128, 8, 16)}
+
+
+def _cases(names: list[str]) -> list[str]:
+    """`all`: every committed plan, the ones that take longest to compile (experts) first."""
+    if names != ["all"]:
+        return names
+    slow = [c for c in CASES if c.startswith(("mixtral", "qwen3"))]
+    return slow + [c for c in CASES if c not in slow] + [f"search_{c}" for c in SEARCHES]
 
 
 def main(out_dir: Path, names: list[str]) -> None:
@@ -135,16 +154,21 @@ def main(out_dir: Path, names: list[str]) -> None:
 
     targets.use_plugin()
     from jaxtrain.config import load_config
-    from jaxtrain.plan import planner  # imports jax, so after use_plugin
+    from jaxtrain.plan import cli, planner  # import jax, so after use_plugin
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    for name in names:
-        flags, target, hosts, gpus = CASES[name]
+    for name in _cases(names):
+        searched = name.removeprefix("search_")
+        flags, target, hosts, gpus, *budget = SEARCHES[searched] if searched != name else CASES[name]
         t0 = time.perf_counter()
-        plan = planner.plan_one(load_config(flags), targets.get(target), hosts, gpus)
         where = ["--target", target, "--hosts", str(hosts), "--gpus_per_host", str(gpus)]
+        if budget:
+            where += ["--search", "--search_budget", str(budget[0])]
+        cfg, where_ = load_config(flags), (targets.get(target), hosts, gpus)
+        plan = cli.plan_job(cfg, *where_, budget[0]) if budget else planner.plan_one(cfg, *where_)
         plan["command"] = " ".join(["scripts/plan.py", *flags, *where])
-        (out_dir / f"plan_{name}.json").write_text(json.dumps(plan, indent=1) + "\n")
+        out = out_dir / f"{name if budget else 'plan_' + name}.json"
+        out.write_text(json.dumps(plan, indent=1) + "\n")
         print(f"{name}: {time.perf_counter() - t0:.1f} s", flush=True)
 
 
