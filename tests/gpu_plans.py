@@ -10,7 +10,11 @@ One process compiles them all, since starting jax with the CUDA plugin costs sec
 bench/results/plan_*.json and search_*.json come from here (`all`: about 20 minutes here).
 """
 
+import contextlib
+import io
 import json
+import logging
+import re
 import sys
 import time
 from pathlib import Path
@@ -137,6 +141,13 @@ CASES = {
     "gpt2_124m_h100x8_fsdp4_tensor2": ([*GPT2, "--mesh.fsdp", "4", "--mesh.tensor", "2"], "h100", 1, 8),
 }
 CI_CASES = list(CASES)[:9]
+# scripts/plan.py runs that do not fit, each suggestion they print then planned in turn
+# (tests/test_gpu_compile.py: each must fit). Two layers of gpt2_124m at 128 sequences a device on
+# 2 hosts of one L40S: the logits alone do not fit; fsdp spans the hosts (warned once).
+ADVICE = {
+    "gpt2_2l_l40s_2x1": [*GPT2, "--model.n_layer", "2", "--device_batch_size", "128", "--mesh.fsdp", "2",
+                         "--target", "l40s", "--hosts", "2", "--gpus_per_host", "1"],
+}  # fmt: skip
 # case -> (flags, target, hosts, gpus per host, --search_budget): the plan and a --search's layouts.
 SEARCHES = {"llama3_70b_h100_128x8": (["--config", "configs/llama3_70b.yaml"], "h100", 128, 8, 16)}
 
@@ -149,6 +160,28 @@ def _cases(names: list[str]) -> list[str]:
     return slow + [c for c in CASES if c not in slow] + [f"search_{c}" for c in SEARCHES]
 
 
+def _run(argv: list[str]) -> dict:
+    """scripts/plan.py's main in this process: its exit code, what it printed and logged."""
+    from jaxtrain.plan import cli
+
+    logs = io.StringIO()
+    handler = logging.StreamHandler(logs)
+    logging.getLogger("jaxtrain").addHandler(handler)
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        code = cli.main(argv, "")
+    logging.getLogger("jaxtrain").removeHandler(handler)
+    return {"argv": argv, "code": code, "stdout": out.getvalue(), "log": logs.getvalue()}
+
+
+def advise(out_dir: Path, name: str) -> None:
+    """advice_<name>.json: the run as given, then one run with each suggestion it printed."""
+    first = _run(ADVICE[name])
+    line = re.search(r"^fits with: (.*)$", first["stdout"], re.M)
+    fixes = [re.sub(r" \([\d.]+ GB\)$", "", f) for f in line.group(1).split("; ")] if line else []
+    followed = [_run(ADVICE[name] + fix.split()) for fix in fixes if fix.startswith("--")]
+    (out_dir / f"advice_{name}.json").write_text(json.dumps({"first": first, "followed": followed}, indent=1))
+
+
 def main(out_dir: Path, names: list[str]) -> None:
     from jaxtrain.plan import targets
 
@@ -158,6 +191,9 @@ def main(out_dir: Path, names: list[str]) -> None:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in _cases(names):
+        if name in ADVICE:
+            advise(out_dir, name)
+            continue
         searched = name.removeprefix("search_")
         flags, target, hosts, gpus, *budget = SEARCHES[searched] if searched != name else CASES[name]
         t0 = time.perf_counter()
@@ -173,4 +209,4 @@ def main(out_dir: Path, names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2:] or CI_CASES)
+    main(Path(sys.argv[1]), sys.argv[2:] or [*CI_CASES, *ADVICE])

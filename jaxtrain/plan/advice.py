@@ -76,7 +76,7 @@ def nearer(cfg: Config, p: dict[str, Any], devices: int) -> list[dict[str, Any]]
         )
         out += [smaller, *({**smaller, **r} for r in remat)]
     if min(2 * fsdp, widest) > fsdp:
-        wider = {"mesh.fsdp": 2 * fsdp, "mesh.data": -1}
+        wider = {"mesh.fsdp": min(2 * fsdp, widest), "mesh.data": -1}
         out += [wider, *({**wider, **r} for r in remat)]
     return out
 
