@@ -2,7 +2,7 @@
 
     .venv/bin/python tests/gpu_plans.py OUT_DIR [CASE ...]     # writes OUT_DIR/plan_<case>.json
     nice -n 15 .venv/bin/python tests/gpu_plans.py bench/results all    # every committed plan
-    .venv/bin/python scripts/scaling_tables.py                # then docs/scaling.md's tables
+    .venv/bin/python bench/scaling_tables.py                  # then docs/scaling.md's tables
 
 Each plan is what `scripts/plan.py <flags> --json F` writes less its advice (planner.plan_one);
 a SEARCHES case what `scripts/plan.py <flags> --search --json F` writes (search_<case>.json).

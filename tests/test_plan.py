@@ -1,6 +1,7 @@
 # ruff: noqa: E501  (HLO lines as the compiler prints them)
 """jaxtrain/plan/compiled.py's reading of compiled HLO text: replica groups, loop trips, host crossings."""
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -286,3 +287,15 @@ def test_model_flops_of_a_committed_plan_by_hand(case, matmul_params, layers, wi
     p = json.loads((ROOT / f"bench/results/plan_{case}.json").read_text())
     per_token = 6 * (p["n_params"] - matmul_params) + 6 * layers * width * window  # attention halved
     assert p["model_flops_per_step"] == pytest.approx(per_token * p["global_batch"] * window)
+
+
+def test_the_docs_plan_tables_are_made_from_the_committed_plans():
+    """docs/scaling.md's plan tables are bench/scaling_tables.py's rendering of bench/results,
+    and every committed plan has its row: a figure cannot go stale by hand."""
+    spec = importlib.util.spec_from_file_location("scaling_tables", ROOT / "bench/scaling_tables.py")
+    assert spec is not None and spec.loader is not None
+    made = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(made)
+    assert {f"plan_{n}" for n in [*made.DENSE, *made.MOE]} == {p.stem for p in PLANS}
+    doc = (ROOT / "docs/scaling.md").read_text()
+    assert made.render(doc, made.tables()) == doc, "run: .venv/bin/python bench/scaling_tables.py"
