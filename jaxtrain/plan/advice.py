@@ -192,17 +192,17 @@ class _Search:
             self.results.append({"overrides": o, **{k: p[k] for k in SEARCH_KEYS}})
         return verdict
 
-    def narrowest(self, base: dict[str, Any], fsdps: list[int]) -> dict[str, Any] | str:
-        """The narrowest fsdp that fits `base` (its verdict at the widest if even that does not):
-        memory falls as fsdp grows, so the widest is tried first, then bisected."""
-        found: dict[str, Any] = {**base, "mesh.fsdp": fsdps[-1]}
+    def narrowest(self, mesh: dict[str, Any], rest: dict[str, Any], fsdps: list[int]) -> dict[str, Any] | str:
+        """The narrowest fsdp that fits this mesh and batch (its verdict at the widest if even that
+        does not): memory falls as fsdp grows, so the widest is tried first, then bisected."""
+        found: dict[str, Any] = {**mesh, "mesh.fsdp": fsdps[-1], **rest}
         verdict = self.attempt(found)
         if verdict != "fits":
             return verdict
         lo, hi = 0, len(fsdps) - 2
         while lo <= hi and self.compiles < self.budget:
             mid = (lo + hi) // 2
-            o = {**base, "mesh.fsdp": fsdps[mid]}
+            o = {**mesh, "mesh.fsdp": fsdps[mid], **rest}
             verdict = self.attempt(o)
             if verdict == "fits":
                 found, hi = o, mid - 1
@@ -247,14 +247,14 @@ def search(
             mesh = {"mesh.data": -1, "mesh.tensor": tensor} | (
                 {"mesh.expert": expert} if cfg.model.moe.n_experts else {}
             )
-            found = s.narrowest({**mesh, **batch, **FULL}, fsdps)
+            found = s.narrowest(mesh, {**batch, **FULL}, fsdps)
             if isinstance(found, dict):
                 for remat in ("dots", "none"):  # less recomputation, where memory allows
                     if s.compiles >= budget or s.attempt({**found, "model.remat": remat}) != "fits":
                         break
                 break  # the largest device batch that fits: the fewest gathers per step
-            if found not in ("does not fit",) and not found.startswith("its state alone"):
-                break  # rejected by the config (heads not divisible by tensor, ...): next layout
+            if found != "does not fit":  # its state alone (at any batch), or rejected by the
+                break  # config (heads not divisible by tensor, ...): the next layout
     return sorted(s.results, key=lambda r: r["schedule_bound_s"])
 
 
