@@ -130,9 +130,10 @@ def test_llama3_70b_as_shipped_fits_1024_h100_at_full_speed(plans):
     assert p["fits"], p
     assert any(c["crosses_hosts"] and c["axis"] == "fsdp" for c in p["collectives"])
     # Issue 25's targets: the floor is compute-bound (ceiling >= 80%), and the compiled order
-    # replayed leaves the step compute-bound enough for a 60% ceiling.
+    # replayed leaves the step compute-bound enough for a 60% ceiling, counting attention in full
+    # as then: 56% with causal attention at half (6N + 6LdT over 6N + 12LdT is 0.933 here).
     assert p["mfu_ceiling"] >= 0.8, p["bound_terms_s"]
-    assert 0.6 <= p["schedule_mfu_ceiling"] <= p["mfu_ceiling"], p["schedule_bound_s"]
+    assert 0.56 <= p["schedule_mfu_ceiling"] <= p["mfu_ceiling"], p["schedule_bound_s"]
     assert p["schedule_bound_s"] >= p["step_time_lower_bound_s"]
 
 
