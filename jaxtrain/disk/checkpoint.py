@@ -7,7 +7,9 @@ restored.
 
 Damage that does not raise (a file truncated by a node crash, a bad disk, a partial copy) is
 found by checksums: once a save has finished, process 0 records the size and CRC32 of every
-file of the step dir in its `checksums.json`, and a restore checks them first. A save the
+file of the step dir in its `checksums.json`, and a restore checks them first; a step dir without
+them (a kill between orbax's rename and their record, or an older jaxtrain's) is read back whole
+on process 0 instead, so a damaged one is moved aside, never the restore's failure. A save the
 filesystem refuses (no space, read-only, I/O error, quota) raises StorageError, whether orbax
 reports it at once, from its background thread (`poll`), or when waited for.
 """
@@ -179,21 +181,23 @@ class Checkpointer:
         self.pending, self.in_flight = None, None
 
     def damage(self, step: int) -> str | None:
-        """Why checkpoint `step` cannot be restored (checksums, then its meta), or None."""
+        """Why checkpoint `step` cannot be restored, or None: its files against their checksums, or
+        (none recorded) its state read back, then its meta. Never raises: an unreadable file is damage."""
         step_dir = self.directory / str(step)
         try:
             recorded = json.loads((step_dir / CHECKSUMS).read_text())
         except FileNotFoundError:
-            recorded = None  # saved by an older jaxtrain, or killed just before: orbax alone judges
+            recorded = None  # older jaxtrain, or a kill before `wait` recorded them: read it back
         except (OSError, ValueError) as e:
             return f"{CHECKSUMS} unreadable: {e}"
-        if recorded is not None:
-            found = _checksums(step_dir)
-            bad = sorted(
-                name for name in recorded.keys() | found.keys() if recorded.get(name) != found.get(name)
-            )
-            if bad:
-                return f"{len(bad)} file(s) differ from their checksums, e.g. {bad[0]}"
+        if recorded is not None and not isinstance(recorded, dict):
+            return f"{CHECKSUMS} unreadable: not a JSON object"
+        try:
+            why = _differs(step_dir, recorded) if recorded is not None else _state_unreadable(step_dir)
+        except OSError as e:  # a file that cannot be opened or read (permissions, EIO)
+            return f"a file is unreadable: {e}"
+        if why:
+            return why
         # Read the meta's file (JsonCheckpointHandler's `metadata`) directly: process 0 judges
         # alone, and orbax's restore would wait at a barrier for the other processes.
         try:
@@ -245,6 +249,35 @@ def unreadable(step_dir: Path, e: BaseException, flag: str = "--resume_from") ->
         f"checkpoint {step_dir} is unreadable ({type(e).__name__}): it is incomplete or corrupt; "
         f"pass {flag} another checkpoint"
     )
+
+
+def _differs(step_dir: Path, recorded: dict[str, Any]) -> str | None:
+    """Which files of `step_dir` differ from the checksums recorded when it was saved, if any."""
+    found = _checksums(step_dir)
+    bad = sorted(name for name in recorded.keys() | found.keys() if recorded.get(name) != found.get(name))
+    return f"{len(bad)} file(s) differ from their checksums, e.g. {bad[0]}" if bad else None
+
+
+def _state_unreadable(step_dir: Path) -> str | None:
+    """Why the state of a step dir with no checksums cannot be read, or None: every array is read
+    onto this host (process 0's whole state, once, in this rare case), through orbax's handler,
+    which has no barrier (the Checkpointer's restore waits for every process). Without this, the
+    restore was the first to meet a truncated state file, and ended the launch (exit 2) where an
+    older checkpoint was there to fall back on."""
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        saved = handler.metadata(step_dir / "state").tree
+        # As jax arrays (their array metadata is read only then), on this host's CPU (a GPU's
+        # memory may not hold the whole state).
+        host = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+        on_host = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=host), saved)
+        handler.restore(step_dir / "state", args=ocp.args.PyTreeRestore(restore_args=on_host))
+    except Exception as e:  # missing, truncated or garbled files: orbax raises many kinds
+        log.warning(f"reading {step_dir}/state failed: {type(e).__name__}: {e}")
+        return f"its state is unreadable: {type(e).__name__}"
+    finally:
+        handler.close()
+    return None
 
 
 def _checksums(step_dir: Path) -> dict[str, list[int]]:
