@@ -1,4 +1,4 @@
-"""The README's worked example: pretrain a tiny Llama-style model on `make train`'s text, fine-tune
+"""The worked example of docs/documents_and_chat.md: pretrain a tiny Llama-style model on `make train`'s text, fine-tune
 it on synthetic arithmetic conversations, print its answer accuracy before and after, export it,
 and check that transformers' `generate` with the chat template gives the same answer tokens.
 
