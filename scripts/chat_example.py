@@ -20,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from jaxtrain.cluster.shutdown import exit_on_user_error
 from jaxtrain.data.default import _stdlib_sources
 from jaxtrain.parser import Parser
 
@@ -93,6 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+@exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     out = (ROOT / args.out_dir).resolve()
