@@ -303,7 +303,7 @@ def test_task_chat_answers_as_transformers_generate_in_the_window_given(tokenize
     import torch
     import transformers
 
-    from jaxtrain.run.tasks import _window
+    from jaxtrain.run.resolve import window
 
     directory = tmp_path / "llama"
     shutil.copytree(tokenizer_dirs["llama3"], directory)
@@ -339,9 +339,9 @@ def test_task_chat_answers_as_transformers_generate_in_the_window_given(tokenize
     from jaxtrain.config import ModelConfig
 
     saved = ModelConfig(seq_len=64)
-    assert _window(saved, 32).seq_len == 32 and _window(saved, 256) == saved  # 256: the default, not given
+    assert window(saved, 32).seq_len == 32 and window(saved, 0) == saved  # 0: none given
     with pytest.raises(Exception, match="pass at most 64"):
-        _window(saved, 128)
+        window(saved, 128)
 
 
 def test_a_run_on_chat_data_takes_its_mask_and_boundaries_and_test_reads_them_too(chat_data, tmp_path):

@@ -23,13 +23,13 @@ from typing import Any
 
 import yaml
 
+from jaxtrain.config.checks import check
 from jaxtrain.config.schema import (
     SOURCE_LISTS,
     Config,
     ConfigError,
     ModelConfig,
     MoeConfig,
-    check,
     flatten,
     to_dict,
 )

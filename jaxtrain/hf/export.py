@@ -17,11 +17,12 @@ import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxtrain.config import Config, ModelConfig, saved_model
+from jaxtrain.config import Config, ModelConfig
 from jaxtrain.data.default import given_paths, tokenizer_file
 from jaxtrain.disk import checkpoint as ckpt_lib
+from jaxtrain.errors import UserError
 from jaxtrain.hf import config as hf_config
-from jaxtrain.hf import weights
+from jaxtrain.hf import is_hf, weights
 from jaxtrain.hf.store import Writer
 from jaxtrain.model.params import path_names
 from jaxtrain.prepare.chat import stop_tokens
@@ -119,9 +120,13 @@ def _gpt2_bytes_to_unicode() -> dict[int, str]:
 
 def export(path: str, out: Path, max_shard_bytes: int = 5 * 2**30, dtype: str = "float32") -> dict[str, Any]:
     """Write checkpoint `path` (a run dir, its checkpoints/ dir or one step dir) to `out`."""
-    source, step = ckpt_lib.open_checkpoint(path, "checkpoint")
-    saved = source.read_meta(step).get("config", {})
-    model = saved_model(saved)
+    from jaxtrain.run.resolve import open_trained  # the one rule for a checkpoint's model
+
+    if is_hf(path):
+        raise UserError(f"{path} is a Hugging Face model dir already; export a checkpoint of ours")
+    trained = open_trained(path, "checkpoint")
+    source, step, saved = trained.source, trained.step, trained.saved
+    model = trained.model()
     config = hf_config.to_hf(model, dtype)  # refuses models no class matches, before writing
     leaves = _Leaves(source.directory / str(step))
     entries = weights.entries(model)

@@ -41,9 +41,14 @@ class HFCheckpoint:
         model = {
             k: dataclasses.asdict(v) if k == "moe" else v for k, v in hf_config.nested(self.keys).items()
         }
-        model["seq_len"] = hf_config.seq_len(self.hf, None, self.where)
+        model["seq_len"] = hf_config.context(self.hf)  # the task's window: `window`, checked there
         tokenizer = self.directory / TOKENIZER_FILE
         return {"config": {"model": model, "tokenizer": str(tokenizer) if tokenizer.is_file() else ""}}
+
+    def window(self, wanted: int | None) -> int:
+        """The window a task runs this model in: `wanted`, else its default; checked against its
+        context and sliding window."""
+        return hf_config.seq_len(self.hf, wanted, self.where)
 
     def _entries(self, target: Any) -> dict[tuple[str, ...], list[weights.Entry]]:
         """The HF tensors of each of target's params, checked: all there, shaped as they must be."""

@@ -24,7 +24,6 @@ the run dir is --run_dir, else the checkpoint's own run dir, which only gains th
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -37,22 +36,21 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxtrain import config as config_lib
 from jaxtrain.cluster.detect import LaunchSpec
-from jaxtrain.config import Config, ModelConfig
-from jaxtrain.data import framing, loader, sources
-from jaxtrain.data.default import given_paths, run_paths, run_tokenizer
+from jaxtrain.config import Config
+from jaxtrain.data import loader, sources
+from jaxtrain.data.default import given_paths, run_tokenizer
 from jaxtrain.disk.files import require_writable, write_text
 from jaxtrain.errors import UserError
 from jaxtrain.model.generate import generate
 from jaxtrain.observe import metrics
 from jaxtrain.prepare.chat import ChatFormat, stop_tokens
-from jaxtrain.run import evaluate, start
+from jaxtrain.run import evaluate
 from jaxtrain.run import mesh as mesh_lib
 from jaxtrain.run.build import Run, build
 from jaxtrain.run.job import Job
 from jaxtrain.run.loop import train
-from jaxtrain.run.start import ParamSource
+from jaxtrain.run.resolve import Resolved, Trained, resolve
 from jaxtrain.run.step import compute_dtype
 from jaxtrain.tokenizer import BPETokenizer
 from jaxtrain.xla_env import compile_cache_dir, enable_compile_cache
@@ -71,56 +69,21 @@ def run_task(cfg: Config, launch: LaunchSpec, launch_time: float | None = None) 
     return train(cfg, launch, launch_time)
 
 
-@dataclasses.dataclass
-class _Checkpoint:
-    source: ParamSource
-    step: int
-    saved: dict[str, Any]  # the config the checkpoint was written with
-
-    @property
-    def where(self) -> Path:
-        return self.source.directory / str(self.step)
-
-    @property
-    def run_dir(self) -> Path:
-        d = self.source.directory
-        return d.parent if d.name == "checkpoints" else d
-
-
-def _start(cfg: Config, launch: LaunchSpec) -> tuple[Run, _Checkpoint, Path, Any]:
-    """Join the job, open the checkpoint, build the run of its model; the output dir and its params."""
+def _start(cfg: Config, launch: LaunchSpec) -> tuple[Run, Trained, Path, Any, Resolved]:
+    """Resolve the task's config (its checkpoint's model, its data), join the job, build the run
+    once; the output dir, the checkpoint's params and what was resolved."""
+    resolved = resolve(cfg)
+    cfg, ckpt = resolved.cfg, resolved.trained
+    assert ckpt is not None  # every task but train reads a checkpoint (config checks)
+    out_dir = Path(cfg.run_dir) if cfg.run_dir else ckpt.run_dir
+    require_writable(out_dir, "run dir")
     job = Job.join(cfg, launch)
     metrics.setup_logging(None, job.process_index, cfg.ddp.log_level, cfg.verbose)
     log.info(f"compile cache: {compile_cache_dir() or 'off'}")
-    source, step = start.open_params(cfg.resume_from, "--resume_from")
-    ckpt = _Checkpoint(source, step, source.read_meta(step).get("config", {}))
-    model = _window(config_lib.saved_model(ckpt.saved), cfg.model.seq_len)
-    cfg = dataclasses.replace(cfg, model=model)
-    config_lib.check(cfg)
-    out_dir = Path(cfg.run_dir) if cfg.run_dir else ckpt.run_dir
-    require_writable(out_dir, "run dir")
-    log.info(f"{cfg.task}: checkpoint {ckpt.where}; model {model}")
-    run = build(job.reconfigured(cfg))
+    log.info(f"{cfg.task}: checkpoint {ckpt.where}; model {cfg.model}")
+    run = build(job)
     params = ckpt.source.restore_params(ckpt.step, run.target.params, "--resume_from")
-    return run, ckpt, out_dir, params
-
-
-def _window(model: ModelConfig, given: int) -> ModelConfig:
-    """The checkpoint's model in the window the command gives (--model.seq_len, when not the
-    default): a rotary model runs on any window up to the one it was trained with."""
-    if given in (ModelConfig().seq_len, model.seq_len):
-        return model
-    if model.pos_embedding != "rope":
-        raise UserError(
-            f"--model.seq_len {given}: the checkpoint's model has learned positions for windows of "
-            f"{model.seq_len} tokens only; leave the flag out"
-        )
-    if given > model.seq_len:
-        raise UserError(
-            f"--model.seq_len {given}: the checkpoint's model was trained on windows of {model.seq_len} "
-            f"tokens; pass at most {model.seq_len}"
-        )
-    return dataclasses.replace(model, seq_len=given)
+    return run, ckpt, out_dir, params, resolved
 
 
 def _windows(source: sources.Source, batch_size: int, pid: int, nproc: int) -> Iterator[np.ndarray]:
@@ -133,14 +96,9 @@ def _windows(source: sources.Source, batch_size: int, pid: int, nproc: int) -> I
 
 def evaluate_checkpoint(cfg: Config, launch: LaunchSpec) -> dict[str, Any]:
     """--task test: loss and perplexity of a checkpoint on the test data; process 0 writes them as JSON."""
-    run, ckpt, out_dir, params = _start(cfg, launch)
-    cfg, job = run.cfg, run.job
-    path = cfg.test_data_path or run_paths(cfg, ckpt.saved)[1]
-    m = cfg.model
-    test_sources = sources.open_sources(path, "val", m.vocab_size, cfg.token_dtype, m.seq_len)
-    framed = framing.with_framing(cfg, test_sources, framing.model_tokenizer(cfg))
-    if framed != cfg:  # the data's boundaries and loss mask, as training takes them: same loss
-        run = build(run.job.reconfigured(framed))
+    run, ckpt, out_dir, params, resolved = _start(cfg, launch)
+    cfg, job, m = run.cfg, run.job, run.cfg.model
+    path, test_sources = resolved.data_path, resolved.val
     t0 = time.perf_counter()
     per_source: dict[str, dict[str, Any]] = {}
     for s in test_sources:
@@ -197,7 +155,7 @@ def predict(cfg: Config, launch: LaunchSpec) -> list[dict[str, Any]]:
     """Generate after each prompt with the checkpoint's model (--task chat: rendered as a user
     turn of its chat template); process 0 prints and writes them."""
     prompts = _prompts(cfg)
-    run, ckpt, out_dir, params = _start(cfg, launch)
+    run, ckpt, out_dir, params, _ = _start(cfg, launch)
     cfg = run.cfg
     train_path = given_paths(ckpt.saved, cfg)[0]
     # A Hugging Face model dir's own tokenizer.json, else the one beside the training data.
