@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 import sys
 import time
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxtrain.disk import storage
@@ -36,6 +39,8 @@ from jaxtrain.model.params import path_names
 log = logging.getLogger(__name__)
 
 CHECKSUMS = "checksums.json"
+# A state read back without checksums is read this many bytes at a time (_state_unreadable).
+READ_BACK_BYTES = 1 << 30
 
 
 class _OneLine(logging.Filter):
@@ -260,24 +265,44 @@ def _differs(step_dir: Path, recorded: dict[str, Any]) -> str | None:
 
 def _state_unreadable(step_dir: Path) -> str | None:
     """Why the state of a step dir with no checksums cannot be read, or None: every array is read
-    onto this host (process 0's whole state, once, in this rare case), through orbax's handler,
-    which has no barrier (the Checkpointer's restore waits for every process). Without this, the
-    restore was the first to meet a truncated state file, and ended the launch (exit 2) where an
-    older checkpoint was there to fall back on."""
+    back on process 0, through orbax's handler, which has no barrier (the Checkpointer's restore
+    waits for every process). Without this, the restore was the first to meet a truncated state
+    file, and ended the launch (exit 2) where an older checkpoint was there to fall back on."""
     handler = ocp.PyTreeCheckpointHandler()
     try:
         saved = handler.metadata(step_dir / "state").tree
-        # As jax arrays (their array metadata is read only then), on this host's CPU (a GPU's
-        # memory may not hold the whole state).
-        host = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
-        on_host = jax.tree.map(lambda _: ocp.ArrayRestoreArgs(sharding=host), saved)
-        handler.restore(step_dir / "state", args=ocp.args.PyTreeRestore(restore_args=on_host))
+        for chunk in _chunks(saved):
+            handler.restore(
+                step_dir / "state", args=ocp.args.PyTreeRestore(item=chunk[0], restore_args=chunk[1])
+            )
     except Exception as e:  # missing, truncated or garbled files: orbax raises many kinds
         log.warning(f"reading {step_dir}/state failed: {type(e).__name__}: {e}")
         return f"its state is unreadable: {type(e).__name__}"
     finally:
         handler.close()
     return None
+
+
+def _chunks(saved: Any) -> Iterator[tuple[Any, Any]]:
+    """(item, restore_args) trees that read `saved`'s arrays (orbax's metadata tree) a few at a
+    time, about READ_BACK_BYTES each, the rest left out (orbax's PLACEHOLDER): host memory stays
+    near READ_BACK_BYTES whatever the state's size. As jax arrays on this host's CPU (their array
+    metadata is read only then; a GPU's memory may be full)."""
+    leaves, treedef = jax.tree.flatten(saved)
+    host = ocp.ArrayRestoreArgs(
+        sharding=jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+    )
+    group: list[int] = []
+    size = 0
+    for i, meta in enumerate(leaves):
+        group.append(i)
+        size += math.prod(getattr(meta, "shape", ())) * np.dtype(getattr(meta, "dtype", None)).itemsize
+        if size >= READ_BACK_BYTES or i == len(leaves) - 1:
+            chosen = set(group)
+            item = [m if j in chosen else ocp.PLACEHOLDER for j, m in enumerate(leaves)]
+            args = [host if j in chosen else ocp.PLACEHOLDER for j in range(len(leaves))]
+            yield jax.tree.unflatten(treedef, item), jax.tree.unflatten(treedef, args)
+            group, size = [], 0
 
 
 def _checksums(step_dir: Path) -> dict[str, list[int]]:
