@@ -185,9 +185,10 @@ class Checkpointer:
             write_text(step_dir / CHECKSUMS, json.dumps(_checksums(step_dir)))
         self.pending, self.in_flight = None, None
 
-    def damage(self, step: int) -> str | None:
+    def damage(self, step: int, device: Any) -> str | None:
         """Why checkpoint `step` cannot be restored, or None: its files against their checksums, or
-        (none recorded) its state read back, then its meta. Never raises: an unreadable file is damage."""
+        (none recorded) its state read back onto `device` (this process's), then its meta. Never
+        raises: an unreadable file is damage."""
         step_dir = self.directory / str(step)
         try:
             recorded = json.loads((step_dir / CHECKSUMS).read_text())
@@ -198,7 +199,9 @@ class Checkpointer:
         if recorded is not None and not isinstance(recorded, dict):
             return f"{CHECKSUMS} unreadable: not a JSON object"
         try:
-            why = _differs(step_dir, recorded) if recorded is not None else _state_unreadable(step_dir)
+            why = (
+                _differs(step_dir, recorded) if recorded is not None else _state_unreadable(step_dir, device)
+            )
         except OSError as e:  # a file that cannot be opened or read (permissions, EIO)
             return f"a file is unreadable: {e}"
         if why:
@@ -263,7 +266,7 @@ def _differs(step_dir: Path, recorded: dict[str, Any]) -> str | None:
     return f"{len(bad)} file(s) differ from their checksums, e.g. {bad[0]}" if bad else None
 
 
-def _state_unreadable(step_dir: Path) -> str | None:
+def _state_unreadable(step_dir: Path, device: Any) -> str | None:
     """Why the state of a step dir with no checksums cannot be read, or None: every array is read
     back on process 0, through orbax's handler, which has no barrier (the Checkpointer's restore
     waits for every process). Without this, the restore was the first to meet a truncated state
@@ -271,7 +274,7 @@ def _state_unreadable(step_dir: Path) -> str | None:
     handler = ocp.PyTreeCheckpointHandler()
     try:
         saved = handler.metadata(step_dir / "state").tree
-        for chunk in _chunks(saved):
+        for chunk in _chunks(saved, device):
             handler.restore(
                 step_dir / "state", args=ocp.args.PyTreeRestore(item=chunk[0], restore_args=chunk[1])
             )
@@ -283,15 +286,13 @@ def _state_unreadable(step_dir: Path) -> str | None:
     return None
 
 
-def _chunks(saved: Any) -> Iterator[tuple[Any, Any]]:
+def _chunks(saved: Any, device: Any) -> Iterator[tuple[Any, Any]]:
     """(item, restore_args) trees that read `saved`'s arrays (orbax's metadata tree) a few at a
     time, about READ_BACK_BYTES each, the rest left out (orbax's PLACEHOLDER): host memory stays
-    near READ_BACK_BYTES whatever the state's size. As jax arrays on this host's CPU (their array
-    metadata is read only then; a GPU's memory may be full)."""
+    near READ_BACK_BYTES whatever the state's size, and so does `device`'s. As jax arrays (their
+    array metadata is read only then)."""
     leaves, treedef = jax.tree.flatten(saved)
-    host = ocp.ArrayRestoreArgs(
-        sharding=jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
-    )
+    one = ocp.ArrayRestoreArgs(sharding=jax.sharding.SingleDeviceSharding(device))
     group: list[int] = []
     size = 0
     for i, meta in enumerate(leaves):
@@ -300,7 +301,7 @@ def _chunks(saved: Any) -> Iterator[tuple[Any, Any]]:
         if size >= READ_BACK_BYTES or i == len(leaves) - 1:
             chosen = set(group)
             item = [m if j in chosen else ocp.PLACEHOLDER for j, m in enumerate(leaves)]
-            args = [host if j in chosen else ocp.PLACEHOLDER for j in range(len(leaves))]
+            args = [one if j in chosen else ocp.PLACEHOLDER for j in range(len(leaves))]
             yield jax.tree.unflatten(treedef, item), jax.tree.unflatten(treedef, args)
             group, size = [], 0
 
