@@ -185,10 +185,11 @@ class Checkpointer:
             write_text(step_dir / CHECKSUMS, json.dumps(_checksums(step_dir)))
         self.pending, self.in_flight = None, None
 
-    def damage(self, step: int, device: Any) -> str | None:
+    def damage(self, step: int, read_back_on: Any = None) -> str | None:
         """Why checkpoint `step` cannot be restored, or None: its files against their checksums, or
-        (none recorded) its state read back onto `device` (this process's), then its meta. Never
-        raises: an unreadable file is damage."""
+        (none recorded) its state read back onto the device `read_back_on`, if given (a run's own
+        checkpoints, where an older one can be taken instead; for one the user named, the restore's
+        own error says the same), then its meta. Never raises: an unreadable file is damage."""
         step_dir = self.directory / str(step)
         try:
             recorded = json.loads((step_dir / CHECKSUMS).read_text())
@@ -199,9 +200,10 @@ class Checkpointer:
         if recorded is not None and not isinstance(recorded, dict):
             return f"{CHECKSUMS} unreadable: not a JSON object"
         try:
-            why = (
-                _differs(step_dir, recorded) if recorded is not None else _state_unreadable(step_dir, device)
-            )
+            if recorded is not None:
+                why = _differs(step_dir, recorded)
+            else:
+                why = _state_unreadable(step_dir, read_back_on) if read_back_on is not None else None
         except OSError as e:  # a file that cannot be opened or read (permissions, EIO)
             return f"a file is unreadable: {e}"
         if why:

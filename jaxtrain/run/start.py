@@ -31,7 +31,7 @@ def find_start(run: Run, ckpt: Checkpointer) -> tuple[Checkpointer, int] | None:
     source, step = ckpt, _newest_readable(ckpt, job)
     if cfg.resume_from and step is None:
         source, step = open_checkpoint(cfg.resume_from, "--resume_from")
-        damage = source.damage(step, job.local_devices[0]) if job.is_main else None
+        damage = source.damage(step) if job.is_main else None
         if damage:  # the user asked for this one: no other is taken in its place
             raise UserError(f"checkpoint {source.directory}/{step} is unreadable ({damage}); pass another")
     if step is None:
