@@ -21,14 +21,18 @@ from jaxtrain.cluster.shutdown import exit_on_user_error
 from jaxtrain.errors import UserError
 
 
-@exit_on_user_error
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a run dir, its checkpoints/ dir, or one step dir")
     parser.add_argument("--out", required=True, help="the Hugging Face model dir to write")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--max_shard_gb", type=float, default=5.0, help="safetensors file size limit")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    return parser.parse_args(sys.argv[1:] if argv is None else argv)
+
+
+@exit_on_user_error
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.max_shard_gb <= 0:
         raise UserError(f"--max_shard_gb must be > 0, got {args.max_shard_gb}")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the export never needs an accelerator

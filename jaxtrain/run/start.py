@@ -114,7 +114,7 @@ def _newest_readable(ckpt: Checkpointer, job: Job) -> int | None:
     chosen = -1
     if job.is_main:
         for step in steps:
-            why = ckpt.damage(step)
+            why = ckpt.damage(step, job.local_devices[0])
             if why is None:
                 chosen = step
                 break
