@@ -148,11 +148,21 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def param_spec(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> P:
-    """Mesh spec of one param from its logical axes; a dim the axis does not divide stays whole."""
-    out: list[str | None] = []
+    """Mesh spec of one param from its logical axes; a dim the axis does not divide stays whole.
+    The dim fsdp splits is split over `context` too (ZeRO over the devices that share the batch
+    rows of a sequence): a context group holds its params once, not `context` times, and each
+    layer's gradient is reduce-scattered over it, not all-reduced."""
+    out: list[Any] = []
     for name, dim in zip(logical, shape, strict=True):
         axis = PARAM_RULES.get(name) if name else None
-        out.append(axis if axis and mesh.shape[axis] > 1 and dim % mesh.shape[axis] == 0 else None)
+        axes = [
+            a
+            for a in ((FSDP_AXIS, CONTEXT_AXIS) if axis == FSDP_AXIS else (axis,))
+            if a and mesh.shape[a] > 1
+        ]
+        while axes and dim % math.prod(mesh.shape[a] for a in axes):
+            axes.pop()  # context first: fsdp alone where the dim does not split both ways
+        out.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
     return P(*out)
 
 
