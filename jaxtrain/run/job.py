@@ -53,14 +53,7 @@ class Job:
     def _resolved(
         cls, cfg: Config, launch: LaunchSpec | None, devices: tuple[Any, ...], index: int, count: int
     ) -> Job:
-        platform = "cpu" if devices[0].platform == "cpu" else "gpu"
-        return cls(with_topology(cfg, len(devices), count, platform), launch, devices, index, count)
-
-    def reconfigured(self, cfg: Config) -> Job:
-        """This job running `cfg` instead (--task test|predict take the checkpoint's model)."""
-        return dataclasses.replace(
-            self, cfg=with_topology(cfg, len(self.devices), self.process_count, self.platform)
-        )
+        return cls(with_topology(cfg, len(devices), count, _platform(devices)), launch, devices, index, count)
 
     @property
     def is_main(self) -> bool:
@@ -73,7 +66,7 @@ class Job:
 
     @property
     def platform(self) -> str:
-        return "cpu" if self.devices[0].platform == "cpu" else "gpu"
+        return _platform(self.devices)
 
     @property
     def device_kind(self) -> str:
@@ -110,6 +103,11 @@ class Job:
         from jax.experimental import multihost_utils
 
         return [int(v) for v in np.ravel(multihost_utils.process_allgather(np.int32(value)))]
+
+
+def _platform(devices: tuple[Any, ...]) -> str:
+    """cpu or gpu: what the rules for dtypes, backends and kernels ask of a job's devices."""
+    return "cpu" if devices[0].platform == "cpu" else "gpu"
 
 
 def _world_of_one_process(world_size: int, devices: tuple[Any, ...]) -> tuple[Any, ...]:

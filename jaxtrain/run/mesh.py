@@ -214,15 +214,6 @@ def tensor_part(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: A
     return P(*(entry if entry == TENSOR_AXIS else None for entry in spec))
 
 
-def fsdp_dim(spec: P) -> int | None:
-    """The dim a param is split on over fsdp, or None when it is whole there."""
-    for i, entry in enumerate(spec):
-        axes = entry if isinstance(entry, tuple) else (entry,)
-        if FSDP_AXIS in axes:
-            return i
-    return None
-
-
 def bytes_per_device(abstract_tree: Any, specs: Any, mesh: Mesh) -> int:
     """Bytes one device holds of a tree laid out by `specs` (the largest share; shards are even)."""
     total = 0
