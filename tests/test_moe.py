@@ -57,7 +57,7 @@ MESHES = {
 
 def _train(argv, n_devices, steps=STEPS, keep_starts=False):
     """The run built for `argv` on `n_devices` and `steps` steps of it: losses, last metrics, final
-    params and the compiled step's HLO; with keep_starts, each step's params, batch and metrics."""
+    params and the compiled step's HLO; each step's batch and metrics (and, keep_starts, its params)."""
     run = build(Job.of_devices(load_config(MOE + argv), jax.devices()[:n_devices]))
     cfg, mesh, state = run.cfg, run.mesh, run.init_state()
     compiled = run.compile_train()
@@ -68,17 +68,17 @@ def _train(argv, n_devices, steps=STEPS, keep_starts=False):
     ]
     losses, starts = [], []
     for i in range(steps):
-        params = jax.device_get(state.params) if keep_starts else None  # before the step donates it
+        start = jax.device_get(state.params) if keep_starts else None  # before the step donates it
         state, m = compiled(state, mesh_lib.global_batch(batches[i % 2], mesh, cfg.batch_size))
         losses.append(float(m["loss"]))
-        starts.append((params, batches[i % 2], jax.device_get(m)))
+        starts.append((start, batches[i % 2], m))
     return {
         "run": run,
         "losses": np.array(losses),
         "metrics": jax.device_get(m),
         "params": jax.device_get(state.params),
         "hlo": compiled.as_text(),
-        "starts": starts if keep_starts else None,
+        "starts": starts,
     }
 
 
@@ -202,7 +202,7 @@ def test_capacity_factor_bounds_the_exchange_and_counts_what_it_drops(one_device
         logits = router_logits(params, rows)
         dropped, all_copies = _dropped_by_hand(logits, cfg.model.moe, cfg.mesh.expert, devices)
         assert 0 < dropped < all_copies / 2  # the router is uneven: some peer overflows
-        assert metrics["moe_dropped"] * all_copies == pytest.approx(dropped, abs=1e-3)
+        assert float(metrics["moe_dropped"]) * all_copies == pytest.approx(dropped, abs=1e-3)
     np.testing.assert_allclose(run["losses"], one_device["losses"][:2], rtol=2e-2)
 
 
