@@ -35,6 +35,14 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
+def _kernel_peak_mb() -> float:
+    """The kernel's high-water mark of this process's resident memory (VmHWM: since its exec, unlike
+    getrusage's ru_maxrss, which keeps the forked parent's): what the sampling must find."""
+    with open("/proc/self/status") as f:
+        kib = next(line.split()[1] for line in f if line.startswith("VmHWM:"))
+    return int(kib) / 1024
+
+
 def _save(directory: Path, flags: list[str]) -> int:
     """A fresh train state saved as training saves it; returns the largest param's bytes."""
     import jax
@@ -70,6 +78,7 @@ def _measure(directory: Path) -> dict:
     return {
         "baseline_rss_mb": round(base),
         "peak_rss_mb": round(max(peak[0], _rss_mb())),
+        "kernel_peak_rss_mb": round(_kernel_peak_mb()),
         "export_s": round(seconds, 1),
         "files": len(result["files"]),
     }

@@ -3,24 +3,16 @@
     from jaxtrain import xla_env
     xla_env.set_flags()   # first thing a script does, before jax starts a backend
 
-CPU flags: --xla_cpu_experimental_ynn_fusion_type=dot sends matmuls (with their fused neighbours)
-to XNNPACK's YNN kernels instead of Eigen, the fastest setting measured, same losses. CPU devices:
-a single-process training run whose mesh is left at its default gets one CPU device per core (at
-most MAX_CPU_DEVICES), the batch split over them as over GPUs: XLA:CPU runs most non-matmul
-fusions on one thread, and one device per core puts every core on the whole step, not only on the
-matmuls. docs/cpu_speed.md has the measurements and the alternatives tried. Chosen only where the
-batch splits evenly (config.batch.batch_plan decides, as it would for any device count); else, or when
-XLA_FLAGS names a device count, or several processes share the host, or the mesh is set, nothing
-changes. XLA reads XLA_FLAGS once, when the first backend starts, so these must be in the
-environment before then. A flag the user already put in XLA_FLAGS wins: ours is only added when
-its name is absent. They are xla_cpu_* flags, so a GPU run only applies them to its host-side
-computations.
+CPU: --xla_cpu_experimental_ynn_fusion_type=dot (matmuls to XNNPACK's YNN kernels), and for a
+single-process training run with the default mesh one CPU device per core (at most
+MAX_CPU_DEVICES) where the batch splits evenly over them; why, the measurements and the
+alternatives tried: docs/cpu_speed.md. XLA reads XLA_FLAGS once, when the first backend starts,
+so these go into the environment before then; a flag the user set there wins. They are xla_cpu_*
+flags: a GPU run applies them to its host-side computations only.
 
-The compile cache keeps compiled executables across launches, so a relaunch (requeue, resume)
-of the same model skips most of its compile. Many processes and hosts may share the folder:
-jax writes entries from process 0 only, and with a size limit set every read and write holds a
-file lock (an OS lock on a local disk, a lock file on network ones), so nobody reads an entry
-half written; the limit also keeps a user's cache from growing without end.
+The compile cache keeps compiled executables across launches (a requeue or resume skips most of
+its compile). Processes and hosts may share its folder: jax writes from process 0 only, and with a
+size limit every read and write holds a file lock, so nobody reads an entry half written.
 """
 
 from __future__ import annotations

@@ -12,19 +12,15 @@ import pytest
 
 from jaxtrain.config import load_config
 from jaxtrain.disk.checkpoint import Checkpointer
-from jaxtrain.model.transformer import GPT
-from jaxtrain.run import mesh as mesh_lib
-from jaxtrain.run.optim import make_optimizer
-from jaxtrain.run.state import abstract_state, create_state, state_sharding
+from jaxtrain.run.build import build
+from jaxtrain.run.job import Job
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_save_restore_is_bitwise(tmp_path):
-    cfg = load_config(["--config", "configs/tiny.yaml"])
-    mesh = mesh_lib.make_mesh()
-    model, tx = GPT(cfg.model), make_optimizer(cfg)
-    state = create_state(cfg, model, tx, mesh)
+    run = build(Job.of_devices(load_config(["--config", "configs/tiny.yaml"]), jax.devices()))
+    state = run.init_state()
     # Make the optimizer state non-trivial so the test would see it lost.
     state = state.replace(
         opt_state=jax.tree.map(lambda x: x + 0.5 if x.dtype == np.float32 else x, state.opt_state)
@@ -32,19 +28,14 @@ def test_save_restore_is_bitwise(tmp_path):
     ckpt = Checkpointer(tmp_path / "ckpt", keep=2)
     ckpt.save(7, state, {"step": 7, "config": {}})
     ckpt.wait()
-    abstract = abstract_state(cfg, model, tx)
-    shardings = state_sharding(mesh, abstract)
-    target = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
-    )
-    restored = Checkpointer(tmp_path / "ckpt", keep=2, read_only=True).restore(7, target)
+    restored = Checkpointer(tmp_path / "ckpt", keep=2, read_only=True).restore(7, run.target)
     a, b = jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(jax.device_get(restored))
     assert len(a) == len(b)
     for x, y in zip(a, b, strict=True):
         assert x.dtype == y.dtype and np.array_equal(x, y)
     assert all(
         leaf.sharding == s
-        for leaf, s in zip(jax.tree.leaves(restored), jax.tree.leaves(shardings), strict=True)
+        for leaf, s in zip(jax.tree.leaves(restored), jax.tree.leaves(run.shardings), strict=True)
     )
     ckpt.close()
 

@@ -5,11 +5,14 @@ router, and refuses impossible configs in one line.
 pytest tests/test_moe.py     # about a minute on 2 idle cores
 """
 
+import dataclasses
 import json
+import math
 import re
 import shutil
 import types
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,16 +21,22 @@ import pytest
 from jaxtrain.cluster.detect import detect
 from jaxtrain.cluster.shutdown import exit_on_user_error
 from jaxtrain.config import ConfigError, DistConfig, load_config
-from jaxtrain.model.moe import MoeMlp, active_params, balance_loss, expert_mlps, router_stats
+from jaxtrain.model.moe import (
+    MoeMlp,
+    active_params,
+    balance_loss,
+    expert_mlps,
+    grouped_matmul,
+    router_stats,
+)
 from jaxtrain.model.params import param_count
 from jaxtrain.model.transformer import GPT
 from jaxtrain.run import cli
 from jaxtrain.run import mesh as mesh_lib
-from jaxtrain.run.job import with_topology
+from jaxtrain.run.build import build
+from jaxtrain.run.job import Job
 from jaxtrain.run.loop import train
-from jaxtrain.run.optim import decay_mask, make_optimizer, muon_labels
-from jaxtrain.run.state import create_state, state_sharding
-from jaxtrain.run.step import compute_dtype, jit_steps
+from jaxtrain.run.optim import decay_mask, muon_labels
 
 # tests/test_sharding.py's tiny model with SwiGLU experts: 8 of them, 2 per token, and a shared
 # one every token passes through (split over tensor and fsdp like a dense MLP, replicated over
@@ -46,33 +55,30 @@ MESHES = {
 }  # fmt: skip
 
 
-def _train(argv, n_devices, steps=STEPS):
-    """Losses, last metrics, final params, shardings and the compiled step's HLO of `steps` steps."""
-    cfg = with_topology(load_config(MOE + argv), n_devices, 1)
-    mesh = mesh_lib.make_mesh(jax.devices()[:n_devices], cfg.mesh)
-    model, tx = GPT(cfg.model, dtype=compute_dtype(cfg)), make_optimizer(cfg)
-    state = create_state(cfg, model, tx, mesh)
-    shardings = state_sharding(mesh, state, cfg.mesh.zero1)
-    train_step, _ = jit_steps(cfg, model, tx, mesh, shardings)
-    batch_shape = jax.ShapeDtypeStruct(
-        (cfg.batch_size, cfg.model.seq_len + 1), jnp.int32, sharding=mesh_lib.batch_sharding(mesh)
-    )
-    compiled = train_step.lower(state, batch_shape).compile()
+def _train(argv, n_devices, steps=STEPS, keep_starts=False):
+    """The run built for `argv` on `n_devices` and `steps` steps of it: losses, last metrics, final
+    params and the compiled step's HLO; each step's batch and metrics (and, keep_starts, its params)."""
+    run = build(Job.of_devices(load_config(MOE + argv), jax.devices()[:n_devices]))
+    cfg, mesh, state = run.cfg, run.mesh, run.init_state()
+    compiled = run.compile_train()
     rng = np.random.default_rng(0)
     # Two batches in turn: random tokens, but seen again, so the loss must fall.
     batches = [
         rng.integers(0, 256, (cfg.batch_size, cfg.model.seq_len + 1), dtype=np.int32) for _ in range(2)
     ]
-    losses = []
+    losses, starts = [], []
     for i in range(steps):
+        start = jax.device_get(state.params) if keep_starts else None  # before the step donates it
         state, m = compiled(state, mesh_lib.global_batch(batches[i % 2], mesh, cfg.batch_size))
         losses.append(float(m["loss"]))
+        starts.append((start, batches[i % 2], m))
     return {
+        "run": run,
         "losses": np.array(losses),
         "metrics": jax.device_get(m),
         "params": jax.device_get(state.params),
-        "shardings": shardings,
         "hlo": compiled.as_text(),
+        "starts": starts,
     }
 
 
@@ -109,7 +115,7 @@ def _collectives(hlo, kind):
 
 def test_tokens_go_by_all_to_all_and_experts_stay_split(expert_parallel):
     name, run = expert_parallel
-    hlo, cfg = run["hlo"], with_topology(load_config(MOE + MESHES[name]), 8, 1)
+    hlo, cfg = run["hlo"], run["run"].cfg
     ep, fsdp = cfg.mesh.expert, cfg.mesh.fsdp
     # Per device and layer, this device's copies of its tokens (rows x T x k), a buffer for each
     # of the ep peers (XLA splits the exchange into one operand per peer): there and back, in the
@@ -121,7 +127,7 @@ def test_tokens_go_by_all_to_all_and_experts_stay_split(expert_parallel):
     # No all-gather holds tokens: its results are fsdp's params (a d_model dim split over fsdp).
     gathers = _collectives(hlo, "all-gather")
     assert all(str(cfg.model.d_model) in t for t in gathers) and (gathers != []) == (fsdp > 1), gathers
-    moe = run["shardings"].params["block_0"]["moe"]
+    moe = run["run"].shardings.params["block_0"]["moe"]
     assert moe["gate_up"]["kernel"].spec == (
         jax.sharding.PartitionSpec("expert", None, None, None)
         if fsdp == 1
@@ -135,15 +141,68 @@ def test_tokens_go_by_all_to_all_and_experts_stay_split(expert_parallel):
     )
 
 
+def _router_logits(run):
+    """(params, rows) -> every MoE layer's router logits [layers, tokens, experts], tokens in the
+    batch's order, in the step's own forward: each device's rows, its copies exchanged over the
+    expert axis with the step's drops (a layer's drops change the next layer's input)."""
+    cfg = run.cfg.model
+    moe = dataclasses.replace(cfg.moe, grouped_matmul=grouped_matmul(run.job.platform))
+    model = run.model.clone(cfg=dataclasses.replace(cfg, attention_impl=run.attention, moe=moe))
+
+    def device_logits(p, tokens):
+        with nn.logical_axis_rules(mesh_lib.EXPERT_RULES):
+            _, seen = model.apply(
+                {"params": p},
+                tokens,
+                capture_intermediates=lambda module, _: module.name == "router",
+                mutable=["intermediates"],
+            )
+        layers = sorted(seen["intermediates"].items(), key=lambda item: int(item[0].split("_")[1]))
+        return jnp.stack([block["moe"]["router"]["__call__"][0] for _, block in layers])
+
+    specs = jax.tree.map(lambda s: mesh_lib.manual_part(s.spec), run.shardings.params)
+    logits = jax.shard_map(
+        device_logits,
+        mesh=run.mesh,
+        in_specs=(specs, mesh_lib.batch_spec()),
+        out_specs=jax.sharding.PartitionSpec(None, mesh_lib.BATCH_AXES),
+        axis_names=set(mesh_lib.BATCH_AXES),
+        check_vma=False,
+    )
+    jitted = jax.jit(logits, in_shardings=(run.shardings.params, run.batch_shape.sharding))
+    return lambda params, rows: np.asarray(jitted(params, rows[:, :-1]))
+
+
+def _dropped_by_hand(logits, moe, ep, devices):
+    """(copies dropped, copies) in one step, counted with numpy from the router's top-k choices:
+    each of `devices` sends its copies of its tokens (rows x T x k) to the expert peer holding their
+    expert, ceil(capacity_factor x copies / ep) to a peer; the rest are dropped."""
+    probs = jax.nn.softmax(logits, axis=-1)
+    experts = np.asarray(jax.lax.top_k(probs, moe.experts_per_token)[1])  # [layers, tokens, k]
+    per_device = experts.reshape(experts.shape[0], devices, -1)  # the batch split in row blocks
+    peers = per_device // (moe.n_experts // ep)
+    counts = (peers[..., None] == np.arange(ep)).sum(axis=2)  # [layers, devices, ep]
+    n = per_device.shape[-1]
+    capacity = min(n, math.ceil(moe.capacity_factor * n / ep))
+    return int(np.maximum(counts - capacity, 0).sum()), per_device.size
+
+
 def test_capacity_factor_bounds_the_exchange_and_counts_what_it_drops(one_device):
     """capacity_factor 1: each peer's buffer holds a quarter of a device's copies (expert 4), not
-    all of them; copies past it are dropped, counted, and the loss stays near the dropless one."""
-    run = _train([*MESHES["expert4xdata2"], "--model.moe.capacity_factor", "1.0"], 8, steps=2)
+    all of them; copies past it are dropped, counted exactly (the share logged is the count from
+    the router's choices), and the loss stays near the dropless one."""
+    run = _train([*MESHES["expert4xdata2"], "--model.moe.capacity_factor", "1.0"], 8, 2, keep_starts=True)
     copies = 16 // 8 * 32 * 2
     to_all = _collectives(run["hlo"], "all-to-all")
     assert sum(t.count(f"f32[1,{copies // 4},64]") == 4 for t in to_all) >= 8, to_all
     assert not any(f"f32[1,{copies},64]" in t for t in to_all)
-    assert 0 < run["metrics"]["moe_dropped"] < 0.5  # the router is uneven: some peer overflows
+    cfg, router_logits = run["run"].cfg, _router_logits(run["run"])
+    devices = cfg.mesh.data * cfg.mesh.expert * cfg.mesh.fsdp
+    for params, rows, metrics in run["starts"]:
+        logits = router_logits(params, rows)
+        dropped, all_copies = _dropped_by_hand(logits, cfg.model.moe, cfg.mesh.expert, devices)
+        assert 0 < dropped < all_copies / 2  # the router is uneven: some peer overflows
+        assert float(metrics["moe_dropped"]) * all_copies == pytest.approx(dropped, abs=1e-3)
     np.testing.assert_allclose(run["losses"], one_device["losses"][:2], rtol=2e-2)
 
 

@@ -53,7 +53,9 @@ def _jsonl(path: Path, docs: list[str], key: str = "text") -> Path:
 
 
 def _parquet(path: Path, docs: list[str], column: str = "text", row_group: int = 40) -> Path:
-    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa  # a dev dependency: missing, this fails (a skip would hide the broken install)
+    import pyarrow.parquet as pq
+
     pq.write_table(pa.table({column: docs, "n": list(range(len(docs)))}), path, row_group_size=row_group)
     return path
 
@@ -113,7 +115,6 @@ def test_jsonl_and_parquet_shards_the_same_for_any_worker_count(tmp_path: Path) 
 
 
 def test_bpe_trained_and_brought(tmp_path: Path) -> None:
-    pytest.importorskip("tokenizers")
     text = _corpus(tmp_path / "in")
     out = tmp_path / "out"
     result = prepare_corpus(

@@ -4,6 +4,7 @@ less state per device, the collectives FSDP promises, and bad meshes refused.
 pytest tests/test_sharding.py     # about 1 minute on 2 cores
 """
 
+import functools
 import json
 import re
 
@@ -14,35 +15,30 @@ import pytest
 from jaxtrain.cluster.detect import detect
 from jaxtrain.config import ConfigError, DistConfig, load_config
 from jaxtrain.errors import UserError
-from jaxtrain.faults import NO_FAULTS, FaultPlan
-from jaxtrain.model.transformer import GPT
+from jaxtrain.faults import FaultPlan
 from jaxtrain.observe import memory
 from jaxtrain.observe.memory import check_compiled
 from jaxtrain.run import mesh as mesh_lib
-from jaxtrain.run.job import with_topology
+from jaxtrain.run.build import build
+from jaxtrain.run.job import Job, with_topology
 from jaxtrain.run.loop import train
-from jaxtrain.run.optim import make_optimizer
-from jaxtrain.run.state import create_state, state_sharding
-from jaxtrain.run.step import compute_dtype, jit_steps
 
 # 4 heads so tensor 2 splits them; clipping on, so the global norm must agree across layouts.
 TINY = ["--config", "configs/tiny.yaml", "--optim.warmup_steps", "0", "--model.n_head", "4"]
 STEPS = 10
 
 
-def _setup(argv, faults=NO_FAULTS):
-    cfg = with_topology(load_config(TINY + argv), 8, 1)
-    mesh = mesh_lib.make_mesh(shape=cfg.mesh)
-    model, tx = GPT(cfg.model, dtype=compute_dtype(cfg)), make_optimizer(cfg)
-    state = create_state(cfg, model, tx, mesh)
-    shardings = state_sharding(mesh, state, cfg.mesh.zero1)
-    train_step, eval_step = jit_steps(cfg, model, tx, mesh, shardings, faults)
-    return cfg, mesh, state, shardings, train_step, eval_step
+@functools.cache
+def _build(argv: tuple[str, ...], faults: FaultPlan | None = None):
+    """The run the product builds for these flags on the 8 devices; a layout two tests use is
+    built (and its steps traced and compiled) once."""
+    return build(Job.of_devices(load_config([*TINY, *argv]), jax.devices()), faults)
 
 
 def _train(argv):
     """(losses over STEPS steps, state bytes per device, final params) for one layout."""
-    cfg, mesh, state, shardings, train_step, _ = _setup(argv)
+    run = _build(tuple(argv))
+    cfg, mesh, state = run.cfg, run.mesh, run.init_state()
     rng = np.random.default_rng(0)
     # Two batches in turn: random tokens, but seen again, so the loss must fall.
     batches = [
@@ -51,9 +47,9 @@ def _train(argv):
     losses = []
     for i in range(STEPS):
         rows = batches[i % 2]
-        state, m = train_step(state, mesh_lib.global_batch(rows, mesh, cfg.batch_size))
+        state, m = run.train_step(state, mesh_lib.global_batch(rows, mesh, cfg.batch_size))
         losses.append(float(m["loss"]))
-    specs = jax.tree.map(lambda s: s.spec, shardings)
+    specs = jax.tree.map(lambda s: s.spec, run.shardings)
     return np.array(losses), mesh_lib.bytes_per_device(state, specs, mesh), jax.device_get(state.params)
 
 
@@ -96,11 +92,9 @@ def test_every_mesh_trains_like_data_parallelism(data_parallel, argv):
 
 
 def _hlo(argv):
-    cfg, mesh, state, _, train_step, _ = _setup(argv)
-    batch = jax.ShapeDtypeStruct(
-        (cfg.batch_size, cfg.model.seq_len + 1), np.int32, sharding=mesh_lib.batch_sharding(mesh)
-    )
-    return state, train_step.lower(state, batch).compile().as_text()
+    """(the run's state shapes, its compiled train step's HLO)."""
+    run = _build(tuple(argv))
+    return run.abstract, run.compile_train().as_text()
 
 
 def _all_reduce_sizes(hlo):
@@ -128,7 +122,8 @@ def test_fsdp_reduce_scatters_gradients_and_never_all_reduces_them():
 
 
 def test_params_and_moments_are_split_the_same_way():
-    _, mesh, state, shardings, _, _ = _setup(["--mesh.data", "1", "--mesh.fsdp", "4", "--mesh.tensor", "2"])
+    run = _build(("--mesh.data", "1", "--mesh.fsdp", "4", "--mesh.tensor", "2"))
+    state, shardings = run.init_state(), run.shardings
     qkv = shardings.params["block_0"]["attn"]["qkv"]["kernel"].spec
     assert qkv == jax.sharding.PartitionSpec("fsdp", None, "tensor", None)  # embed on fsdp, heads on tensor
     assert shardings.params["wte"]["embedding"].spec == jax.sharding.PartitionSpec("tensor", "fsdp")
@@ -142,7 +137,7 @@ def test_params_and_moments_are_split_the_same_way():
 
 
 def test_zero1_splits_only_the_optimizer_state_over_data():
-    _, _, _, shardings, _, _ = _setup(["--mesh.zero1", "true"])
+    shardings = _build(("--mesh.zero1", "true")).shardings
     assert all(
         s.spec == jax.sharding.PartitionSpec() or not any(s.spec) for s in jax.tree.leaves(shardings.params)
     )
@@ -178,19 +173,9 @@ def test_bad_meshes_are_one_line_errors(argv, message):
 
 
 def test_non_finite_skip_and_bfloat16_under_fsdp_and_tensor():
-    cfg, mesh, state, _, train_step, _ = _setup(
-        [
-            "--mesh.data",
-            "1",
-            "--mesh.fsdp",
-            "4",
-            "--mesh.tensor",
-            "2",
-            "--dtype",
-            "bfloat16",
-        ],
-        FaultPlan(nan_step=2),
-    )
+    flags = ("--mesh.data", "1", "--mesh.fsdp", "4", "--mesh.tensor", "2", "--dtype", "bfloat16")
+    run = _build(flags, FaultPlan(nan_step=2))
+    cfg, mesh, state, train_step = run.cfg, run.mesh, run.init_state(), run.train_step
     rows = np.random.default_rng(0).integers(0, 256, (cfg.batch_size, cfg.model.seq_len + 1), dtype=np.int32)
     batch = mesh_lib.global_batch(rows, mesh, cfg.batch_size)
     state, m1 = train_step(state, batch)
@@ -261,7 +246,7 @@ def test_muon_trains_under_fsdp_and_tensor_like_data_parallelism(data_parallel_m
 
 
 def test_muon_momentum_is_split_like_its_param():
-    _, _, _, shardings, _, _ = _setup(MUON + ["--mesh.data", "1", "--mesh.fsdp", "4", "--mesh.tensor", "2"])
+    shardings = _build((*MUON, "--mesh.data", "1", "--mesh.fsdp", "4", "--mesh.tensor", "2")).shardings
     params, groups = shardings.params, shardings.opt_state.inner_states
     muon_mu = groups["muon"].inner_state[0].mu
     for path in (("attn", "qkv", "kernel"), ("attn", "out", "kernel"), ("mlp", "fc", "kernel")):

@@ -1,6 +1,5 @@
 """The train step on 8 fake CPU devices: learning, data-parallel and accumulation equivalence."""
 
-import dataclasses
 import re
 
 import jax
@@ -12,27 +11,34 @@ from jaxtrain.errors import UserError
 from jaxtrain.faults import FaultPlan
 from jaxtrain.model.transformer import GPT
 from jaxtrain.run import mesh as mesh_lib
-from jaxtrain.run.job import with_topology
-from jaxtrain.run.optim import decay_mask, make_optimizer
-from jaxtrain.run.state import create_state, state_sharding
-from jaxtrain.run.step import compute_dtype, jit_steps
+from jaxtrain.run.build import build
+from jaxtrain.run.job import Job, with_topology
+from jaxtrain.run.optim import decay_mask
 
 TINY = ["--config", "configs/tiny.yaml", "--optim.warmup_steps", "0", "--gradient_clip_val", "0"]
 
 
-def _run(argv, devices, batches, wd=None):
-    """Train on `batches` with a mesh over `devices`; return (losses, grad norms, params)."""
-    cfg = load_config(TINY + argv)
-    if wd is not None:
-        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, weight_decay=wd))
-    mesh = mesh_lib.make_mesh(devices)
-    model = GPT(cfg.model, dtype=compute_dtype(cfg))
-    tx = make_optimizer(cfg)
-    state = create_state(cfg, model, tx, mesh)
-    train_step, _ = jit_steps(cfg, model, tx, mesh, state_sharding(mesh, state))
+def _build(argv, devices, faults=None):
+    """The run the product builds for these flags on `devices` (data parallel over all of them)."""
+    return build(Job.of_devices(load_config(TINY + argv), devices), faults)
+
+
+@pytest.fixture(scope="module")
+def eight_devices():
+    return _build([], jax.devices())
+
+
+@pytest.fixture(scope="module")
+def four_microbatches():
+    return _build(["--batch_size", "32", "--gradient_accumulation_steps", "4"], jax.devices())
+
+
+def _run(run, batches):
+    """Train `run` from its fresh state on `batches`; return (losses, grad norms, params)."""
+    state = run.init_state()
     losses, norms = [], []
     for b in batches:
-        state, m = train_step(state, mesh_lib.global_batch(b, mesh, b.shape[0]))
+        state, m = run.train_step(state, mesh_lib.global_batch(b, run.mesh, b.shape[0]))
         losses.append(float(m["loss"]))
         norms.append(float(m["grad_norm"]))
     return np.array(losses), np.array(norms), jax.device_get(state.params)
@@ -48,41 +54,34 @@ def _close(a, b, rtol=2e-5, atol=2e-6):
         np.testing.assert_allclose(x, y, rtol=rtol, atol=atol)
 
 
-def test_loss_falls_on_a_repeated_batch():
+def test_loss_falls_on_a_repeated_batch(eight_devices):
     batch = _batches(1)[0]
-    losses, _, _ = _run([], jax.devices(), [batch] * 30)
+    losses, _, _ = _run(eight_devices, [batch] * 30)
     assert losses[0] > 5.0  # ~ln(256) at init
     assert losses[-1] < losses[0] - 1.0, losses
 
 
-def test_eight_devices_equal_one_device():
+def test_eight_devices_equal_one_device(eight_devices):
     batches = _batches(4)
-    l8, n8, p8 = _run([], jax.devices(), batches)
-    l1, n1, p1 = _run([], jax.devices()[:1], batches)
+    l8, n8, p8 = _run(eight_devices, batches)
+    l1, n1, p1 = _run(_build([], jax.devices()[:1]), batches)
     np.testing.assert_allclose(l8, l1, rtol=1e-5)
     np.testing.assert_allclose(n8, n1, rtol=1e-4)
     _close(p8, p1, rtol=1e-4, atol=1e-5)
 
 
-def test_four_microbatches_equal_one_four_times_batch():
+def test_four_microbatches_equal_one_four_times_batch(four_microbatches):
     batches = _batches(3, rows=32)
-    la, na, pa = _run(["--batch_size", "32", "--gradient_accumulation_steps", "4"], jax.devices(), batches)
-    lb, nb, pb = _run(["--batch_size", "32"], jax.devices(), batches)
+    la, na, pa = _run(four_microbatches, batches)
+    lb, nb, pb = _run(_build(["--batch_size", "32"], jax.devices()), batches)
     np.testing.assert_allclose(la, lb, rtol=1e-5)
     np.testing.assert_allclose(na, nb, rtol=1e-4)
     _close(pa, pb, rtol=1e-4, atol=1e-5)
 
 
-def test_gradients_are_reduced_once_per_step():
+def test_gradients_are_reduced_once_per_step(four_microbatches):
     """With 4 microbatches the compiled step still holds exactly one gradient all-reduce."""
-    cfg = load_config(TINY + ["--batch_size", "32", "--gradient_accumulation_steps", "4"])
-    mesh = mesh_lib.make_mesh()
-    model = GPT(cfg.model, dtype=compute_dtype(cfg))
-    tx = make_optimizer(cfg)
-    state = create_state(cfg, model, tx, mesh)
-    train_step, _ = jit_steps(cfg, model, tx, mesh, state_sharding(mesh, state))
-    batch = mesh_lib.global_batch(_batches(1, rows=32)[0], mesh, 32)
-    hlo = train_step.lower(state, batch).compile().as_text()
+    hlo = four_microbatches.compile_train().as_text()
     computations = dict(re.findall(r"^(?:ENTRY )?(%[\w.\-]+) .*?\{\n(.*?)\n\}", hlo, re.M | re.S))
     bodies = re.findall(r"body=(%[\w.\-]+)", hlo)
     assert bodies, "the microbatch scan should compile to a while loop"
@@ -91,12 +90,15 @@ def test_gradients_are_reduced_once_per_step():
     # Exactly one all-reduce in the whole program: every gradient and the loss, in one collective.
     defs = [line for line in hlo.splitlines() if re.search(r"= .*\ball-reduce(-start)?\(", line)]
     assert len(defs) == 1, defs
-    assert defs[0].split(" all-reduce")[0].count("f32[") == len(jax.tree.leaves(state.params)) + 1, defs[0]
+    assert (
+        defs[0].split(" all-reduce")[0].count("f32[")
+        == len(jax.tree.leaves(four_microbatches.abstract.params)) + 1
+    ), defs[0]
 
 
 def test_bfloat16_trains_with_float32_params():
     batch = _batches(1)[0]
-    losses, _, params = _run(["--dtype", "bfloat16"], jax.devices(), [batch] * 20)
+    losses, _, params = _run(_build(["--dtype", "bfloat16"], jax.devices()), [batch] * 20)
     assert all(x.dtype == np.float32 for x in jax.tree.leaves(params))
     assert np.isfinite(losses).all() and losses[-1] < losses[0] - 0.5, losses
 
@@ -119,12 +121,9 @@ def test_weight_decay_touches_matrices_only():
 
 
 def test_a_non_finite_step_changes_nothing_and_is_counted():
-    cfg = load_config(TINY)
-    mesh = mesh_lib.make_mesh()
-    model, tx = GPT(cfg.model), make_optimizer(cfg)
-    state = create_state(cfg, model, tx, mesh)
-    train_step, _ = jit_steps(cfg, model, tx, mesh, state_sharding(mesh, state), FaultPlan(nan_step=2))
-    batch = mesh_lib.global_batch(_batches(1)[0], mesh, 16)
+    run = _build([], jax.devices(), FaultPlan(nan_step=2))
+    state, train_step = run.init_state(), run.train_step
+    batch = mesh_lib.global_batch(_batches(1)[0], run.mesh, 16)
     state, m1 = train_step(state, batch)
     before = jax.device_get((state.params, state.opt_state))
     state, m2 = train_step(state, batch)  # step 2: device 0's gradient is NaN, pmean spreads it
