@@ -23,9 +23,8 @@ from jaxtrain.data.framing import with_framing
 from jaxtrain.model.transformer import GPT
 from jaxtrain.prepare.chat import prepare_chat
 from jaxtrain.run import mesh as mesh_lib
-from jaxtrain.run.optim import make_optimizer
-from jaxtrain.run.state import create_state, state_sharding
-from jaxtrain.run.step import compute_dtype, jit_steps
+from jaxtrain.run.build import build
+from jaxtrain.run.job import Job
 from jaxtrain.text.chat_template import ChatFormat, stop_tokens
 from jaxtrain.text.format import NO_LOSS, TOKEN_BITS
 from jaxtrain.tokenizer import BPETokenizer
@@ -235,12 +234,8 @@ def _step_losses(cfg, batch, devices, accum=1):
 
     key = (len(devices), accum)
     if key not in _STEPS:
-        cfg = dataclasses.replace(cfg, gradient_accumulation_steps=accum)
-        mesh = mesh_lib.make_mesh(devices)
-        model = GPT(cfg.model, dtype=compute_dtype(cfg))
-        tx = make_optimizer(cfg)
-        state = create_state(cfg, model, tx, mesh)
-        _STEPS[key] = (mesh, state, *jit_steps(cfg, model, tx, mesh, state_sharding(mesh, state)))
+        run = build(Job.of_devices(dataclasses.replace(cfg, gradient_accumulation_steps=accum), devices))
+        _STEPS[key] = (run.mesh, run.init_state(), run.train_step, run.eval_step)
     mesh, state, train_step, eval_step = _STEPS[key]
     global_batch = mesh_lib.global_batch(batch, mesh, batch.shape[0])
     val = eval_step(state.params, global_batch)["loss"]  # its metrics carry the kept count too
@@ -268,7 +263,7 @@ def test_masked_loss_is_the_same_on_one_device_and_on_eight_with_accumulation(ma
     # The loss is the mean over kept targets of the whole batch, not a mean of row means:
     # by hand from the model's own logits.
     model = GPT(cfg.model)
-    params = create_state(cfg, model, make_optimizer(cfg), mesh_lib.make_mesh(jax.devices()[:1])).params
+    params = _STEPS[(1, 1)][1].params  # the same seed's params, already made
     ids = batch & TOKEN_BITS
     logits = np.asarray(model.apply({"params": jax.device_get(params)}, ids[:, :-1]), np.float64)
     logp = (

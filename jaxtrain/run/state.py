@@ -56,10 +56,3 @@ def state_sharding(mesh: Mesh, abstract: TrainState, zero1: bool = False) -> Any
     """NamedSharding of every leaf: params by their logical axes, moments like their params."""
     specs = mesh_lib.state_specs(abstract, param_axes(abstract.params), mesh, zero1)
     return mesh_lib.shardings(mesh, specs)
-
-
-def create_state(cfg: Config, model: GPT, tx: optax.GradientTransformation, mesh: Mesh) -> TrainState:
-    """Initialise directly into the target shardings: full params never sit on one device."""
-    shardings = state_sharding(mesh, abstract_state(cfg, model, tx), cfg.mesh.zero1)
-    init = jax.jit(lambda rng: init_state(cfg, model, tx, rng), out_shardings=shardings)
-    return init(jax.random.key(cfg.seed))
