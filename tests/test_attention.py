@@ -32,16 +32,16 @@ def test_kernel_runs_on_each_devices_rows_and_heads_inside_the_steps_shard_map()
     q, k, v = jax.random.normal(jax.random.key(0), (3, 8, 16, 4, 8))  # [B, T, N, H] each
     seen = []
 
-    def kernel(q, k, v):
+    def kernel(q, k, v, segments=None):
         seen.append(q.shape)
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
 
     def loss(q, k, v):
-        return jnp.sum(attention._per_device(kernel, q, k, v) ** 2)
+        return jnp.sum(attention._per_device(kernel, q, k, v, None) ** 2)
 
     def local(q, k, v):  # as the step runs the model: manual over the batch axes, tensor automatic
         with nn.logical_axis_rules(mesh_lib.ACTIVATION_RULES):
-            out = attention._per_device(kernel, q, k, v)
+            out = attention._per_device(kernel, q, k, v, None)
             return out, *jax.grad(loss, (0, 1, 2))(q, k, v)  # differentiated inside, as the step does
 
     batch = P(mesh_lib.BATCH_AXES)

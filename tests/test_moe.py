@@ -301,7 +301,7 @@ def test_bad_moe_config_is_one_line_exit_2(argv, message, tmp_path, capfd):
 
 @pytest.mark.parametrize(
     "sizes, crosses",
-    [((2, 4, 1, 1), False), ((1, 4, 2, 1), True), ((1, 8, 1, 1), True), ((2, 2, 2, 1), False)],
+    [((2, 4, 1, 1, 1), False), ((1, 4, 2, 1, 1), True), ((1, 8, 1, 1, 1), True), ((2, 2, 2, 1, 1), False)],
     ids=["expert4xdata2", "expert4xfsdp2", "expert8", "expert2xfsdp2xdata2"],
 )
 def test_an_expert_axis_across_hosts_is_warned_of_once(sizes, crosses):
