@@ -3,8 +3,7 @@
 Llama    SwiGLU, rotary, grouped-query attention, no biases          (Mistral reads as Llama)
 Qwen2    the same with q/k/v biases
 Qwen3    the same with RMSNorm of each head's q and k (no biases)
-Mixtral     Llama's attention, every MLP a mixture of experts (renormalised top-k)
-Qwen3-MoE   Qwen3's attention, MoE every decoder_sparse_step-th layer (norm_topk_prob: renormalised)
+Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3: mixtures of experts (hf/moe.py)
 """
 
 from __future__ import annotations
@@ -16,11 +15,9 @@ from typing import Any
 from jaxtrain.config import ModelConfig, MoeConfig
 from jaxtrain.errors import UserError
 from jaxtrain.hf import hf_dir
+from jaxtrain.hf.moe import MOE_ARCHS, REFUSED, mla_keys, moe_architecture, moe_hf, moe_keys
 
-SUPPORTED = (
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM",
-    "Qwen3MoeForCausalLM",
-)  # fmt: skip
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", *MOE_ARCHS)
 # A model dir's context can be far longer than anyone trains here by default.
 DEFAULT_SEQ_LEN = 2048
 
@@ -61,6 +58,8 @@ def _rope_keys(hf: dict[str, Any], where: str) -> dict[str, Any]:
 def model_keys(hf: dict[str, Any], where: str) -> dict[str, Any]:
     """The model.* config keys (dotted) of a Hugging Face config, or a one-line refusal."""
     arch = (hf.get("architectures") or ["?"])[0]
+    if arch in REFUSED:
+        raise UserError(f"{where}: architecture {arch} needs {REFUSED[arch]}, which jaxtrain does not have")
     if arch not in SUPPORTED:
         raise UserError(
             f"{where}: architecture {arch} is not supported; jaxtrain reads {', '.join(SUPPORTED)}"
@@ -72,47 +71,26 @@ def model_keys(hf: dict[str, Any], where: str) -> dict[str, Any]:
         raise UserError(f"{where}: attention_bias (a bias on the output projection too) is not supported")
     d, n = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or d // n
+    deepseek = arch == "DeepseekV3ForCausalLM"
+    attention = mla_keys(hf, where) if deepseek else {
+        "model.n_kv_head": hf.get("num_key_value_heads") or n,
+        "model.head_dim": 0 if head_dim * n == d else head_dim,
+    }  # fmt: skip
     return {
         "model.vocab_size": hf["vocab_size"],
         "model.d_model": d,
         "model.n_layer": hf["num_hidden_layers"],
         "model.n_head": n,
-        "model.n_kv_head": hf.get("num_key_value_heads") or n,
-        "model.head_dim": 0 if head_dim * n == d else head_dim,
+        **attention,
         "model.d_ff": hf["intermediate_size"],
         "model.mlp": "swiglu",
         "model.pos_embedding": "rope",
         **_rope_keys(hf, where),
         "model.norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "model.tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "model.qkv_bias": qwen2,
+        "model.qkv_bias": qwen2 or arch == "Qwen2MoeForCausalLM" and bool(hf.get("qkv_bias", True)),
         "model.qk_norm": qwen3,
-        **_moe_keys(hf, arch, where),
-    }
-
-
-def _moe_keys(hf: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
-    """model.moe.* of Mixtral and Qwen3-MoE. Hugging Face's balancing loss is experts_per_token
-    times ours (model/moe.py balance_loss): its coefficient is scaled to give the same loss."""
-    if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
-        return {}
-    k = hf["num_experts_per_tok"]
-    keys = {
-        "model.moe.n_experts": hf.get("num_local_experts") or hf["num_experts"],
-        "model.moe.experts_per_token": k,
-        "model.moe.balance_coef": float(hf.get("router_aux_loss_coef", 0.0)) * k,
-    }
-    if arch == "MixtralForCausalLM":
-        return keys | {"model.moe.d_expert": hf["intermediate_size"], "model.moe.renormalize": True}
-    if hf.get("mlp_only_layers"):
-        raise UserError(
-            f"{where}: mlp_only_layers {hf['mlp_only_layers']} (dense layers at chosen places) is not "
-            "supported; jaxtrain places MoE layers every decoder_sparse_step-th layer"
-        )
-    return keys | {
-        "model.moe.d_expert": hf["moe_intermediate_size"],
-        "model.moe.every": hf.get("decoder_sparse_step", 1),
-        "model.moe.renormalize": bool(hf.get("norm_topk_prob", False)),
+        **(moe_keys(hf, arch) if arch in MOE_ARCHS else {}),
     }
 
 
@@ -178,24 +156,9 @@ def architecture(m: ModelConfig) -> str:
         )
     if m.qk_norm and m.qkv_bias:
         raise UserError("qk_norm with qkv_bias matches no Hugging Face class (Qwen3 biases o_proj too)")
-    if m.moe.n_experts:
-        return _moe_architecture(m)
+    if m.moe.n_experts or m.mla:
+        return moe_architecture(m)
     return "Qwen3ForCausalLM" if m.qk_norm else "Qwen2ForCausalLM" if m.qkv_bias else "LlamaForCausalLM"
-
-
-def _moe_architecture(m: ModelConfig) -> str:
-    """Mixtral (Llama's attention, every layer MoE, renormalised) or Qwen3-MoE (q/k norms)."""
-    if m.moe.n_shared_experts or m.qkv_bias:
-        raise UserError(
-            "a mixture of experts with shared experts or q/k/v biases matches no class jaxtrain writes "
-            "(Mixtral, Qwen3-MoE); train without them to export"
-        )
-    if not m.qk_norm and (m.moe.every != 1 or not m.moe.renormalize):
-        raise UserError(
-            "Mixtral has experts in every layer and renormalised top-k weights: use model.moe.every 1 "
-            "and model.moe.renormalize true, or model.qk_norm true (Qwen3-MoE) to export"
-        )
-    return "Qwen3MoeForCausalLM" if m.qk_norm else "MixtralForCausalLM"
 
 
 def _rope_parameters(m: ModelConfig) -> dict[str, Any]:
@@ -240,24 +203,8 @@ def to_hf(m: ModelConfig, dtype: str) -> dict[str, Any]:
     }
     if arch != "LlamaForCausalLM":
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=m.n_layer)
-    if m.moe.n_experts:
-        k = m.moe.experts_per_token
-        out.update(
-            num_local_experts=m.moe.n_experts,
-            num_experts=m.moe.n_experts,  # Qwen3-MoE's name in transformers 4
-            num_experts_per_tok=k,
-            router_aux_loss_coef=m.moe.balance_coef / k,
-            output_router_logits=False,
-        )
-        if arch == "MixtralForCausalLM":
-            out["intermediate_size"] = m.moe.d_expert or m.ff_dim
-        else:
-            out.update(
-                moe_intermediate_size=m.moe.d_expert or m.ff_dim,
-                decoder_sparse_step=m.moe.every,
-                mlp_only_layers=[],
-                norm_topk_prob=m.moe.renormalize,
-            )
+    if arch in MOE_ARCHS:
+        out.update(moe_hf(m, arch))
     return out
 
 
@@ -267,4 +214,6 @@ _MODEL_TYPES = {
     "Qwen3ForCausalLM": "qwen3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }

@@ -69,9 +69,16 @@ def rope_frequencies(cfg: ModelConfig, h: int) -> jax.Array:
     return jnp.where(medium, smoothed, scaled)
 
 
-def rope(x: jax.Array, theta: float, positions: jax.Array | None = None, inv_freq: Any = None) -> jax.Array:
+def rope(
+    x: jax.Array,
+    theta: float,
+    positions: jax.Array | None = None,
+    inv_freq: Any = None,
+    interleaved: bool = False,
+) -> jax.Array:
     """Rotate [B, T, N, H] by position ([T] or per row [B, T]; default 0..T-1; rotate-half layout),
-    in float32; inv_freq: the frequencies (default theta's plain ones)."""
+    in float32; inv_freq: the frequencies (default theta's plain ones). interleaved: the pairs are
+    (x0, x1), (x2, x3), ..., rotated and returned as [evens | odds] (DeepSeek's, model/mla.py)."""
     t, h = x.shape[1], x.shape[3]
     positions = jnp.arange(t) if positions is None else positions
     if inv_freq is None:
@@ -80,6 +87,6 @@ def rope(x: jax.Array, theta: float, positions: jax.Array | None = None, inv_fre
     cos = jnp.cos(angles)[..., None, :]  # [(B,) T, 1, H/2]: over heads
     sin = jnp.sin(angles)[..., None, :]
     xf = x.astype(jnp.float32)
-    x1, x2 = xf[..., : h // 2], xf[..., h // 2 :]
+    x1, x2 = (xf[..., 0::2], xf[..., 1::2]) if interleaved else (xf[..., : h // 2], xf[..., h // 2 :])
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)

@@ -22,6 +22,11 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     ("attn", "kv", "kernel"): ("embed", None, "heads", None),
     ("attn", "kv", "bias"): (None, "heads", None),
     ("attn", "out", "kernel"): ("heads", None, "embed"),
+    # Multi-head latent attention (model/mla.py): the latents whole, the heads from them split.
+    ("attn", "q_a", "kernel"): ("embed", None),
+    ("attn", "q_b", "kernel"): (None, "heads", None),
+    ("attn", "kv_a", "kernel"): ("embed", None),
+    ("attn", "kv_b", "kernel"): (None, "heads", None),
     ("mlp", "fc", "kernel"): ("embed", "mlp"),
     ("mlp", "gate_up", "kernel"): ("embed", None, "mlp"),
     ("mlp", "out", "kernel"): ("mlp", "embed"),
@@ -30,9 +35,11 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     ("moe", "gate_up", "kernel"): ("expert", "embed", None, "mlp"),
     ("moe", "fc", "kernel"): ("expert", "embed", "mlp"),
     ("moe", "out", "kernel"): ("expert", "mlp", "embed"),
-    ("moe", "shared_gate_up", "kernel"): ("embed", None, "mlp"),
-    ("moe", "shared_fc", "kernel"): ("embed", "mlp"),
-    ("moe", "shared_out", "kernel"): ("mlp", "embed"),
+    ("moe", "router_bias"): (None,),
+    ("moe", "shared", "gate_up", "kernel"): ("embed", None, "mlp"),
+    ("moe", "shared", "fc", "kernel"): ("embed", "mlp"),
+    ("moe", "shared", "out", "kernel"): ("mlp", "embed"),
+    ("moe", "shared_gate", "kernel"): ("embed", None),
     ("scale",): (None,),  # norm scales: small, replicated
 }
 

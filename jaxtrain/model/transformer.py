@@ -29,32 +29,12 @@ import jax.numpy as jnp
 from jaxtrain.config import ModelConfig
 from jaxtrain.model.attention import Attention
 from jaxtrain.model.documents import Documents, documents
-from jaxtrain.model.layers import cache_index, constrain, dense, norm, residual_std
+from jaxtrain.model.layers import cache_index, constrain, norm
+from jaxtrain.model.mlp import Mlp
 from jaxtrain.model.moe import MoeMlp, is_moe_layer
 
 # gather(variables, where=module name) -> the variables a layer computes with (see GPT.gather)
 Gather = Callable[..., Any]
-
-
-class Mlp(nn.Module):
-    """Two-layer GELU feed-forward, or SwiGLU (gate and up as one [d, 2, ff] matmul, then down)."""
-
-    cfg: ModelConfig
-    dtype: Any
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        cfg = self.cfg
-        if cfg.mlp == "swiglu":
-            gate_up = dense((2, cfg.ff_dim), cfg.init_std, self.dtype, "gate_up")(x)  # [B, T, 2, ff]
-            gate_up = constrain(gate_up, "batch", "length", None, "mlp")
-            gate, up = (x[:, :, 0] for x in jnp.split(gate_up, 2, axis=2))
-            h = nn.silu(gate) * up
-        else:
-            h = nn.gelu(dense(cfg.ff_dim, cfg.init_std, self.dtype, "fc")(x))
-        h = constrain(h, "batch", "length", "mlp")
-        out = dense(x.shape[-1], residual_std(self.cfg), self.dtype, "out")(h)
-        return constrain(out, "batch", "length", "embed")
 
 
 class Block(nn.Module):
@@ -155,9 +135,10 @@ def flops_per_token(cfg: ModelConfig, n_params: int) -> float:
     6N counts the forward (2N) and backward (4N) multiply-adds of every weight matmul,
     with the tied embedding counted once as the output projection (an untied input embedding
     is a lookup: not counted); 12 * L * d * T (d: heads x head size) adds the
-    attention scores and weighted sum (QK^T and AV, forward and backward), as in PaLM
+    attention scores and weighted sum (QK^T and AV, forward and backward; 6 * L * heads x (key
+    head + value head) * T where their sizes differ, as MLA's), as in PaLM
     (Chowdhery et al. 2022, appendix B) and nanoGPT's estimate_mfu. Causal masking is
     not discounted, so this slightly overstates attention work.
     """
     matmul_params = n_params - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
-    return 6.0 * matmul_params + 12.0 * cfg.n_layer * cfg.n_head * cfg.head_size * cfg.seq_len
+    return 6.0 * matmul_params + 6.0 * cfg.n_layer * cfg.n_head * (cfg.head_size + cfg.v_size) * cfg.seq_len
