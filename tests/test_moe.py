@@ -46,9 +46,10 @@ MESHES = {
 }  # fmt: skip
 
 
-def _train(argv, n_devices, steps=STEPS):
-    """Losses, last metrics, final params, shardings and the compiled step's HLO of `steps` steps."""
-    cfg = with_topology(load_config(MOE + argv), n_devices, 1)
+def _train(argv, n_devices, steps=STEPS, base=MOE):
+    """Losses, last metrics, final params, shardings and the compiled step's HLO of `steps` steps
+    of the `base` model (tests/test_deepseek.py's too)."""
+    cfg = with_topology(load_config(base + argv), n_devices, 1)
     mesh = mesh_lib.make_mesh(jax.devices()[:n_devices], cfg.mesh)
     model, tx = GPT(cfg.model, dtype=compute_dtype(cfg)), make_optimizer(cfg)
     state = create_state(cfg, model, tx, mesh)

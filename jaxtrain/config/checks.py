@@ -86,7 +86,7 @@ def check(cfg: Config) -> None:
             f"document_mask off but model.doc_bos {m.doc_bos} / doc_eos {m.doc_eos} ask for a document "
             "mask; drop --model.doc_bos/--model.doc_eos, or --document_mask off"
         )
-    if m.pos_embedding == "rope" and m.head_size % 2:
+    if m.pos_embedding == "rope" and m.head_size % 2 and not m.mla:  # MLA's: _check_mla
         raise ConfigError(f"rotary positions need an even head size, got {m.head_size}")
     _check_mla(m)
     if cfg.batch_size % cfg.gradient_accumulation_steps:
