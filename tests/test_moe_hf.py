@@ -96,7 +96,8 @@ FAMILIES = {
             num_hidden_layers=3,
         ),
     ),
-    # queries projected directly, one group, weights as the scores give them (no renormalising)
+    # queries projected directly, one group, weights as the scores give them (no renormalising),
+    # YaRN rotary scaling with both attention factors (rotary parts and scores) unlike 1
     "deepseek_v3_direct_q": (
         DeepseekV3Config,
         DeepseekV3ForCausalLM,
@@ -202,9 +203,12 @@ def test_import_export_agree_with_transformers(hf_model, tmp_path):
                 **COMMON, "architectures": ["DeepseekV3ForCausalLM"], "intermediate_size": 96,
                 "num_key_value_heads": 4, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
                 "v_head_dim": 8, "n_routed_experts": 4, "moe_intermediate_size": 32, "n_shared_experts": 1,
-                "rope_scaling": {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096},
+                "rope_scaling": {
+                    "type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                    "attention_factor": 2.0,
+                },
             },
-            "rope_type 'yarn' is not supported (plain rotary positions, or llama3)",
+            "rope_type 'yarn' is not supported (plain rotary positions, llama3, or yarn without",
         ),
     ],
     ids=["olmoe", "gpt-oss", "llama4", "deepseek-yarn"],

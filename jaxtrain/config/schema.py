@@ -81,11 +81,18 @@ class ModelConfig:
     tie_embeddings: bool = True  # False: a separate output head (lm_head)
     qk_norm: bool = False  # RMSNorm of each head's q and k before rotary positions (Qwen3)
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
-    # Llama 3.1's rotary frequencies (rope_type llama3) when > 0: the long ones slowed by this factor
+    # Scaled rotary frequencies when > 0 (rope_type): the long ones slowed by this factor
     rope_scaling_factor: float = 0.0
+    rope_type: str = "llama3"  # llama3 (Llama 3.1's) | yarn (YaRN, DeepSeek-V3's and Qwen's long context)
     rope_low_freq_factor: float = 1.0  # Llama 3.1 rotary scaling: low-frequency factor
     rope_high_freq_factor: float = 4.0  # Llama 3.1 rotary scaling: high-frequency factor
     rope_original_context: int = 8192  # Llama 3.1 rotary scaling: the context it was trained at
+    rope_beta_fast: float = 32.0  # YaRN: rotations past which a frequency is kept (extrapolated)
+    rope_beta_slow: float = 1.0  # YaRN: rotations under which a frequency is divided by the factor
+    # YaRN's attention factors (DeepSeek: 1 and 1; 0 = unset, as Hugging Face's): rotary parts scaled
+    # by mscale(mscale) / mscale(mscale_all_dim), and latent attention's scores by mscale(all_dim)^2
+    rope_mscale: float = 0.0
+    rope_mscale_all_dim: float = 0.0
     # Multi-head latent attention (DeepSeek-V2/V3, model/mla.py) when kv_lora_rank > 0: keys and
     # values from one latent of this size (RMSNorm'd), plus a rotary key part shared by every head
     kv_lora_rank: int = 0

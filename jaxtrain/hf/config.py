@@ -39,19 +39,33 @@ def read(directory: Path) -> dict[str, Any]:
 
 
 def _rope_keys(hf: dict[str, Any], where: str) -> dict[str, Any]:
-    """model.rope_* keys: plain rotary positions, or Llama 3.1's scaled ones (rope_type llama3)."""
+    """model.rope_* keys: plain rotary positions, or scaled ones (rope_type llama3 or yarn)."""
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
     keys = {"model.rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))}
     if kind == "llama3":
         return keys | {
             "model.rope_scaling_factor": float(rope["factor"]),
+            "model.rope_type": "llama3",
             "model.rope_low_freq_factor": float(rope["low_freq_factor"]),
             "model.rope_high_freq_factor": float(rope["high_freq_factor"]),
             "model.rope_original_context": int(rope["original_max_position_embeddings"]),
         }
+    if kind == "yarn" and rope.get("attention_factor") is None and rope.get("truncate", True):
+        return keys | {
+            "model.rope_scaling_factor": float(rope["factor"]),
+            "model.rope_type": "yarn",
+            "model.rope_original_context": int(rope["original_max_position_embeddings"]),
+            "model.rope_beta_fast": float(rope.get("beta_fast") or 32.0),
+            "model.rope_beta_slow": float(rope.get("beta_slow") or 1.0),
+            "model.rope_mscale": float(rope.get("mscale") or 0.0),
+            "model.rope_mscale_all_dim": float(rope.get("mscale_all_dim") or 0.0),
+        }
     if kind != "default":
-        raise UserError(f"{where}: rope_type {kind!r} is not supported (plain rotary positions, or llama3)")
+        raise UserError(
+            f"{where}: rope_type {kind!r} is not supported (plain rotary positions, llama3, or yarn "
+            "without attention_factor or truncate false)"
+        )
     return keys
 
 
@@ -164,6 +178,17 @@ def architecture(m: ModelConfig) -> str:
 def _rope_parameters(m: ModelConfig) -> dict[str, Any]:
     if not m.rope_scaling_factor:
         return {"rope_type": "default", "rope_theta": m.rope_theta}
+    if m.rope_type == "yarn":
+        return {
+            "rope_type": "yarn",
+            "rope_theta": m.rope_theta,
+            "factor": m.rope_scaling_factor,
+            "original_max_position_embeddings": m.rope_original_context,
+            "beta_fast": m.rope_beta_fast,
+            "beta_slow": m.rope_beta_slow,
+            **({"mscale": m.rope_mscale} if m.rope_mscale else {}),
+            **({"mscale_all_dim": m.rope_mscale_all_dim} if m.rope_mscale_all_dim else {}),
+        }
     return {
         "rope_type": "llama3",
         "rope_theta": m.rope_theta,

@@ -14,7 +14,16 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.config import ModelConfig
 from jaxtrain.model.documents import Documents
-from jaxtrain.model.layers import cache_index, constrain, dense, norm, residual_std, rope, rope_frequencies
+from jaxtrain.model.layers import (
+    cache_index,
+    constrain,
+    dense,
+    norm,
+    residual_std,
+    rope,
+    rope_frequencies,
+    rope_scale,
+)
 from jaxtrain.model.mla import latent_qkv
 
 # cuDNN's fused (flash) attention: half or bfloat16 inputs, head dim a multiple of 8 up to 128
@@ -170,7 +179,7 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             q, k = norm(q, cfg.norm_eps, "q_norm"), norm(k, cfg.norm_eps, "k_norm")
         if cfg.pos_embedding == "rope":
-            inv_freq = rope_frequencies(cfg, head_dim)
-            q = rope(q, cfg.rope_theta, positions, inv_freq)
-            k = rope(k, cfg.rope_theta, positions, inv_freq)
+            inv_freq, scale = rope_frequencies(cfg, head_dim), rope_scale(cfg)
+            q = rope(q, cfg.rope_theta, positions, inv_freq, scale=scale)
+            k = rope(k, cfg.rope_theta, positions, inv_freq, scale=scale)
         return q, k, v

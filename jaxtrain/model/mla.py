@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.config import ModelConfig
-from jaxtrain.model.layers import constrain, dense, norm, rope, rope_frequencies
+from jaxtrain.model.layers import constrain, dense, norm, rope, rope_frequencies, rope_scale, yarn_mscale
 
 # transformers' DeepseekV3 builds the latents' RMSNorms with their default eps, not rms_norm_eps.
 LATENT_EPS = 1e-6
@@ -42,9 +42,14 @@ def latent_qkv(cfg: ModelConfig, dtype: Any, x: jax.Array, positions: jax.Array)
         norm(latent_kv[..., :lora], LATENT_EPS, "kv_a_norm")
     )
     kv = constrain(kv, "batch", "length", "heads", None)  # [B, T, N, nope + v]
-    inv_freq = rope_frequencies(cfg, rot)
-    q_rot = rope(q[..., nope:], cfg.rope_theta, positions, inv_freq, cfg.rope_interleave)
-    k_rot = rope(latent_kv[:, :, None, lora:], cfg.rope_theta, positions, inv_freq, cfg.rope_interleave)
+    inv_freq, scale = rope_frequencies(cfg, rot), rope_scale(cfg)
+    q_rot = rope(q[..., nope:], cfg.rope_theta, positions, inv_freq, cfg.rope_interleave, scale)
+    k_rot = rope(
+        latent_kv[:, :, None, lora:], cfg.rope_theta, positions, inv_freq, cfg.rope_interleave, scale
+    )
     q = jnp.concatenate([q[..., :nope], q_rot], axis=-1)
+    if cfg.rope_scaling_factor and cfg.rope_mscale_all_dim:
+        # DeepSeek's YaRN also sharpens the softmax by mscale(all_dim)^2: scaling q scales every score
+        q = q * jnp.asarray(yarn_mscale(cfg.rope_scaling_factor, cfg.rope_mscale_all_dim) ** 2, q.dtype)
     k = jnp.concatenate([kv[..., :nope], jnp.broadcast_to(k_rot, (b, t, n, rot))], axis=-1)
     return q, k, kv[..., nope:]
