@@ -129,7 +129,7 @@ def test_tokens_go_by_all_to_all_and_experts_stay_split(expert_parallel):
         else jax.sharding.PartitionSpec("expert", "fsdp", None, "tensor")
     )
     # The shared expert is a dense MLP: split like one, whole on every expert peer.
-    assert moe["shared"]["gate_up"]["kernel"].spec == (
+    assert moe["shared_gate_up"]["kernel"].spec == (
         jax.sharding.PartitionSpec(None, None, None)
         if fsdp == 1
         else jax.sharding.PartitionSpec("fsdp", None, "tensor")
@@ -182,9 +182,9 @@ def test_shared_experts_add_their_dense_mlp_to_every_token():
     layer = MoeMlp(cfg, jnp.float32)
     x = jax.random.normal(jax.random.key(1), (2, 5, cfg.d_model))
     params = layer.init(jax.random.key(0), x)["params"]
-    gate_up, out = params["shared"]["gate_up"]["kernel"], params["shared"]["out"]["kernel"]
+    gate_up, out = params["shared_gate_up"]["kernel"], params["shared_out"]["kernel"]
     assert gate_up.shape == (cfg.d_model, 2, 64) and out.shape == (64, cfg.d_model)
-    routed_only = {**params, "shared": {**params["shared"], "out": {"kernel": jnp.zeros_like(out)}}}
+    routed_only = {**params, "shared_out": {"kernel": jnp.zeros_like(out)}}
     h = jnp.einsum("btd,dgf->btgf", x, gate_up)
     by_hand = jnp.einsum("btf,fd->btd", jax.nn.silu(h[..., 0, :]) * h[..., 1, :], out)
     added = layer.apply({"params": params}, x) - layer.apply({"params": routed_only}, x)

@@ -50,7 +50,7 @@ def _experts(cfg: ModelConfig) -> list[_Row]:
         out.append((down, ("moe", "out", "kernel"), None, "out", j))
     if cfg.moe.n_shared_experts:
         shared = "mlp.shared_experts" if cfg.mla else "mlp.shared_expert"  # DeepSeek-V3, Qwen2-MoE
-        out += [(*row, None) for row in _mlp(shared, ("moe", "shared"))]
+        out += [(*row, None) for row in _mlp(shared, ("moe", "shared_"))]
     if cfg.moe.shared_gate:
         out.append(("mlp.shared_expert_gate.weight", ("moe", "shared_gate", "kernel"), None, "in", None))
     return out
@@ -60,12 +60,13 @@ _SWIGLU = ("gate_proj", "up_proj", "down_proj")
 
 
 def _mlp(where: str, path: tuple[str, ...]) -> list[_Part]:
-    """A SwiGLU MLP (model/mlp.py): gate and up from one [d, 2, ff] kernel, then down."""
+    """A SwiGLU MLP (model/mlp.py): gate and up from one [d, 2, ff] kernel, then down; path's last
+    name is the params' prefix ("mlp", "" for a block's; "moe", "shared_" for shared experts)."""
     gate, up, down = (f"{where}.{name}.weight" for name in _SWIGLU)
     return [
-        (gate, (*path, "gate_up", "kernel"), (1, 0), "in"),
-        (up, (*path, "gate_up", "kernel"), (1, 1), "in"),
-        (down, (*path, "out", "kernel"), None, "out"),
+        (gate, (*path[:-1], f"{path[-1]}gate_up", "kernel"), (1, 0), "in"),
+        (up, (*path[:-1], f"{path[-1]}gate_up", "kernel"), (1, 1), "in"),
+        (down, (*path[:-1], f"{path[-1]}out", "kernel"), None, "out"),
     ]
 
 
@@ -104,7 +105,7 @@ def _layer(cfg: ModelConfig, moe: bool) -> list[_Row]:
         out.append(("self_attn.q_norm.weight", ("attn", "q_norm", "scale"), None, "flat"))
         out.append(("self_attn.k_norm.weight", ("attn", "k_norm", "scale"), None, "flat"))
     if not moe:
-        out += _mlp("mlp", ("mlp",))
+        out += _mlp("mlp", ("mlp", ""))
     return [(*row, None) for row in out] + (_experts(cfg) if moe else [])
 
 

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 
 from jaxtrain.config import ModelConfig, MoeConfig
 from jaxtrain.model.layers import constrain, dense, residual_std
-from jaxtrain.model.mlp import Mlp
+from jaxtrain.model.mlp import mlp
 
 
 def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
@@ -270,7 +270,7 @@ class MoeMlp(nn.Module):
         out = out[jnp.argsort(order)].reshape(b * t, k, d)
         y = jnp.einsum("nk,nkd->nd", weights.astype(self.dtype), out).reshape(b, t, d)
         if moe.n_shared_experts:
-            shared = Mlp(cfg, self.dtype, moe.d_shared or moe.n_shared_experts * ff, name="shared")(x)
+            shared = mlp(cfg, self.dtype, x, moe.d_shared or moe.n_shared_experts * ff, prefix="shared_")
             if moe.shared_gate:
                 shared = shared * nn.sigmoid(dense(1, cfg.init_std, self.dtype, "shared_gate")(x))
             y = y + shared

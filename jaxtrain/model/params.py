@@ -36,9 +36,9 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     ("moe", "fc", "kernel"): ("expert", "embed", "mlp"),
     ("moe", "out", "kernel"): ("expert", "mlp", "embed"),
     ("moe", "router_bias"): (None,),
-    ("moe", "shared", "gate_up", "kernel"): ("embed", None, "mlp"),
-    ("moe", "shared", "fc", "kernel"): ("embed", "mlp"),
-    ("moe", "shared", "out", "kernel"): ("mlp", "embed"),
+    ("moe", "shared_gate_up", "kernel"): ("embed", None, "mlp"),
+    ("moe", "shared_fc", "kernel"): ("embed", "mlp"),
+    ("moe", "shared_out", "kernel"): ("mlp", "embed"),
     ("moe", "shared_gate", "kernel"): ("embed", None),
     ("scale",): (None,),  # norm scales: small, replicated
 }

@@ -40,9 +40,9 @@ _MUON_DIMS = {
     ("moe", "gate_up", "kernel"): MuonDimensionNumbers(-3, -1),  # [experts, d, 2, ff]
     ("moe", "fc", "kernel"): MuonDimensionNumbers(-2, -1),  # [experts, d, ff]
     ("moe", "out", "kernel"): MuonDimensionNumbers(-2, -1),  # [experts, ff, d]
-    ("shared", "gate_up", "kernel"): MuonDimensionNumbers(-3, -1),
-    ("shared", "fc", "kernel"): MuonDimensionNumbers(-2, -1),
-    ("shared", "out", "kernel"): MuonDimensionNumbers(-2, -1),
+    ("moe", "shared_gate_up", "kernel"): MuonDimensionNumbers(-3, -1),
+    ("moe", "shared_fc", "kernel"): MuonDimensionNumbers(-2, -1),
+    ("moe", "shared_out", "kernel"): MuonDimensionNumbers(-2, -1),
     # Multi-head latent attention (model/mla.py)
     ("attn", "q_a", "kernel"): MuonDimensionNumbers(-2, -1),  # [d, q latent]
     ("attn", "q_b", "kernel"): MuonDimensionNumbers(-3, (-2, -1)),  # [q latent, heads, head_dim]
