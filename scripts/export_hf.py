@@ -5,7 +5,8 @@
 
 Writes config.json (LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM, as the model options
 are), model.safetensors (or shards with model.safetensors.index.json past --max_shard_gb),
-tokenizer.json + tokenizer_config.json, generation_config.json. One process, CPU only: params are
+tokenizer.json + tokenizer_config.json (+ chat_template.jinja for a chat model, as transformers 5
+saves it), generation_config.json. One process, CPU only: params are
 read one at a time, so host memory stays near the largest param. Then:
     AutoModelForCausalLM.from_pretrained("hf/llama_tiny")
 """

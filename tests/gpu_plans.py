@@ -1,13 +1,20 @@
 """Plans of the jobs CI compiles for GPUs (tests/test_gpu_compile.py), several in one process.
 
     .venv/bin/python tests/gpu_plans.py OUT_DIR [CASE ...]     # writes OUT_DIR/plan_<case>.json
+    nice -n 15 .venv/bin/python tests/gpu_plans.py bench/results all    # every committed plan
+    .venv/bin/python bench/scaling_tables.py                  # then docs/scaling.md's tables
 
-Each plan is what `scripts/plan.py <flags> --json F` writes (jaxtrain/plan/planner.py: plan_one);
-one process compiles them all, since starting jax with the CUDA plugin costs seconds each time.
-bench/results/plan_*.json come from here.
+Each plan is what `scripts/plan.py <flags> --json F` writes less its advice (planner.plan_one);
+a SEARCHES case what `scripts/plan.py <flags> --search --json F` writes (search_<case>.json).
+One process compiles them all, since starting jax with the CUDA plugin costs seconds each time.
+bench/results/plan_*.json and search_*.json come from here (`all`: about 20 minutes here).
 """
 
+import contextlib
+import io
 import json
+import logging
+import re
 import sys
 import time
 from pathlib import Path
@@ -124,10 +131,55 @@ CASES = {
     "qwen3_30b_a3b_h100_4x8_data4_expert8": ([*QWEN3_MOE, *RAGGED_IN_HOST], "h100", 4, 8),
     "qwen3_30b_a3b_h100x8": ([*QWEN3_MOE, *RAGGED_IN_HOST], "h100", 1, 8),
     "mixtral_8x7b_h100_2x8": (["--config", "configs/mixtral_8x7b.yaml", "--mesh.fsdp", "2"], "h100", 2, 8),
+    "llama3_8b_h100_8x8_reduce_compute": (
+        ["--config", "configs/llama3_8b.yaml", "--mesh.reduce_dtype", "compute"],
+        "h100",
+        8,
+        8,
+    ),  # fmt: skip
     "gpt2_124m_h100x1": (GPT2, "h100", 1, 1),
     "gpt2_124m_h100x8_fsdp4_tensor2": ([*GPT2, "--mesh.fsdp", "4", "--mesh.tensor", "2"], "h100", 1, 8),
 }
 CI_CASES = list(CASES)[:9]
+# scripts/plan.py runs that do not fit, each suggestion they print then planned in turn
+# (tests/test_gpu_compile.py: each must fit). Two layers of gpt2_124m at 128 sequences a device on
+# 2 hosts of one L40S: the logits alone do not fit; fsdp spans the hosts (warned once).
+ADVICE = {
+    "gpt2_2l_l40s_2x1": [*GPT2, "--model.n_layer", "2", "--device_batch_size", "128", "--mesh.fsdp", "2",
+                         "--target", "l40s", "--hosts", "2", "--gpus_per_host", "1"],
+}  # fmt: skip
+# case -> (flags, target, hosts, gpus per host, --search_budget): the plan and a --search's layouts.
+SEARCHES = {"llama3_70b_h100_128x8": (["--config", "configs/llama3_70b.yaml"], "h100", 128, 8, 16)}
+
+
+def _cases(names: list[str]) -> list[str]:
+    """`all`: every committed plan, the ones that take longest to compile (experts) first."""
+    if names != ["all"]:
+        return names
+    slow = [c for c in CASES if c.startswith(("mixtral", "qwen3"))]
+    return slow + [c for c in CASES if c not in slow] + [f"search_{c}" for c in SEARCHES]
+
+
+def _run(argv: list[str]) -> dict:
+    """scripts/plan.py's main in this process: its exit code, what it printed and logged."""
+    from jaxtrain.plan import cli
+
+    logs = io.StringIO()
+    handler = logging.StreamHandler(logs)
+    logging.getLogger("jaxtrain").addHandler(handler)
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        code = cli.main(argv, "")
+    logging.getLogger("jaxtrain").removeHandler(handler)
+    return {"argv": argv, "code": code, "stdout": out.getvalue(), "log": logs.getvalue()}
+
+
+def advise(out_dir: Path, name: str) -> None:
+    """advice_<name>.json: the run as given, then one run with each suggestion it printed."""
+    first = _run(ADVICE[name])
+    line = re.search(r"^fits with: (.*)$", first["stdout"], re.M)
+    fixes = [re.sub(r" \([\d.]+ GB\)$", "", f) for f in line.group(1).split("; ")] if line else []
+    followed = [_run(ADVICE[name] + fix.split()) for fix in fixes if fix.startswith("--")]
+    (out_dir / f"advice_{name}.json").write_text(json.dumps({"first": first, "followed": followed}, indent=1))
 
 
 def main(out_dir: Path, names: list[str]) -> None:
@@ -135,18 +187,26 @@ def main(out_dir: Path, names: list[str]) -> None:
 
     targets.use_plugin()
     from jaxtrain.config import load_config
-    from jaxtrain.plan import planner  # imports jax, so after use_plugin
+    from jaxtrain.plan import cli, planner  # import jax, so after use_plugin
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    for name in names:
-        flags, target, hosts, gpus = CASES[name]
+    for name in _cases(names):
+        if name in ADVICE:
+            advise(out_dir, name)
+            continue
+        searched = name.removeprefix("search_")
+        flags, target, hosts, gpus, *budget = SEARCHES[searched] if searched != name else CASES[name]
         t0 = time.perf_counter()
-        plan = planner.plan_one(load_config(flags), targets.get(target), hosts, gpus)
         where = ["--target", target, "--hosts", str(hosts), "--gpus_per_host", str(gpus)]
+        if budget:
+            where += ["--search", "--search_budget", str(budget[0])]
+        cfg, where_ = load_config(flags), (targets.get(target), hosts, gpus)
+        plan = cli.plan_job(cfg, *where_, budget[0]) if budget else planner.plan_one(cfg, *where_)
         plan["command"] = " ".join(["scripts/plan.py", *flags, *where])
-        (out_dir / f"plan_{name}.json").write_text(json.dumps(plan, indent=1) + "\n")
+        out = out_dir / f"{name if budget else 'plan_' + name}.json"
+        out.write_text(json.dumps(plan, indent=1) + "\n")
         print(f"{name}: {time.perf_counter() - t0:.1f} s", flush=True)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2:] or CI_CASES)
+    main(Path(sys.argv[1]), sys.argv[2:] or [*CI_CASES, *ADVICE])

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from gpu_plans import CI_CASES
+from gpu_plans import ADVICE, CI_CASES
 from processes import clean_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,15 +29,47 @@ QWEN3_MOE = {"d_model": 2048, "n_layer": 8, "n_experts": 128, "k": 8, "d_expert"
 
 
 @pytest.fixture(scope="module")
-def plans(tmp_path_factory):
+def plans_dir(tmp_path_factory):
     # JAXTRAIN_PLANS_DIR=bench/results keeps them (how bench/results/plan_*.json were made).
     out = Path(os.environ.get("JAXTRAIN_PLANS_DIR") or tmp_path_factory.mktemp("plans"))
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "gpu_plans.py"), str(out), *CI_CASES],
+        [sys.executable, str(ROOT / "tests" / "gpu_plans.py"), str(out), *CI_CASES, *ADVICE],
         cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=1800,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-    return {c: json.loads((out / f"plan_{c}.json").read_text()) for c in CI_CASES}
+    return out
+
+
+@pytest.fixture(scope="module")
+def plans(plans_dir):
+    return {c: json.loads((plans_dir / f"plan_{c}.json").read_text()) for c in CI_CASES}
+
+
+@pytest.mark.parametrize("case", list(ADVICE))
+def test_every_suggestion_the_planner_prints_plans_as_fitting(plans_dir, case):
+    """scripts/plan.py on a job that does not fit, then on each suggestion it printed, flags as
+    printed: each fits. The link inside an L40S host is PCIe, and the warning that fsdp spans
+    hosts is logged once though the advice planned several layouts."""
+    runs = json.loads((plans_dir / f"advice_{case}.json").read_text())
+    first = runs["first"]
+    assert first["code"] == 1 and ": DOES NOT FIT" in first["stdout"], first["stdout"]
+    printed = [line for line in first["stdout"].splitlines() if line.startswith("fits with: ")]
+    assert len(printed) == 1 and printed[0].startswith("fits with: --"), first["stdout"]
+    assert len(runs["followed"]) == printed[0].count("; ") + 1
+    for run in runs["followed"]:
+        assert " ".join(run["argv"][-2:]) in printed[0]
+        assert run["code"] == 0 and ": FITS" in run["stdout"], run["stdout"]
+    assert first["log"].count("spans hosts") == 1, first["log"]
+    assert "PCIe 0.0 ms" in first["stdout"] and "nvlink" not in first["stdout"].lower()
+
+
+@pytest.mark.parametrize("case", [c for c in CI_CASES if c != "gpt_19b_h100x1"])
+def test_the_schedule_aware_bound_is_never_below_the_floor(plans, case):
+    """Both count causal attention at half (model.flops_per_token, hlo.flops): at a long window
+    the replay once fell below the floor, its ceiling clamped to 100%."""
+    p = plans[case]
+    assert p["schedule_bound_s"] >= p["step_time_lower_bound_s"], p["bound_terms_s"]
+    assert p["schedule_mfu_ceiling"] == pytest.approx(p["bound_terms_s"]["compute"] / p["schedule_bound_s"])
 
 
 @pytest.mark.parametrize("mesh", MESHES)
@@ -98,9 +130,10 @@ def test_llama3_70b_as_shipped_fits_1024_h100_at_full_speed(plans):
     assert p["fits"], p
     assert any(c["crosses_hosts"] and c["axis"] == "fsdp" for c in p["collectives"])
     # Issue 25's targets: the floor is compute-bound (ceiling >= 80%), and the compiled order
-    # replayed leaves the step compute-bound enough for a 60% ceiling.
+    # replayed leaves the step compute-bound enough for a 60% ceiling, counting attention in full
+    # as then: 56% with causal attention at half (6N + 6LdT over 6N + 12LdT is 0.933 here).
     assert p["mfu_ceiling"] >= 0.8, p["bound_terms_s"]
-    assert 0.6 <= p["schedule_mfu_ceiling"] <= p["mfu_ceiling"], p["schedule_bound_s"]
+    assert 0.56 <= p["schedule_mfu_ceiling"] <= p["mfu_ceiling"], p["schedule_bound_s"]
     assert p["schedule_bound_s"] >= p["step_time_lower_bound_s"]
 
 
@@ -166,7 +199,9 @@ def _analytic(p: dict, case: str) -> dict[tuple[str, str], float]:
 @pytest.mark.parametrize("case", [c for c in CI_CASES if c != "gpt_19b_h100x1"])
 def test_every_collective_moves_its_analytic_bytes(plans, case):
     p = plans[case]
-    moved = {(c["kind"], c["axis"]): c["bytes"] for c in p["collectives"]}
+    moved: dict[tuple[str, str], float] = {}
+    for c in p["collectives"]:  # the plan keys them by crossing hosts too: one kind and axis may do both
+        moved[(c["kind"], c["axis"])] = moved.get((c["kind"], c["axis"]), 0) + c["bytes"]
     for key, want in _analytic(p, case).items():
         assert moved.get(key, 0) == pytest.approx(want, rel=0.1), (key, p["collectives"])
     # Tensor parallelism moves activations, never a weight: no all-gather over `tensor`.

@@ -1,14 +1,17 @@
 # ruff: noqa: E501  (HLO lines as the compiler prints them)
 """jaxtrain/plan/compiled.py's reading of compiled HLO text: replica groups, loop trips, host crossings."""
 
+import importlib.util
+import json
 from pathlib import Path
 
 import pytest
 
 from jaxtrain.config import load_config
+from jaxtrain.model.transformer import flops_per_token
 from jaxtrain.observe import metrics, peaks
 from jaxtrain.plan import compiled as plan
-from jaxtrain.plan import hlo, planner, schedule, targets
+from jaxtrain.plan import hlo, schedule, targets
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -90,31 +93,6 @@ def test_one_peak_table_for_the_plan_and_the_mfu_log():
     assert metrics.peak_flops("NVIDIA L4") == 121e12 and metrics.peak_flops("NVIDIA L40S") == 362.05e12
     assert metrics.peak_flops("TPU v5 lite") == 197e12 and metrics.peak_flops("TPU v5p") == 459e12
     assert metrics.peak_flops("cpu") is None and peaks.peak_flops("TPU v4", "float32") is None
-
-
-@pytest.mark.parametrize("total_batch", [True, False])
-def test_a_plan_that_does_not_fit_tries_remat_then_a_smaller_batch_then_wider_fsdp(total_batch):
-    flags = ["--config", str(ROOT / "configs/gpt2_124m.yaml")]
-    if not total_batch:
-        flags += ["--total_batch_size", "0", "--batch_size", "512"]
-    cfg = load_config(flags)
-    resolved = {"mesh": {"data": 8, "fsdp": 1, "tensor": 1}, "device_batch": 16, "accumulation": 4}
-    smaller = {"device_batch_size": 8} if total_batch else {"gradient_accumulation_steps": 8}
-    wider = {"mesh.fsdp": 2, "mesh.data": -1}
-    assert planner.nearer(cfg, resolved, devices=8) == [
-        {"model.remat": "full"}, smaller, {**smaller, "model.remat": "full"}, wider, {**wider, "model.remat": "full"},
-    ]  # fmt: skip
-    # fsdp already spans the host: nothing wider to try.
-    full = {**resolved, "mesh": {"data": 1, "fsdp": 8, "tensor": 1}}
-    assert planner.nearer(planner.with_overrides(cfg, {"model.remat": "full"}), full, devices=8) == [
-        smaller,
-        {**smaller, "model.remat": "full"},
-    ]
-    # Across hosts fsdp widens past one host; a device batch of 1 is never advised again.
-    one = {**full, "device_batch": 1}
-    assert planner.nearer(cfg, one, devices=16) == [
-        {"model.remat": "full"}, {"mesh.fsdp": 16, "mesh.data": -1}, {"mesh.fsdp": 16, "mesh.data": -1, "model.remat": "full"},
-    ]  # fmt: skip
 
 
 # A step's update in one branch of a conditional (the other skips a non-finite step): the update
@@ -244,18 +222,80 @@ def test_a_loop_without_a_known_trip_count_runs_as_its_condition_says():
     assert plan._Walker(LOOP_HLO, layout).tally().written == 3 * 1024 * 4 + 4  # + the copy of i
 
 
-def test_a_state_too_large_is_told_at_once_with_the_devices_it_needs(capsys):
-    """plan_one's uncompiled verdict as scripts/plan.py prints it (tests/test_gpu_compile.py
-    checks that plan_one gives it without a compile)."""
-    p = {
-        "compiled": False, "fits": False, "hosts": 1, "gpus_per_host": 1, "device_kind": "NVIDIA H100 80GB HBM3",
-        "mesh": {"data": 1, "fsdp": 1, "tensor": 1}, "zero1": False, "global_batch": 512, "seq_len": 1024,
-        "accumulation": 32, "device_batch": 16, "dtype": "bfloat16", "remat": "none", "n_params": 19_538_382_848,
-        "state_bytes_per_device": 234_460_594_204, "usable_bytes_per_device": 63_697_010_688,
-    }  # fmt: skip
-    assert planner.devices_for_state(p) == 4  # 234 GB / 4 = 58.6 GB fits 63.7; / 2 does not
-    planner.print_plan(p)
-    planner.print_fixes(p, [])
-    out = capsys.readouterr().out
-    assert "234.46 GB (params, optimizer moments) of 63.70 GB usable: DOES NOT FIT" in out
-    assert "its state alone needs 4 or more (--mesh.fsdp 4" in out
+def test_the_replay_counts_causal_attention_as_the_model_flops_do():
+    """One convention (docs/scaling.md): causal attention at half. The replay's cuDNN causal
+    forward and backward (their QK^T, PV and the backward's recomputed scores: 7 b T^2 d) are at
+    least the model FLOPs' attention term (6 L d T a token: 6 b T^2 d a layer), so the
+    schedule-aware bound cannot fall below the compute floor at any window (counted in full,
+    12 b T^2 d, it did at 131,072 tokens)."""
+    b, t, h, hd = 1, 131072, 32, 128
+    fwd = hlo.Op("f", "(bf16[1,32,131072,128]{3,1,2,0})", "custom-call", [], (
+        f', custom_call_target="__cudnn$fmhaSoftmax", operand_layout_constraints={{bf16[{b},{t},{h},{hd}]{{3,2,1,0}}, '
+        f'bf16[{b},{t},8,{hd}]{{3,2,1,0}}}}, backend_config={{"mask_type": "CAUSAL"}}'
+    ))  # fmt: skip
+    bwd = hlo.Op("b", fwd.shape, "custom-call", [], fwd.attrs.replace("fmhaSoftmax", "fmhaSoftmaxBackward"))
+    replayed = hlo.flops(fwd, {}, {}) + hlo.flops(bwd, {}, {})
+    assert replayed == 7 * b * t * t * h * hd
+    cfg = load_config(["--config", str(ROOT / "configs/llama3_8b.yaml"), "--model.seq_len", str(t)])
+    lookup = cfg.model.vocab_size * cfg.model.d_model  # untied input embedding: no matmul, so 6N = 0
+    attention = flops_per_token(cfg.model, lookup) * b * t / cfg.model.n_layer  # one layer, b sequences
+    assert attention == 6 * b * t * t * h * hd <= replayed
+
+
+PLANS = sorted((ROOT / "bench/results").glob("plan_*.json"))
+
+
+@pytest.mark.parametrize("path", PLANS, ids=lambda p: p.stem)
+def test_every_committed_plans_figures_by_hand(path):
+    """Each figure of every committed plan from its parts, as its docstrings define them; and
+    the schedule-aware bound never below the floor (one attention-FLOP convention)."""
+    p = json.loads(path.read_text())
+    target = targets.get(p["target"])
+    assert p["usable_bytes_per_device"] == int(0.75 * target.memory_bytes)
+    if not p["compiled"]:
+        assert not p["fits"] and p["state_bytes_per_device"] > p["usable_bytes_per_device"]
+        return
+    assert p["fits"] == (
+        max(p["total_bytes_per_device"], p["eval_total_bytes_per_device"]) <= p["usable_bytes_per_device"]
+    )
+    terms, devices = p["bound_terms_s"], p["hosts"] * p["gpus_per_host"]
+    assert terms["compute"] == pytest.approx(
+        p["model_flops_per_step"] / devices / targets.peak_flops(target, p["dtype"])
+    )
+    assert terms["nvlink"] == pytest.approx(
+        sum(c["nvlink_bytes"] for c in p["collectives"]) / target.nvlink_bytes_per_s
+    )
+    assert terms["network"] == pytest.approx(
+        sum(c["network_bytes"] for c in p["collectives"]) / target.network_bytes_per_s
+    )
+    assert terms["hbm"] == pytest.approx(p["hbm_bytes_floor"] / target.hbm_bytes_per_s)
+    assert p["step_time_lower_bound_s"] == max(terms.values()) == terms[p["bound_limited_by"]]
+    assert p["mfu_ceiling"] == pytest.approx(terms["compute"] / p["step_time_lower_bound_s"])
+    assert p["schedule_bound_s"] >= p["step_time_lower_bound_s"]
+    assert p["schedule_bound_s"] == pytest.approx(p["schedule_busy_s"] + p["exposed_comm_s"])
+    assert p["schedule_mfu_ceiling"] == pytest.approx(terms["compute"] / p["schedule_bound_s"])
+
+
+@pytest.mark.parametrize(
+    ("case", "matmul_params", "layers", "width", "window"),
+    [
+        ("gpt2_124m_h100x8_data8", 0, 12, 768, 1024),  # tied embedding: every param a matmul's
+        ("llama3_8b_h100x8", 128256 * 4096, 32, 4096, 8192),  # the input embedding is a lookup
+    ],
+)
+def test_model_flops_of_a_committed_plan_by_hand(case, matmul_params, layers, width, window):
+    p = json.loads((ROOT / f"bench/results/plan_{case}.json").read_text())
+    per_token = 6 * (p["n_params"] - matmul_params) + 6 * layers * width * window  # attention halved
+    assert p["model_flops_per_step"] == pytest.approx(per_token * p["global_batch"] * window)
+
+
+def test_the_docs_plan_tables_are_made_from_the_committed_plans():
+    """docs/scaling.md's plan tables are bench/scaling_tables.py's rendering of bench/results,
+    and every committed plan has its row: a figure cannot go stale by hand."""
+    spec = importlib.util.spec_from_file_location("scaling_tables", ROOT / "bench/scaling_tables.py")
+    assert spec is not None and spec.loader is not None
+    made = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(made)
+    assert {f"plan_{n}" for n in [*made.DENSE, *made.MOE]} == {p.stem for p in PLANS}
+    doc = (ROOT / "docs/scaling.md").read_text()
+    assert made.render(doc, made.tables()) == doc, "run: .venv/bin/python bench/scaling_tables.py"

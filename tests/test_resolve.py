@@ -171,7 +171,8 @@ def test_a_loss_mask_cut_short_is_one_line_before_the_run_dir_is_made(chat_run, 
     mask.write_bytes(mask.read_bytes()[:-10])
     cfg = load_config([
         "--config", "configs/tiny.yaml", "--train_data_path", str(data / "manifest.json"),
-        "--model.seq_len", "32", "--model.vocab_size", str(tok.vocab_size), "--run_dir", str(tmp_path / "run"),
+        "--model.seq_len", "32", "--model.vocab_size", str(tok.vocab_size),
+        "--run_dir", str(tmp_path / "run"),
     ])  # fmt: skip
     with pytest.raises(
         DataError, match=r"loss mask .*train.*\.mask holds [\d,]+ bytes but .* holds [\d,]+ tokens"

@@ -154,8 +154,8 @@ def profile_processes(text: str) -> set[int] | None:
 
 
 def mesh_str(sizes: dict[str, int]) -> str:
-    """{"data": 2, "fsdp": 4} -> "data 2 x fsdp 4" (an expert axis of 1, a dense model's, unsaid)."""
-    return " x ".join(f"{a} {n}" for a, n in sizes.items() if a != "expert" or n != 1)
+    """{"data": 2, "fsdp": 4} -> "data 2 x fsdp 4" (expert and context axes of 1 unsaid)."""
+    return " x ".join(f"{a} {n}" for a, n in sizes.items() if a not in ("expert", "context") or n != 1)
 
 
 def _check_mesh_values(cfg: Config) -> None:
@@ -165,8 +165,19 @@ def _check_mesh_values(cfg: Config) -> None:
             raise ConfigError(f"config key 'mesh.{axis}' must be >= 1 or -1 (the devices left), got {size}")
     if list(sizes.values()).count(-1) > 1:
         raise ConfigError(f"at most one mesh axis may be -1, got {mesh_str(sizes)}")
-    m, tp = cfg.model, cfg.mesh.tensor
+    m, tp, cp = cfg.model, cfg.mesh.tensor, cfg.mesh.context
     _check_moe(m, cfg.mesh.expert)
+    if cp > 1 and m.seq_len % cp:
+        raise ConfigError(
+            f"model.seq_len {m.seq_len} is not divisible by mesh.context {cp}: context parallelism splits "
+            f"each window into equal parts; use a mesh.context that divides {m.seq_len}"
+        )
+    if cp > 1 and m.n_head % (cp * tp):
+        raise ConfigError(
+            f"model.n_head {m.n_head} is not divisible by mesh.context x mesh.tensor = {cp * tp}: "
+            "attention splits whole sequences by heads over both; use sizes whose product divides "
+            f"{m.n_head}"
+        )
     if tp > 1:
         for what, n in (
             ("model.n_head", m.n_head),

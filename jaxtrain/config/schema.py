@@ -162,15 +162,15 @@ class DistConfig:
     init_timeout: int = 300  # seconds to wait for every process to join
 
 
-MESH_AXES = ("data", "expert", "fsdp", "tensor")  # outer to inner
+MESH_AXES = ("data", "expert", "fsdp", "context", "tensor")  # outer to inner
 
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """The device mesh, data x expert x fsdp x tensor; its product is the device count.
+    """The device mesh, data x expert x fsdp x context x tensor; its product is the device count.
 
     -1 means "the devices left over" (at most one axis). `data` is the outer axis and spans
-    processes; `fsdp` and `tensor` stay inside a process (one NVLink domain) wherever they fit.
+    processes; `fsdp`, `context` and `tensor` stay inside a process (one NVLink domain) wherever they fit.
     """
 
     data: int = -1  # data parallel: replicas of the (fsdp x tensor)-sharded state
@@ -178,6 +178,9 @@ class MeshConfig:
     # the batch is split over it too, so for everything else it is one more data axis
     expert: int = 1
     fsdp: int = 1  # ZeRO-3: params, gradients and optimizer state sharded, batch split too
+    # context parallel: each sequence split along its length (long windows), keys and values
+    # all-gathered for attention; the batch is not split over it (like tensor)
+    context: int = 1
     tensor: int = 1  # Megatron: heads, MLP hidden and vocab split; the batch is not
     zero1: bool = False  # ZeRO-1: also shard the optimizer state over `data` (params replicated)
     # fsdp gathers params in the compute dtype (dtype) and reduce-scatters their gradients in this
@@ -220,7 +223,7 @@ class Config:
     run_dir: str = ""  # "" means runs/<name> (test, predict: the checkpoint's run dir)
     overwrite: bool = False  # start fresh even if run_dir holds a different run
     # data: token files (nanoGPT raw uint16/uint32, or llm.c header): a file, a glob, a comma list
-    # or a manifest.json; or a YAML list of {path, weight, name} sources (jaxtrain/sources.py);
+    # or a manifest.json; or a YAML list of {path, weight, name} sources (jaxtrain/data/sources.py);
     # "" = embedded default
     train_data_path: str = ""
     valid_data_path: str = ""  # validation tokens, same forms; "" = the training path's val shards
@@ -256,8 +259,9 @@ class Config:
     test_data_path: str = ""  # "" = valid_data_path, else the checkpoint's validation data
     prompt: str = ""  # --task predict: text to continue; --task chat: the user turn
     prompt_file: str = ""  # one prompt per line
-    max_new_tokens: int = 256  # tokens --task predict generates per prompt
-    temperature: float = 0.8  # sampling temperature (predict and the end-of-run sample)
+    system: str = ""  # --task chat: a system turn before the user turn ("" = none)
+    max_new_tokens: int = 256  # tokens --task predict or chat generates per prompt, at most
+    temperature: float = 0.8  # sampling temperature (predict, chat, the end-of-run sample); 0 = greedy
     top_k: int = 40  # 0 = sample from the whole vocabulary
     # nanochat's one-number model: n_layer = depth, d_model = 64 * depth, heads of 128, optim.lr
     # 0.004 * (d_model / 768) ** -0.5; keys given beside it win. 0 = off

@@ -14,19 +14,18 @@ import dataclasses
 from collections.abc import Sequence
 
 from jaxtrain.config import Config, ModelConfig
+from jaxtrain.config.origin import PREFIX, hf_dir
 from jaxtrain.data.sources import Source
 from jaxtrain.errors import DataError
-from jaxtrain.hf import PREFIX, hf_dir
-from jaxtrain.prepare.chat import chat_framing
-from jaxtrain.tokenizer import TOKENIZER_FILE, BPETokenizer, Framing
+from jaxtrain.text.chat_template import chat_framing
+from jaxtrain.tokenizer import BPETokenizer, Framing, find_tokenizer
 
 
 def model_tokenizer(cfg: Config) -> BPETokenizer | None:
     """The tokenizer of the model a run starts from, where it has its own (a Hugging Face dir's)."""
     directory = hf_dir(cfg.init_from or cfg.resume_from)
-    if directory is None or not (directory / TOKENIZER_FILE).is_file():
-        return None
-    return BPETokenizer.from_file(directory)
+    where = find_tokenizer(directory) if directory is not None else None
+    return BPETokenizer.from_file(where) if where is not None else None
 
 
 def _name(framing: tuple[int | None, int | None]) -> str:

@@ -35,7 +35,7 @@ import numpy as np
 from jaxtrain.config.data import TOKEN_DTYPES, parse_spec
 from jaxtrain.disk.files import cache_root, write_text
 from jaxtrain.errors import DataError
-from jaxtrain.prepare.format import (
+from jaxtrain.text.format import (
     HEADER_BYTES,
     HEADER_DTYPES,
     HEADER_INTS,

@@ -8,16 +8,6 @@ config.py maps architectures to ModelConfig and back, weights.py names every ten
 read both ways), store.py reads and writes safetensors files, load.py and export.py use them.
 """
 
-from pathlib import Path
+from jaxtrain.config.origin import PREFIX, hf_dir, is_hf
 
-PREFIX = "hf:"
-
-
-def is_hf(path: str) -> bool:
-    """Whether a --init_from / --resume_from value names a Hugging Face model dir."""
-    return path.startswith(PREFIX)
-
-
-def hf_dir(path: str) -> Path | None:
-    """The Hugging Face model dir a --init_from / --resume_from value names, or None."""
-    return Path(path[len(PREFIX) :]) if is_hf(path) else None
+__all__ = ["PREFIX", "hf_dir", "is_hf"]

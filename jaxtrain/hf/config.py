@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from jaxtrain.config import ModelConfig, MoeConfig
+from jaxtrain.config.origin import hf_dir
 from jaxtrain.errors import UserError
-from jaxtrain.hf import hf_dir
 from jaxtrain.hf.moe import MOE_ARCHS, REFUSED, mla_keys, moe_architecture, moe_hf, moe_keys
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", *MOE_ARCHS)

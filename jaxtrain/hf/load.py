@@ -21,7 +21,7 @@ from jaxtrain.hf import PREFIX, weights
 from jaxtrain.hf import config as hf_config
 from jaxtrain.hf.store import Reader
 from jaxtrain.model.params import path_names
-from jaxtrain.tokenizer import TOKENIZER_FILE
+from jaxtrain.tokenizer import find_tokenizer
 
 
 class HFCheckpoint:
@@ -42,8 +42,8 @@ class HFCheckpoint:
             k: dataclasses.asdict(v) if k == "moe" else v for k, v in hf_config.nested(self.keys).items()
         }
         model["seq_len"] = hf_config.context(self.hf)  # the task's window: `window`, checked there
-        tokenizer = self.directory / TOKENIZER_FILE
-        return {"config": {"model": model, "tokenizer": str(tokenizer) if tokenizer.is_file() else ""}}
+        tokenizer = find_tokenizer(self.directory)
+        return {"config": {"model": model, "tokenizer": str(tokenizer or "")}}
 
     def window(self, wanted: int | None) -> int:
         """The window a task runs this model in: `wanted`, else its default; checked against its

@@ -130,15 +130,15 @@ class GPT(nn.Module):
 
 
 def flops_per_token(cfg: ModelConfig, n_params: int) -> float:
-    """Training FLOPs per token: 6 * n_params + 12 * n_layer * d_model * seq_len.
+    """Training FLOPs per token: 6 * n_params + 6 * n_layer * d_model * seq_len.
 
     6N counts the forward (2N) and backward (4N) multiply-adds of every weight matmul,
     with the tied embedding counted once as the output projection (an untied input embedding
-    is a lookup: not counted); 12 * L * d * T (d: heads x head size) adds the
-    attention scores and weighted sum (QK^T and AV, forward and backward; 6 * L * heads x (key
-    head + value head) * T where their sizes differ, as MLA's), as in PaLM
-    (Chowdhery et al. 2022, appendix B) and nanoGPT's estimate_mfu. Causal masking is
-    not discounted, so this slightly overstates attention work.
+    is a lookup: not counted); 6 * L * d * T (d: heads x head size) adds the attention scores
+    and weighted sum (QK^T and AV, forward and backward: PaLM's 12 * L * d * T, Chowdhery et al.
+    2022, appendix B) halved for the causal mask, as MaxText counts it and as cuDNN's causal
+    kernel computes it (the planner's schedule replay counts the same: docs/scaling.md). With
+    value heads unlike the query's (MLA), QK^T counts the query head size and AV the value's.
     """
     matmul_params = n_params - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
-    return 6.0 * matmul_params + 6.0 * cfg.n_layer * cfg.n_head * (cfg.head_size + cfg.v_size) * cfg.seq_len
+    return 6.0 * matmul_params + 3.0 * cfg.n_layer * cfg.n_head * (cfg.head_size + cfg.v_size) * cfg.seq_len

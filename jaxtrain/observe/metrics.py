@@ -3,7 +3,8 @@
 Other processes write only warnings and errors, each to logs/process_<i>.log.
 
 MFU = flops_per_token * tokens_per_sec / (devices * peak_flops_per_device), with
-flops_per_token = 6 * n_params + 12 * n_layer * d_model * seq_len (model.flops_per_token),
+flops_per_token = 6 * n_params + 6 * n_layer * d_model * seq_len (model.flops_per_token: causal
+attention counted at half, as MaxText and cuDNN's causal kernel do),
 and the peak the device's dense bfloat16 matmul rate (jaxtrain/observe/peaks.py). Devices with
 no peak in the table (CPUs) show the achieved FLOP/s per device instead (the same flops_per_token).
 """

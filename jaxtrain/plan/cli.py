@@ -50,29 +50,38 @@ def main(argv: list[str], usage: str) -> int:
     if args.hosts < 1 or args.gpus_per_host < 1:
         raise ArgumentError(f"--hosts {args.hosts} --gpus_per_host {args.gpus_per_host}: both must be >= 1")
     cfg = job_config(rest, usage)
-    from jaxtrain.plan import planner  # imports jax, so after use_plugin
+    from jaxtrain.plan import advice, planner  # import jax, so after use_plugin
 
-    where = (target, args.hosts, args.gpus_per_host)
-    try:
-        p: dict | None = planner.plan_one(cfg, *where)
-    except UserError as e:
-        if not args.search:  # the layout given cannot run: one line, exit 2
-            raise
-        print(f"as given: {e}; searching", flush=True)  # a search needs no layout that runs
-        p = None
-    if p is not None and not p["fits"]:
-        p["fits_with"] = planner.fits_with(cfg, p, *where)
-    found = []
-    if args.search:
-        print("search:", flush=True)
-        found = planner.search(cfg, *where, budget=args.search_budget)
-    if p is not None:
+    p = plan_job(cfg, target, args.hosts, args.gpus_per_host, args.search_budget if args.search else 0)
+    if p.get("compiled") is not None:
         planner.print_plan(p)
-        planner.print_fixes(p, planner.nearer(cfg, p, args.hosts * args.gpus_per_host))
-    planner.print_search(found)
+        advice.print_fixes(p)
+    advice.print_search(p.get("search", []))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(
-            json.dumps((p or {}) | ({"search": found} if args.search else {}), indent=1) + "\n"
-        )
-    return 0 if (p is not None and p["fits"]) or found else EXIT_DOES_NOT_FIT
+        Path(args.json).write_text(json.dumps(p, indent=1) + "\n")
+    return 0 if p.get("fits") or p.get("search") else EXIT_DOES_NOT_FIT
+
+
+def plan_job(
+    cfg: Config, target: targets.GpuTarget, hosts: int, gpus_per_host: int, search_budget: int
+) -> dict:
+    """What --json holds: the plan of `cfg` as given (with `fits_with` when it does not fit) and,
+    with a search budget, `search`: the layouts that fit, fastest first. A layout the config
+    refuses raises, unless a search was asked for (it needs no layout that runs: {} then)."""
+    from jaxtrain.plan import advice, planner  # import jax, so after use_plugin
+
+    where = (target, hosts, gpus_per_host)
+    try:
+        p: dict = planner.plan_one(cfg, *where)
+    except UserError as e:
+        if not search_budget:  # the layout given cannot run: one line, exit 2
+            raise
+        print(f"as given: {e}; searching", flush=True)
+        p = {}
+    if p and not p["fits"]:
+        p["fits_with"] = advice.fits_with(cfg, p, *where)
+    if search_budget:
+        print("search:", flush=True)
+        p["search"] = advice.search(cfg, *where, budget=search_budget)
+    return p

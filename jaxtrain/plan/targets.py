@@ -71,6 +71,7 @@ class GpuTarget:
     threads_per_sm: int
     shared_memory_per_sm: int
     shared_memory_per_block_optin: int
+    link: str = "NVLink"  # what carries nvlink_bytes_per_s: the name the planner prints
 
 
 TARGETS: dict[str, GpuTarget] = {
@@ -153,6 +154,7 @@ TARGETS: dict[str, GpuTarget] = {
         threads_per_sm=1536,
         shared_memory_per_sm=100 * 1024,
         shared_memory_per_block_optin=99 * 1024,
+        link="PCIe",
     ),
     "b200": GpuTarget(
         name="b200",

@@ -1,0 +1,165 @@
+"""jaxtrain/plan/advice.py's reasoning, in-process on plans as scripts/plan.py records them
+(tests/test_gpu_compile.py plans each printed suggestion for real and checks that it fits)."""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from jaxtrain.config import load_config
+from jaxtrain.plan import advice, planner
+
+ROOT = Path(__file__).resolve().parent.parent
+USABLE_H100 = 63_697_010_688
+
+
+def _cfg(*flags: str):
+    return load_config(["--config", str(ROOT / "configs" / flags[0]), *flags[1:]])
+
+
+@pytest.mark.parametrize("total_batch", [True, False])
+def test_nearer_lists_remat_then_a_smaller_batch_then_wider_fsdp(total_batch):
+    """The candidates, nearest first (fits_with plans each; the GPU test follows what it prints)."""
+    flags = ["gpt2_124m.yaml"] + ([] if total_batch else ["--total_batch_size", "0", "--batch_size", "512"])
+    cfg = _cfg(*flags)
+    p = {"compiled": True, "mesh": {"data": 8, "fsdp": 1, "tensor": 1}, "device_batch": 16, "accumulation": 4}
+    smaller = {"device_batch_size": 8} if total_batch else {"gradient_accumulation_steps": 8}
+    wider = {"mesh.fsdp": 2, "mesh.data": -1}
+    full = {"model.remat": "full"}
+    assert advice.nearer(cfg, p, devices=8) == [full, smaller, {**smaller, **full}, wider, {**wider, **full}]
+    # fsdp already spans the host: nothing wider; full remat already: never advised again.
+    whole = {**p, "mesh": {"data": 1, "fsdp": 8, "tensor": 1}}
+    assert advice.nearer(advice.with_overrides(cfg, full), whole, devices=8) == [smaller]
+    # Across hosts fsdp widens past one host; a device batch of 1 is never advised again.
+    one = {**whole, "device_batch": 1}
+    assert advice.nearer(cfg, one, devices=16) == [
+        full,
+        {"mesh.fsdp": 16, "mesh.data": -1},
+        {**wider, **full, "mesh.fsdp": 16},
+    ]
+    # An expert axis leaves fsdp less room: expert 8 x fsdp 2 fills 16 devices.
+    moe = {**p, "mesh": {"data": 1, "expert": 8, "fsdp": 2, "tensor": 1}, "device_batch": 1}
+    assert advice.nearer(cfg, moe, devices=16) == [full]
+
+
+def _uncompiled(hosts: int, gpus: int, mesh: dict, state: int) -> dict:
+    return {
+        "compiled": False, "fits": False, "hosts": hosts, "gpus_per_host": gpus,
+        "device_kind": "NVIDIA H100 80GB HBM3", "mesh": mesh, "zero1": False, "global_batch": 512,
+        "seq_len": 1024, "accumulation": 32, "device_batch": 16, "dtype": "bfloat16", "remat": "none",
+        "n_params": 19_538_382_848, "state_bytes_per_device": state, "usable_bytes_per_device": USABLE_H100,
+    }  # fmt: skip
+
+
+def test_a_state_too_large_for_the_cluster_is_told_at_once_with_the_gpus_it_needs(capsys):
+    """plan_one's uncompiled verdict as scripts/plan.py prints it (tests/test_gpu_compile.py
+    checks that plan_one gives it without a compile): 19.5B on one H100."""
+    p = _uncompiled(1, 1, {"data": 1, "fsdp": 1, "tensor": 1}, 234_460_594_204)
+    assert advice.state_split(p) == 4  # 234 GB / 4 = 58.6 GB fits 63.7; / 2 does not
+    assert advice.nearer(_cfg("gpt2_124m.yaml"), p, devices=1) == []  # nothing a setting can do
+    planner.print_plan(p)
+    advice.print_fixes(p)
+    out = capsys.readouterr().out
+    assert "234.46 GB (params, optimizer moments) of 63.70 GB usable: DOES NOT FIT" in out
+    assert "fits with: nothing on 1 x 1 GPUs: its state alone must be split 4 ways (fsdp x tensor)" in out
+    assert "plan it on 4 or more" in out
+
+
+def test_a_state_too_large_for_its_mesh_is_advised_the_fsdp_that_splits_it(capsys):
+    """A 405B-size state under tensor 8 x fsdp 8 on 256 x 8 GPUs: split 64 ways it needs 101 GB a
+    GPU, split 128 ways 51 GB. The cluster has 2,048 GPUs: the advice is fsdp 16, never "needs 128
+    or more" GPUs."""
+    p = _uncompiled(256, 8, {"data": 32, "fsdp": 8, "tensor": 8}, 101_250_000_000)
+    assert advice.state_split(p) == 128
+    cfg = _cfg("llama3_70b.yaml", "--model.remat", "dots")
+    wide = {"mesh.fsdp": 16, "mesh.data": -1}
+    assert advice.nearer(cfg, p, devices=2048) == [wide, {**wide, "model.remat": "full"}]
+    advice.print_fixes(p)  # had nothing that fit been found
+    out = capsys.readouterr().out
+    assert "its state fits split 128 ways" in out and "or more" not in out and "[" not in out
+
+
+def test_one_sequence_per_device_is_told_what_would_help(capsys):
+    """A 131,072-token window at one sequence a device: no batch advice; the context axis named."""
+    p = json.loads((ROOT / "bench/results/plan_llama3_8b_h100x8.json").read_text())
+    p |= {"fits": False, "seq_len": 131072, "device_batch": 1, "fits_with": []}
+    advice.print_fixes(p)
+    out = capsys.readouterr().out
+    assert out.startswith("fits with: nothing found: one sequence of 131,072 tokens per device")
+    assert "--mesh.tensor 8" in out and "--model.remat full" in out and "--mesh.context" in out
+    assert "device_batch_size" not in out and "total_batch_size" not in out and "[" not in out
+
+
+def test_fixes_print_as_flags_with_their_memory(capsys):
+    p = {"fits": False, "compiled": True, "fits_with": [
+        {"overrides": {"mesh.data": -1, "mesh.fsdp": 2, "mesh.tensor": 4, "model.remat": "full"},
+         "total_bytes_per_device": 30_123_000_000}]}  # fmt: skip
+    advice.print_fixes(p)
+    assert capsys.readouterr().out == (
+        "fits with: --mesh.data -1 --mesh.fsdp 2 --mesh.tensor 4 --model.remat full (30.12 GB)\n"
+    )
+
+
+def test_the_search_varies_the_expert_axis():
+    mixtral = _cfg("mixtral_8x7b.yaml")
+    grid = advice.layouts(mixtral, devices=16, gpus_per_host=8)
+    assert [(t, e) for t, c, e, _ in grid if t == 1 and c == 1] == [(1, 8), (1, 4), (1, 2), (1, 1)]
+    for tensor, context, expert, fsdps in grid:
+        assert fsdps[-1] * tensor * context * expert == 16 and fsdps[0] == 1
+    # A dense model: expert 1 only; tensor inside the host, largest first; context in what the host
+    # leaves, where it divides the window and the heads (32 heads: context x tensor <= 32).
+    dense = advice.layouts(_cfg("llama3_8b.yaml"), devices=64, gpus_per_host=8)
+    assert [(t, c) for t, c, e, _ in dense] == [
+        (8, 1),
+        (4, 1),
+        (4, 2),
+        (2, 1),
+        (2, 2),
+        (2, 4),
+        (1, 1),
+        (1, 2),
+        (1, 4),
+        (1, 8),
+    ]
+    assert {e for _, _, e, _ in dense} == {1}
+
+
+def test_a_device_batch_whose_layer_inputs_alone_exceed_a_gpu_is_not_compiled():
+    """The search's bound before a compile: llama3_8b at a 131,072-token window holds at least
+    32 layers' inputs of 131,072 x 4,096 bfloat16 values a sequence: 34.4 GB, so 2 sequences
+    (68.7 GB) cannot fit an H100's 63.7 usable GB at any mesh."""
+    cfg = _cfg("llama3_8b.yaml", "--model.seq_len", "131072")
+    assert advice.activation_floor(cfg, 1) == 32 * 131072 * 4096 * 2
+    assert advice.activation_floor(cfg, 2) > USABLE_H100 > advice.activation_floor(cfg, 1)
+    assert advice.activation_floor(cfg, 8, context=8) == advice.activation_floor(cfg, 1)  # split 8 ways
+
+
+def test_the_plan_names_the_link_inside_a_host(capsys):
+    """L40S has no NVLink: its GPUs talk over PCIe (jaxtrain/plan/targets.py)."""
+    p = json.loads((ROOT / "bench/results/plan_gpt2_124m_h100x8_data8.json").read_text())
+    planner.print_plan(copy.deepcopy(p) | {"target": "l40s", "device_kind": "NVIDIA L40S"})
+    out = capsys.readouterr().out
+    assert "nvlink" not in out.lower() and "PCIe" in out and "inside a host (PCIe)" in out
+    planner.print_plan(p)
+    assert "NVLink" in capsys.readouterr().out
+
+
+def test_every_figure_of_a_printed_plan_is_its_json_by_hand(capsys):
+    p = json.loads((ROOT / "bench/results/plan_gpt2_124m_h100x8_fsdp8.json").read_text())
+    planner.print_plan(p)
+    out = capsys.readouterr().out
+    terms = p["bound_terms_s"]
+    bound = max(terms.values())
+    lines = [
+        f"total / device            {p['total_bytes_per_device'] / 1e9:.2f} GB",
+        f"state + batch / device    {p['state_bytes_per_device'] / 1e9:.2f} GB",
+        f"step time lower bound     {bound * 1e3:.1f} ms ({max(terms, key=terms.get)}-bound",
+        f"compute {terms['compute'] * 1e3:.1f} ms, hbm {terms['hbm'] * 1e3:.1f} ms, "
+        f"NVLink {terms['nvlink'] * 1e3:.1f} ms",
+        f"schedule-aware bound      {p['schedule_bound_s'] * 1e3:.1f} ms",
+        f"MFU ceiling               {100 * terms['compute'] / bound:.1f}% from the floor, "
+        f"{100 * terms['compute'] / p['schedule_bound_s']:.1f}% from the schedule",
+    ]  # fmt: skip
+    for line in lines:
+        assert line in out, line
