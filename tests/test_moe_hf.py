@@ -218,8 +218,15 @@ def test_import_export_agree_with_transformers(hf_model, tmp_path):
             },
             "rope_type 'yarn' is not supported (plain rotary positions, llama3, or yarn without",
         ),
+        (
+            {
+                **COMMON, "architectures": ["MixtralForCausalLM"], "intermediate_size": 96,
+                "num_local_experts": 4, "rope_scaling": {"rope_type": "yarn"},
+            },
+            "rope_type yarn needs its factor and original_max_position_embeddings",
+        ),
     ],
-    ids=["olmoe", "gpt-oss", "llama4", "deepseek-yarn"],
+    ids=["olmoe", "gpt-oss", "llama4", "deepseek-yarn", "yarn-without-factor"],
 )  # fmt: skip
 def test_moe_models_we_do_not_read_are_one_line_errors(tmp_path, config, message):
     (tmp_path / "config.json").write_text(json.dumps(config))

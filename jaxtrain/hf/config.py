@@ -51,6 +51,8 @@ def _rope_keys(hf: dict[str, Any], where: str) -> dict[str, Any]:
             "model.rope_high_freq_factor": float(rope["high_freq_factor"]),
             "model.rope_original_context": int(rope["original_max_position_embeddings"]),
         }
+    if kind == "yarn" and not {"factor", "original_max_position_embeddings"} <= rope.keys():
+        raise UserError(f"{where}: rope_type yarn needs its factor and original_max_position_embeddings")
     if kind == "yarn" and rope.get("attention_factor") is None and rope.get("truncate", True):
         return keys | {
             "model.rope_scaling_factor": float(rope["factor"]),
