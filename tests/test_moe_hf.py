@@ -31,7 +31,7 @@ from transformers import (
 from jaxtrain.config import load_config, saved_model, to_dict
 from jaxtrain.disk import checkpoint as ckpt_lib
 from jaxtrain.errors import UserError
-from jaxtrain.hf.config import with_hf_model
+from jaxtrain.hf.config import to_hf, with_hf_model
 from jaxtrain.hf.export import export
 from jaxtrain.hf.load import HFCheckpoint
 from jaxtrain.model.generate import generate
@@ -232,4 +232,30 @@ def test_moe_models_we_do_not_read_are_one_line_errors(tmp_path, config, message
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(UserError, match=re.escape(message)) as e:
         load_config(["--init_from", f"hf:{tmp_path}"], fill=with_hf_model)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--model.moe.router", "sigmoid"],
+            "sigmoid routing, expert groups and a routed scale are DeepSeek-V3's",
+        ),
+        (
+            ["--model.moe.n_shared_experts", "1"],
+            "shared experts export as Qwen2-MoE's one gated shared expert",
+        ),
+        (
+            ["--model.kv_lora_rank", "16", "--model.n_kv_head", "0", "--model.rope_head_dim", "8"],
+            "latent attention exports as DeepSeek-V3: experts after model.moe.first_dense in every layer, "
+            "router sigmoid",
+        ),
+    ],
+    ids=["sigmoid-without-mla", "ungated-shared", "mla-softmax"],
+)
+def test_moe_models_no_class_matches_are_refused_before_export(argv, message):
+    base = ["--config", "configs/moe_tiny.yaml"]
+    with pytest.raises(UserError, match=re.escape(message)) as e:
+        to_hf(load_config([*base, *argv]).model, "float32")
     assert "\n" not in str(e.value)
