@@ -171,7 +171,7 @@ def _per_device(
 
 
 class Attention(nn.Module):
-    """Causal multi-head (or grouped-query) self-attention."""
+    """Causal multi-head (or grouped-query, or DeepSeek's latent: model/mla.py) self-attention."""
 
     cfg: ModelConfig
     dtype: Any
