@@ -3,6 +3,8 @@
 Options for the Llama family (config.ModelConfig): a SwiGLU MLP, grouped-query attention,
 an untied output head, q/k norms (Qwen3), q/k/v biases (Qwen2). Rotary positions rotate the
 two contiguous halves of each head (rotate-half), the layout Hugging Face checkpoints use.
+DeepSeek-V3's pieces: multi-head latent attention (model/mla.py) and routed experts in place of
+the MLP past the first dense layers (model/moe.py).
 
 Params are always float32; `dtype` is the compute dtype of activations and matmuls.
 Norms and rotary angles run in float32 and logits come back as float32.
