@@ -100,7 +100,10 @@ def test_group_limited_routing_picks_from_the_best_groups_by_biased_scores():
         ),
         (["--model.n_kv_head", "2"], "multi-head latent attention (model.kv_lora_rank) has one latent"),
         (["--model.rope_head_dim", "7"], "multi-head latent attention rotates an even model.rope_head_dim"),
-        (["--model.scan_layers", "true"], "first_dense or dense_layers mix MoE and dense layers"),
+        (
+            ["--model.scan_layers", "true", "--model.moe.dense_layers", "2"],
+            "model.moe.every or dense_layers mix MoE and dense layers",
+        ),
         (["--model.moe.dense_layers", "0,9"], "model.moe.dense_layers '0,9' must be comma-separated layer"),
     ],
     ids=["groups", "topk-group", "bias-softmax", "mla-kv-heads", "mla-odd-rope", "scan", "dense-layers"],

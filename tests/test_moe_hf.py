@@ -6,6 +6,7 @@ key; MoE classes we do not read are refused in one line naming the piece missing
     pytest tests/test_moe_hf.py     # about a minute on 2 cores
 """
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -151,21 +152,30 @@ def _torch_logits(model, tokens: np.ndarray) -> np.ndarray:
         return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
 
 
+def _ours(source: HFCheckpoint, cfg, tokens: np.ndarray) -> tuple:
+    """The dir's params loaded for this model config, and our logits of `tokens`."""
+    abstract = jax.eval_shape(lambda: GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
+    params = source.restore_params(0, target["params"], "x")
+    logits = jax.jit(lambda p, t: GPT(cfg).apply({"params": p}, t))(params, jnp.asarray(tokens))
+    return params, np.asarray(logits)
+
+
 def test_import_export_agree_with_transformers(hf_model, tmp_path):
     family, directory, model = hf_model
     source = HFCheckpoint(directory, "x")
     cfg = saved_model(source.read_meta(0)["config"])
     experts = getattr(model.config, "num_local_experts", None) or model.config.num_experts
     assert cfg.moe.n_experts == experts and cfg.moe.experts_per_token == 2
-    abstract = jax.eval_shape(lambda: GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
-    params = source.restore_params(0, target["params"], "x")
     tokens = np.random.default_rng(0).integers(0, 256, (2, 40))
-    ours = np.asarray(jax.jit(lambda p, t: GPT(cfg).apply({"params": p}, t))(params, jnp.asarray(tokens)))
+    params, ours = _ours(source, cfg, tokens)
     theirs = _torch_logits(model, tokens)
     print(f"{family}: max |logit difference| {np.abs(ours - theirs).max():.2e}")
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+    if cfg.moe.every == 1 and not cfg.moe.dense_layers:  # scanned too (DeepSeek: two stacks)
+        scanned = _ours(source, dataclasses.replace(cfg, scan_layers=True), tokens)[1]
+        np.testing.assert_allclose(scanned, theirs, atol=1e-4, rtol=0)
     # Greedy decoding (our KV-cached path, experts and all) picks transformers' tokens.
     prompt = tokens[0, :5].astype(np.int32)
     mine = generate(params, cfg, prompt, 12, jax.random.key(0), temperature=0.0)

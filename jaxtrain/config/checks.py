@@ -231,11 +231,10 @@ def _check_moe(m: ModelConfig, ep: int) -> None:
             f"model.moe.n_experts {moe.n_experts} is not divisible by mesh.expert {ep}: each device holds "
             f"n_experts / mesh.expert of them; use a mesh.expert that divides {moe.n_experts}"
         )
-    mixed = moe.every > 1 or moe.first_dense or moe.dense_layers
-    if mixed and m.scan_layers:
+    if (moe.every > 1 or moe.dense_layers) and m.scan_layers:
         raise ConfigError(
-            "model.moe.every, first_dense or dense_layers mix MoE and dense layers, but model.scan_layers "
-            "compiles one layer for all; drop them or set model.scan_layers false"
+            "model.moe.every or dense_layers mix MoE and dense layers, but model.scan_layers compiles one "
+            "layer for each stack (the first_dense ones, then the rest); drop them or model.scan_layers"
         )
     _check_routing(m)
 

@@ -124,7 +124,10 @@ def entries(cfg: ModelConfig) -> list[Entry]:
     """Every HF tensor of the model, in the order Hugging Face writes them."""
     out = [Entry("model.embed_tokens.weight", ("wte", "embedding"), None, None, "same")]
     for i in range(cfg.n_layer):
-        block, layer = (("blocks",), i) if cfg.scan_layers else ((f"block_{i}",), None)
+        block, layer = (f"block_{i}",), None
+        if cfg.scan_layers:  # model/transformer.py scanned_stacks: the first dense ones apart
+            dense = cfg.moe.first_dense if cfg.moe.n_experts else 0
+            block, layer = (("blocks_dense",), i) if i < dense else (("blocks",), i - dense)
         for name, path, part, kind, expert in _layer(cfg, is_moe_layer(cfg, i)):
             out.append(Entry(f"model.layers.{i}.{name}", block + path, layer, part, kind, expert))
     out.append(Entry("model.norm.weight", ("ln_f", "scale"), None, None, "flat"))

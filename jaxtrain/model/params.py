@@ -89,7 +89,8 @@ def param_summary(params: Any) -> str:
 
     def order(name: str) -> tuple[int, int, str]:  # embeddings, blocks by number, final norm
         block = name.startswith("block")
-        return (1 if block else 2 if name == "ln_f" else 0, int(name[6:]) if name[6:].isdigit() else 0, name)
+        first = "" if name == "blocks_dense" else name  # a scanned model's dense layers come first
+        return (1 if block else 2 if name == "ln_f" else 0, int(name[6:]) if name[6:].isdigit() else 0, first)
 
     for name, parts in sorted(modules.items(), key=lambda item: order(item[0])):
         index = int(name[6:]) if name.startswith("block_") else -1
@@ -97,8 +98,8 @@ def param_summary(params: Any) -> str:
             rows[-1][0], rows[-1][3] = f"block_{rows[-1][2]}..{index} (each)", index
             continue
         label = name
-        if name == "blocks":  # scanned: each leaf stacks every layer
-            label = f"blocks ({jax.tree.leaves(params[name])[0].shape[0]} layers)"
+        if name.startswith("blocks"):  # scanned: each leaf stacks every layer (of its stack)
+            label = f"{name} ({jax.tree.leaves(params[name])[0].shape[0]} layers)"
         rows.append([label, parts, index, index])
     return "\n".join(
         f"  {label:<24}  " + ", ".join(f"{part} {n:,}".strip() for part, n in parts.items())

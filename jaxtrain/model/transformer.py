@@ -114,21 +114,31 @@ class GPT(nn.Module):
             x = x + (wpe(start + jnp.arange(tokens.shape[1]))[None] if doc is None else wpe(doc.positions))
         block = _block_class(cfg, self.gather)
         if cfg.scan_layers:
-            # One traced body for all layers: compile time stays flat in depth.
-            stack = nn.scan(
-                block,
-                variable_axes={"params": 0, "cache": 0, "moe": 0},
-                split_rngs={"params": True},
-                in_axes=nn.broadcast,
-                length=cfg.n_layer,
-            )
-            x, _ = stack(cfg, self.dtype, self.decode, is_moe_layer(cfg, 0), name="blocks")(x, doc)
+            # One traced body for all layers: compile time stays flat in depth. DeepSeek's first
+            # dense layers are a stack of their own, before the MoE layers' (`scanned_stacks`).
+            for name, length, moe in scanned_stacks(cfg):
+                stack = nn.scan(
+                    block,
+                    variable_axes={"params": 0, "cache": 0, "moe": 0},
+                    split_rngs={"params": True},
+                    in_axes=nn.broadcast,
+                    length=length,
+                )
+                x, _ = stack(cfg, self.dtype, self.decode, moe, name=name)(x, doc)
         else:
             for i in range(cfg.n_layer):
                 x, _ = block(cfg, self.dtype, self.decode, is_moe_layer(cfg, i), name=f"block_{i}")(x, doc)
         x = norm(x, cfg.norm_eps, "ln_f")
         head = wte if cfg.tie_embeddings else embed(cfg.vocab_size, name="lm_head")
         return constrain(head.attend(x), "batch", "length", "vocab").astype(jnp.float32)
+
+
+def scanned_stacks(cfg: ModelConfig) -> list[tuple[str, int, bool]]:
+    """The scanned layers' stacks, in order: (name, layers, MoE): `blocks` for all, or with
+    moe.first_dense, `blocks_dense` of the first ones, then `blocks` of the MoE ones."""
+    dense = min(cfg.moe.first_dense, cfg.n_layer) if cfg.moe.n_experts else 0
+    stacks = [("blocks_dense", dense, False), ("blocks", cfg.n_layer - dense, is_moe_layer(cfg, dense))]
+    return [stack for stack in stacks if stack[1]]
 
 
 def flops_per_token(cfg: ModelConfig, n_params: int) -> float:
