@@ -197,8 +197,8 @@ def test_predict_without_prompt_is_greedy_from_a_newline_with_the_dirs_tokenizer
         ({"architectures": ["GPT2LMHeadModel"]}, "architecture GPT2LMHeadModel is not supported"),
         ({**COMMON, "architectures": ["LlamaForCausalLM"], "attention_bias": True}, "attention_bias"),
         (
-            {**COMMON, "architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "yarn"}},
-            "rope_type 'yarn' is not supported",
+            {**COMMON, "architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "dynamic"}},
+            "rope_type 'dynamic' is not supported",
         ),
     ],
 )

@@ -55,10 +55,11 @@ MESHES = {
 }  # fmt: skip
 
 
-def _train(argv, n_devices, steps=STEPS, keep_starts=False):
-    """The run built for `argv` on `n_devices` and `steps` steps of it: losses, last metrics, final
-    params and the compiled step's HLO; each step's batch and metrics (and, keep_starts, its params)."""
-    run = build(Job.of_devices(load_config(MOE + argv), jax.devices()[:n_devices]))
+def _train(argv, n_devices, steps=STEPS, keep_starts=False, base=MOE):
+    """The run built for `argv` on `n_devices` and `steps` steps of the `base` model (tests/
+    test_deepseek.py's too): losses, last metrics, final params and the compiled step's HLO; each
+    step's batch and metrics (and, keep_starts, its params)."""
+    run = build(Job.of_devices(load_config(base + argv), jax.devices()[:n_devices]))
     cfg, mesh, state = run.cfg, run.mesh, run.init_state()
     compiled = run.compile_train()
     rng = np.random.default_rng(0)

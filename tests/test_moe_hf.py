@@ -1,11 +1,12 @@
-"""Mixtral and Qwen3-MoE in and out (jaxtrain/hf/), checked by transformers itself: tiny random
-models made by transformers import with its logits and greedy tokens, export back to the same
-tensors, which transformers loads with no missing or unexpected key; MoE classes we do not read
-are refused in one line.
+"""Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 in and out (jaxtrain/hf/), checked by
+transformers itself: tiny random models made by transformers import with its logits and greedy
+tokens, export back to the same tensors, which transformers loads with no missing or unexpected
+key; MoE classes we do not read are refused in one line naming the piece missing.
 
-    pytest tests/test_moe_hf.py     # about 30 s on 2 cores
+    pytest tests/test_moe_hf.py     # about a minute on 2 cores
 """
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -18,8 +19,12 @@ import torch
 from safetensors.numpy import load_file
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
@@ -27,7 +32,7 @@ from transformers import (
 from jaxtrain.config import load_config, saved_model, to_dict
 from jaxtrain.disk import checkpoint as ckpt_lib
 from jaxtrain.errors import UserError
-from jaxtrain.hf.config import with_hf_model
+from jaxtrain.hf.config import to_hf, with_hf_model
 from jaxtrain.hf.export import export
 from jaxtrain.hf.load import HFCheckpoint
 from jaxtrain.model.generate import generate
@@ -54,6 +59,74 @@ FAMILIES = {
             intermediate_size=96, moe_intermediate_size=32, num_experts=8, head_dim=32, decoder_sparse_step=2
         ),
     ),
+    # q/k/v biases, a shared expert of its own size behind a sigmoid gate, renormalised top-2 of 4;
+    # layer 0 dense by mlp_only_layers
+    "qwen2_moe": (
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        dict(
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=4,
+            norm_topk_prob=True,
+            mlp_only_layers=[0],
+            num_hidden_layers=3,
+        ),
+    ),
+    # latent attention (q through its latent, values of 12 beside query/key heads of 24, interleaved
+    # rotary pairs), sigmoid routing with a correction bias, top-2 of 8 from the best 2 of 4
+    # groups, routed scale 2.5, one shared expert; layer 0 dense (first_k_dense_replace)
+    "deepseek_v3": (
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        dict(
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            kv_lora_rank=16,
+            q_lora_rank=24,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=12,
+            num_key_value_heads=4,
+            num_hidden_layers=3,
+        ),
+    ),
+    # queries projected directly, one group, weights as the scores give them (no renormalising),
+    # YaRN rotary scaling with both attention factors (rotary parts and scores) unlike 1
+    "deepseek_v3_direct_q": (
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        dict(
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            n_shared_experts=2,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=0,
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+            num_key_value_heads=4,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.8,
+            },
+            norm_topk_prob=False,
+        ),
+    ),
 }
 
 
@@ -66,6 +139,9 @@ def hf_model(request, tmp_path_factory) -> tuple[str, Path, torch.nn.Module]:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
+        for name, b in model.named_buffers():  # DeepSeek's correction bias: it must change the picks
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
     directory = tmp_path_factory.mktemp("hf") / request.param
     model.save_pretrained(directory)
     return request.param, directory, model
@@ -76,20 +152,30 @@ def _torch_logits(model, tokens: np.ndarray) -> np.ndarray:
         return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
 
 
-def test_import_export_agree_with_transformers(hf_model, tmp_path):
-    family, directory, model = hf_model
-    source = HFCheckpoint(directory, "x")
-    cfg = saved_model(source.read_meta(0)["config"])
-    assert cfg.moe.n_experts == (4 if family == "mixtral" else 8) and cfg.moe.experts_per_token == 2
+def _ours(source: HFCheckpoint, cfg, tokens: np.ndarray) -> tuple:
+    """The dir's params loaded for this model config, and our logits of `tokens`."""
     abstract = jax.eval_shape(lambda: GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract)
     params = source.restore_params(0, target["params"], "x")
+    logits = jax.jit(lambda p, t: GPT(cfg).apply({"params": p}, t))(params, jnp.asarray(tokens))
+    return params, np.asarray(logits)
+
+
+def test_import_export_agree_with_transformers(hf_model, tmp_path):
+    family, directory, model = hf_model
+    source = HFCheckpoint(directory, "x")
+    cfg = saved_model(source.read_meta(0)["config"])
+    experts = getattr(model.config, "num_local_experts", None) or model.config.num_experts
+    assert cfg.moe.n_experts == experts and cfg.moe.experts_per_token == 2
     tokens = np.random.default_rng(0).integers(0, 256, (2, 40))
-    ours = np.asarray(jax.jit(lambda p, t: GPT(cfg).apply({"params": p}, t))(params, jnp.asarray(tokens)))
+    params, ours = _ours(source, cfg, tokens)
     theirs = _torch_logits(model, tokens)
     print(f"{family}: max |logit difference| {np.abs(ours - theirs).max():.2e}")
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+    if cfg.moe.every == 1 and not cfg.moe.dense_layers:  # scanned too (DeepSeek: two stacks)
+        scanned = _ours(source, dataclasses.replace(cfg, scan_layers=True), tokens)[1]
+        np.testing.assert_allclose(scanned, theirs, atol=1e-4, rtol=0)
     # Greedy decoding (our KV-cached path, experts and all) picks transformers' tokens.
     prompt = tokens[0, :5].astype(np.int32)
     mine = generate(params, cfg, prompt, 12, jax.random.key(0), temperature=0.0)
@@ -119,22 +205,67 @@ def test_import_export_agree_with_transformers(hf_model, tmp_path):
     "config, message",
     [
         (
-            {**COMMON, "architectures": ["Qwen2MoeForCausalLM"]},
-            "architecture Qwen2MoeForCausalLM is not supported; jaxtrain reads",
+            {**COMMON, "architectures": ["OlmoeForCausalLM"]},
+            "architecture OlmoeForCausalLM needs RMSNorm of q and k across all heads at once",
         ),
-        ({**COMMON, "architectures": ["DeepseekV3ForCausalLM"]}, "architecture DeepseekV3ForCausalLM"),
+        (
+            {**COMMON, "architectures": ["GptOssForCausalLM"]},
+            "architecture GptOssForCausalLM needs attention sinks, sliding-window layers",
+        ),
+        (
+            {**COMMON, "architectures": ["Llama4ForCausalLM"]},
+            "architecture Llama4ForCausalLM needs layers without rotary positions (no_rope_layers)",
+        ),
         (
             {
-                **COMMON, "architectures": ["Qwen3MoeForCausalLM"], "intermediate_size": 96, "num_experts": 8,
-                "moe_intermediate_size": 32, "mlp_only_layers": [0],
+                **COMMON, "architectures": ["DeepseekV3ForCausalLM"], "intermediate_size": 96,
+                "num_key_value_heads": 4, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+                "v_head_dim": 8, "n_routed_experts": 4, "moe_intermediate_size": 32, "n_shared_experts": 1,
+                "rope_scaling": {
+                    "type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                    "attention_factor": 2.0,
+                },
             },
-            "mlp_only_layers [0] (dense layers at chosen places) is not supported",
+            "rope_type 'yarn' is not supported (plain rotary positions, llama3, or yarn without",
+        ),
+        (
+            {
+                **COMMON, "architectures": ["MixtralForCausalLM"], "intermediate_size": 96,
+                "num_local_experts": 4, "rope_scaling": {"rope_type": "yarn"},
+            },
+            "rope_type yarn needs its factor and original_max_position_embeddings",
         ),
     ],
-    ids=["qwen2-moe", "deepseek-v3", "qwen3-moe-mlp-only-layers"],
+    ids=["olmoe", "gpt-oss", "llama4", "deepseek-yarn", "yarn-without-factor"],
 )  # fmt: skip
 def test_moe_models_we_do_not_read_are_one_line_errors(tmp_path, config, message):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(UserError, match=re.escape(message)) as e:
         load_config(["--init_from", f"hf:{tmp_path}"], fill=with_hf_model)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--model.moe.router", "sigmoid"],
+            "sigmoid routing, expert groups and a routed scale are DeepSeek-V3's",
+        ),
+        (
+            ["--model.moe.n_shared_experts", "1"],
+            "shared experts export as Qwen2-MoE's one gated shared expert",
+        ),
+        (
+            ["--model.kv_lora_rank", "16", "--model.n_kv_head", "0", "--model.rope_head_dim", "8"],
+            "latent attention exports as DeepSeek-V3: experts after model.moe.first_dense in every layer, "
+            "router sigmoid",
+        ),
+    ],
+    ids=["sigmoid-without-mla", "ungated-shared", "mla-softmax"],
+)
+def test_moe_models_no_class_matches_are_refused_before_export(argv, message):
+    base = ["--config", "configs/moe_tiny.yaml"]
+    with pytest.raises(UserError, match=re.escape(message)) as e:
+        to_hf(load_config([*base, *argv]).model, "float32")
     assert "\n" not in str(e.value)

@@ -21,6 +21,8 @@ _CHOICES = {
     "model.attention_impl": ("auto", "xla", "cudnn"),
     "model.mlp": ("gelu", "swiglu"),
     "model.moe.grouped_matmul": ("auto", "ragged_dot", "blocks"),
+    "model.moe.router": ("softmax", "sigmoid"),
+    "model.rope_type": ("llama3", "yarn"),
     "mesh.reduce_dtype": ("float32", "compute"),
     "compat.backend": ("auto", "nccl", "gloo"),
     "ddp.log_level": ("", "DEBUG", "INFO", "WARNING", "ERROR"),
@@ -30,6 +32,7 @@ _POSITIVE = (
     "checkpoint_interval", "keep_checkpoints", "eval_batches", "prefetch",
     "model.vocab_size", "model.seq_len", "model.n_layer", "model.n_head", "model.d_model",
     "optim.matrix_lr", "max_new_tokens", "model.moe.experts_per_token", "model.moe.every",
+    "model.moe.n_group", "model.moe.topk_group", "model.moe.routed_scale",
     "optim.lr", "dist.init_timeout", "max_bad_steps", "preemption_check_interval", "lock_stale_s",
 )  # fmt: skip
 _NON_NEGATIVE = (
@@ -38,7 +41,8 @@ _NON_NEGATIVE = (
     "optim.warmup_steps", "optim.weight_decay",
     "optim.min_lr_ratio", "dist.num_processes", "watchdog_factor", "watchdog_timeout",
     "model.moe.n_experts", "model.moe.n_shared_experts", "model.moe.d_expert", "model.moe.balance_coef",
-    "model.moe.z_loss_coef", "model.moe.capacity_factor",
+    "model.moe.z_loss_coef", "model.moe.capacity_factor", "model.moe.d_shared", "model.moe.first_dense",
+    "model.moe.bias_update_rate", "model.kv_lora_rank", "model.q_lora_rank",
     "data_threads", "epochs", "compat.world_size",
 )  # fmt: skip
 
@@ -83,8 +87,9 @@ def check(cfg: Config) -> None:
             f"document_mask off but model.doc_bos {m.doc_bos} / doc_eos {m.doc_eos} ask for a document "
             "mask; drop --model.doc_bos/--model.doc_eos, or --document_mask off"
         )
-    if m.pos_embedding == "rope" and m.head_size % 2:
+    if m.pos_embedding == "rope" and m.head_size % 2 and not m.mla:  # MLA's: _check_mla
         raise ConfigError(f"rotary positions need an even head size, got {m.head_size}")
+    _check_mla(m)
     if cfg.batch_size % cfg.gradient_accumulation_steps:
         raise ConfigError(
             f"batch_size {cfg.batch_size} is not divisible by gradient_accumulation_steps "
@@ -188,6 +193,25 @@ def _check_mesh_values(cfg: Config) -> None:
                 )
 
 
+def _check_mla(m: ModelConfig) -> None:
+    """Multi-head latent attention: its head sizes, and the options of other attentions it has not."""
+    if not m.mla:
+        return
+    for key in ("rope_head_dim", "nope_head_dim", "v_head_dim"):
+        if getattr(m, key) <= 0:
+            raise ConfigError(f"model.{key} must be > 0 with model.kv_lora_rank, got {getattr(m, key)}")
+    if m.rope_head_dim % 2 or m.pos_embedding != "rope":
+        raise ConfigError(
+            f"multi-head latent attention rotates an even model.rope_head_dim (got {m.rope_head_dim}) "
+            "with --model.pos_embedding rope"
+        )
+    if m.kv_heads != m.n_head or m.qk_norm or m.qkv_bias or m.head_dim:
+        raise ConfigError(
+            "multi-head latent attention (model.kv_lora_rank) has one latent for every head and sizes its "
+            "heads by rope/nope/v_head_dim: drop model.n_kv_head, head_dim, qk_norm and qkv_bias"
+        )
+
+
 def _check_moe(m: ModelConfig, ep: int) -> None:
     moe = m.moe
     if not moe.n_experts:
@@ -207,8 +231,37 @@ def _check_moe(m: ModelConfig, ep: int) -> None:
             f"model.moe.n_experts {moe.n_experts} is not divisible by mesh.expert {ep}: each device holds "
             f"n_experts / mesh.expert of them; use a mesh.expert that divides {moe.n_experts}"
         )
-    if moe.every > 1 and m.scan_layers:
+    if (moe.every > 1 or moe.dense_layers) and m.scan_layers:
         raise ConfigError(
-            f"model.moe.every {moe.every} mixes MoE and dense layers, but model.scan_layers compiles one "
-            "layer for all; use model.moe.every 1 or model.scan_layers false"
+            "model.moe.every or dense_layers mix MoE and dense layers, but model.scan_layers compiles one "
+            "layer for each stack (the first_dense ones, then the rest); drop them or model.scan_layers"
         )
+    _check_routing(m)
+
+
+def _check_routing(m: ModelConfig) -> None:
+    moe = m.moe
+    parts = [x.strip() for x in moe.dense_layers.split(",") if x.strip()]
+    if not all(x.isdigit() and int(x) < m.n_layer for x in parts):
+        raise ConfigError(
+            f"model.moe.dense_layers {moe.dense_layers!r} must be comma-separated layer indices below "
+            f"model.n_layer {m.n_layer}"
+        )
+    group = moe.n_experts // moe.n_group
+    if moe.n_experts % moe.n_group or (moe.n_group > 1 and group < 2):
+        raise ConfigError(
+            f"model.moe.n_group {moe.n_group} must split model.moe.n_experts {moe.n_experts} into equal "
+            "groups of at least 2 (a group ranks by its top-2 scores)"
+        )
+    if moe.topk_group > moe.n_group or moe.experts_per_token > moe.topk_group * group:
+        raise ConfigError(
+            f"model.moe.topk_group {moe.topk_group} groups of {group} experts cannot hold "
+            f"experts_per_token {moe.experts_per_token} (and at most n_group {moe.n_group}); raise topk_group"
+        )
+    if moe.bias_update_rate and moe.router != "sigmoid":
+        raise ConfigError(
+            "model.moe.bias_update_rate (auxiliary-loss-free balancing) moves the sigmoid router's bias; "
+            "set model.moe.router sigmoid"
+        )
+    if moe.shared_gate and not moe.n_shared_experts:
+        raise ConfigError("model.moe.shared_gate gates the shared experts: set model.moe.n_shared_experts")

@@ -30,9 +30,24 @@ class MoeConfig:
     n_experts: int = 0  # routed experts per MoE layer; 0 = a dense model
     experts_per_token: int = 2  # top-k: the experts each token is routed to (Mixtral 2, Qwen3-MoE 8)
     n_shared_experts: int = 0  # experts every token also passes through (one MLP of n x d_expert)
+    d_shared: int = 0  # the shared experts' summed hidden size; 0 = n_shared_experts x d_expert
+    shared_gate: bool = False  # the shared experts' output times sigmoid(x w), w [d, 1] (Qwen2-MoE)
     d_expert: int = 0  # each expert's hidden size; 0 = model.ff_dim
     every: int = 1  # layers every-1, 2*every-1, ... are MoE (1: every layer; Hugging Face's sparse step)
+    first_dense: int = (
+        0  # the first k layers stay dense MLPs of model.d_ff (DeepSeek's first_k_dense_replace)
+    )
+    dense_layers: str = ""  # comma-separated layers that stay dense, e.g. "0,5" (Qwen-MoE's mlp_only_layers)
+    # softmax: top-k of the softmax (Mixtral, Qwen); sigmoid: per-expert sigmoid scores, the top-k
+    # picked by score + a per-expert bias (`router_bias`: DeepSeek-V3's e_score_correction_bias)
+    router: str = "softmax"
+    n_group: int = 1  # experts in n_group groups; each token picks topk_group groups first (DeepSeek)
+    topk_group: int = 1  # groups a token's experts come from (ranked by their top-2 scores' sum)
     renormalize: bool = True  # rescale the top-k router weights to sum to 1 (Mixtral, Qwen3-MoE)
+    routed_scale: float = 1.0  # the routed experts' weights times this (DeepSeek's routed_scaling_factor)
+    # Auxiliary-loss-free balancing (DeepSeek-V3, router sigmoid): after each step every expert's
+    # router bias moves by this rate (gamma), down if it got more than an even share, up if less; 0 = off
+    bias_update_rate: float = 0.0
     balance_coef: float = 0.01  # load-balancing loss coefficient (Switch; 1.0 when perfectly balanced)
     z_loss_coef: float = 0.0  # router z-loss coefficient (ST-MoE: mean logsumexp(logits)^2); 0 = off
     # Under mesh.expert, each device's buffer for each peer: 0 = all its copies (dropless, mesh.expert
@@ -66,11 +81,26 @@ class ModelConfig:
     tie_embeddings: bool = True  # False: a separate output head (lm_head)
     qk_norm: bool = False  # RMSNorm of each head's q and k before rotary positions (Qwen3)
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
-    # Llama 3.1's rotary frequencies (rope_type llama3) when > 0: the long ones slowed by this factor
+    # Scaled rotary frequencies when > 0 (rope_type): the long ones slowed by this factor
     rope_scaling_factor: float = 0.0
+    rope_type: str = "llama3"  # llama3 (Llama 3.1's) | yarn (YaRN, DeepSeek-V3's and Qwen's long context)
     rope_low_freq_factor: float = 1.0  # Llama 3.1 rotary scaling: low-frequency factor
     rope_high_freq_factor: float = 4.0  # Llama 3.1 rotary scaling: high-frequency factor
     rope_original_context: int = 8192  # Llama 3.1 rotary scaling: the context it was trained at
+    rope_beta_fast: float = 32.0  # YaRN: rotations past which a frequency is kept (extrapolated)
+    rope_beta_slow: float = 1.0  # YaRN: rotations under which a frequency is divided by the factor
+    # YaRN's attention factors (DeepSeek: 1 and 1; 0 = unset, as Hugging Face's): rotary parts scaled
+    # by mscale(mscale) / mscale(mscale_all_dim), and latent attention's scores by mscale(all_dim)^2
+    rope_mscale: float = 0.0
+    rope_mscale_all_dim: float = 0.0
+    # Multi-head latent attention (DeepSeek-V2/V3, model/mla.py) when kv_lora_rank > 0: keys and
+    # values from one latent of this size (RMSNorm'd), plus a rotary key part shared by every head
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # MLA: queries through a latent of this size (RMSNorm'd); 0 = one projection
+    rope_head_dim: int = 64  # MLA: the rotary part of each query and key head
+    nope_head_dim: int = 128  # MLA: the part of each query and key head without positions
+    v_head_dim: int = 128  # MLA: each value head's size
+    rope_interleave: bool = True  # MLA: rotary pairs interleaved (x0, x1), (x2, x3) (DeepSeek's weights)
     # Packed documents (model/documents.py): attention never crosses them, positions restart in each.
     # The boundary token ids, set from the data's manifest (document_mask); -1: none
     doc_bos: int = -1  # a document starts with this token (Llama's BOS)
@@ -91,7 +121,20 @@ class ModelConfig:
 
     @property
     def head_size(self) -> int:
+        """Each query and key head's size."""
+        if self.mla:
+            return self.nope_head_dim + self.rope_head_dim
         return self.head_dim or self.d_model // self.n_head
+
+    @property
+    def v_size(self) -> int:
+        """Each value head's size (MLA's apart from the query's)."""
+        return self.v_head_dim if self.mla else self.head_size
+
+    @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek's) in place of multi-head or grouped-query attention."""
+        return self.kv_lora_rank > 0
 
 
 @dataclass(frozen=True)

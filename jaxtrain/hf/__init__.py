@@ -1,11 +1,13 @@
-"""Hugging Face checkpoints in and out: Llama, Mistral, Qwen2 and Qwen3 causal LMs.
+"""Hugging Face checkpoints in and out: Llama, Mistral, Qwen2 and Qwen3 causal LMs, and the
+mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 (moe.py).
 
     --init_from hf:DIR               train from a Hugging Face model dir (config.json, *.safetensors)
     --task test|predict --resume_from hf:DIR
     scripts/export_hf.py RUN_DIR|CHECKPOINT --out DIR
 
-config.py maps architectures to ModelConfig and back, weights.py names every tensor (one table,
-read both ways), store.py reads and writes safetensors files, load.py and export.py use them.
+config.py maps architectures to ModelConfig and back (moe.py: the MoE families' keys), weights.py
+names every tensor (one table, read both ways), store.py reads and writes safetensors files,
+load.py and export.py use them.
 """
 
 from jaxtrain.config.origin import PREFIX, hf_dir, is_hf

@@ -3,8 +3,7 @@
 Llama    SwiGLU, rotary, grouped-query attention, no biases          (Mistral reads as Llama)
 Qwen2    the same with q/k/v biases
 Qwen3    the same with RMSNorm of each head's q and k (no biases)
-Mixtral     Llama's attention, every MLP a mixture of experts (renormalised top-k)
-Qwen3-MoE   Qwen3's attention, MoE every decoder_sparse_step-th layer (norm_topk_prob: renormalised)
+Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3: mixtures of experts (hf/moe.py)
 """
 
 from __future__ import annotations
@@ -16,11 +15,9 @@ from typing import Any
 from jaxtrain.config import ModelConfig, MoeConfig
 from jaxtrain.config.origin import hf_dir
 from jaxtrain.errors import UserError
+from jaxtrain.hf.moe import MOE_ARCHS, REFUSED, mla_keys, moe_architecture, moe_hf, moe_keys
 
-SUPPORTED = (
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM",
-    "Qwen3MoeForCausalLM",
-)  # fmt: skip
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", *MOE_ARCHS)
 # A model dir's context can be far longer than anyone trains here by default.
 DEFAULT_SEQ_LEN = 2048
 
@@ -42,25 +39,43 @@ def read(directory: Path) -> dict[str, Any]:
 
 
 def _rope_keys(hf: dict[str, Any], where: str) -> dict[str, Any]:
-    """model.rope_* keys: plain rotary positions, or Llama 3.1's scaled ones (rope_type llama3)."""
+    """model.rope_* keys: plain rotary positions, or scaled ones (rope_type llama3 or yarn)."""
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
     keys = {"model.rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))}
     if kind == "llama3":
         return keys | {
             "model.rope_scaling_factor": float(rope["factor"]),
+            "model.rope_type": "llama3",
             "model.rope_low_freq_factor": float(rope["low_freq_factor"]),
             "model.rope_high_freq_factor": float(rope["high_freq_factor"]),
             "model.rope_original_context": int(rope["original_max_position_embeddings"]),
         }
+    if kind == "yarn" and not {"factor", "original_max_position_embeddings"} <= rope.keys():
+        raise UserError(f"{where}: rope_type yarn needs its factor and original_max_position_embeddings")
+    if kind == "yarn" and rope.get("attention_factor") is None and rope.get("truncate", True):
+        return keys | {
+            "model.rope_scaling_factor": float(rope["factor"]),
+            "model.rope_type": "yarn",
+            "model.rope_original_context": int(rope["original_max_position_embeddings"]),
+            "model.rope_beta_fast": float(rope.get("beta_fast") or 32.0),
+            "model.rope_beta_slow": float(rope.get("beta_slow") or 1.0),
+            "model.rope_mscale": float(rope.get("mscale") or 0.0),
+            "model.rope_mscale_all_dim": float(rope.get("mscale_all_dim") or 0.0),
+        }
     if kind != "default":
-        raise UserError(f"{where}: rope_type {kind!r} is not supported (plain rotary positions, or llama3)")
+        raise UserError(
+            f"{where}: rope_type {kind!r} is not supported (plain rotary positions, llama3, or yarn "
+            "without attention_factor or truncate false)"
+        )
     return keys
 
 
 def model_keys(hf: dict[str, Any], where: str) -> dict[str, Any]:
     """The model.* config keys (dotted) of a Hugging Face config, or a one-line refusal."""
     arch = (hf.get("architectures") or ["?"])[0]
+    if arch in REFUSED:
+        raise UserError(f"{where}: architecture {arch} needs {REFUSED[arch]}, which jaxtrain does not have")
     if arch not in SUPPORTED:
         raise UserError(
             f"{where}: architecture {arch} is not supported; jaxtrain reads {', '.join(SUPPORTED)}"
@@ -72,47 +87,26 @@ def model_keys(hf: dict[str, Any], where: str) -> dict[str, Any]:
         raise UserError(f"{where}: attention_bias (a bias on the output projection too) is not supported")
     d, n = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or d // n
+    deepseek = arch == "DeepseekV3ForCausalLM"
+    attention = mla_keys(hf, where) if deepseek else {
+        "model.n_kv_head": hf.get("num_key_value_heads") or n,
+        "model.head_dim": 0 if head_dim * n == d else head_dim,
+    }  # fmt: skip
     return {
         "model.vocab_size": hf["vocab_size"],
         "model.d_model": d,
         "model.n_layer": hf["num_hidden_layers"],
         "model.n_head": n,
-        "model.n_kv_head": hf.get("num_key_value_heads") or n,
-        "model.head_dim": 0 if head_dim * n == d else head_dim,
+        **attention,
         "model.d_ff": hf["intermediate_size"],
         "model.mlp": "swiglu",
         "model.pos_embedding": "rope",
         **_rope_keys(hf, where),
         "model.norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "model.tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "model.qkv_bias": qwen2,
+        "model.qkv_bias": qwen2 or arch == "Qwen2MoeForCausalLM" and bool(hf.get("qkv_bias", True)),
         "model.qk_norm": qwen3,
-        **_moe_keys(hf, arch, where),
-    }
-
-
-def _moe_keys(hf: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
-    """model.moe.* of Mixtral and Qwen3-MoE. Hugging Face's balancing loss is experts_per_token
-    times ours (model/moe.py balance_loss): its coefficient is scaled to give the same loss."""
-    if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
-        return {}
-    k = hf["num_experts_per_tok"]
-    keys = {
-        "model.moe.n_experts": hf.get("num_local_experts") or hf["num_experts"],
-        "model.moe.experts_per_token": k,
-        "model.moe.balance_coef": float(hf.get("router_aux_loss_coef", 0.0)) * k,
-    }
-    if arch == "MixtralForCausalLM":
-        return keys | {"model.moe.d_expert": hf["intermediate_size"], "model.moe.renormalize": True}
-    if hf.get("mlp_only_layers"):
-        raise UserError(
-            f"{where}: mlp_only_layers {hf['mlp_only_layers']} (dense layers at chosen places) is not "
-            "supported; jaxtrain places MoE layers every decoder_sparse_step-th layer"
-        )
-    return keys | {
-        "model.moe.d_expert": hf["moe_intermediate_size"],
-        "model.moe.every": hf.get("decoder_sparse_step", 1),
-        "model.moe.renormalize": bool(hf.get("norm_topk_prob", False)),
+        **(moe_keys(hf, arch) if arch in MOE_ARCHS else {}),
     }
 
 
@@ -178,29 +172,25 @@ def architecture(m: ModelConfig) -> str:
         )
     if m.qk_norm and m.qkv_bias:
         raise UserError("qk_norm with qkv_bias matches no Hugging Face class (Qwen3 biases o_proj too)")
-    if m.moe.n_experts:
-        return _moe_architecture(m)
+    if m.moe.n_experts or m.mla:
+        return moe_architecture(m)
     return "Qwen3ForCausalLM" if m.qk_norm else "Qwen2ForCausalLM" if m.qkv_bias else "LlamaForCausalLM"
-
-
-def _moe_architecture(m: ModelConfig) -> str:
-    """Mixtral (Llama's attention, every layer MoE, renormalised) or Qwen3-MoE (q/k norms)."""
-    if m.moe.n_shared_experts or m.qkv_bias:
-        raise UserError(
-            "a mixture of experts with shared experts or q/k/v biases matches no class jaxtrain writes "
-            "(Mixtral, Qwen3-MoE); train without them to export"
-        )
-    if not m.qk_norm and (m.moe.every != 1 or not m.moe.renormalize):
-        raise UserError(
-            "Mixtral has experts in every layer and renormalised top-k weights: use model.moe.every 1 "
-            "and model.moe.renormalize true, or model.qk_norm true (Qwen3-MoE) to export"
-        )
-    return "Qwen3MoeForCausalLM" if m.qk_norm else "MixtralForCausalLM"
 
 
 def _rope_parameters(m: ModelConfig) -> dict[str, Any]:
     if not m.rope_scaling_factor:
         return {"rope_type": "default", "rope_theta": m.rope_theta}
+    if m.rope_type == "yarn":
+        return {
+            "rope_type": "yarn",
+            "rope_theta": m.rope_theta,
+            "factor": m.rope_scaling_factor,
+            "original_max_position_embeddings": m.rope_original_context,
+            "beta_fast": m.rope_beta_fast,
+            "beta_slow": m.rope_beta_slow,
+            **({"mscale": m.rope_mscale} if m.rope_mscale else {}),
+            **({"mscale_all_dim": m.rope_mscale_all_dim} if m.rope_mscale_all_dim else {}),
+        }
     return {
         "rope_type": "llama3",
         "rope_theta": m.rope_theta,
@@ -240,24 +230,8 @@ def to_hf(m: ModelConfig, dtype: str) -> dict[str, Any]:
     }
     if arch != "LlamaForCausalLM":
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=m.n_layer)
-    if m.moe.n_experts:
-        k = m.moe.experts_per_token
-        out.update(
-            num_local_experts=m.moe.n_experts,
-            num_experts=m.moe.n_experts,  # Qwen3-MoE's name in transformers 4
-            num_experts_per_tok=k,
-            router_aux_loss_coef=m.moe.balance_coef / k,
-            output_router_logits=False,
-        )
-        if arch == "MixtralForCausalLM":
-            out["intermediate_size"] = m.moe.d_expert or m.ff_dim
-        else:
-            out.update(
-                moe_intermediate_size=m.moe.d_expert or m.ff_dim,
-                decoder_sparse_step=m.moe.every,
-                mlp_only_layers=[],
-                norm_topk_prob=m.moe.renormalize,
-            )
+    if arch in MOE_ARCHS:
+        out.update(moe_hf(m, arch))
     return out
 
 
@@ -267,4 +241,6 @@ _MODEL_TYPES = {
     "Qwen3ForCausalLM": "qwen3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }

@@ -4,8 +4,10 @@ Our kernels are [in..., out...] with heads apart ([d, N, H]); torch's Linear wei
 [out, in] with heads flattened. Fused params split into several HF tensors: qkv [d, 3, N, H]
 into q/k/v_proj, kv [d, 2, K, H] into k/v_proj, gate_up [d, 2, ff] into gate/up_proj. A mixture
 of experts' stacked experts ([E, d, 2, ff], [E, ff, d]) into one tensor per expert, as Mixtral
-(block_sparse_moe.experts.j.w1/w3/w2) and Qwen3-MoE (mlp.experts.j.gate/up/down_proj) save them. Rotary
-positions need no permutation: ours rotate contiguous halves (rotate_half), as HF's do.
+(block_sparse_moe.experts.j.w1/w3/w2) and the others (mlp.experts.j.gate/up/down_proj) save them;
+transformers 5 saves its fused 3-D experts in that layout too. Rotary positions need no
+permutation: ours rotate contiguous halves (rotate_half), as HF's do, and MLA's interleaved pairs
+are rotated in place (model/mla.py rope_interleave).
 """
 
 from __future__ import annotations
@@ -30,54 +32,102 @@ class Entry:
 
 
 _Row = tuple[str, tuple[str, ...], tuple[int, int] | None, str, int | None]
+_Part = tuple[str, tuple[str, ...], tuple[int, int] | None, str]  # a _Row without its expert
 
 
 def _experts(cfg: ModelConfig) -> list[_Row]:
-    """A mixture of experts' MLP: the router, then each expert's three matrices."""
-    if cfg.qk_norm:  # Qwen3-MoE (hf/config.py architecture)
-        where, names = "mlp", ("gate_proj", "up_proj", "down_proj")
-    else:  # Mixtral
-        where, names = "block_sparse_moe", ("w1", "w3", "w2")
+    """A mixture of experts' MLP: the router (and its bias), each expert's three matrices, then the
+    shared experts (and their gate)."""
+    mixtral = not (cfg.qk_norm or cfg.qkv_bias or cfg.mla)  # hf/moe.py moe_architecture
+    where, names = ("block_sparse_moe", ("w1", "w3", "w2")) if mixtral else ("mlp", _SWIGLU)
     out: list[_Row] = [(f"{where}.gate.weight", ("moe", "router", "kernel"), None, "in", None)]
+    if cfg.moe.router == "sigmoid":
+        out.append((f"{where}.gate.e_score_correction_bias", ("moe", "router_bias"), None, "flat", None))
     for j in range(cfg.moe.n_experts):
         gate, up, down = (f"{where}.experts.{j}.{name}.weight" for name in names)
         out.append((gate, ("moe", "gate_up", "kernel"), (1, 0), "in", j))
         out.append((up, ("moe", "gate_up", "kernel"), (1, 1), "in", j))
         out.append((down, ("moe", "out", "kernel"), None, "out", j))
+    if cfg.moe.n_shared_experts:
+        shared = "mlp.shared_experts" if cfg.mla else "mlp.shared_expert"  # DeepSeek-V3, Qwen2-MoE
+        out += [(*row, None) for row in _mlp(shared, ("moe", "shared_"))]
+    if cfg.moe.shared_gate:
+        out.append(("mlp.shared_expert_gate.weight", ("moe", "shared_gate", "kernel"), None, "in", None))
     return out
+
+
+_SWIGLU = ("gate_proj", "up_proj", "down_proj")
+
+
+def _mlp(where: str, path: tuple[str, ...]) -> list[_Part]:
+    """A SwiGLU MLP (model/mlp.py): gate and up from one [d, 2, ff] kernel, then down; path's last
+    name is the params' prefix ("mlp", "" for a block's; "moe", "shared_" for shared experts)."""
+    gate, up, down = (f"{where}.{name}.weight" for name in _SWIGLU)
+    return [
+        (gate, (*path[:-1], f"{path[-1]}gate_up", "kernel"), (1, 0), "in"),
+        (up, (*path[:-1], f"{path[-1]}gate_up", "kernel"), (1, 1), "in"),
+        (down, (*path[:-1], f"{path[-1]}out", "kernel"), None, "out"),
+    ]
+
+
+def _latent_attention(cfg: ModelConfig) -> list[_Part]:
+    """DeepSeek's multi-head latent attention (model/mla.py), as transformers' DeepseekV3 names it."""
+    q: list[_Part]
+    if cfg.q_lora_rank:
+        q = [
+            ("self_attn.q_a_proj.weight", ("attn", "q_a", "kernel"), None, "in"),
+            ("self_attn.q_a_layernorm.weight", ("attn", "q_a_norm", "scale"), None, "flat"),
+            ("self_attn.q_b_proj.weight", ("attn", "q_b", "kernel"), None, "in"),
+        ]
+    else:
+        q = [("self_attn.q_proj.weight", ("attn", "q", "kernel"), None, "in")]
+    return q + [
+        ("self_attn.kv_a_proj_with_mqa.weight", ("attn", "kv_a", "kernel"), None, "in"),
+        ("self_attn.kv_a_layernorm.weight", ("attn", "kv_a_norm", "scale"), None, "flat"),
+        ("self_attn.kv_b_proj.weight", ("attn", "kv_b", "kernel"), None, "in"),
+    ]
 
 
 def _layer(cfg: ModelConfig, moe: bool) -> list[_Row]:
     """(HF name after model.layers.i., our path inside the block, part, kind, expert) for one layer."""
-    out: list[tuple[str, tuple[str, ...], tuple[int, int] | None, str]] = [
+    out: list[_Part] = [
         ("input_layernorm.weight", ("ln_1", "scale"), None, "flat"),
         ("post_attention_layernorm.weight", ("ln_2", "scale"), None, "flat"),
     ]
-    if cfg.kv_heads == cfg.n_head:
-        qkv = [("q", "qkv", 0), ("k", "qkv", 1), ("v", "qkv", 2)]
+    if cfg.mla:
+        out += _latent_attention(cfg)
+    elif cfg.kv_heads == cfg.n_head:
+        out += _projections(cfg, [("q", "qkv", 0), ("k", "qkv", 1), ("v", "qkv", 2)])
     else:
-        qkv = [("q", "q", -1), ("k", "kv", 0), ("v", "kv", 1)]
-    for x, module, i in qkv:
-        w_part, b_part = ((1, i), (0, i)) if i >= 0 else (None, None)
-        out.append((f"self_attn.{x}_proj.weight", ("attn", module, "kernel"), w_part, "in"))
-        if cfg.qkv_bias:
-            out.append((f"self_attn.{x}_proj.bias", ("attn", module, "bias"), b_part, "flat"))
+        out += _projections(cfg, [("q", "q", -1), ("k", "kv", 0), ("v", "kv", 1)])
     out.append(("self_attn.o_proj.weight", ("attn", "out", "kernel"), None, "out"))
     if cfg.qk_norm:
         out.append(("self_attn.q_norm.weight", ("attn", "q_norm", "scale"), None, "flat"))
         out.append(("self_attn.k_norm.weight", ("attn", "k_norm", "scale"), None, "flat"))
     if not moe:
-        out.append(("mlp.gate_proj.weight", ("mlp", "gate_up", "kernel"), (1, 0), "in"))
-        out.append(("mlp.up_proj.weight", ("mlp", "gate_up", "kernel"), (1, 1), "in"))
-        out.append(("mlp.down_proj.weight", ("mlp", "out", "kernel"), None, "out"))
+        out += _mlp("mlp", ("mlp", ""))
     return [(*row, None) for row in out] + (_experts(cfg) if moe else [])
+
+
+def _projections(cfg: ModelConfig, qkv: list[tuple[str, str, int]]) -> list[_Part]:
+    """q/k/v_proj (and their biases) from our fused qkv, or q and kv, kernels."""
+    out: list[_Part] = []
+    for x, module, i in qkv:
+        w_part, b_part = ((1, i), (0, i)) if i >= 0 else (None, None)
+        out.append((f"self_attn.{x}_proj.weight", ("attn", module, "kernel"), w_part, "in"))
+        if cfg.qkv_bias:
+            out.append((f"self_attn.{x}_proj.bias", ("attn", module, "bias"), b_part, "flat"))
+    return out
 
 
 def entries(cfg: ModelConfig) -> list[Entry]:
     """Every HF tensor of the model, in the order Hugging Face writes them."""
     out = [Entry("model.embed_tokens.weight", ("wte", "embedding"), None, None, "same")]
     for i in range(cfg.n_layer):
-        block, layer = (("blocks",), i) if cfg.scan_layers else ((f"block_{i}",), None)
+        block, layer = (f"block_{i}",), None
+        if cfg.scan_layers:  # model/transformer.py scanned_stacks: the first dense ones apart
+            dense = cfg.moe.first_dense if cfg.moe.n_experts else 0
+            block, layer = (("blocks_dense",), i) if i < dense else (("blocks",), i - dense)
         for name, path, part, kind, expert in _layer(cfg, is_moe_layer(cfg, i)):
             out.append(Entry(f"model.layers.{i}.{name}", block + path, layer, part, kind, expert))
     out.append(Entry("model.norm.weight", ("ln_f", "scale"), None, None, "flat"))

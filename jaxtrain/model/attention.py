@@ -14,7 +14,17 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.config import ModelConfig
 from jaxtrain.model.documents import Documents
-from jaxtrain.model.layers import cache_index, constrain, dense, norm, residual_std, rope, rope_frequencies
+from jaxtrain.model.layers import (
+    cache_index,
+    constrain,
+    dense,
+    norm,
+    residual_std,
+    rope,
+    rope_frequencies,
+    rope_scale,
+)
+from jaxtrain.model.mla import latent_qkv
 
 # cuDNN's fused (flash) attention: half or bfloat16 inputs, head dim a multiple of 8 up to 128
 # (256 on Hopper and later; 128 holds on every GPU jax supports). jax's own checks, in
@@ -45,7 +55,7 @@ def _auto_kernel(platform: str, dtype: str, head_dim: int) -> str:
 def _causal_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, impl: str, segments: jax.Array | None = None
 ) -> jax.Array:
-    """Causal attention, q [B, T, N, H], k and v [B, T, K, H] (K divides N) -> [B, T, N, H],
+    """Causal attention, q [B, T, N, H], k [B, T, K, H], v [B, T, K, Hv] (K divides N) -> [B, T, N, Hv],
     softmax in float32. With K < N each key/value head serves N / K consecutive query heads.
     segments [B, T]: a query sees only keys of its own document (every query sees itself: no
     row is all masked).
@@ -64,6 +74,8 @@ def _causal_attention(
 
 
 def _cudnn_kernel(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None) -> jax.Array:
+    if v.shape[-1] != q.shape[-1]:  # value heads unlike the query's (MLA): `_pad_value`
+        return _cudnn_kernel(q, k, _pad_value(v, q.shape[-1]), segments)[..., : v.shape[-1]]
     attend = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
     if segments is None:
         return attend(q, k, v)
@@ -87,7 +99,22 @@ def _xla_kernel(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | 
     logits = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
     logits = jnp.where(causal if segments is None else causal[:, None], logits, jnp.finfo(jnp.float32).min)
     y = jnp.einsum("bkgts,bskh->btkgh", jax.nn.softmax(logits, axis=-1).astype(v.dtype), v)
-    return y.reshape(b, t, n, h)
+    return y.reshape(b, t, n, v.shape[-1])
+
+
+def _pad_value(v: jax.Array, size: int) -> jax.Array:
+    """v [..., Hv] zero-padded to [..., size]: jax.nn.dot_product_attention (jax 0.10.2) takes only
+    values of the query's head size, in every implementation, though cuDNN's fused kernel itself
+    has a latent-attention mode (qH != vH, Hopper and cuDNN >= 9.10) its public API does not reach.
+    The padded columns come out zero and are cut off: the AV product runs at the query's head size
+    (DeepSeek-V3's 192 for 128: 1.5x its FLOPs and value bytes; QK^T, half the work, unchanged)."""
+    return jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, size - v.shape[-1])])
+
+
+def _masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """XLA's attention under a [1, 1, T, S] mask (the decode cache's), values of any head size."""
+    y = jax.nn.dot_product_attention(q, k, _pad_value(v, q.shape[-1]), mask=mask, implementation="xla")
+    return y[..., : v.shape[-1]]
 
 
 def _context_axis() -> str | None:
@@ -144,7 +171,7 @@ def _per_device(
 
 
 class Attention(nn.Module):
-    """Causal multi-head (or grouped-query) self-attention."""
+    """Causal multi-head (or grouped-query, or DeepSeek's latent: model/mla.py) self-attention."""
 
     cfg: ModelConfig
     dtype: Any
@@ -154,6 +181,30 @@ class Attention(nn.Module):
     def __call__(self, x: jax.Array, doc: Documents | None = None) -> jax.Array:
         cfg = self.cfg
         b, t, d = x.shape
+        start = cache_index(self, t) if self.decode else 0
+        positions = start + jnp.arange(t) if doc is None else doc.positions
+        if cfg.mla:
+            q, k, v = latent_qkv(cfg, self.dtype, x, positions)
+        else:
+            q, k, v = self._qkv(x, positions)
+        if self.decode:
+            cached_k = self.variable("cache", "k", jnp.zeros, (b, cfg.seq_len, *k.shape[2:]), k.dtype)
+            cached_v = self.variable("cache", "v", jnp.zeros, (b, cfg.seq_len, *v.shape[2:]), v.dtype)
+            cached_k.value = jax.lax.dynamic_update_slice(cached_k.value, k, (0, start, 0, 0))
+            cached_v.value = jax.lax.dynamic_update_slice(cached_v.value, v, (0, start, 0, 0))
+            # Query i sits at start + i and sees the cache up to there; later slots hold stale
+            # entries or padding. Decoding is memory-bound: the plain XLA kernel is enough.
+            mask = jnp.arange(cfg.seq_len)[None, :] <= (start + jnp.arange(t))[:, None]  # [T, S]
+            y = _masked_attention(q, cached_k.value, cached_v.value, mask[None, None])
+        else:
+            y = _causal_attention(q, k, v, cfg.attention_impl, None if doc is None else doc.segments)
+        y = constrain(y, "batch", "length", "heads", None)
+        out = dense(d, residual_std(cfg), self.dtype, "out", axis=(-2, -1))(y)
+        return constrain(out, "batch", "length", "embed")
+
+    def _qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Multi-head or grouped-query q [B, T, N, H], k and v [B, T, K, H], rotated at `positions`."""
+        cfg = self.cfg
         n, kv_heads, head_dim, bias = cfg.n_head, cfg.kv_heads, cfg.head_size, cfg.qkv_bias
         if kv_heads == n:
             qkv = dense((3, n, head_dim), cfg.init_std, self.dtype, "qkv", bias=bias)(x)  # [B, T, 3, N, H]
@@ -169,28 +220,8 @@ class Attention(nn.Module):
             k, v = (x[:, :, 0] for x in jnp.split(kv, 2, axis=2))  # [B, T, K, H]
         if cfg.qk_norm:
             q, k = norm(q, cfg.norm_eps, "q_norm"), norm(k, cfg.norm_eps, "k_norm")
-        start = cache_index(self, t) if self.decode else 0
         if cfg.pos_embedding == "rope":
-            positions = start + jnp.arange(t) if doc is None else doc.positions
-            inv_freq = rope_frequencies(cfg, head_dim)
-            q, k = (
-                rope(q, cfg.rope_theta, positions, inv_freq),
-                rope(k, cfg.rope_theta, positions, inv_freq),
-            )
-        if self.decode:
-            shape = (b, cfg.seq_len, kv_heads, head_dim)
-            cached_k = self.variable("cache", "k", jnp.zeros, shape, k.dtype)
-            cached_v = self.variable("cache", "v", jnp.zeros, shape, v.dtype)
-            cached_k.value = jax.lax.dynamic_update_slice(cached_k.value, k, (0, start, 0, 0))
-            cached_v.value = jax.lax.dynamic_update_slice(cached_v.value, v, (0, start, 0, 0))
-            # Query i sits at start + i and sees the cache up to there; later slots hold stale
-            # entries or padding. Decoding is memory-bound: the plain XLA kernel is enough.
-            mask = jnp.arange(cfg.seq_len)[None, :] <= (start + jnp.arange(t))[:, None]  # [T, S]
-            y = jax.nn.dot_product_attention(
-                q, cached_k.value, cached_v.value, mask=mask[None, None], implementation="xla"
-            )
-        else:
-            y = _causal_attention(q, k, v, cfg.attention_impl, None if doc is None else doc.segments)
-        y = constrain(y, "batch", "length", "heads", None)
-        out = dense(d, residual_std(cfg), self.dtype, "out", axis=(-2, -1))(y)
-        return constrain(out, "batch", "length", "embed")
+            inv_freq, scale = rope_frequencies(cfg, head_dim), rope_scale(cfg)
+            q = rope(q, cfg.rope_theta, positions, inv_freq, scale=scale)
+            k = rope(k, cfg.rope_theta, positions, inv_freq, scale=scale)
+        return q, k, v

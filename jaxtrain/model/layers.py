@@ -55,11 +55,13 @@ def norm(x: jax.Array, eps: float, name: str) -> jax.Array:
 def rope_frequencies(cfg: ModelConfig, h: int) -> jax.Array:
     """Rotary frequencies of a head of size h; with rope_scaling_factor, Llama 3.1's: wavelengths
     past the original context divided by the factor, those under original / high_freq_factor
-    kept, a smooth blend between (as transformers' rope_type llama3)."""
+    kept, a smooth blend between (as transformers' rope_type llama3); or YaRN's (`_yarn`)."""
     inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
     factor = cfg.rope_scaling_factor
     if not factor:
         return inv_freq
+    if cfg.rope_type == "yarn":
+        return _yarn(cfg, h, inv_freq)
     low, high, context = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_context
     wavelen = 2 * math.pi / inv_freq
     scaled = jnp.where(wavelen > context / low, inv_freq / factor, inv_freq)
@@ -69,17 +71,56 @@ def rope_frequencies(cfg: ModelConfig, h: int) -> jax.Array:
     return jnp.where(medium, smoothed, scaled)
 
 
-def rope(x: jax.Array, theta: float, positions: jax.Array | None = None, inv_freq: Any = None) -> jax.Array:
+def _yarn(cfg: ModelConfig, h: int, inv_freq: jax.Array) -> jax.Array:
+    """YaRN (Peng et al. 2023), as transformers' rope_type yarn with truncate: frequencies turning
+    fewer than beta_slow times over the original context divided by the factor, more than beta_fast
+    kept, a linear ramp over the dims between."""
+
+    def dim(rotations: float) -> float:  # the dim whose frequency turns `rotations` times
+        context = cfg.rope_original_context
+        return h * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+
+    low = max(math.floor(dim(cfg.rope_beta_fast)), 0)
+    high = min(math.ceil(dim(cfg.rope_beta_slow)), h - 1)
+    ramp = jnp.clip((jnp.arange(h // 2, dtype=jnp.float32) - low) / max(high - low, 0.001), 0, 1)
+    return inv_freq / cfg.rope_scaling_factor * ramp + inv_freq * (1 - ramp)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature: 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_scale(cfg: ModelConfig) -> float:
+    """What YaRN multiplies the rotated parts by (transformers' attention_factor); 1 otherwise."""
+    if not cfg.rope_scaling_factor or cfg.rope_type != "yarn":
+        return 1.0
+    factor, mscale, all_dim = cfg.rope_scaling_factor, cfg.rope_mscale, cfg.rope_mscale_all_dim
+    if mscale and all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim)
+    return yarn_mscale(factor)
+
+
+def rope(
+    x: jax.Array,
+    theta: float,
+    positions: jax.Array | None = None,
+    inv_freq: Any = None,
+    interleaved: bool = False,
+    scale: float = 1.0,
+) -> jax.Array:
     """Rotate [B, T, N, H] by position ([T] or per row [B, T]; default 0..T-1; rotate-half layout),
-    in float32; inv_freq: the frequencies (default theta's plain ones)."""
+    in float32; inv_freq: the frequencies (default theta's plain ones). interleaved: the pairs are
+    (x0, x1), (x2, x3), ..., rotated and returned as [evens | odds] (DeepSeek's, model/mla.py);
+    scale: what cos and sin are multiplied by (YaRN's, `rope_scale`)."""
     t, h = x.shape[1], x.shape[3]
     positions = jnp.arange(t) if positions is None else positions
     if inv_freq is None:
         inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [(B,) T, H/2]
-    cos = jnp.cos(angles)[..., None, :]  # [(B,) T, 1, H/2]: over heads
-    sin = jnp.sin(angles)[..., None, :]
+    cos = scale * jnp.cos(angles)[..., None, :]  # [(B,) T, 1, H/2]: over heads
+    sin = scale * jnp.sin(angles)[..., None, :]
     xf = x.astype(jnp.float32)
-    x1, x2 = xf[..., : h // 2], xf[..., h // 2 :]
+    x1, x2 = (xf[..., 0::2], xf[..., 1::2]) if interleaved else (xf[..., : h // 2], xf[..., h // 2 :])
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)

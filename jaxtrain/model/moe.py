@@ -1,9 +1,16 @@
 """Mixture of experts: a router picks each token's top-k experts, and only those run on it.
 
-Routing: softmax over the experts' logits, then the top k (Mixtral, Qwen3-MoE), their weights
-optionally renormalised to sum to 1. Dropless: every routed copy of a token is computed. The
-copies are sorted by expert and each expert's rows run as one group of a grouped matmul, so no
-expert pads to a capacity and none drops a token. Two grouped matmuls (`grouped_matmul`):
+Routing (`route`): softmax over the experts' logits, then the top k (Mixtral, Qwen3-MoE), their
+weights optionally renormalised to sum to 1; or DeepSeek-V3's: each expert's sigmoid score, the
+top k picked by score plus a per-expert bias (`router_bias`, selection only: the weights are the
+plain scores), from the topk_group best of n_group groups, renormalised, times routed_scale.
+The bias is no gradient's: with bias_update_rate the step moves it after each update
+(`update_router_bias`, auxiliary-loss-free balancing). Shared experts (model/mlp.py's dense MLP,
+optionally behind Qwen2-MoE's sigmoid gate) see every token.
+
+Dropless: every routed copy of a token is computed. The copies are sorted by expert and each
+expert's rows run as one group of a grouped matmul, so no expert pads to a capacity and none
+drops a token. Two grouped matmuls (`grouped_matmul`):
   ragged_dot  `jax.lax.ragged_dot`, the grouped GEMM TPUs compile. XLA:CPU gets jax's fallback:
               every row against every expert, masked (8 experts: 22x one dense matmul), and so
               does XLA:GPU (jax 0.10.2): no waste with one expert a device, 16x with 16.
@@ -36,13 +43,22 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxtrain.config import ModelConfig
+from jaxtrain.config import ModelConfig, MoeConfig
 from jaxtrain.model.layers import constrain, dense, residual_std
+from jaxtrain.model.mlp import mlp
 
 
 def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
-    """Whether block `layer` has experts: every `every`-th, counted from 1 (Hugging Face's sparse step)."""
-    return cfg.moe.n_experts > 0 and (layer + 1) % cfg.moe.every == 0
+    """Whether block `layer` has experts: every `every`-th, counted from 1 (Hugging Face's sparse step),
+    past the first `first_dense` and not one of `dense_layers`."""
+    moe = cfg.moe
+    dense_layers = {int(x) for x in moe.dense_layers.split(",") if x.strip()}
+    return (
+        moe.n_experts > 0
+        and layer >= moe.first_dense
+        and (layer + 1) % moe.every == 0
+        and (layer not in dense_layers)
+    )
 
 
 def expert_hidden(cfg: ModelConfig) -> int:
@@ -162,6 +178,47 @@ def _exchange(
     return back.at[dest, slot].get(mode="fill", fill_value=0), jnp.mean(slot >= capacity)
 
 
+def route(moe: MoeConfig, logits: jax.Array, bias: jax.Array | None) -> tuple[jax.Array, ...]:
+    """Router logits [N, E] (and the sigmoid router's bias [E]) -> each token's weights and experts
+    [N, k], and its probabilities [N, E] (summing to 1) for the balancing loss. The bias gets no
+    gradient: it only picks, through top_k's indices."""
+    k = moe.experts_per_token
+    if moe.router == "softmax":
+        probs = jax.nn.softmax(logits, axis=-1)
+        weights, experts = jax.lax.top_k(probs, k)
+        if moe.renormalize:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        return weights * moe.routed_scale, experts, probs
+    scores = jax.nn.sigmoid(logits)
+    choice = scores if bias is None else scores + bias
+    if moe.n_group > 1:  # each group ranked by its two best experts; the rest of the groups masked
+        n, e = choice.shape
+        groups = choice.reshape(n, moe.n_group, e // moe.n_group)
+        _, best = jax.lax.top_k(jax.lax.top_k(groups, 2)[0].sum(axis=-1), moe.topk_group)  # [N, topk_group]
+        keep = jax.nn.one_hot(best, moe.n_group, dtype=jnp.bool_).any(axis=1)  # [N, n_group]
+        choice = jnp.where(jnp.repeat(keep, e // moe.n_group, axis=1), choice, -jnp.inf)
+    _, experts = jax.lax.top_k(choice, k)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if moe.renormalize:  # transformers' DeepseekV3 adds 1e-20 to the sum
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+    return weights * moe.routed_scale, experts, scores / scores.sum(axis=-1, keepdims=True)
+
+
+def update_router_bias(params: Any, load: jax.Array, rate: jax.Array | float) -> Any:
+    """params with each MoE layer's router bias moved by `rate` toward an even load (DeepSeek-V3's
+    auxiliary-loss-free balancing): down where an expert got more than 1/E of the copies, up where
+    less. `load` [L, E]: the step's load of each MoE layer, in layer order (`router_stats`)."""
+    delta = rate * jnp.sign(1.0 / load.shape[-1] - load)
+
+    def moved(block: Any, d: jax.Array) -> Any:
+        return {**block, "moe": {**block["moe"], "router_bias": block["moe"]["router_bias"] + d}}
+
+    if "blocks" in params:  # scanned: one stack [L, E]
+        return {**params, "blocks": moved(params["blocks"], delta)}
+    names = sorted((n for n in params if "moe" in params[n]), key=lambda n: int(n.split("_")[1]))
+    return {**params, **{name: moved(params[name], delta[i]) for i, name in enumerate(names)}}
+
+
 class _Stack(nn.Module):
     """The experts' matrices of one kind stacked [E, ...], as one float32 param named `kernel`:
     decayed and given to Muon like a dense layer's (run/optim.py reads param names)."""
@@ -188,10 +245,10 @@ class MoeMlp(nn.Module):
         tokens = x.reshape(b * t, d)
         # The router in float32: a low-precision softmax over experts flips near-tied top-k picks.
         logits = dense(n_experts, cfg.init_std, jnp.float32, "router")(tokens.astype(jnp.float32))
-        probs = jax.nn.softmax(logits, axis=-1)
-        weights, experts = jax.lax.top_k(probs, k)  # [N, k]
-        if moe.renormalize:
-            weights = weights / weights.sum(axis=-1, keepdims=True)
+        bias = None
+        if moe.router == "sigmoid":
+            bias = self.param("router_bias", nn.initializers.zeros, (n_experts,), jnp.float32)
+        weights, experts, probs = route(moe, logits, bias)  # [N, k], [N, k], [N, E]
 
         axis, ep = _expert_parallelism()
         impl = "ragged_dot" if moe.grouped_matmul == "auto" else moe.grouped_matmul  # the step resolves auto
@@ -213,7 +270,10 @@ class MoeMlp(nn.Module):
         out = out[jnp.argsort(order)].reshape(b * t, k, d)
         y = jnp.einsum("nk,nkd->nd", weights.astype(self.dtype), out).reshape(b, t, d)
         if moe.n_shared_experts:
-            y = y + self._shared(x, moe.n_shared_experts * ff)
+            shared = mlp(cfg, self.dtype, x, moe.d_shared or moe.n_shared_experts * ff, prefix="shared_")
+            if moe.shared_gate:
+                shared = shared * nn.sigmoid(dense(1, cfg.init_std, self.dtype, "shared_gate")(x))
+            y = y + shared
 
         load = jnp.zeros(n_experts, jnp.float32).at[flat].add(1.0) / flat.size
         self.sow("moe", "load", jax.lax.stop_gradient(load))
@@ -221,18 +281,6 @@ class MoeMlp(nn.Module):
         self.sow("moe", "z", jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2))
         self.sow("moe", "dropped", dropped)
         return constrain(y, "batch", "length", "embed")
-
-    def _shared(self, x: jax.Array, hidden: int) -> jax.Array:
-        """The shared experts: one dense MLP of their summed hidden size, as every token's."""
-        cfg = self.cfg
-        if cfg.mlp == "swiglu":
-            gate_up = dense((2, hidden), cfg.init_std, self.dtype, "shared_gate_up")(x)
-            gate_up = constrain(gate_up, "batch", "length", None, "mlp")
-            h = nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
-        else:
-            h = nn.gelu(dense(hidden, cfg.init_std, self.dtype, "shared_fc")(x))
-        h = constrain(h, "batch", "length", "mlp")
-        return dense(x.shape[-1], residual_std(cfg), self.dtype, "shared_out")(h)
 
 
 def router_stats(collection: Any) -> dict[str, jax.Array]:

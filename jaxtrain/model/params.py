@@ -22,6 +22,11 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     ("attn", "kv", "kernel"): ("embed", None, "heads", None),
     ("attn", "kv", "bias"): (None, "heads", None),
     ("attn", "out", "kernel"): ("heads", None, "embed"),
+    # Multi-head latent attention (model/mla.py): the latents whole, the heads from them split.
+    ("attn", "q_a", "kernel"): ("embed", None),
+    ("attn", "q_b", "kernel"): (None, "heads", None),
+    ("attn", "kv_a", "kernel"): ("embed", None),
+    ("attn", "kv_b", "kernel"): (None, "heads", None),
     ("mlp", "fc", "kernel"): ("embed", "mlp"),
     ("mlp", "gate_up", "kernel"): ("embed", None, "mlp"),
     ("mlp", "out", "kernel"): ("mlp", "embed"),
@@ -30,9 +35,11 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     ("moe", "gate_up", "kernel"): ("expert", "embed", None, "mlp"),
     ("moe", "fc", "kernel"): ("expert", "embed", "mlp"),
     ("moe", "out", "kernel"): ("expert", "mlp", "embed"),
+    ("moe", "router_bias"): (None,),
     ("moe", "shared_gate_up", "kernel"): ("embed", None, "mlp"),
     ("moe", "shared_fc", "kernel"): ("embed", "mlp"),
     ("moe", "shared_out", "kernel"): ("mlp", "embed"),
+    ("moe", "shared_gate", "kernel"): ("embed", None),
     ("scale",): (None,),  # norm scales: small, replicated
 }
 
@@ -82,7 +89,8 @@ def param_summary(params: Any) -> str:
 
     def order(name: str) -> tuple[int, int, str]:  # embeddings, blocks by number, final norm
         block = name.startswith("block")
-        return (1 if block else 2 if name == "ln_f" else 0, int(name[6:]) if name[6:].isdigit() else 0, name)
+        first = "" if name == "blocks_dense" else name  # a scanned model's dense layers come first
+        return (1 if block else 2 if name == "ln_f" else 0, int(name[6:]) if name[6:].isdigit() else 0, first)
 
     for name, parts in sorted(modules.items(), key=lambda item: order(item[0])):
         index = int(name[6:]) if name.startswith("block_") else -1
@@ -90,8 +98,8 @@ def param_summary(params: Any) -> str:
             rows[-1][0], rows[-1][3] = f"block_{rows[-1][2]}..{index} (each)", index
             continue
         label = name
-        if name == "blocks":  # scanned: each leaf stacks every layer
-            label = f"blocks ({jax.tree.leaves(params[name])[0].shape[0]} layers)"
+        if name.startswith("blocks"):  # scanned: each leaf stacks every layer (of its stack)
+            label = f"{name} ({jax.tree.leaves(params[name])[0].shape[0]} layers)"
         rows.append([label, parts, index, index])
     return "\n".join(
         f"  {label:<24}  " + ", ".join(f"{part} {n:,}".strip() for part, n in parts.items())

@@ -3,6 +3,8 @@
 Options for the Llama family (config.ModelConfig): a SwiGLU MLP, grouped-query attention,
 an untied output head, q/k norms (Qwen3), q/k/v biases (Qwen2). Rotary positions rotate the
 two contiguous halves of each head (rotate-half), the layout Hugging Face checkpoints use.
+DeepSeek-V3's pieces: multi-head latent attention (model/mla.py) and routed experts in place of
+the MLP past the first dense layers (model/moe.py).
 
 Params are always float32; `dtype` is the compute dtype of activations and matmuls.
 Norms and rotary angles run in float32 and logits come back as float32.
@@ -29,32 +31,12 @@ import jax.numpy as jnp
 from jaxtrain.config import ModelConfig
 from jaxtrain.model.attention import Attention
 from jaxtrain.model.documents import Documents, documents
-from jaxtrain.model.layers import cache_index, constrain, dense, norm, residual_std
+from jaxtrain.model.layers import cache_index, constrain, norm
+from jaxtrain.model.mlp import Mlp
 from jaxtrain.model.moe import MoeMlp, is_moe_layer
 
 # gather(variables, where=module name) -> the variables a layer computes with (see GPT.gather)
 Gather = Callable[..., Any]
-
-
-class Mlp(nn.Module):
-    """Two-layer GELU feed-forward, or SwiGLU (gate and up as one [d, 2, ff] matmul, then down)."""
-
-    cfg: ModelConfig
-    dtype: Any
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        cfg = self.cfg
-        if cfg.mlp == "swiglu":
-            gate_up = dense((2, cfg.ff_dim), cfg.init_std, self.dtype, "gate_up")(x)  # [B, T, 2, ff]
-            gate_up = constrain(gate_up, "batch", "length", None, "mlp")
-            gate, up = (x[:, :, 0] for x in jnp.split(gate_up, 2, axis=2))
-            h = nn.silu(gate) * up
-        else:
-            h = nn.gelu(dense(cfg.ff_dim, cfg.init_std, self.dtype, "fc")(x))
-        h = constrain(h, "batch", "length", "mlp")
-        out = dense(x.shape[-1], residual_std(self.cfg), self.dtype, "out")(h)
-        return constrain(out, "batch", "length", "embed")
 
 
 class Block(nn.Module):
@@ -132,21 +114,31 @@ class GPT(nn.Module):
             x = x + (wpe(start + jnp.arange(tokens.shape[1]))[None] if doc is None else wpe(doc.positions))
         block = _block_class(cfg, self.gather)
         if cfg.scan_layers:
-            # One traced body for all layers: compile time stays flat in depth.
-            stack = nn.scan(
-                block,
-                variable_axes={"params": 0, "cache": 0, "moe": 0},
-                split_rngs={"params": True},
-                in_axes=nn.broadcast,
-                length=cfg.n_layer,
-            )
-            x, _ = stack(cfg, self.dtype, self.decode, is_moe_layer(cfg, 0), name="blocks")(x, doc)
+            # One traced body for all layers: compile time stays flat in depth. DeepSeek's first
+            # dense layers are a stack of their own, before the MoE layers' (`scanned_stacks`).
+            for name, length, moe in scanned_stacks(cfg):
+                stack = nn.scan(
+                    block,
+                    variable_axes={"params": 0, "cache": 0, "moe": 0},
+                    split_rngs={"params": True},
+                    in_axes=nn.broadcast,
+                    length=length,
+                )
+                x, _ = stack(cfg, self.dtype, self.decode, moe, name=name)(x, doc)
         else:
             for i in range(cfg.n_layer):
                 x, _ = block(cfg, self.dtype, self.decode, is_moe_layer(cfg, i), name=f"block_{i}")(x, doc)
         x = norm(x, cfg.norm_eps, "ln_f")
         head = wte if cfg.tie_embeddings else embed(cfg.vocab_size, name="lm_head")
         return constrain(head.attend(x), "batch", "length", "vocab").astype(jnp.float32)
+
+
+def scanned_stacks(cfg: ModelConfig) -> list[tuple[str, int, bool]]:
+    """The scanned layers' stacks, in order: (name, layers, MoE): `blocks` for all, or with
+    moe.first_dense, `blocks_dense` of the first ones, then `blocks` of the MoE ones."""
+    dense = min(cfg.moe.first_dense, cfg.n_layer) if cfg.moe.n_experts else 0
+    stacks = [("blocks_dense", dense, False), ("blocks", cfg.n_layer - dense, is_moe_layer(cfg, dense))]
+    return [stack for stack in stacks if stack[1]]
 
 
 def flops_per_token(cfg: ModelConfig, n_params: int) -> float:
@@ -157,7 +149,8 @@ def flops_per_token(cfg: ModelConfig, n_params: int) -> float:
     is a lookup: not counted); 6 * L * d * T (d: heads x head size) adds the attention scores
     and weighted sum (QK^T and AV, forward and backward: PaLM's 12 * L * d * T, Chowdhery et al.
     2022, appendix B) halved for the causal mask, as MaxText counts it and as cuDNN's causal
-    kernel computes it (the planner's schedule replay counts the same: docs/scaling.md).
+    kernel computes it (the planner's schedule replay counts the same: docs/scaling.md). With
+    value heads unlike the query's (MLA), QK^T counts the query head size and AV the value's.
     """
     matmul_params = n_params - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
-    return 6.0 * matmul_params + 6.0 * cfg.n_layer * cfg.n_head * cfg.head_size * cfg.seq_len
+    return 6.0 * matmul_params + 3.0 * cfg.n_layer * cfg.n_head * (cfg.head_size + cfg.v_size) * cfg.seq_len

@@ -43,6 +43,11 @@ _MUON_DIMS = {
     ("moe", "shared_gate_up", "kernel"): MuonDimensionNumbers(-3, -1),
     ("moe", "shared_fc", "kernel"): MuonDimensionNumbers(-2, -1),
     ("moe", "shared_out", "kernel"): MuonDimensionNumbers(-2, -1),
+    # Multi-head latent attention (model/mla.py)
+    ("attn", "q_a", "kernel"): MuonDimensionNumbers(-2, -1),  # [d, q latent]
+    ("attn", "q_b", "kernel"): MuonDimensionNumbers(-3, (-2, -1)),  # [q latent, heads, head_dim]
+    ("attn", "kv_a", "kernel"): MuonDimensionNumbers(-2, -1),  # [d, kv latent + rope]
+    ("attn", "kv_b", "kernel"): MuonDimensionNumbers(-3, (-2, -1)),  # [kv latent, heads, nope + v]
 }
 
 

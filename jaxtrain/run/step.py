@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtrain.config import Config
 from jaxtrain.faults import NO_FAULTS, FaultPlan, poison_gradients
 from jaxtrain.model.attention import attention_kernel
-from jaxtrain.model.moe import balance_loss, grouped_matmul, router_stats
+from jaxtrain.model.moe import balance_loss, grouped_matmul, router_stats, update_router_bias
 from jaxtrain.model.params import logical_axes, path_names
 from jaxtrain.model.transformer import GPT
 from jaxtrain.run import mesh as mesh_lib
@@ -245,6 +245,7 @@ def make_train_step(
     fp16 = cfg.dtype == "float16"
     clip = cfg.gradient_clip_val
     masked = cfg.loss_mask  # unmasked data keeps the plain mean: its losses stay bit for bit
+    bias_rate = cfg.model.moe.bias_update_rate
 
     def device_grads(params: Any, rows: jax.Array, scale: jax.Array, step: jax.Array) -> tuple[Any, Metrics]:
         if faults.nan_step > 0:  # test-only fault, traced only when asked for
@@ -282,6 +283,8 @@ def make_train_step(
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         # A branch, not a select: a good step pays nothing for the ability to skip a bad one.
         params, opt_state = jax.lax.cond(finite, apply, skip, state, grads, grad_norm)
+        if bias_rate:  # auxiliary-loss-free balancing: no gradient's, so beside the optimizer's update
+            params = update_router_bias(params, loss_metrics["expert_load"], bias_rate * finite)
         good = jnp.where(finite, state.good_steps + 1, 0)
         scale = state.loss_scale
         if fp16:
