@@ -155,6 +155,9 @@ def check_launch(cfg: Config, launch: LaunchSpec) -> None:
     check_batch_split(global_rows(cfg), n_processes)
 
 
+OPTIONAL = ("expert", "context")  # axes a mesh leaves at 1 unless asked for: unsaid in advice
+
+
 def resolve_mesh(mesh: MeshConfig, n_devices: int) -> MeshConfig:
     """Fill in the -1 axis; the product must be the device count (the error gives one that is)."""
     sizes = {a: getattr(mesh, a) for a in MESH_AXES}
@@ -163,7 +166,7 @@ def resolve_mesh(mesh: MeshConfig, n_devices: int) -> MeshConfig:
     if free and n_devices % known == 0:
         sizes[free[0]] = n_devices // known
     if math.prod(sizes.values()) != n_devices:
-        inner = {a: n for a, n in sizes.items() if a != "data" and n != -1 and (a != "expert" or n > 1)}
+        inner = {a: n for a, n in sizes.items() if a != "data" and n != -1 and (a not in OPTIONAL or n > 1)}
         fits = n_devices % math.prod(inner.values()) == 0
         hint = (
             f"--mesh.data -1 {' '.join(f'--mesh.{a} {n}' for a, n in inner.items())}"
