@@ -226,6 +226,21 @@ def _local_grads(
     return jax.tree.map(lambda x: x / accum, sums)
 
 
+def _loss_scale(state: TrainState, finite: jax.Array, fp16: bool) -> tuple[jax.Array, jax.Array]:
+    """(loss scale, finite steps in a row) after a step: float16's dynamic scale doubles after
+    _SCALE_GROWTH_INTERVAL good steps in a row and halves (to at least 1) at a bad one."""
+    good = jnp.where(finite, state.good_steps + 1, 0)
+    if not fp16:
+        return state.loss_scale, good
+    grow = good >= _SCALE_GROWTH_INTERVAL
+    scale = jnp.where(
+        finite,
+        jnp.where(grow, state.loss_scale * 2, state.loss_scale),
+        jnp.maximum(state.loss_scale / 2, 1.0),
+    )
+    return scale, jnp.where(grow, 0, good)
+
+
 def make_train_step(
     cfg: Config,
     model: GPT,
@@ -240,10 +255,8 @@ def make_train_step(
     platform = mesh.devices.flat[0].platform
     reduce_dtype = model.dtype if cfg.mesh.reduce_dtype == "compute" and platform != "cpu" else jnp.float32
     layout = _ParamLayout(mesh, param_specs, model.dtype, reduce_dtype)
-    accum = cfg.gradient_accumulation_steps
-    schedule = lr_schedule(cfg)
+    accum, schedule, clip = cfg.gradient_accumulation_steps, lr_schedule(cfg), cfg.gradient_clip_val
     fp16 = cfg.dtype == "float16"
-    clip = cfg.gradient_clip_val
     masked = cfg.loss_mask  # unmasked data keeps the plain mean: its losses stay bit for bit
     bias_rate = cfg.model.moe.bias_update_rate
 
@@ -254,7 +267,7 @@ def make_train_step(
         grads, metrics = _local_grads(model, layout, accum, params, rows, scale, share)
         return layout.reduce_grads(grads), layout.mean(metrics)
 
-    # check_vma=False: we reduce explicitly, exactly once per step. `tensor` stays automatic.
+    # check_vma=False: we reduce explicitly, exactly once per step. `tensor` and `context` stay automatic.
     sharded_grads = jax.shard_map(
         device_grads,
         mesh=mesh,
@@ -285,12 +298,7 @@ def make_train_step(
         params, opt_state = jax.lax.cond(finite, apply, skip, state, grads, grad_norm)
         if bias_rate:  # auxiliary-loss-free balancing: no gradient's, so beside the optimizer's update
             params = update_router_bias(params, loss_metrics["expert_load"], bias_rate * finite)
-        good = jnp.where(finite, state.good_steps + 1, 0)
-        scale = state.loss_scale
-        if fp16:
-            grow = good >= _SCALE_GROWTH_INTERVAL
-            scale = jnp.where(finite, jnp.where(grow, scale * 2, scale), jnp.maximum(scale / 2, 1.0))
-            good = jnp.where(grow, 0, good)
+        scale, good = _loss_scale(state, finite, fp16)
         new_state = state.replace(  # type: ignore[attr-defined]  # added by flax.struct.dataclass
             step=state.step + 1,
             params=params,
