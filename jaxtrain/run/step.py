@@ -1,4 +1,4 @@
-"""Pure train and eval steps on a data x expert x fsdp x tensor mesh, with scanned gradient
+"""Pure train and eval steps on a data x expert x fsdp x context x tensor mesh, with scanned gradient
 accumulation.
 
 The step is one jitted function. Inside it a `shard_map` is manual over the batch axes
