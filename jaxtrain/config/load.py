@@ -34,7 +34,7 @@ from jaxtrain.config.schema import (
     to_dict,
 )
 
-# Other names for our keys, as the PyTorch guides spell them (README: "coming from torchrun/DDP").
+# Other names for our keys, as the PyTorch guides spell them (docs/launching.md).
 ALIASES = {
     "max_seq_len": "model.seq_len",  # nanochat's name
     "num_workers": "data_threads",

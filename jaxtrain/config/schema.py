@@ -190,7 +190,7 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class CompatConfig:
-    """Flags of the PyTorch/DDP guides our users already type (README: "coming from torchrun/DDP").
+    """Flags of the PyTorch/DDP guides our users already type (docs/launching.md).
 
     Each is checked against the job or mapped onto our own keys; one without effect in JAX says
     so once in the log (compat_notes).
@@ -279,7 +279,7 @@ class Config:
     progress_bar: bool = True  # a tqdm bar on process 0
     sample_tokens: int = 0  # tokens generated from the final model; 0 disables
     sample_prompt: str = "def "  # prompt of the end-of-run sample
-    # where the time goes (see README: Profiling, memory, goodput)
+    # where the time goes (docs/observability.md)
     profile_steps: str = ""  # "A:B" traces steps A..B-1 into <run_dir>/profile/ with jax.profiler
     profile_processes: str = "0"  # comma-separated process ids that trace, or "all"
     tensorboard: bool = False  # also write the training scalars as TensorBoard events (process 0)
