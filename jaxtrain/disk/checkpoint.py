@@ -45,10 +45,13 @@ READ_BACK_BYTES = 1 << 30
 
 class _OneLine(logging.Filter):
     """Orbax logs a failed background save with its traceback, four times over; the StorageError
-    that follows says it in one line, so orbax's records keep only their first line."""
+    that follows says it in one line, so orbax's records keep only their first line. Its note
+    that a read-only manager's directory is read only is dropped."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if "orbax" in record.pathname:
+            if record.getMessage().startswith("Given directory is read only"):
+                return False  # every read-only manager says it: what read-only means, not news
             record.msg, record.args = record.getMessage().splitlines()[0], None
             record.exc_info, record.exc_text = None, None
         return True
@@ -84,16 +87,18 @@ class Checkpointer:
         flag: str = "--resume_from",
     ) -> None:
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep,
+            # Read-only: nothing saved, nothing deleted (the values orbax warns it sets otherwise).
+            max_to_keep=None if read_only else keep,
+            save_interval_steps=0 if read_only else 1,
             enable_async_checkpointing=not read_only,
             create=not read_only,
             read_only=read_only,
         )
         self.directory = Path(directory).absolute()
+        logging.getLogger("absl").addFilter(_ONE_LINE)  # once: a filter is added only once
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
         self.primary = primary  # the process that records checksums (process 0)
         self.flag = flag  # how the user named this checkpoint, for error messages
-        logging.getLogger("absl").addFilter(_ONE_LINE)  # once: a filter is added only once
         if not getattr(sys.unraisablehook, "jaxtrain_quiet", False):
             sys.unraisablehook = _quiet_closed_loop(sys.unraisablehook)
         self.pending: int | None = None  # the step being saved in the background
