@@ -29,7 +29,7 @@ import numpy as np
 
 
 def _write_shards(directory: Path, n: int, total: int) -> None:
-    from jaxtrain.prepare.format import HEADER_INTS, HEADER_MAGIC
+    from jaxtrain.text.format import HEADER_INTS, HEADER_MAGIC
 
     directory.mkdir(parents=True)
     each = total // n

@@ -1,6 +1,6 @@
 """How scripts end on purpose: one line naming the problem and the fix, and a known exit code.
 
-Exit codes of scripts/train.py (also in the README):
+Exit codes of scripts/train.py (also in docs/resume_and_faults.md):
     0   done                      2   bad input, nothing changed     3   hung: the watchdog fired
     4   too many non-finite steps 5   storage failed during a save  75  pre-empted: relaunch
     130 Ctrl-C (the process ends by SIGINT; a checkpoint was saved if training had begun)

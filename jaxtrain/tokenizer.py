@@ -1,10 +1,14 @@
 """Tokenizers: raw bytes, or a BPE held by `tokenizers`, trained here or a user's tokenizer.json.
 
-Text to token files: corpus.py.
+Text to token files: jaxtrain/prepare/.
 
-    tok = load_tokenizer("data/mytext/train.bin")  # BPE if tokenizer.json sits beside it, else bytes
+    tok = tokenizer_for(find_tokenizer("data/mytext"), vocab_size)  # its tokenizer.json, else bytes
     ids = tok.encode("def main():")
     text = tok.decode(ids)
+
+A Hugging Face tokenizer folder is read as transformers reads it: tokenizer.json, the special
+tokens of tokenizer_config.json, and the chat template from chat_template.jinja (transformers 5's
+save_pretrained) or from tokenizer_config.json (older saves).
 
 The `tokenizers` package is an optional extra (`pip install -e '.[bpe]'`), imported only when a
 BPE is trained or loaded.
@@ -23,7 +27,12 @@ import numpy as np
 from jaxtrain.errors import UserError
 
 TOKENIZER_FILE = "tokenizer.json"
-TOKENIZER_CONFIG = "tokenizer_config.json"  # Hugging Face's: special tokens, chat template
+TOKENIZER_CONFIG = (
+    "tokenizer_config.json"  # Hugging Face's: special tokens (and before 2025 the chat template)
+)
+# transformers 5 saves the chat template as a file of its own, and further named ones in a folder
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
 END_OF_TEXT = "<|endoftext|>"  # the document end of a BPE trained here (GPT-2's name for it)
 
 
@@ -100,11 +109,16 @@ def _tokenizers() -> Any:
 class BPETokenizer:
     """A byte-level BPE (GPT-2 style) held by a HuggingFace `tokenizers.Tokenizer`."""
 
-    def __init__(self, tok: Any, config: dict[str, Any] | None = None):
+    def __init__(
+        self, tok: Any, config: dict[str, Any] | None = None, templates: dict[str, str] | None = None
+    ):
         self._tok = tok
         self.vocab_size: int = tok.get_vocab_size()
-        self.config = config or {}  # tokenizer_config.json's, if it came with one
-        self.chat_template: str = self.config.get("chat_template") or ""
+        config = config or {}  # tokenizer_config.json's, if it came with one
+        # The chat templates by name, "default" the one used: the files', else the config's
+        self.chat_templates = templates or _config_templates(config.get("chat_template"))
+        self.config = {k: v for k, v in config.items() if k != "chat_template"}
+        self.chat_template: str = self.chat_templates.get("default", "")
         self.framing = Framing(self._begin_of_text(), self.special("eos_token"))
 
     def special(self, name: str) -> int | None:
@@ -146,7 +160,7 @@ class BPETokenizer:
     def from_file(cls, path: str | Path) -> BPETokenizer:
         """Load a tokenizer.json (or a folder holding one), with the tokenizer_config.json beside it."""
         tk = _tokenizers()
-        path = Path(path) / TOKENIZER_FILE if Path(path).is_dir() else Path(path)
+        path = find_tokenizer(path) or Path(path)
         try:
             tok = tk.Tokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises a bare Exception on a bad file
@@ -154,9 +168,24 @@ class BPETokenizer:
         config_path = path.parent / TOKENIZER_CONFIG
         try:
             config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+            templates = _file_templates(path.parent)
         except (OSError, ValueError) as e:
-            raise UserError(f"cannot read {config_path}: {e}; fix it or remove it") from None
-        return cls(tok, config)
+            raise UserError(
+                f"cannot read {config_path.parent}'s tokenizer files: {e}; fix or remove it"
+            ) from None
+        return cls(tok, config, templates)
+
+    def save(self, folder: Path, config: dict[str, Any] | None = None) -> None:
+        """Write tokenizer.json, tokenizer_config.json (with `config`'s keys over its own) and the
+        chat templates as transformers 5's save_pretrained does (chat_template.jinja, the named
+        ones in additional_chat_templates/)."""
+        (folder / TOKENIZER_FILE).write_text(self.to_json())
+        if self.config or config:  # a BPE trained here has none
+            (folder / TOKENIZER_CONFIG).write_text(json.dumps(self.config | (config or {}), indent=1) + "\n")
+        for name, template in self.chat_templates.items():
+            path = folder / (CHAT_TEMPLATE_FILE if name == "default" else f"{CHAT_TEMPLATE_DIR}/{name}.jinja")
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(template, encoding="utf-8")
 
     @classmethod
     def from_json(cls, text: str, config: dict[str, Any] | None = None) -> BPETokenizer:
@@ -198,9 +227,34 @@ class BPETokenizer:
         return self._tok.decode(np.asarray(ids).tolist())
 
 
-def load_tokenizer(data_path: str | Path) -> ByteTokenizer | BPETokenizer:
-    """The tokenizer a token file was made with: tokenizer.json (and its config) beside it, else bytes."""
-    json_path = Path(data_path).parent / TOKENIZER_FILE
-    if json_path.is_file():
-        return BPETokenizer.from_file(json_path)
-    return ByteTokenizer()
+def _config_templates(value: Any) -> dict[str, str]:
+    """tokenizer_config.json's chat_template by name: a template, or the older list of {name, template}."""
+    if isinstance(value, list):
+        return {t["name"]: t["template"] for t in value if isinstance(t, dict) and "name" in t}
+    return {"default": value} if isinstance(value, str) and value else {}
+
+
+def _file_templates(folder: Path) -> dict[str, str]:
+    """chat_template.jinja ("default") and additional_chat_templates/NAME.jinja, as transformers 5
+    reads them: where any is present, they replace the config's."""
+    out = {}
+    if (folder / CHAT_TEMPLATE_FILE).is_file():
+        out["default"] = (folder / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+    for path in sorted((folder / CHAT_TEMPLATE_DIR).glob("*.jinja")):
+        out[path.name.removesuffix(".jinja")] = path.read_text(encoding="utf-8")
+    return out
+
+
+def find_tokenizer(where: str | Path) -> Path | None:
+    """The tokenizer.json `where` names: that file, or the one in folder `where`; None if neither."""
+    path = Path(where)
+    path = path / TOKENIZER_FILE if path.is_dir() else path
+    return path if path.is_file() else None
+
+
+def tokenizer_for(where: Path | None, vocab_size: int) -> ByteTokenizer | BPETokenizer | None:
+    """The tokenizer of a model of `vocab_size` tokens: the BPE at `where` (a find_tokenizer answer),
+    else bytes when the vocabulary is theirs, else None (no tokenizer jaxtrain can find)."""
+    if where is not None:
+        return BPETokenizer.from_file(where)
+    return ByteTokenizer() if vocab_size == ByteTokenizer.vocab_size else None

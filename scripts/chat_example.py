@@ -1,6 +1,7 @@
-"""The README's worked example: pretrain a tiny Llama-style model on `make train`'s text, fine-tune
-it on synthetic arithmetic conversations, print its answer accuracy before and after, export it,
-and check that transformers' `generate` with the chat template gives the same answer tokens.
+"""The worked example of docs/documents_and_chat.md: pretrain a tiny Llama-style model on `make
+train`'s text, fine-tune it on synthetic arithmetic conversations, print its answer accuracy
+before and after, export it, and check that transformers' `generate` with the chat template gives
+the same answer tokens.
 
     python scripts/chat_example.py --out_dir runs/chat_example          # ~10 min on a 2-core CPU
 
@@ -19,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from jaxtrain.cluster.shutdown import exit_on_user_error
 from jaxtrain.data.default import _stdlib_sources
 from jaxtrain.parser import Parser
 
@@ -84,12 +86,17 @@ def _answers(run_dir: Path, checkpoint: str, questions: Path, step: int) -> list
     return [json.loads(line)["completion"] for line in lines]
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out_dir", default="runs/chat_example", help="where everything is written")
     p.add_argument("--pretrain_steps", type=int, default=300)
     p.add_argument("--finetune_steps", type=int, default=300)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+@exit_on_user_error
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     out = (ROOT / args.out_dir).resolve()
     texts = _stdlib_sources(4 * 2**20)  # make train's text: the standard library's own sources
     tok_dir = _tokenizer(out / "tokenizer", texts)

@@ -5,7 +5,8 @@
 
 Writes config.json (LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM, as the model options
 are), model.safetensors (or shards with model.safetensors.index.json past --max_shard_gb),
-tokenizer.json + tokenizer_config.json, generation_config.json. One process, CPU only: params are
+tokenizer.json + tokenizer_config.json (+ chat_template.jinja for a chat model, as transformers 5
+saves it), generation_config.json. One process, CPU only: params are
 read one at a time, so host memory stays near the largest param. Then:
     AutoModelForCausalLM.from_pretrained("hf/llama_tiny")
 """
@@ -20,14 +21,18 @@ from jaxtrain.cluster.shutdown import exit_on_user_error
 from jaxtrain.errors import UserError
 
 
-@exit_on_user_error
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a run dir, its checkpoints/ dir, or one step dir")
     parser.add_argument("--out", required=True, help="the Hugging Face model dir to write")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--max_shard_gb", type=float, default=5.0, help="safetensors file size limit")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    return parser.parse_args(sys.argv[1:] if argv is None else argv)
+
+
+@exit_on_user_error
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.max_shard_gb <= 0:
         raise UserError(f"--max_shard_gb must be > 0, got {args.max_shard_gb}")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the export never needs an accelerator

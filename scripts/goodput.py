@@ -14,12 +14,16 @@ from jaxtrain.observe import goodput
 from jaxtrain.parser import Parser
 
 
-@exit_on_user_error
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+@exit_on_user_error
+def main() -> None:
+    args = parse_args()
     result = goodput.split_run(args.run_dir)
     if args.json:
         print(json.dumps(result))

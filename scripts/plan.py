@@ -1,4 +1,4 @@
-"""Plan a training job on GPUs you do not have: compile its train and eval steps for the target
+r"""Plan a training job on GPUs you do not have: compile its train and eval steps for the target
 with XLA's real GPU compiler (no GPU, no CUDA driver), then print per-device memory, whether it
 fits, the attention kernel, the collectives of one optimizer step and a step-time LOWER BOUND
 (jaxtrain/plan/compiled.py says how it is computed; it is a floor, not a prediction).

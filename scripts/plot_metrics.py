@@ -12,12 +12,16 @@ from jaxtrain.observe.plot import plot_runs
 from jaxtrain.parser import Parser
 
 
-@exit_on_user_error
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dirs", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, help="PNG path (default: <first run dir>/loss.png)")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+@exit_on_user_error
+def main() -> None:
+    args = parse_args()
     print(f"wrote {plot_runs(args.run_dirs, args.out)}")
 
 

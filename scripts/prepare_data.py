@@ -1,4 +1,4 @@
-"""Turn text into the token files scripts/train.py reads, with a manifest.json describing them.
+r"""Turn text into the token files scripts/train.py reads, with a manifest.json describing them.
 
 Inputs are .txt files, .jsonl files (one JSON object a line, text in a `text` field: --text_key)
 and .parquet files (text in a `text` column: --text_column), named directly, by glob, or as folders
@@ -8,10 +8,10 @@ and written in input order, so the output is the same for any worker count.
 Byte-level (vocab 256), flat train.bin and val.bin:
     python scripts/prepare_data.py books/ --out_dir data/books
 Parquet shards of 100M tokens with a BPE trained here (pip install -e '.[bpe,parquet]'):
-    python scripts/prepare_data.py 'fineweb/*.parquet' --out_dir data/web --tokenizer bpe \\
+    python scripts/prepare_data.py 'fineweb/*.parquet' --out_dir data/web --tokenizer bpe \
         --vocab_size 32768 --shard_tokens 100000000
 A tokenizer you bring, jsonl with the text in `content`:
-    python scripts/prepare_data.py code.jsonl --out_dir data/code --tokenizer my/tokenizer.json \\
+    python scripts/prepare_data.py code.jsonl --out_dir data/code --tokenizer my/tokenizer.json \
         --text_key content
 
 Conversations for fine-tuning (rows holding `messages`: [{role, content}, ...], as OpenAI and
@@ -63,8 +63,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--overwrite", action="store_true", help="replace what OUT_DIR holds")
     p.add_argument("--chat", action="store_true", help="conversations: rows of messages, with a loss mask")
     p.add_argument(
-        "--seq_len", type=int, default=0, help="--chat: the model's window conversations are packed in"
-    )
+        "--seq_len", type=int, metavar="N",
+        help="--chat (required with it, no default): the window of the model to train, which conversations "
+        "are packed in; train with --model.seq_len N",
+    )  # fmt: skip
     p.add_argument("--messages_key", default="messages", help="--chat: the field (or column) of the messages")
     return p.parse_args(argv)
 
@@ -111,6 +113,8 @@ def _chat(args: argparse.Namespace) -> None:
         raise UserError(
             f"--chat writes one train.bin and val.bin with the tokenizer's vocabulary; leave out {flag}"
         )
+    if args.seq_len is None:
+        raise UserError("--chat needs --seq_len N, the window of the model to train (e.g. 1024); none given")
     r = prepare_chat(
         args.inputs, args.out_dir, args.tokenizer, args.seq_len, val_fraction=args.val_fraction,
         overwrite=args.overwrite, messages_key=args.messages_key,

@@ -1,4 +1,4 @@
-"""Run a script (default scripts/train.py) as many processes: locally, per host, or under SLURM.
+r"""Run a script (default scripts/train.py) as many processes: locally, per host, or under SLURM.
 
 Everything after `--` goes to the script unchanged.
 One machine, 4 processes (GPUs split between them; on CPU set XLA_FLAGS yourself):

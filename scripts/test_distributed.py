@@ -1,4 +1,4 @@
-"""Cluster health check: can this allocation train, and if not, which host is broken and why.
+r"""Cluster health check: can this allocation train, and if not, which host is broken and why.
 
 Checks environment, network, jax.distributed init, software, devices, collectives, all-reduce
 bandwidth (nccl-tests algbw/busbw, then neighbouring pairs of hosts) and shared storage; see

@@ -1,4 +1,4 @@
-"""Train a GPT language model with jaxtrain.
+r"""Train a GPT language model with jaxtrain.
 
 One process, every local device (CPU, one GPU, or a GPU box):
     python scripts/train.py --config configs/default.yaml
@@ -14,6 +14,8 @@ Relaunching the same command resumes from the run dir's latest complete checkpoi
 Evaluate or sample a checkpoint (jaxtrain/run/tasks.py), or start a new run from its params:
     python scripts/train.py --task test --resume_from runs/default/checkpoints/300
     python scripts/train.py --task predict --resume_from runs/default --prompt "def " --max_new_tokens 256
+    python scripts/train.py --task chat --resume_from hf:Qwen2.5-0.5B-Instruct --system "Be brief." \
+        --prompt "What is 2 plus 3?" --temperature 0     # 0: greedy
     python scripts/train.py --config configs/default.yaml --init_from runs/default --run_dir runs/finetune
 """
 

@@ -76,3 +76,19 @@ def make_tokenizer_dir(path: Path, kind: str) -> Path:
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
     (path / "tokenizer_config.json").write_text(json.dumps(config | spec["config"]))
     return path
+
+
+# How transformers saves a tokenizer's chat template: transformers 5's save_pretrained writes
+# chat_template.jinja; older versions (and save_jinja_files=False) keep it in tokenizer_config.json.
+FORMS = ("jinja", "config")
+
+
+def saved_by_transformers(source: Path, path: Path, form: str) -> Path:
+    """The tokenizer dir `source` loaded and saved again by transformers' own save_pretrained, its
+    chat template in the given form."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(source))
+    tok.save_pretrained(str(path), save_jinja_files=form == "jinja")
+    assert (path / "chat_template.jinja").is_file() == (form == "jinja")
+    return path

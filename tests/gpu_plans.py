@@ -139,6 +139,8 @@ CASES = {
     ),  # fmt: skip
     "gpt2_124m_h100x1": (GPT2, "h100", 1, 1),
     "gpt2_124m_h100x8_fsdp4_tensor2": ([*GPT2, "--mesh.fsdp", "4", "--mesh.tensor", "2"], "h100", 1, 8),
+    # Issue 34's long windows: 131,072 tokens, each sequence split over a host (context 8).
+    "llama3_8b_128k_h100_8x8": (["--config", "configs/llama3_8b_128k.yaml"], "h100", 8, 8),
 }
 CI_CASES = list(CASES)[:9]
 # scripts/plan.py runs that do not fit, each suggestion they print then planned in turn

@@ -81,13 +81,13 @@ def test_a_state_too_large_for_its_mesh_is_advised_the_fsdp_that_splits_it(capsy
 
 
 def test_one_sequence_per_device_is_told_what_would_help(capsys):
-    """A 131,072-token window at one sequence a device: no batch advice, and no context axis claimed."""
+    """A 131,072-token window at one sequence a device: no batch advice; the context axis named."""
     p = json.loads((ROOT / "bench/results/plan_llama3_8b_h100x8.json").read_text())
     p |= {"fits": False, "seq_len": 131072, "device_batch": 1, "fits_with": []}
     advice.print_fixes(p)
     out = capsys.readouterr().out
     assert out.startswith("fits with: nothing found: one sequence of 131,072 tokens per device")
-    assert "--mesh.tensor 8" in out and "--model.remat full" in out and "no context-parallel axis" in out
+    assert "--mesh.tensor 8" in out and "--model.remat full" in out and "--mesh.context" in out
     assert "device_batch_size" not in out and "total_batch_size" not in out and "[" not in out
 
 
@@ -104,12 +104,25 @@ def test_fixes_print_as_flags_with_their_memory(capsys):
 def test_the_search_varies_the_expert_axis():
     mixtral = _cfg("mixtral_8x7b.yaml")
     grid = advice.layouts(mixtral, devices=16, gpus_per_host=8)
-    assert [(t, e) for t, e, _ in grid if t == 1] == [(1, 8), (1, 4), (1, 2), (1, 1)]
-    for tensor, expert, fsdps in grid:
-        assert fsdps[-1] * tensor * expert == 16 and fsdps[0] == 1
-    # A dense model: expert 1 only; tensor inside the host, largest first.
+    assert [(t, e) for t, c, e, _ in grid if t == 1 and c == 1] == [(1, 8), (1, 4), (1, 2), (1, 1)]
+    for tensor, context, expert, fsdps in grid:
+        assert fsdps[-1] * tensor * context * expert == 16 and fsdps[0] == 1
+    # A dense model: expert 1 only; tensor inside the host, largest first; context in what the host
+    # leaves, where it divides the window and the heads (32 heads: context x tensor <= 32).
     dense = advice.layouts(_cfg("llama3_8b.yaml"), devices=64, gpus_per_host=8)
-    assert [(t, e) for t, e, _ in dense] == [(8, 1), (4, 1), (2, 1), (1, 1)]
+    assert [(t, c) for t, c, e, _ in dense] == [
+        (8, 1),
+        (4, 1),
+        (4, 2),
+        (2, 1),
+        (2, 2),
+        (2, 4),
+        (1, 1),
+        (1, 2),
+        (1, 4),
+        (1, 8),
+    ]
+    assert {e for _, _, e, _ in dense} == {1}
 
 
 def test_a_device_batch_whose_layer_inputs_alone_exceed_a_gpu_is_not_compiled():
@@ -119,6 +132,7 @@ def test_a_device_batch_whose_layer_inputs_alone_exceed_a_gpu_is_not_compiled():
     cfg = _cfg("llama3_8b.yaml", "--model.seq_len", "131072")
     assert advice.activation_floor(cfg, 1) == 32 * 131072 * 4096 * 2
     assert advice.activation_floor(cfg, 2) > USABLE_H100 > advice.activation_floor(cfg, 1)
+    assert advice.activation_floor(cfg, 8, context=8) == advice.activation_floor(cfg, 1)  # split 8 ways
 
 
 def test_the_plan_names_the_link_inside_a_host(capsys):

@@ -406,6 +406,8 @@ CASES = [
          _prepared),
     Case("prepare-out-dir-is-a-file", [*PREPARE, "{tmp}/in.txt", "--out_dir", "{tmp}/afile"], "--out_dir {tmp}/afile cannot be made: {tmp}/afile is a file",
          lambda ctx: (_text(ctx), _a_file(ctx))),
+    Case("prepare-chat-no-seq-len", [*PREPARE, "{tmp}/chats.jsonl", "--chat", "--out_dir", "{tmp}/out"],
+         "--chat needs --seq_len N, the window of the model to train (e.g. 1024); none given"),
     Case("prepare-bad-fraction", [*PREPARE, "{tmp}/in.txt", "--out_dir", "{tmp}/out", "--val_fraction", "1.5"],
          "--val_fraction must be in [0, 1), got 1.5", _text),
     # -- plot_metrics.py

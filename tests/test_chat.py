@@ -15,34 +15,45 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from chat_tokenizers import CONVERSATIONS, KINDS, make_tokenizer_dir
+from chat_tokenizers import CONVERSATIONS, FORMS, KINDS, make_tokenizer_dir, saved_by_transformers
 
 from jaxtrain.config import load_config
 from jaxtrain.data import sources
 from jaxtrain.data.framing import with_framing
 from jaxtrain.model.transformer import GPT
-from jaxtrain.prepare.chat import ChatFormat, prepare_chat, stop_tokens
-from jaxtrain.prepare.format import NO_LOSS, TOKEN_BITS
+from jaxtrain.prepare.chat import prepare_chat
 from jaxtrain.run import mesh as mesh_lib
 from jaxtrain.run.optim import make_optimizer
 from jaxtrain.run.state import create_state, state_sharding
 from jaxtrain.run.step import compute_dtype, jit_steps
+from jaxtrain.text.chat_template import ChatFormat, stop_tokens
+from jaxtrain.text.format import NO_LOSS, TOKEN_BITS
 from jaxtrain.tokenizer import BPETokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def tokenizer_dirs(tmp_path_factory):
+def saved_dirs(tmp_path_factory):
+    """Each tokenizer as transformers' save_pretrained writes it, in each form: {(kind, form): dir}."""
     root = tmp_path_factory.mktemp("tokenizers")
-    return {kind: make_tokenizer_dir(root / kind, kind) for kind in KINDS}
+    made = {kind: make_tokenizer_dir(root / kind, kind) for kind in KINDS}
+    return {(k, f): saved_by_transformers(made[k], root / f"{k}-{f}", f) for k in KINDS for f in FORMS}
 
 
+@pytest.fixture(scope="module")
+def tokenizer_dirs(saved_dirs):
+    """Each tokenizer in the form transformers 5 saves it (chat_template.jinja)."""
+    return {kind: saved_dirs[kind, "jinja"] for kind in KINDS}
+
+
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_rendering_equals_transformers_apply_chat_template(tokenizer_dirs, kind):
-    transformers = pytest.importorskip("transformers")
-    reference = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dirs[kind]))
-    chat = ChatFormat(BPETokenizer.from_file(tokenizer_dirs[kind]))
+def test_rendering_equals_transformers_apply_chat_template(saved_dirs, kind, form):
+    import transformers
+
+    reference = transformers.AutoTokenizer.from_pretrained(str(saved_dirs[kind, form]))
+    chat = ChatFormat(BPETokenizer.from_file(saved_dirs[kind, form]))
     for messages in CONVERSATIONS:
         expected = reference.apply_chat_template(messages, tokenize=True)
         expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
@@ -65,13 +76,13 @@ def test_rendering_equals_transformers_apply_chat_template(tokenizer_dirs, kind)
         assert keep[ids == eot].sum() == len(answers)  # the users' and system's end of turn take no loss
 
 
-def test_a_template_with_generation_tags_renders_as_transformers_renders_it(tokenizer_dirs, tmp_path):
+def test_a_template_with_generation_tags_renders_as_transformers_renders_it(saved_dirs, tmp_path):
     """transformers' {% generation %} tag (templates that mark assistant text for its own masks)."""
     import shutil
 
     transformers = pytest.importorskip("transformers")
     directory = tmp_path / "tagged"
-    shutil.copytree(tokenizer_dirs["qwen2"], directory)
+    shutil.copytree(saved_dirs["qwen2", "config"], directory)
     config = json.loads((directory / "tokenizer_config.json").read_text())
     turn = "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
     tagged = (
@@ -163,6 +174,56 @@ def test_conversations_are_packed_whole_with_their_masks(chat_data, tokenizer_di
         [sources.Source("chats", 1.0, shards)],
     )
     assert cfg.loss_mask and (cfg.model.doc_bos, cfg.model.doc_eos) == (bos, -1)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_model_folder_saved_by_transformers_in_either_form_prepares_and_frames_a_run(
+    saved_dirs, chat_data, tmp_path, form
+):
+    """A folder as transformers' save_pretrained writes it, the chat template in chat_template.jinja
+    (transformers 5) or in tokenizer_config.json (before): --chat --tokenizer DIR prepares the same
+    bytes from either; the set keeps the template as transformers 5 saves it, and transformers reads
+    it back; --init_from hf:DIR takes the data its template framed (the model's own tokenizer)."""
+    import transformers
+
+    from jaxtrain.config import Config, ModelConfig
+    from jaxtrain.data.framing import model_tokenizer
+
+    directory = saved_dirs["llama3", form]
+    source = json.loads(chat_data.manifest_path.read_text())["sources"][0]["path"]
+    again = prepare_chat([source], tmp_path / "out", str(directory), seq_len=32, val_fraction=0.1)
+    for name in ("train.bin", "train.mask", "val.bin", "val.mask"):
+        assert (tmp_path / "out" / name).read_bytes() == (chat_data.manifest_path.parent / name).read_bytes()
+    assert "chat_template" not in json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    assert (tmp_path / "out" / "chat_template.jinja").read_text() == KINDS["llama3"]["config"][
+        "chat_template"
+    ]
+    reread = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    assert reread.chat_template == KINDS["llama3"]["config"]["chat_template"]
+    tok = BPETokenizer.from_file(directory)
+    shards = sources.open_shards(str(again.manifest_path), "train", tok.vocab_size, "auto", 32)
+    cfg = Config(init_from=f"hf:{directory}", model=ModelConfig(seq_len=32))
+    framed = with_framing(cfg, [sources.Source("chats", 1.0, shards)], model_tokenizer(cfg))
+    assert framed.model.doc_bos == tok.token_id("<|begin_of_text|>") and framed.loss_mask
+
+
+def test_named_chat_templates_are_read_and_written_as_transformers_does(saved_dirs, tmp_path):
+    """additional_chat_templates/NAME.jinja beside chat_template.jinja: the default one is used,
+    and saving writes both back where transformers reads them."""
+    import transformers
+
+    reference = transformers.AutoTokenizer.from_pretrained(str(saved_dirs["qwen2", "jinja"]))
+    reference.chat_template = {"default": reference.chat_template, "tool_use": "{{ messages[0]['content'] }}"}
+    reference.save_pretrained(tmp_path / "named")
+    assert (tmp_path / "named" / "additional_chat_templates" / "tool_use.jinja").is_file()
+    tok = BPETokenizer.from_file(tmp_path / "named")
+    assert tok.chat_template == KINDS["qwen2"]["config"]["chat_template"]
+    (tmp_path / "again").mkdir()
+    tok.save(tmp_path / "again")
+    assert (
+        transformers.AutoTokenizer.from_pretrained(str(tmp_path / "again")).chat_template
+        == reference.chat_template
+    )
 
 
 _STEPS: dict = {}  # (devices, accumulation) -> compiled steps and a fresh state: each compiles once
@@ -296,14 +357,16 @@ def test_sampling_stops_at_a_stop_token_and_predict_stops_at_the_ends_of_text_an
 
 
 def test_task_chat_answers_as_transformers_generate_in_the_window_given(tokenizer_dirs, tmp_path):
-    """--task chat on a Hugging Face Llama dir renders the prompt with its template and greedy
-    decodes what transformers' generate decodes; --model.seq_len 32 (the dir says 64) is taken."""
+    """--task chat on a Hugging Face Llama dir as transformers 5 saves it (chat_template.jinja)
+    renders the --system turn and the prompt with its template and greedy decodes what
+    transformers' generate decodes; --model.seq_len 48 (the dir says 64) is taken. It prints
+    `prompt -> answer` and logs the task and the answer's own length."""
     import shutil
 
     import torch
     import transformers
 
-    from jaxtrain.run.tasks import _window
+    from jaxtrain.run.resolve import window
 
     directory = tmp_path / "llama"
     shutil.copytree(tokenizer_dirs["llama3"], directory)
@@ -318,16 +381,21 @@ def test_task_chat_answers_as_transformers_generate_in_the_window_given(tokenize
         for p in model.parameters():
             p.add_(0.2 * torch.randn_like(p))
     model.save_pretrained(directory)
-    question = "What is 3 plus 4?"
+    question, system = "What is 3 plus 4?", "You answer sums."
     done = subprocess.run(
         [sys.executable, "scripts/train.py", "--task", "chat", "--resume_from", f"hf:{directory}",
-         "--temperature", "0", "--max_new_tokens", "8", "--model.seq_len", "32", "--run_dir", str(tmp_path)],
-        input=question, cwd=REPO, capture_output=True, text=True, timeout=300,
+         "--temperature", "0", "--max_new_tokens", "8", "--model.seq_len", "48", "--run_dir", str(tmp_path),
+         "--system", system],  # (the prompt is 36 tokens: with its answer, within the window)
+        input=question + "\n", cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     (record,) = [json.loads(line) for line in (tmp_path / "chat_step0.jsonl").read_text().splitlines()]
-    assert record["prompt"] == question
-    ids = reference.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+    assert record["prompt"] == question and record["system"] == system
+    assert f"{question} -> {record['completion'].strip()}\n" in done.stdout, done.stdout
+    logged = f"chat: 1 answer of {record['tokens']} tokens (--max_new_tokens 8) written to "
+    assert logged in done.stdout + done.stderr
+    turns = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    ids = reference.apply_chat_template(turns, add_generation_prompt=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     with torch.no_grad():
         model.generation_config.eos_token_id = reference.convert_tokens_to_ids("<|eot_id|>")
@@ -339,20 +407,25 @@ def test_task_chat_answers_as_transformers_generate_in_the_window_given(tokenize
     from jaxtrain.config import ModelConfig
 
     saved = ModelConfig(seq_len=64)
-    assert _window(saved, 32).seq_len == 32 and _window(saved, 256) == saved  # 256: the default, not given
+    assert window(saved, 32).seq_len == 32 and window(saved, 0) == saved  # 0: none given
     with pytest.raises(Exception, match="pass at most 64"):
-        _window(saved, 128)
+        window(saved, 128)
 
 
-def test_a_run_on_chat_data_takes_its_mask_and_boundaries_and_test_reads_them_too(chat_data, tmp_path):
+def test_a_run_on_chat_data_takes_its_mask_and_boundaries_test_reads_them_and_export_its_template(
+    chat_data, tmp_path
+):
     """The whole loop, in this process: the manifest sets loss_mask and model.doc_bos, the run
-    trains and evaluates, and --task test on its checkpoint takes the same mask."""
+    trains and evaluates, and --task test on its checkpoint takes the same mask. Its export holds
+    the chat template as transformers 5 saves it (chat_template.jinja), and transformers reads it."""
     import math
 
+    import transformers
     import yaml
 
     from jaxtrain.cluster.detect import detect
     from jaxtrain.config import DistConfig
+    from jaxtrain.hf.export import export
     from jaxtrain.run.loop import train
     from jaxtrain.run.tasks import evaluate_checkpoint
 
@@ -362,7 +435,7 @@ def test_a_run_on_chat_data_takes_its_mask_and_boundaries_and_test_reads_them_to
         "--config", "configs/tiny.yaml", "--train_data_path", str(chat_data.manifest_path),
         "--model.seq_len", "32", "--model.vocab_size", str(tok.vocab_size), "--model.n_layer", "1",
         "--batch_size", "8", "--total_steps", "2", "--eval_interval", "2", "--eval_batches", "1",
-        "--checkpoint_interval", "2", "--run_dir", str(run_dir),
+        "--checkpoint_interval", "2", "--run_dir", str(run_dir), "--model.mlp", "swiglu",  # exportable
     ])  # fmt: skip
     single = detect(DistConfig(), {})
     result = train(cfg, single)
@@ -373,6 +446,12 @@ def test_a_run_on_chat_data_takes_its_mask_and_boundaries_and_test_reads_them_to
         load_config(["--task", "test", "--resume_from", str(run_dir / "checkpoints")]), single
     )
     assert math.isfinite(tested["loss"]) and 0 < tested["loss"] < 2 * math.log(tok.vocab_size)
+    export(str(run_dir), tmp_path / "hf")
+    assert "chat_template" not in json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    reread = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert reread.chat_template == (tmp_path / "hf" / "chat_template.jinja").read_text() == tok.chat_template
+    eot = json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"]
+    assert eot == [tok.token_id("<|eot_id|>")]
 
 
 def test_parquet_rows_give_what_the_same_jsonl_rows_give(tokenizer_dirs, tmp_path):
@@ -387,3 +466,60 @@ def test_parquet_rows_give_what_the_same_jsonl_rows_give(tokenizer_dirs, tmp_pat
         prepare_chat([src], tmp_path / name, str(tokenizer_dirs["qwen2"]), seq_len=32, val_fraction=0)
         out[name] = [(tmp_path / name / f).read_bytes() for f in ("train.bin", "train.mask")]
     assert out["jsonl"] == out["parquet"] and out["jsonl"][1].count(1) > 0
+
+
+def test_a_system_turn_the_template_refuses_or_drops_is_a_one_line_error(saved_dirs, tmp_path):
+    """--system goes before the user turn; a template that raises on a system role (as Gemma's
+    does) or renders without it is refused in one line, naming --system."""
+    import shutil
+
+    from jaxtrain.errors import UserError
+
+    chat = ChatFormat(BPETokenizer.from_file(saved_dirs["qwen2", "jinja"]))
+    assert chat.prompt("hi", "Be brief.").startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    refusing = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    dropping = "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    for name, template in (("refusing", refusing + "{% endif %}" + dropping), ("dropping", dropping)):
+        directory = shutil.copytree(saved_dirs["qwen2", "jinja"], tmp_path / name)
+        (directory / "chat_template.jinja").write_text(template)
+        chat = ChatFormat(BPETokenizer.from_file(directory))
+        assert chat.prompt("hi") == "hi"
+        with pytest.raises(UserError) as e:
+            chat.prompt("hi", "Be brief.")
+        assert "--system" in str(e.value) and "\n" not in str(e.value), e.value
+
+
+def test_task_chat_without_a_chat_template_names_the_flags_train_py_takes(saved_dirs, tmp_path):
+    import shutil
+
+    from jaxtrain.config import Config
+    from jaxtrain.errors import UserError
+    from jaxtrain.run.tasks import _starts
+    from jaxtrain.tokenizer import ByteTokenizer
+
+    directory = shutil.copytree(saved_dirs["qwen2", "jinja"], tmp_path / "plain")
+    (directory / "chat_template.jinja").unlink()
+    for tokenizer in (BPETokenizer.from_file(directory), ByteTokenizer()):
+        with pytest.raises(UserError) as e:
+            _starts(Config(task="chat", resume_from="x"), tokenizer, ["hi"])
+        assert "--resume_from hf:DIR" in str(e.value) and "--tokenizer" not in str(e.value), e.value
+
+
+@pytest.mark.parametrize(
+    "row,message",
+    [
+        (
+            {"messages": json.dumps(CONVERSATIONS[0])},
+            "'messages' is a str, not a non-empty list of {role, content}",
+        ),
+        ({"messages": []}, "'messages' is an empty list"),
+        ({"conversation": []}, "has no 'messages' (the list of messages; it holds: conversation)"),
+        ([1, 2], "has no 'messages' (the list of messages; it holds: a list, not an object)"),
+    ],
+)
+def test_a_row_without_a_list_of_messages_says_what_it_holds(row, message):
+    from jaxtrain.prepare.chat import check_messages
+
+    with pytest.raises(ValueError) as e:
+        check_messages(row, "messages")
+    assert message in str(e.value), e.value

@@ -284,3 +284,31 @@ def test_trained_model_exports_to_transformers_with_the_same_logits_and_greedy_t
         greedy = model.generate(prompt, do_sample=False, max_new_tokens=24, pad_token_id=0)[0, 4:]
     assert record["completion"] == ByteTokenizer().decode(greedy.numpy())
     assert tokenizer.decode(greedy) == record["completion"]
+
+
+def test_the_window_given_is_the_one_checked_against_the_sliding_window(hf_models, tmp_path):
+    """--resume_from hf:DIR takes --model.seq_len and checks it, not the model's default context."""
+    import shutil
+
+    from jaxtrain.run.resolve import resolve
+
+    directory = tmp_path / "mistral"
+    shutil.copytree(hf_models["mistral"][0], directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(config | {"sliding_window": 48}))
+    np.zeros(200, np.uint16).tofile(tmp_path / "test.bin")
+
+    def window(*flags: str) -> int:
+        argv = [
+            "--task",
+            "test",
+            "--resume_from",
+            f"hf:{directory}",
+            "--test_data_path",
+            str(tmp_path / "test.bin"),
+        ]
+        return resolve(load_config([*argv, *flags])).cfg.model.seq_len
+
+    with pytest.raises(UserError, match=r"sliding_window 48 < model.seq_len 64; use --model.seq_len 48"):
+        window()
+    assert window("--model.seq_len", "48") == 48 and window("--model.seq_len", "32") == 32

@@ -138,9 +138,11 @@ def test_the_topology_rule_finds_a_query(tmp_path):
     assert _topology_calls(source) == ["4: jax.process_index()", "4: jax.devices()"]
 
 
-# Preparing data (scripts/prepare_data.py) needs no accelerator stack and nothing of training.
+# Preparing data (scripts/prepare_data.py) needs no accelerator stack and nothing of training; nor
+# do the text formats it shares with training (jaxtrain/text/).
 PREPARE_MAY_IMPORT = (
     "jaxtrain.prepare",
+    "jaxtrain.text",
     "jaxtrain.tokenizer",
     "jaxtrain.disk.files",
     "jaxtrain.errors",
@@ -148,7 +150,11 @@ PREPARE_MAY_IMPORT = (
 )
 
 
-@pytest.mark.parametrize("path", sorted((PACKAGE / "prepare").glob("*.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path",
+    sorted([*(PACKAGE / "prepare").glob("*.py"), *(PACKAGE / "text").glob("*.py")]),
+    ids=lambda p: f"{p.parent.name}/{p.name}",
+)
 def test_prepare_imports_nothing_of_training(path):
     ours = {m for m in imported_modules(path) if m.split(".")[0] == "jaxtrain"}
     wrong = sorted(
@@ -167,6 +173,12 @@ def test_every_script_answers_help(script):
     cmd = [sys.executable if script.endswith(".py") else "bash", f"scripts/{script}", "--help"]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and len(done.stdout.splitlines()) > 3, done.stdout + done.stderr[-2000:]
+    # A usage line continued with a backslash shows as written, not joined to the next one
+    doc = (REPO / "scripts" / script).read_text().split('"""')[1] if script.endswith(".py") else ""
+    if doc and doc.splitlines()[0] in done.stdout:
+        shown = {line.strip() for line in done.stdout.splitlines()}
+        continued = [line.strip() for line in doc.splitlines() if line.endswith(" \\")]
+        assert all(line in shown for line in continued), [c for c in continued if c not in shown]
 
 
 def _import_graph(root: Path = REPO) -> dict[str, set[str]]:
@@ -241,8 +253,8 @@ def test_the_cycle_rule_finds_a_cycle_hidden_in_a_function(tmp_path):
 # The rooms, bottom first: a module imports only from its own room or from rooms before it, so the
 # package reads upwards from errors to the scripts' entry points and no change can close a loop.
 ROOMS = (
-    "errors", "parser", "faults", "tokenizer", "config", "cluster", "model", "disk", "prepare", "data",
-    "hf", "observe", "xla_env", "run", "plan", "health", "launch",
+    "errors", "parser", "faults", "tokenizer", "text", "config", "cluster", "model", "disk", "prepare",
+    "data", "hf", "observe", "xla_env", "run", "plan", "health", "launch",
 )  # fmt: skip
 
 

@@ -13,9 +13,9 @@ import pytest
 
 from jaxtrain.data import sources
 from jaxtrain.errors import UserError
-from jaxtrain.prepare import format
 from jaxtrain.prepare.shards import prepare_corpus
-from jaxtrain.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
+from jaxtrain.text import format
+from jaxtrain.tokenizer import BPETokenizer, ByteTokenizer, find_tokenizer, tokenizer_for
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -75,7 +75,7 @@ def test_text_round_trip_flat_files(tmp_path: Path) -> None:
     train, val = _read_split(out, "train"), _read_split(out, "val")
     assert (out / "train.bin").stat().st_size == 2 * len(train)  # flat nanoGPT file, no header
     assert 0.08 < len(val) / (len(train) + len(val)) < 0.12
-    tok = load_tokenizer(out / "train.bin")
+    tok = tokenizer_for(find_tokenizer(out), 256)
     assert isinstance(tok, ByteTokenizer)
     assert tok.decode(train) + tok.decode(val) == text
     assert tok.decode(train).endswith("\n")  # cut at a line end
@@ -122,7 +122,7 @@ def test_bpe_trained_and_brought(tmp_path: Path) -> None:
     assert result.tokenizer_path == out / "tokenizer.json" and 256 < result.vocab_size <= 300
     train, val = _read_split(out, "train", 300), _read_split(out, "val", 300)
     assert len(train) + len(val) < len(text.encode())  # merges compress
-    tok = load_tokenizer(out / "train.bin")
+    tok = tokenizer_for(find_tokenizer(out), result.vocab_size)
     assert isinstance(tok, BPETokenizer) and tok.vocab_size == result.vocab_size
     assert tok.decode(train) + tok.decode(val) == text
     # A tokenizer.json the user brings is used as is and copied beside the data.

@@ -96,23 +96,28 @@ def test_fsdp_across_processes_trains_and_says_what_it_costs(tmp_path):
     assert "mesh fsdp x tensor = 4 devices spans hosts (2 devices per process)" in out.stdout + out.stderr
 
 
-def test_kill_9_under_expert_parallelism_then_relaunch_is_bitwise_identical(tmp_path):
+# Sequences split in two inside each process (context 2 x fsdp 2), data across the processes.
+CONTEXT = ["--model.n_head", "4", "--mesh.context", "2", "--mesh.fsdp", "2"]
+
+
+@pytest.mark.parametrize("layout", [EXPERT, CONTEXT], ids=["expert", "context"])
+def test_kill_9_under_expert_or_context_parallelism_then_relaunch_is_bitwise_identical(tmp_path, layout):
     """The killed launch is its own uninterrupted reference: it ran steps 11-15 past checkpoint 10
     before the kill, and the relaunch from that checkpoint must compute them again bit for bit (a
     separate reference run would cost one more launch and compile). Read before the relaunch, which
     marks those records redone."""
     run_dir, marker = tmp_path / "run", uuid.uuid4().hex
-    proc = _start(run_dir, 2, 4, marker, *EXPERT, faults="stall_step=15,stall_process=1")
+    proc = _start(run_dir, 2, 4, marker, *layout, faults="stall_step=15,stall_process=1")
     _wait_for_step(run_dir, 15, proc)
     os.kill(rank_pid(marker, 1), signal.SIGKILL)
     proc.communicate(timeout=60)
     assert proc.returncode != 0 and not processes_marked(marker), "processes left behind"
     first = _losses(run_dir)
-    out = _ok(_run(run_dir, 2, 4, *EXPERT))
+    out = _ok(_run(run_dir, 2, 4, *layout))
     assert "checkpoints/10" in out.stdout + out.stderr
     relaunch = _losses(run_dir)
     assert max(first) == 15 and sorted(relaunch) == list(range(1, 21)), (first, relaunch)
     assert all(first[s] == relaunch[s] for s in range(11, 16)), (first, relaunch)
     # Process 0's log says once per launch that the all-to-all crosses hosts (each process warns).
     warning = "mesh expert 4 spans hosts (4 devices per process)"
-    assert (run_dir / "train.log").read_text().count(warning) == 2
+    assert (run_dir / "train.log").read_text().count(warning) == (2 if layout is EXPERT else 0)

@@ -1,5 +1,5 @@
 """Storage that fills or breaks: a real tmpfs that fills during a save (root), a newest checkpoint
-truncated after kill -9. Each ends as the README says, and the relaunch loses nothing.
+truncated after kill -9. Each ends as docs/resume_and_faults.md says, and the relaunch loses nothing.
 
     pytest tests/test_storage.py      # about 70 s on 2 cores (the tmpfs case needs root)
 """

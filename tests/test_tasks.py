@@ -86,6 +86,7 @@ def test_task_predict_from_prompt_and_prompt_file(trained, tmp_path):
     (record,) = [json.loads(line) for line in (tmp_path / "predict_step20.jsonl").read_text().splitlines()]
     assert record["prompt"] == "def main" and record["tokens"] == 24
     assert "def main" + record["completion"] in out.stdout
+    assert "read_only" not in out.stderr  # orbax's notes on opening the checkpoint read-only
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("import os\n\nclass A:\n")
@@ -97,6 +98,7 @@ def test_task_predict_from_prompt_and_prompt_file(trained, tmp_path):
     records = [json.loads(line) for line in (tmp_path / "predict_step20.jsonl").read_text().splitlines()]
     assert [r["prompt"] for r in records] == ["import os", "class A:"]
     assert all(r["tokens"] == 8 for r in records) and "prompt 2/2" in out.stdout
+    assert "predict: 2 completions of 8, 8 tokens (--max_new_tokens 8) written to" in out.stdout + out.stderr
 
 
 @pytest.mark.slow
@@ -142,11 +144,24 @@ def test_init_from_with_another_model_shape_is_a_one_line_error(trained, tmp_pat
         (["--task", "eval"], "'task' must be one of train|test|predict"),
         (["--optim.name", "lion"], "'optim.name' must be one of adamw|muon"),
         (["--depth", "5"], "--depth 5 gives d_model 320, which 3 heads of ~128 do not divide"),
+        # Other configs' names for a key are suggested in its section (not the closest spelling)
+        (["--model.moe.top_k", "2"], "did you mean 'model.moe.experts_per_token'"),
+        (["--num_experts_per_tok", "2"], "did you mean 'model.moe.experts_per_token'"),
+        (["--model.num_hidden_layers", "2"], "did you mean 'model.n_layer'"),
     ],
 )
 def test_bad_task_flags_are_one_line_config_errors(argv, message):
     with pytest.raises(ConfigError, match=message.replace("|", r"\|")):
         load_config(TINY + argv)
+
+
+def test_help_says_what_the_sampling_keys_do_for_predict_and_chat():
+    from jaxtrain.config.load import help_text
+
+    keys = {line.split()[0]: line for line in help_text().splitlines() if line.startswith("  --")}
+    assert "0 = greedy" in keys["--temperature"] and "chat" in keys["--temperature"]
+    assert "chat" in keys["--max_new_tokens"] and "--task chat" in keys["--system"]
+    assert "jaxtrain/data/sources.py" in help_text() and " jaxtrain/sources.py" not in help_text()
 
 
 def test_depth_sizes_the_model_as_nanochat_and_explicit_keys_win():

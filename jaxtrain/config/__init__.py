@@ -1,5 +1,8 @@
-"""The run configuration: its schema (schema.py) and how it is loaded from YAML and flags (load.py)."""
+"""The run configuration: its schema (schema.py), its value checks (checks.py) and how it is loaded
+from YAML and flags (load.py)."""
 
+from jaxtrain.config.checks import check, mesh_str, profile_processes, profile_range
+from jaxtrain.config.compat import compat_notes
 from jaxtrain.config.load import differences, from_dict, help_text, load_config, saved_model
 from jaxtrain.config.schema import (
     MESH_AXES,
@@ -11,16 +14,11 @@ from jaxtrain.config.schema import (
     ModelConfig,
     MoeConfig,
     OptimConfig,
-    check,
-    compat_notes,
     epoch_at,
     flatten,
     global_rows,
-    profile_processes,
-    profile_range,
     to_dict,
     to_yaml,
-    with_data,
 )
 
 __all__ = [
@@ -28,5 +26,5 @@ __all__ = [
     "MoeConfig",
     "OptimConfig", "check", "compat_notes", "differences", "epoch_at", "flatten", "from_dict",
     "global_rows", "help_text", "load_config", "profile_processes", "profile_range", "saved_model", "to_dict",
-    "to_yaml", "with_data",
+    "to_yaml", "mesh_str",
 ]  # fmt: skip

@@ -12,7 +12,7 @@ import yaml
 
 from jaxtrain.errors import DataError
 
-TOKEN_DTYPES = ("auto", "uint16", "uint32")  # auto: the header's, else prepare.format.token_dtype_for
+TOKEN_DTYPES = ("auto", "uint16", "uint32")  # auto: the header's, else text.format.token_dtype_for
 
 
 @dataclass(frozen=True)

@@ -23,13 +23,13 @@ from typing import Any
 
 import yaml
 
+from jaxtrain.config.checks import check
 from jaxtrain.config.schema import (
     SOURCE_LISTS,
     Config,
     ConfigError,
     ModelConfig,
     MoeConfig,
-    check,
     flatten,
     to_dict,
 )
@@ -41,6 +41,15 @@ ALIASES = {
     "grad_accumulation_steps": "gradient_accumulation_steps",
     "debug": "verbose",
 }
+# What other configs call a key's last part (Hugging Face's config.json, Megatron, MaxText): only
+# suggested after an unknown key, as `top_k` names the sampling key here, not the MoE router's.
+_SUGGEST = {
+    "top_k": "experts_per_token", "num_experts_per_tok": "experts_per_token",
+    "moe_router_topk": "experts_per_token", "num_experts": "n_experts", "num_local_experts": "n_experts",
+    "num_layers": "n_layer", "num_hidden_layers": "n_layer", "hidden_size": "d_model",
+    "intermediate_size": "d_ff", "num_attention_heads": "n_head", "num_key_value_heads": "n_kv_head",
+    "max_position_embeddings": "seq_len",
+}  # fmt: skip
 
 
 def _fields(cls: type) -> dict[str, Any]:
@@ -73,11 +82,19 @@ def _resolve_key(key: str) -> str:
         return matches[0]
     if len(matches) > 1:
         raise ConfigError(f"'{key}' is ambiguous: write one of {', '.join(matches)}")
-    near = difflib.get_close_matches(key, list(_PATHS), n=1) or difflib.get_close_matches(
-        key, [p.rsplit(".", 1)[-1] for p in _PATHS], n=1
-    )
-    hint = f" (did you mean '{near[0]}'?)" if near else ""
+    near = _nearest(key)
+    hint = f" (did you mean '{near}'?)" if near else ""
     raise ConfigError(f"unknown config key '{key}'{hint}; scripts/train.py --help lists every key")
+
+
+def _nearest(key: str) -> str | None:
+    """The key an unknown one most likely meant: another config's name for it (in its section,
+    where one is given), else the closest spelling."""
+    section, _, leaf = key.rpartition(".")
+    named = [p for p in _PATHS if p.rsplit(".", 1)[-1] == _SUGGEST.get(leaf) and p.startswith(section)]
+    near = named or difflib.get_close_matches(key, list(_PATHS), n=1)
+    near = near or difflib.get_close_matches(key, [p.rsplit(".", 1)[-1] for p in _PATHS], n=1)
+    return near[0] if near else None
 
 
 def _convert(path: str, typ: Any, value: Any) -> Any:

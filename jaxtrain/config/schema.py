@@ -1,8 +1,9 @@
-"""The run configuration's schema: frozen dataclasses, one comment per key, and the checks of
-values alone. `scripts/train.py --help` prints this file's keys with their comments.
+"""The run configuration's schema: frozen dataclasses, one comment per key.
+`scripts/train.py --help` prints this file's keys with their comments.
 
-Loading (YAML, flags, aliases) is jaxtrain/config/load.py; rules that need the launch or the
-devices (process count, mesh, batch split) are jaxtrain/run/job.py.
+Loading (YAML, flags, aliases) is jaxtrain/config/load.py; the checks of values alone
+jaxtrain/config/checks.py; rules that need the launch or the devices (process count, mesh, batch
+split) are jaxtrain/run/job.py.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from typing import Any
 
 import yaml
 
-from jaxtrain.config.data import TOKEN_DTYPES, parse_spec
 from jaxtrain.errors import UserError
 
 
@@ -119,15 +119,15 @@ class DistConfig:
     init_timeout: int = 300  # seconds to wait for every process to join
 
 
-MESH_AXES = ("data", "expert", "fsdp", "tensor")  # outer to inner
+MESH_AXES = ("data", "expert", "fsdp", "context", "tensor")  # outer to inner
 
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """The device mesh, data x expert x fsdp x tensor; its product is the device count.
+    """The device mesh, data x expert x fsdp x context x tensor; its product is the device count.
 
     -1 means "the devices left over" (at most one axis). `data` is the outer axis and spans
-    processes; `fsdp` and `tensor` stay inside a process (one NVLink domain) wherever they fit.
+    processes; `fsdp`, `context` and `tensor` stay inside a process (one NVLink domain) wherever they fit.
     """
 
     data: int = -1  # data parallel: replicas of the (fsdp x tensor)-sharded state
@@ -135,6 +135,9 @@ class MeshConfig:
     # the batch is split over it too, so for everything else it is one more data axis
     expert: int = 1
     fsdp: int = 1  # ZeRO-3: params, gradients and optimizer state sharded, batch split too
+    # context parallel: each sequence split along its length (long windows), keys and values
+    # all-gathered for attention; the batch is not split over it (like tensor)
+    context: int = 1
     tensor: int = 1  # Megatron: heads, MLP hidden and vocab split; the batch is not
     zero1: bool = False  # ZeRO-1: also shard the optimizer state over `data` (params replicated)
     # fsdp gathers params in the compute dtype (dtype) and reduce-scatters their gradients in this
@@ -177,7 +180,7 @@ class Config:
     run_dir: str = ""  # "" means runs/<name> (test, predict: the checkpoint's run dir)
     overwrite: bool = False  # start fresh even if run_dir holds a different run
     # data: token files (nanoGPT raw uint16/uint32, or llm.c header): a file, a glob, a comma list
-    # or a manifest.json; or a YAML list of {path, weight, name} sources (jaxtrain/sources.py);
+    # or a manifest.json; or a YAML list of {path, weight, name} sources (jaxtrain/data/sources.py);
     # "" = embedded default
     train_data_path: str = ""
     valid_data_path: str = ""  # validation tokens, same forms; "" = the training path's val shards
@@ -213,8 +216,9 @@ class Config:
     test_data_path: str = ""  # "" = valid_data_path, else the checkpoint's validation data
     prompt: str = ""  # --task predict: text to continue; --task chat: the user turn
     prompt_file: str = ""  # one prompt per line
-    max_new_tokens: int = 256  # tokens --task predict generates per prompt
-    temperature: float = 0.8  # sampling temperature (predict and the end-of-run sample)
+    system: str = ""  # --task chat: a system turn before the user turn ("" = none)
+    max_new_tokens: int = 256  # tokens --task predict or chat generates per prompt, at most
+    temperature: float = 0.8  # sampling temperature (predict, chat, the end-of-run sample); 0 = greedy
     top_k: int = 40  # 0 = sample from the whole vocabulary
     # nanochat's one-number model: n_layer = depth, d_model = 64 * depth, heads of 128, optim.lr
     # 0.004 * (d_model / 768) ** -0.5; keys given beside it win. 0 = off
@@ -250,49 +254,7 @@ class Config:
         return Path(self.run_dir or f"runs/{self.name}")
 
 
-_CHOICES = {
-    "task": ("train", "test", "predict", "chat"),
-    "optim.name": ("adamw", "muon"),
-    "dtype": ("float32", "bfloat16", "float16"),
-    "token_dtype": TOKEN_DTYPES,
-    "document_mask": ("auto", "off"),
-    "wandb_mode": ("online", "offline"),
-    "model.pos_embedding": ("rope", "learned"),
-    "model.remat": ("none", "full", "dots"),
-    "model.attention_impl": ("auto", "xla", "cudnn"),
-    "model.mlp": ("gelu", "swiglu"),
-    "model.moe.grouped_matmul": ("auto", "ragged_dot", "blocks"),
-    "mesh.reduce_dtype": ("float32", "compute"),
-    "compat.backend": ("auto", "nccl", "gloo"),
-    "ddp.log_level": ("", "DEBUG", "INFO", "WARNING", "ERROR"),
-}
 SOURCE_LISTS = ("train_data_path", "valid_data_path")  # a YAML list of sources is a mixture
-_POSITIVE = (
-    "batch_size", "total_steps", "gradient_accumulation_steps", "log_interval",
-    "checkpoint_interval", "keep_checkpoints", "eval_batches", "prefetch",
-    "model.vocab_size", "model.seq_len", "model.n_layer", "model.n_head", "model.d_model",
-    "optim.matrix_lr", "max_new_tokens", "model.moe.experts_per_token", "model.moe.every",
-    "optim.lr", "dist.init_timeout", "max_bad_steps", "preemption_check_interval", "lock_stale_s",
-)  # fmt: skip
-_NON_NEGATIVE = (
-    "total_batch_size", "device_batch_size", "eval_interval", "gradient_clip_val", "top_k", "depth",
-    "sample_tokens", "model.d_ff", "model.n_kv_head", "model.head_dim", "temperature",
-    "optim.warmup_steps", "optim.weight_decay",
-    "optim.min_lr_ratio", "dist.num_processes", "watchdog_factor", "watchdog_timeout",
-    "model.moe.n_experts", "model.moe.n_shared_experts", "model.moe.d_expert", "model.moe.balance_coef",
-    "model.moe.z_loss_coef", "model.moe.capacity_factor",
-    "data_threads", "epochs", "compat.world_size",
-)  # fmt: skip
-# What the guides' flags without an effect of their own do here, said once in the log when set.
-_COMPAT_NOTES = {
-    "compat.distributed": "--distributed: accepted; jaxtrain detects distribution from its launcher",
-    "compat.local_rank": "--local_rank {}: accepted, checked against the launcher's local rank",
-    "compat.backend": "--backend {}: accepted; JAX picks NCCL between GPUs and gloo between CPU processes",
-    "compat.skip_invalid_loss": "--skip_invalid_loss: accepted, jaxtrain always skips non-finite steps "
-    "(params unchanged) and stops after max_bad_steps in a row",
-    "compat.find_unused_parameters": "--find_unused_parameters: no effect, every parameter gets a "
-    "gradient in JAX",
-}
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
@@ -323,204 +285,11 @@ def get(cfg: Config, path: str) -> Any:
     return obj
 
 
-# ------------------------------------------------------------------------------------- checks
-# Values alone, at load time on every process. What needs the launch or the devices is job.py's.
-
-
-def check(cfg: Config) -> None:
-    """Value checks that need no devices."""
-    for path in SOURCE_LISTS:
-        parse_spec(get(cfg, path), path)
-    for path, choices in _CHOICES.items():
-        if get(cfg, path) not in choices:
-            raise ConfigError(
-                f"config key '{path}' must be one of {'|'.join(choices)}, got {get(cfg, path)!r}"
-            )
-    for path in _POSITIVE:
-        if get(cfg, path) <= 0:
-            raise ConfigError(f"config key '{path}' must be > 0, got {get(cfg, path)}")
-    for path in _NON_NEGATIVE:
-        if get(cfg, path) < 0:
-            raise ConfigError(f"config key '{path}' must be >= 0, got {get(cfg, path)}")
-    m = cfg.model
-    if cfg.depth and m.d_model % m.n_head:
-        raise ConfigError(
-            f"--depth {cfg.depth} gives d_model {m.d_model}, which {m.n_head} heads of ~128 do not divide; "
-            "use an even depth or set --model.n_head"
-        )
-    if m.d_model % m.n_head and not m.head_dim:
-        raise ConfigError(f"model.d_model {m.d_model} is not divisible by model.n_head {m.n_head}")
-    if m.n_head % m.kv_heads:
-        raise ConfigError(
-            f"model.n_head {m.n_head} is not a multiple of model.n_kv_head {m.n_kv_head}: each key/value "
-            "head serves a whole group of query heads"
-        )
-    if m.pos_embedding == "rope" and m.head_size % 2:
-        raise ConfigError(f"rotary positions need an even head size, got {m.head_size}")
-    if cfg.batch_size % cfg.gradient_accumulation_steps:
-        raise ConfigError(
-            f"batch_size {cfg.batch_size} is not divisible by gradient_accumulation_steps "
-            f"{cfg.gradient_accumulation_steps}"
-        )
-    if cfg.total_batch_size and not cfg.device_batch_size:
-        raise ConfigError("total_batch_size needs device_batch_size (sequences per device per microbatch)")
-    if cfg.total_batch_size and cfg.total_batch_size % m.seq_len:
-        raise ConfigError(
-            f"total_batch_size {cfg.total_batch_size} tokens is not a multiple of seq_len {m.seq_len}"
-        )
-    if cfg.eval_interval and not cfg.eval_batches:
-        raise ConfigError("eval_interval is set but eval_batches is 0")
-    if cfg.compat.local_rank < -1:
-        raise ConfigError(f"--local_rank must be >= 0, got {cfg.compat.local_rank}")
-    _check_task(cfg)
-    if not 0 <= cfg.optim.muon_momentum < 1:
-        raise ConfigError(f"optim.muon_momentum must be in [0, 1), got {cfg.optim.muon_momentum}")
-    if cfg.optim.min_lr_ratio > 1:
-        raise ConfigError(f"optim.min_lr_ratio must be <= 1, got {cfg.optim.min_lr_ratio}")
-    profile_range(cfg.profile_steps)
-    profile_processes(cfg.profile_processes)
-    _check_mesh_values(cfg)
-
-
-def _check_task(cfg: Config) -> None:
-    if cfg.task != "train" and not cfg.resume_from:
-        raise ConfigError(
-            f"--task {cfg.task} needs --resume_from CHECKPOINT (a step dir, or a run's checkpoints/ dir)"
-        )
-    if cfg.task in ("predict", "chat") and cfg.prompt and cfg.prompt_file:
-        raise ConfigError(
-            f"--task {cfg.task} takes --prompt TEXT or --prompt_file FILE (one prompt a line), not both"
-        )
-    if cfg.init_from and (cfg.task != "train" or cfg.resume_from):
-        raise ConfigError(
-            "--init_from starts a new training run from a checkpoint's params; it goes with --task train "
-            "and without --resume_from"
-        )
-
-
-def profile_range(text: str) -> tuple[int, int] | None:
-    """--profile_steps A:B as (A, B), 0 <= A < B; None when unset."""
-    if not text:
-        return None
-    start, colon, stop = text.partition(":")
-    if colon and start.strip().isdigit() and stop.strip().isdigit() and int(start) < int(stop):
-        return int(start), int(stop)
-    raise ConfigError(f"config key 'profile_steps' must be A:B with 0 <= A < B (steps A..B-1), got {text!r}")
-
-
-def profile_processes(text: str) -> set[int] | None:
-    """--profile_processes as a set of process ids; None means all."""
-    if text.strip() == "all":
-        return None
-    parts = [p.strip() for p in text.split(",")]
-    if not all(p.isdigit() for p in parts):
-        raise ConfigError(
-            f"config key 'profile_processes' must be comma-separated process ids or 'all', got {text!r}"
-        )
-    return {int(p) for p in parts}
-
-
-def mesh_str(sizes: dict[str, int]) -> str:
-    """{"data": 2, "fsdp": 4} -> "data 2 x fsdp 4" (an expert axis of 1, a dense model's, unsaid)."""
-    return " x ".join(f"{a} {n}" for a, n in sizes.items() if a != "expert" or n != 1)
-
-
-def _check_mesh_values(cfg: Config) -> None:
-    sizes = {a: getattr(cfg.mesh, a) for a in MESH_AXES}
-    for axis, size in sizes.items():
-        if size == 0 or size < -1:
-            raise ConfigError(f"config key 'mesh.{axis}' must be >= 1 or -1 (the devices left), got {size}")
-    if list(sizes.values()).count(-1) > 1:
-        raise ConfigError(f"at most one mesh axis may be -1, got {mesh_str(sizes)}")
-    m, tp = cfg.model, cfg.mesh.tensor
-    _check_moe(m, cfg.mesh.expert)
-    if tp > 1:
-        for what, n in (
-            ("model.n_head", m.n_head),
-            ("model.n_kv_head", m.kv_heads),
-            ("model.ff_dim", m.ff_dim),
-            *((("model.moe.d_expert", m.moe.d_expert or m.ff_dim),) if m.moe.n_experts else ()),
-            ("model.vocab_size", m.vocab_size),
-        ):
-            if n % tp:
-                raise ConfigError(
-                    f"{what} {n} is not divisible by mesh.tensor {tp}: tensor parallelism splits it "
-                    f"evenly; use a mesh.tensor that divides {n}"
-                )
-
-
-def _check_moe(m: ModelConfig, ep: int) -> None:
-    moe = m.moe
-    if not moe.n_experts:
-        if ep > 1:
-            raise ConfigError(
-                f"mesh.expert {ep} needs a mixture of experts; set model.moe.n_experts (a multiple of "
-                f"{ep}) or drop mesh.expert"
-            )
-        return
-    if moe.experts_per_token > moe.n_experts:
-        raise ConfigError(
-            f"model.moe.experts_per_token {moe.experts_per_token} exceeds model.moe.n_experts "
-            f"{moe.n_experts}; route each token to at most {moe.n_experts} experts"
-        )
-    if ep > 1 and moe.n_experts % ep:
-        raise ConfigError(
-            f"model.moe.n_experts {moe.n_experts} is not divisible by mesh.expert {ep}: each device holds "
-            f"n_experts / mesh.expert of them; use a mesh.expert that divides {moe.n_experts}"
-        )
-    if moe.every > 1 and m.scan_layers:
-        raise ConfigError(
-            f"model.moe.every {moe.every} mixes MoE and dense layers, but model.scan_layers compiles one "
-            "layer for all; use model.moe.every 1 or model.scan_layers false"
-        )
-
-
 def global_rows(cfg: Config) -> int:
     """Sequences per optimizer step, as the user gave them (total_batch_size wins)."""
     return cfg.total_batch_size // cfg.model.seq_len if cfg.total_batch_size else cfg.batch_size
 
 
-def with_data(cfg: Config, n_windows: int) -> Config:
-    """--epochs: total_steps from the training data's windows; --continue_on_error: never stop."""
-    if cfg.epochs:
-        cfg = dataclasses.replace(
-            cfg, total_steps=max(1, math.ceil(cfg.epochs * n_windows / global_rows(cfg)))
-        )
-    if cfg.compat.continue_on_error:
-        cfg = dataclasses.replace(cfg, max_bad_steps=cfg.total_steps)
-    return cfg
-
-
 def epoch_at(cfg: Config, step: int, n_windows: int) -> float:
     """How many passes over the training data's windows `step` steps have made."""
     return step * global_rows(cfg) / n_windows
-
-
-def compat_notes(cfg: Config, n_windows: int, n_processes: int, n_devices: int) -> list[str]:
-    """What the guides' flags that were set do here: one log line each."""
-    defaults = CompatConfig()
-    notes = [
-        note.format(get(cfg, path))
-        for path, note in _COMPAT_NOTES.items()
-        if get(cfg, path) != getattr(defaults, path.split(".")[1])
-    ]
-    if cfg.compat.world_size and n_processes > 1:
-        notes.append(f"--world_size {cfg.compat.world_size}: accepted, equals the process count")
-    elif cfg.compat.world_size:
-        notes.append(
-            f"--world_size {cfg.compat.world_size}: in JAX one process drives every local device, so this "
-            f"one process trains on {n_devices} devices (no process per device is started)"
-        )
-    if cfg.compat.single_gpu:
-        notes.append(f"--single_gpu: one process on device {cfg.dist.local_device_ids}")
-    if cfg.compat.continue_on_error:
-        notes.append(
-            f"--continue_on_error: max_bad_steps = total_steps {cfg.total_steps}: non-finite "
-            "steps are skipped (params unchanged) and never stop the run"
-        )
-    if cfg.epochs:
-        notes.append(
-            f"--epochs {cfg.epochs:g}: {n_windows:,} windows of {cfg.model.seq_len + 1} tokens "
-            f"per epoch / batch {global_rows(cfg)} = total_steps {cfg.total_steps}"
-        )
-    return notes

@@ -19,9 +19,9 @@ from jaxtrain.config.data import parse_spec
 from jaxtrain.disk.files import cache_root
 from jaxtrain.errors import DataError, UserError
 from jaxtrain.prepare import inputs
-from jaxtrain.prepare.format import MANIFEST
 from jaxtrain.prepare.shards import prepare_files
-from jaxtrain.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer
+from jaxtrain.text.format import MANIFEST
+from jaxtrain.tokenizer import BPETokenizer, ByteTokenizer, find_tokenizer, tokenizer_for
 
 
 def run_paths(cfg: Config, saved: dict[str, Any] | None = None) -> tuple[str, str]:
@@ -58,18 +58,14 @@ def tokenizer_file(train_path: str) -> Path | None:
     if not train_path:
         return None
     first = parse_spec(train_path, "train_data_path")[0].path.split(",")[0]
-    path = Path(first).parent / TOKENIZER_FILE
-    return path if path.is_file() else None
+    return find_tokenizer(Path(first).parent)
 
 
 def run_tokenizer(train_path: str, vocab_size: int, own: str = "") -> ByteTokenizer | BPETokenizer | None:
     """The tokenizer of a model trained on `train_path` ("": the embedded byte dataset): `own` (a
     checkpoint's own tokenizer.json, as a Hugging Face dir has) wins, then the one beside the
     training data, else bytes for a 256-token vocabulary, else None (none jaxtrain can find)."""
-    path = Path(own) if own else tokenizer_file(train_path)
-    if path is not None:
-        return BPETokenizer.from_file(path)
-    return ByteTokenizer() if vocab_size == ByteTokenizer.vocab_size else None
+    return tokenizer_for(Path(own) if own else tokenizer_file(train_path), vocab_size)
 
 
 def _stdlib_sources(max_bytes: int) -> list[Path]:

@@ -12,23 +12,20 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from pathlib import Path
 
-from jaxtrain.config import Config
+from jaxtrain.config import Config, ModelConfig
+from jaxtrain.config.origin import PREFIX, hf_dir
 from jaxtrain.data.sources import Source
 from jaxtrain.errors import DataError
-from jaxtrain.prepare.chat import chat_framing
-from jaxtrain.tokenizer import TOKENIZER_FILE, BPETokenizer, Framing
-
-_HF = "hf:"
+from jaxtrain.text.chat_template import chat_framing
+from jaxtrain.tokenizer import BPETokenizer, Framing, find_tokenizer
 
 
 def model_tokenizer(cfg: Config) -> BPETokenizer | None:
     """The tokenizer of the model a run starts from, where it has its own (a Hugging Face dir's)."""
-    start = cfg.init_from or cfg.resume_from
-    if not start.startswith(_HF) or not (Path(start[len(_HF) :]) / TOKENIZER_FILE).is_file():
-        return None
-    return BPETokenizer.from_file(Path(start[len(_HF) :]))
+    directory = hf_dir(cfg.init_from or cfg.resume_from)
+    where = find_tokenizer(directory) if directory is not None else None
+    return BPETokenizer.from_file(where) if where is not None else None
 
 
 def _name(framing: tuple[int | None, int | None]) -> str:
@@ -52,17 +49,12 @@ def with_framing(cfg: Config, sources: Sequence[Source], tokenizer: BPETokenizer
         for name, framing in found:
             if framing not in own | {(None, None)} or (own and framing == (None, None)):
                 expected = " or ".join(_name(f) for f in sorted(own, key=str)) or "no boundary tokens"
-                where = (cfg.init_from or cfg.resume_from).removeprefix(_HF)
+                where = (cfg.init_from or cfg.resume_from).removeprefix(PREFIX)
                 raise DataError(
                     f"data source {name} is framed with {_name(framing)} but the model's tokenizer frames "
                     f"documents with {expected}; prepare it again with --tokenizer {where}"
                 )
-    model = cfg.model
-    if cfg.document_mask == "auto" and framings:
-        bos, eos = next(iter(framings))
-        model = dataclasses.replace(
-            model, doc_bos=-1 if bos is None else bos, doc_eos=-1 if eos is None else eos
-        )
+    model = _boundaries(cfg, found)
     for s in sources:
         for window in s.shards.windows - {cfg.model.seq_len}:
             raise DataError(
@@ -72,6 +64,27 @@ def with_framing(cfg: Config, sources: Sequence[Source], tokenizer: BPETokenizer
             )
     masked = any(info.mask is not None for s in sources for info in s.shards.infos)
     return dataclasses.replace(cfg, model=model, loss_mask=cfg.loss_mask or masked)
+
+
+def _boundaries(cfg: Config, found: set[tuple[str, tuple[int | None, int | None]]]) -> ModelConfig:
+    """The model with the boundary tokens attention stops at: none with document_mask off; else the
+    data's (a manifest's framing), which must agree with any the model already has (given, or
+    saved with the checkpoint a task reads)."""
+    model = cfg.model
+    if cfg.document_mask == "off":
+        return dataclasses.replace(model, doc_bos=-1, doc_eos=-1)
+    framed = sorted(((name, f) for name, f in found if f != (None, None)), key=lambda x: x[0])
+    if not framed:
+        return model
+    name, (bos, eos) = framed[0]
+    ids = (-1 if bos is None else bos, -1 if eos is None else eos)
+    if (model.doc_bos, model.doc_eos) not in ((-1, -1), ids):
+        raise DataError(
+            f"model.doc_bos {model.doc_bos} / doc_eos {model.doc_eos} but data source {name} is framed with "
+            f"{_name((bos, eos))}; drop --model.doc_bos/--model.doc_eos (document_mask auto takes the "
+            "data's), or prepare the data with the model's tokenizer"
+        )
+    return dataclasses.replace(model, doc_bos=ids[0], doc_eos=ids[1])
 
 
 def _pair(framing: Framing) -> tuple[int | None, int | None]:

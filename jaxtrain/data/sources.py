@@ -35,7 +35,7 @@ import numpy as np
 from jaxtrain.config.data import TOKEN_DTYPES, parse_spec
 from jaxtrain.disk.files import cache_root, write_text
 from jaxtrain.errors import DataError
-from jaxtrain.prepare.format import (
+from jaxtrain.text.format import (
     HEADER_BYTES,
     HEADER_DTYPES,
     HEADER_INTS,
@@ -300,9 +300,16 @@ def open_shards(path_spec: str, role: str, vocab_size: int, token_dtype: str, se
     except (OSError, ValueError, TypeError):
         infos = _validate(entries, stats, vocab_size, token_dtype)
         _remember(record, [[i.offset, i.count, i.dtype] for i in infos])
-    for e in entries:
-        if e.mask is not None and not e.mask.is_file():
+    for e, info in zip(entries, infos, strict=True):
+        if e.mask is None:
+            continue
+        if not e.mask.is_file():
             raise DataError(f"loss mask {e.mask} of {e.path} is missing; re-create the data")
+        if (size := e.mask.stat().st_size) != info.count:  # one byte a token: a cut copy reads past its end
+            raise DataError(
+                f"loss mask {e.mask} holds {size:,} bytes but {e.path} holds {info.count:,} tokens (one "
+                "byte a token); the copy is cut short or stale: copy or re-create the data"
+            )
     infos = [dataclasses.replace(i, mask=e.mask) for i, e in zip(infos, entries, strict=True)]
     shards = Shards(infos, seq_len)
     shards.framings = {e.framing for e in entries}

@@ -7,7 +7,9 @@ restored.
 
 Damage that does not raise (a file truncated by a node crash, a bad disk, a partial copy) is
 found by checksums: once a save has finished, process 0 records the size and CRC32 of every
-file of the step dir in its `checksums.json`, and a restore checks them first. A save the
+file of the step dir in its `checksums.json`, and a restore checks them first; a step dir without
+them (a kill between orbax's rename and their record, or an older jaxtrain's) is read back whole
+on process 0 instead, so a damaged one is moved aside, never the restore's failure. A save the
 filesystem refuses (no space, read-only, I/O error, quota) raises StorageError, whether orbax
 reports it at once, from its background thread (`poll`), or when waited for.
 """
@@ -16,14 +18,17 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 import sys
 import time
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxtrain.disk import storage
@@ -34,6 +39,8 @@ from jaxtrain.model.params import path_names
 log = logging.getLogger(__name__)
 
 CHECKSUMS = "checksums.json"
+# A state read back without checksums is read this many bytes at a time (_state_unreadable).
+READ_BACK_BYTES = 1 << 30
 
 
 class _OneLine(logging.Filter):
@@ -178,22 +185,29 @@ class Checkpointer:
             write_text(step_dir / CHECKSUMS, json.dumps(_checksums(step_dir)))
         self.pending, self.in_flight = None, None
 
-    def damage(self, step: int) -> str | None:
-        """Why checkpoint `step` cannot be restored (checksums, then its meta), or None."""
+    def damage(self, step: int, read_back_on: Any = None) -> str | None:
+        """Why checkpoint `step` cannot be restored, or None: its files against their checksums, or
+        (none recorded) its state read back onto the device `read_back_on`, if given (a run's own
+        checkpoints, where an older one can be taken instead; for one the user named, the restore's
+        own error says the same), then its meta. Never raises: an unreadable file is damage."""
         step_dir = self.directory / str(step)
         try:
             recorded = json.loads((step_dir / CHECKSUMS).read_text())
         except FileNotFoundError:
-            recorded = None  # saved by an older jaxtrain, or killed just before: orbax alone judges
+            recorded = None  # older jaxtrain, or a kill before `wait` recorded them: read it back
         except (OSError, ValueError) as e:
             return f"{CHECKSUMS} unreadable: {e}"
-        if recorded is not None:
-            found = _checksums(step_dir)
-            bad = sorted(
-                name for name in recorded.keys() | found.keys() if recorded.get(name) != found.get(name)
-            )
-            if bad:
-                return f"{len(bad)} file(s) differ from their checksums, e.g. {bad[0]}"
+        if recorded is not None and not isinstance(recorded, dict):
+            return f"{CHECKSUMS} unreadable: not a JSON object"
+        try:
+            if recorded is not None:
+                why = _differs(step_dir, recorded)
+            else:
+                why = _state_unreadable(step_dir, read_back_on) if read_back_on is not None else None
+        except OSError as e:  # a file that cannot be opened or read (permissions, EIO)
+            return f"a file is unreadable: {e}"
+        if why:
+            return why
         # Read the meta's file (JsonCheckpointHandler's `metadata`) directly: process 0 judges
         # alone, and orbax's restore would wait at a barrier for the other processes.
         try:
@@ -245,6 +259,53 @@ def unreadable(step_dir: Path, e: BaseException, flag: str = "--resume_from") ->
         f"checkpoint {step_dir} is unreadable ({type(e).__name__}): it is incomplete or corrupt; "
         f"pass {flag} another checkpoint"
     )
+
+
+def _differs(step_dir: Path, recorded: dict[str, Any]) -> str | None:
+    """Which files of `step_dir` differ from the checksums recorded when it was saved, if any."""
+    found = _checksums(step_dir)
+    bad = sorted(name for name in recorded.keys() | found.keys() if recorded.get(name) != found.get(name))
+    return f"{len(bad)} file(s) differ from their checksums, e.g. {bad[0]}" if bad else None
+
+
+def _state_unreadable(step_dir: Path, device: Any) -> str | None:
+    """Why the state of a step dir with no checksums cannot be read, or None: every array is read
+    back on process 0, through orbax's handler, which has no barrier (the Checkpointer's restore
+    waits for every process). Without this, the restore was the first to meet a truncated state
+    file, and ended the launch (exit 2) where an older checkpoint was there to fall back on."""
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        saved = handler.metadata(step_dir / "state").tree
+        for chunk in _chunks(saved, device):
+            handler.restore(
+                step_dir / "state", args=ocp.args.PyTreeRestore(item=chunk[0], restore_args=chunk[1])
+            )
+    except Exception as e:  # missing, truncated or garbled files: orbax raises many kinds
+        log.warning(f"reading {step_dir}/state failed: {type(e).__name__}: {e}")
+        return f"its state is unreadable: {type(e).__name__}"
+    finally:
+        handler.close()
+    return None
+
+
+def _chunks(saved: Any, device: Any) -> Iterator[tuple[Any, Any]]:
+    """(item, restore_args) trees that read `saved`'s arrays (orbax's metadata tree) a few at a
+    time, about READ_BACK_BYTES each, the rest left out (orbax's PLACEHOLDER): host memory stays
+    near READ_BACK_BYTES whatever the state's size, and so does `device`'s. As jax arrays (their
+    array metadata is read only then)."""
+    leaves, treedef = jax.tree.flatten(saved)
+    one = ocp.ArrayRestoreArgs(sharding=jax.sharding.SingleDeviceSharding(device))
+    group: list[int] = []
+    size = 0
+    for i, meta in enumerate(leaves):
+        group.append(i)
+        size += math.prod(getattr(meta, "shape", ())) * np.dtype(getattr(meta, "dtype", None)).itemsize
+        if size >= READ_BACK_BYTES or i == len(leaves) - 1:
+            chosen = set(group)
+            item = [m if j in chosen else ocp.PLACEHOLDER for j, m in enumerate(leaves)]
+            args = [one if j in chosen else ocp.PLACEHOLDER for j in range(len(leaves))]
+            yield jax.tree.unflatten(treedef, item), jax.tree.unflatten(treedef, args)
+            group, size = [], 0
 
 
 def _checksums(step_dir: Path) -> dict[str, list[int]]:

@@ -41,10 +41,5 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(existing_ancestor(path)).free
 
 
-def tree_bytes(path: Path) -> int:
-    """Bytes of the files under `path`."""
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
 def mib(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB"

@@ -8,9 +8,6 @@ config.py maps architectures to ModelConfig and back, weights.py names every ten
 read both ways), store.py reads and writes safetensors files, load.py and export.py use them.
 """
 
-PREFIX = "hf:"
+from jaxtrain.config.origin import PREFIX, hf_dir, is_hf
 
-
-def is_hf(path: str) -> bool:
-    """Whether a --init_from / --resume_from value names a Hugging Face model dir."""
-    return path.startswith(PREFIX)
+__all__ = ["PREFIX", "hf_dir", "is_hf"]

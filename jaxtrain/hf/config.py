@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxtrain.config import ModelConfig, MoeConfig
+from jaxtrain.config.origin import hf_dir
 from jaxtrain.errors import UserError
 
 SUPPORTED = (
@@ -127,9 +128,14 @@ def nested(keys: dict[str, Any]) -> dict[str, Any]:
     return out | ({"moe": MoeConfig(**moe)} if moe else {})
 
 
+def context(hf: dict[str, Any]) -> int:
+    """The longest window the model's positions were made for."""
+    return int(hf.get("max_position_embeddings", DEFAULT_SEQ_LEN))
+
+
 def seq_len(hf: dict[str, Any], wanted: int | None, where: str) -> int:
     """The training window: `wanted`, else the model's context up to DEFAULT_SEQ_LEN; checked."""
-    limit = int(hf.get("max_position_embeddings", DEFAULT_SEQ_LEN))
+    limit = context(hf)
     out = wanted or min(limit, DEFAULT_SEQ_LEN)
     if out > limit:
         raise UserError(f"{where}: model.seq_len {out} exceeds its max_position_embeddings {limit}")
@@ -147,9 +153,9 @@ def with_hf_model(flat: dict[str, Any]) -> dict[str, Any]:
     Model keys given (file or flag) must agree with it: the checkpoint fixes the architecture.
     """
     init_from = str(flat.get("init_from", ""))
-    if not init_from.startswith("hf:"):
+    directory = hf_dir(init_from)
+    if directory is None:
         return flat
-    directory = Path(init_from[3:])
     where = f"--init_from {init_from}"
     hf = read(directory)
     keys = model_keys(hf, where)

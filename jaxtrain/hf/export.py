@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +19,13 @@ import orbax.checkpoint as ocp
 from jaxtrain.config import Config, ModelConfig, saved_model
 from jaxtrain.data.default import given_paths, tokenizer_file
 from jaxtrain.disk import checkpoint as ckpt_lib
+from jaxtrain.errors import UserError
 from jaxtrain.hf import config as hf_config
-from jaxtrain.hf import weights
+from jaxtrain.hf import is_hf, weights
 from jaxtrain.hf.store import Writer
 from jaxtrain.model.params import path_names
-from jaxtrain.prepare.chat import stop_tokens
-from jaxtrain.tokenizer import TOKENIZER_CONFIG, TOKENIZER_FILE, BPETokenizer
+from jaxtrain.text.chat_template import stop_tokens
+from jaxtrain.tokenizer import TOKENIZER_CONFIG, TOKENIZER_FILE, BPETokenizer, tokenizer_for
 
 log = logging.getLogger("jaxtrain")
 
@@ -64,27 +64,24 @@ def _flatten(tree: Any) -> list[tuple[tuple, Any]]:
 
 
 def _tokenizer_files(saved: dict[str, Any], model: ModelConfig, out: Path) -> str:
-    """tokenizer.json and tokenizer_config.json for the run's data; which one it was."""
+    """The run's tokenizer as transformers 5 saves one (tokenizer.json, tokenizer_config.json,
+    chat_template.jinja); which one it was."""
     beside = tokenizer_file(given_paths(saved)[0])
-    if beside is not None:
-        shutil.copyfile(beside, out / TOKENIZER_FILE)
-        kind = f"BPE ({beside})"
-    elif model.vocab_size == 256:
-        (out / TOKENIZER_FILE).write_text(byte_tokenizer_json())
-        kind = "bytes"
-    else:
-        log.warning(f"no {TOKENIZER_FILE} beside the training data: exported without a tokenizer")
-        return "none"
+    tok = tokenizer_for(beside, model.vocab_size)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": model.seq_len,
         "clean_up_tokenization_spaces": False,
     }
-    if beside is not None and (beside.parent / TOKENIZER_CONFIG).is_file():
-        # The data's own: its special tokens and chat template (prepare_data.py copies it there)
-        config = json.loads((beside.parent / TOKENIZER_CONFIG).read_text()) | config
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return kind
+    if isinstance(tok, BPETokenizer):  # the data's own special tokens and chat template, ours over them
+        tok.save(out, config)
+        return f"BPE ({beside})"
+    if tok is None:
+        log.warning(f"no {TOKENIZER_FILE} beside the training data: exported without a tokenizer")
+        return "none"
+    (out / TOKENIZER_FILE).write_text(byte_tokenizer_json())
+    (out / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return "bytes"
 
 
 def byte_tokenizer_json() -> str:
@@ -119,9 +116,11 @@ def _gpt2_bytes_to_unicode() -> dict[int, str]:
 
 def export(path: str, out: Path, max_shard_bytes: int = 5 * 2**30, dtype: str = "float32") -> dict[str, Any]:
     """Write checkpoint `path` (a run dir, its checkpoints/ dir or one step dir) to `out`."""
+    if is_hf(path):
+        raise UserError(f"{path} is a Hugging Face model dir already; export a checkpoint of ours")
     source, step = ckpt_lib.open_checkpoint(path, "checkpoint")
     saved = source.read_meta(step).get("config", {})
-    model = saved_model(saved)
+    model = saved_model(saved)  # the rule --task test|predict|chat read it by (run/resolve.py)
     config = hf_config.to_hf(model, dtype)  # refuses models no class matches, before writing
     leaves = _Leaves(source.directory / str(step))
     entries = weights.entries(model)

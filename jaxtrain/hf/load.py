@@ -21,7 +21,7 @@ from jaxtrain.hf import PREFIX, weights
 from jaxtrain.hf import config as hf_config
 from jaxtrain.hf.store import Reader
 from jaxtrain.model.params import path_names
-from jaxtrain.tokenizer import TOKENIZER_FILE
+from jaxtrain.tokenizer import find_tokenizer
 
 
 class HFCheckpoint:
@@ -41,9 +41,14 @@ class HFCheckpoint:
         model = {
             k: dataclasses.asdict(v) if k == "moe" else v for k, v in hf_config.nested(self.keys).items()
         }
-        model["seq_len"] = hf_config.seq_len(self.hf, None, self.where)
-        tokenizer = self.directory / TOKENIZER_FILE
-        return {"config": {"model": model, "tokenizer": str(tokenizer) if tokenizer.is_file() else ""}}
+        model["seq_len"] = hf_config.context(self.hf)  # the task's window: `window`, checked there
+        tokenizer = find_tokenizer(self.directory)
+        return {"config": {"model": model, "tokenizer": str(tokenizer or "")}}
+
+    def window(self, wanted: int | None) -> int:
+        """The window a task runs this model in: `wanted`, else its default; checked against its
+        context and sliding window."""
+        return hf_config.seq_len(self.hf, wanted, self.where)
 
     def _entries(self, target: Any) -> dict[tuple[str, ...], list[weights.Entry]]:
         """The HF tensors of each of target's params, checked: all there, shaped as they must be."""

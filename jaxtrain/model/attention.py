@@ -51,24 +51,33 @@ def _causal_attention(
     row is all masked).
 
     auto is resolved by `attention_kernel` (the train and eval steps resolve it for their mesh's
-    devices; a model applied outside them, as in tests, runs XLA's attention for auto). cudnn: cuDNN's fused
-    kernel, run per device (`_per_device`). xla: the same math as jax's XLA path in two einsums,
+    devices; a model applied outside them, as in tests, runs XLA's attention for auto). cudnn: cuDNN's
+    fused kernel, run per device (`_per_device`). xla: the same math as jax's XLA path in two einsums,
     without its grouped-query vmap, whose layout changes cost XLA:CPU transposes and copies: +3.5%
-    tok/s on the issue shape (bench_torch.py, 2 cores).
+    tok/s on the issue shape (bench_torch.py, 2 cores). Sequences split over a context axis: both
+    kernels run per device on whole sequences of a share of the heads (`_per_device`).
     """
-    same = None if segments is None else segments[:, :, None] == segments[:, None, :]  # [B, T, S]
-    if impl == "cudnn":
-        kernel = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
-        if same is None:
-            return _per_device(kernel, q, k, v)
-        # jax 0.10.2's public API takes documents as a mask, which cuDNN's fused kernel gets as a
-        # [B, 1, T, S] bias beside its own causal mask: still the fused kernel, plus that bias.
-        return _per_device(lambda q, k, v, m: kernel(q, k, v, mask=m), q, k, v, same[:, None])
+    kernel = _cudnn_kernel if impl == "cudnn" else _xla_kernel
+    if impl == "cudnn" or _context_axis() is not None:
+        return _per_device(kernel, q, k, v, segments)
+    return kernel(q, k, v, segments)
+
+
+def _cudnn_kernel(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None) -> jax.Array:
+    attend = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
+    if segments is None:
+        return attend(q, k, v)
+    # jax 0.10.2's public API takes documents as a mask, which cuDNN's fused kernel gets as a
+    # [B, 1, T, S] bias beside its own causal mask: still the fused kernel, plus that bias.
+    return attend(q, k, v, mask=(segments[:, :, None] == segments[:, None, :])[:, None])
+
+
+def _xla_kernel(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None) -> jax.Array:
     b, t, n, h = q.shape
     q = q * jnp.asarray(1.0 / math.sqrt(h), q.dtype)
     causal = jnp.tril(jnp.ones((t, t), bool))
-    if same is not None:
-        causal = causal & same[:, None]  # [B, 1, T, S]
+    if segments is not None:
+        causal = causal & (segments[:, :, None] == segments[:, None, :])[:, None]  # [B, 1, T, S]
     if k.shape[2] == n:
         logits = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32)
         logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
@@ -76,29 +85,62 @@ def _causal_attention(
     # Grouped: query heads as [kv head, group], so k and v are read once per group, not copied.
     q = q.reshape(b, t, k.shape[2], n // k.shape[2], h)
     logits = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
-    logits = jnp.where(causal if same is None else causal[:, None], logits, jnp.finfo(jnp.float32).min)
+    logits = jnp.where(causal if segments is None else causal[:, None], logits, jnp.finfo(jnp.float32).min)
     y = jnp.einsum("bkgts,bskh->btkgh", jax.nn.softmax(logits, axis=-1).astype(v.dtype), v)
     return y.reshape(b, t, n, h)
 
 
-def _per_device(kernel: Callable[..., jax.Array], *qkv: jax.Array) -> jax.Array:
-    """kernel(q, k, v[, mask]) on each device's own rows and heads, manual over the mesh axes still
-    automatic (a mask [B, 1, T, S] is whole on every tensor shard: it has no heads to split).
+def _context_axis() -> str | None:
+    """The mesh axis the step splits sequences over (the logical `length`), None if whole."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None
+    axis = (nn.logical_to_mesh_axes(("length",)) or P(None))[0]
+    return axis if isinstance(axis, str) and mesh.shape[axis] > 1 else None
+
+
+def _per_device(
+    kernel: Callable[..., jax.Array], q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None
+) -> jax.Array:
+    """kernel(q, k, v, segments) on each device's own rows and heads, manual over the mesh axes
+    still automatic.
 
     cuDNN attention's custom partitioner cannot place a call inside a partly manual shard_map (the
     train step is manual over data and fsdp, automatic over tensor): XLA's GPU compiler stops on an
     AssertionError in it. With every mesh axis manual, jax lowers the kernel as is, so the
-    automatic axes (tensor) become manual here, splitting heads (and any other dim) as the model's
-    logical activation axes place them. Outside any mesh the kernel runs as is.
+    automatic axes (tensor, context) become manual here, splitting heads as the model's logical
+    activation axes place them. Outside any mesh the kernel runs as is.
+
+    Sequences split over context are made whole for the kernel by an all-to-all that splits the
+    device's heads instead (Ulysses: each device attends over whole sequences for 1/context of its
+    heads, the causal work alike on every device), and back after it; key/value heads are repeated
+    first where fewer than context x tensor. (Left to the compiler, the same re-split failed XLA's
+    SPMD partitioner beside a tensor axis, jax 0.10.2.)
     """
     mesh = jax.sharding.get_abstract_mesh()
     auto = set(mesh.axis_names) - set(mesh.manual_axes)
     if mesh.empty or not auto:
-        return kernel(*qkv)
+        return kernel(q, k, v, segments)
     placed = nn.logical_to_mesh_axes(("batch", "length", "heads", None)) or P()
     spec = P(*(axis if axis in auto else None for axis in placed))
-    in_specs = (spec,) * 3 + (P(),) * (len(qkv) - 3)
-    return jax.shard_map(kernel, mesh=mesh, in_specs=in_specs, out_specs=spec, axis_names=auto)(*qkv)
+    context = _context_axis()
+    if context is not None:
+        split = math.prod(int(mesh.shape[a]) for a in (spec[1], spec[2]) if a is not None)
+        if k.shape[2] % split:  # each device's share of heads needs its own key/value heads
+            repeat = split // math.gcd(k.shape[2], split)
+            k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
+
+    def local(q: jax.Array, k: jax.Array, v: jax.Array, *segments: jax.Array) -> jax.Array:
+        if context is None:
+            return kernel(q, k, v, *segments, *(() if segments else (None,)))
+        q, k, v = (jax.lax.all_to_all(x, context, 2, 1, tiled=True) for x in (q, k, v))
+        whole = [jax.lax.all_gather(s, context, axis=1, tiled=True) for s in segments]
+        y = kernel(q, k, v, whole[0] if whole else None)
+        return jax.lax.all_to_all(y, context, 1, 2, tiled=True)
+
+    operands = (q, k, v) if segments is None else (q, k, v, segments)
+    in_specs = (spec,) * 3 + ((P(spec[0], spec[1]),) if segments is not None else ())
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=spec, axis_names=auto)(*operands)
 
 
 class Attention(nn.Module):

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtrain.config import ModelConfig
+from jaxtrain.config import Config, ModelConfig
 from jaxtrain.model.transformer import GPT
 
 
@@ -80,8 +80,8 @@ def generate(
     prompt: np.ndarray,
     max_new_tokens: int,
     rng: jax.Array,
-    temperature: float = 0.8,
-    top_k: int | None = 40,
+    temperature: float = Config.temperature,  # the config's defaults: one place says them
+    top_k: int | None = Config.top_k or None,
     dtype: Any = jnp.float32,
     stop: Collection[int] = (),
 ) -> np.ndarray:

@@ -129,8 +129,9 @@ def what_would_help(p: dict[str, Any]) -> str:
         return (
             f"nothing found: one sequence of {p['seq_len']:,} tokens per device is already the smallest "
             f"batch; what would help: tensor parallelism (splits each layer's activations, up to "
-            f"--mesh.tensor {p['gpus_per_host']} in a host), --model.remat full, a wider fsdp (splits "
-            "the state only) or a shorter --model.seq_len (jaxtrain has no context-parallel axis yet)"
+            f"--mesh.tensor {p['gpus_per_host']} in a host), context parallelism (--mesh.context: splits "
+            "each sequence over devices), --model.remat full, a wider fsdp (splits the state only) or a "
+            "shorter --model.seq_len; --search tries them"
         )
     return "nothing found among the nearest settings: try --search, or a smaller --device_batch_size"
 
@@ -149,23 +150,33 @@ def print_fixes(p: dict[str, Any]) -> None:
         print("fits with: " + what_would_help(p))
 
 
-def activation_floor(cfg: Config, device_batch: int) -> int:
+def activation_floor(cfg: Config, device_batch: int, context: int = 1) -> int:
     """Bytes a device holds at least at this device batch, whatever the mesh and remat: the input
-    of every layer, saved for the backward (tensor parallelism does not split it)."""
+    of every layer, saved for the backward (tensor parallelism does not split it; context
+    parallelism splits each sequence)."""
     m = cfg.model
-    return m.n_layer * device_batch * m.seq_len * m.d_model * DTYPE_BYTES.get(cfg.dtype, 4)
+    return m.n_layer * device_batch * m.seq_len * m.d_model * DTYPE_BYTES.get(cfg.dtype, 4) // context
 
 
-def layouts(cfg: Config, devices: int, gpus_per_host: int) -> list[tuple[int, int, list[int]]]:
-    """(tensor, expert, fsdp widths) to search: tensor inside a host, largest first; then expert,
-    largest first, dividing the model's experts (1 for a dense model); fsdp filling the rest."""
+def layouts(cfg: Config, devices: int, gpus_per_host: int) -> list[tuple[int, int, int, list[int]]]:
+    """(tensor, context, expert, fsdp widths) to search: tensor inside a host, largest first; context
+    in what the host leaves, smallest first (1: whole sequences), where it divides the window and
+    the heads; then expert, largest first, dividing the model's experts (1 for a dense model);
+    fsdp filling the rest."""
     powers = [2**i for i in range(devices.bit_length()) if devices % 2**i == 0]
-    n_experts = cfg.model.moe.n_experts
+    m = cfg.model
     out = []
     for tensor in sorted((n for n in powers if n <= gpus_per_host), reverse=True):
-        experts = [e for e in powers if e * tensor <= devices and n_experts % e == 0] if n_experts else [1]
-        for expert in sorted(experts, reverse=True):
-            out.append((tensor, expert, [f for f in powers if f * tensor * expert <= devices]))
+        contexts = [
+            c for c in powers
+            if c == 1 or (c * tensor <= gpus_per_host and m.seq_len % c == 0 and m.n_head % (c * tensor) == 0)
+        ]  # fmt: skip
+        for context in contexts:
+            inner = tensor * context
+            n_experts = m.moe.n_experts
+            experts = [e for e in powers if e * inner <= devices and n_experts % e == 0] if n_experts else [1]
+            for expert in sorted(experts, reverse=True):
+                out.append((tensor, context, expert, [f for f in powers if f * inner * expert <= devices]))
     return out
 
 
@@ -226,26 +237,31 @@ def search(
     rows = cfg.total_batch_size // cfg.model.seq_len if cfg.total_batch_size else cfg.batch_size
     limit = usable_bytes(target)
     s = _Search(cfg, (target, hosts, gpus_per_host), budget)
-    skipped: set[int] = set()
-    for tensor, expert, fsdps in layouts(cfg, devices, gpus_per_host):
-        shards = devices // tensor  # data x expert x fsdp: the batch is split over them
+    skipped: set[tuple[int, int]] = set()
+    for tensor, context, expert, fsdps in layouts(cfg, devices, gpus_per_host):
+        shards = devices // (tensor * context)  # data x expert x fsdp: the batch is split over them
         if rows % shards:
-            print(f"  tensor {tensor}: {rows} sequences do not split over {shards} batch shards")
+            print(
+                f"  tensor {tensor} x context {context}: {rows} sequences do not split over {shards} shards"
+            )
             continue
         for b in [b for b in range(rows // shards, 0, -1) if (rows // shards) % b == 0 and b & (b - 1) == 0]:
-            if not fits(activation_floor(cfg, b), limit):
-                if b not in skipped:
-                    skipped.add(b)
-                    print(f"  device batch {b}: its layers' saved inputs alone need "
-                          f"{gb(activation_floor(cfg, b))}: not compiled")  # fmt: skip
+            floor = activation_floor(cfg, b, context)
+            if not fits(floor, limit):
+                if (b, context) not in skipped:
+                    skipped.add((b, context))
+                    print(f"  device batch {b}, context {context}: its layers' saved inputs alone need "
+                          f"{gb(floor)}: not compiled")  # fmt: skip
                 continue
             if s.compiles >= budget:
                 print(f"  (search stopped after {budget} compiles: --search_budget)")
                 return sorted(s.results, key=lambda r: r["schedule_bound_s"])
             batch = {"device_batch_size": b} if cfg.total_batch_size else {
                 "gradient_accumulation_steps": rows // shards // b}  # fmt: skip
-            mesh = {"mesh.data": -1, "mesh.tensor": tensor} | (
-                {"mesh.expert": expert} if cfg.model.moe.n_experts else {}
+            mesh = (
+                {"mesh.data": -1, "mesh.tensor": tensor}
+                | ({"mesh.context": context} if context > 1 else {})
+                | ({"mesh.expert": expert} if cfg.model.moe.n_experts else {})
             )
             found = s.narrowest(mesh, {**batch, **FULL}, fsdps)
             if isinstance(found, dict):

@@ -31,6 +31,17 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def job_config(argv: list[str], usage: str) -> Config:
+    """The job's config as training resolves it (run/resolve.py: the data's framing too); without
+    a data path, no data (training's default dataset frames nothing). Puts the plugin on the path."""
+    cfg = load_config(argv, usage, fill=with_hf_model)
+    if "jax" not in sys.modules:
+        targets.use_plugin(xla_logs=cfg.verbose)
+    from jaxtrain.run.resolve import resolve  # imports jax, so after use_plugin
+
+    return resolve(cfg, default_data=False).cfg
+
+
 def main(argv: list[str], usage: str) -> int:
     """Exit code: 0 fits (or a search found a layout that does), 1 does not fit (EXIT_DOES_NOT_FIT);
     bad input raises a UserError."""
@@ -38,9 +49,7 @@ def main(argv: list[str], usage: str) -> int:
     target = targets.get(args.target)
     if args.hosts < 1 or args.gpus_per_host < 1:
         raise ArgumentError(f"--hosts {args.hosts} --gpus_per_host {args.gpus_per_host}: both must be >= 1")
-    cfg = load_config(rest, usage, fill=with_hf_model)
-    if "jax" not in sys.modules:
-        targets.use_plugin(xla_logs=cfg.verbose)
+    cfg = job_config(rest, usage)
     from jaxtrain.plan import advice, planner  # import jax, so after use_plugin
 
     p = plan_job(cfg, target, args.hosts, args.gpus_per_host, args.search_budget if args.search else 0)

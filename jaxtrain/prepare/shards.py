@@ -33,7 +33,7 @@ from jaxtrain.cluster.lifeline import die_with_parent
 from jaxtrain.disk.files import require_writable, write_text
 from jaxtrain.errors import UserError
 from jaxtrain.prepare import inputs
-from jaxtrain.prepare.format import (
+from jaxtrain.text.format import (
     HEADER_BYTES,
     HEADER_MAGIC,
     MANIFEST,
@@ -41,7 +41,16 @@ from jaxtrain.prepare.format import (
     MASK_SUFFIX,
     token_dtype_for,
 )
-from jaxtrain.tokenizer import TOKENIZER_CONFIG, TOKENIZER_FILE, BPETokenizer, ByteTokenizer, Framing
+from jaxtrain.tokenizer import (
+    CHAT_TEMPLATE_DIR,
+    CHAT_TEMPLATE_FILE,
+    TOKENIZER_CONFIG,
+    TOKENIZER_FILE,
+    BPETokenizer,
+    ByteTokenizer,
+    Framing,
+    find_tokenizer,
+)
 
 DEFAULT_GLOB = "*.txt,*.jsonl,*.parquet"
 
@@ -207,22 +216,44 @@ class SplitWriter:
 def _is_output(name: str) -> bool:
     """Names this module writes into out_dir (so they are never inputs, and stale ones are removed)."""
     stem = name.removesuffix(".bin").removesuffix(MASK_SUFFIX)
-    return name in (MANIFEST, TOKENIZER_FILE, TOKENIZER_CONFIG) or (
+    tokenizer = (TOKENIZER_FILE, TOKENIZER_CONFIG, CHAT_TEMPLATE_FILE, CHAT_TEMPLATE_DIR)
+    return name in (MANIFEST, *tokenizer) or (
         name.endswith((".bin", MASK_SUFFIX))
         and (stem in ("train", "val") or stem.split("_")[0] in ("train", "val"))
     )
 
 
+@contextlib.contextmanager
+def staged(out_dir: Path) -> Iterator[Path]:
+    """A hidden folder inside out_dir to write a set into, whole or not at all: commit_outputs
+    moves what it holds into place; whatever is left (a failure's) is removed."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    staging = out_dir / f".prepare.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        yield staging
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def commit_outputs(staging: Path, out_dir: Path, manifest: dict[str, Any]) -> None:
-    """Move the staged files into out_dir, dropping an earlier run's; the manifest lands last."""
+    """Move the staged files into out_dir, dropping an earlier run's; the manifest (its format
+    and version put first) lands last."""
     with contextlib.suppress(FileNotFoundError):
         (out_dir / MANIFEST).unlink()  # from here until the new one lands, the set reads as incomplete
     new = {p.name for p in staging.iterdir()}
     for old in out_dir.iterdir():
-        if old.is_file() and _is_output(old.name) and old.name not in new:
+        if old.is_dir() and old.name == CHAT_TEMPLATE_DIR:  # a folder is replaced whole
+            shutil.rmtree(old)
+        elif old.is_file() and _is_output(old.name) and old.name not in new:
             old.unlink()
+    for path in staging.rglob("*"):  # on disk before the manifest says the set is whole
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
     for name in sorted(new):
         os.replace(staging / name, out_dir / name)
+    manifest = {"format": MANIFEST_FORMAT, "version": 1} | manifest
     write_text(out_dir / MANIFEST, json.dumps(manifest, indent=1) + "\n")
 
 
@@ -254,7 +285,7 @@ def _tokenizer(
         )
         tok = BPETokenizer.train(texts, vocab_size)
         return tok, {"kind": "bpe", "vocab_size": tok.vocab_size, "file": TOKENIZER_FILE}
-    if not (Path(kind).is_file() or (Path(kind) / TOKENIZER_FILE).is_file()):
+    if find_tokenizer(kind) is None:
         raise UserError(
             f"--tokenizer must be byte, bpe, a tokenizer.json file or a folder holding one; {kind} is "
             "none of these"
@@ -318,10 +349,7 @@ def prepare_files(
 ) -> PreparedData:
     """Tokenize the planned units into out_dir (the part of prepare_corpus the default dataset uses too)."""
     dtype = np.dtype(token_dtype_for(tok.vocab_size)).newbyteorder("<")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    staging = out_dir / f".prepare.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-    staging.mkdir()
-    try:
+    with staged(out_dir) as staging:
         writers = {split: SplitWriter(staging, split, shard_tokens, dtype) for split in ("train", "val")}
         per_file = [0] * len(files)
         init = (
@@ -345,14 +373,10 @@ def prepare_files(
         if not counts["train"] or (val_fraction and not counts["val"]):
             which = "train" if not counts["train"] else "validation"
             raise UserError(f"the {which} split came out empty; change --val_fraction {val_fraction}")
-        if isinstance(tok, BPETokenizer):
-            write_text(staging / TOKENIZER_FILE, tok.to_json())
-            if tok.config:  # its special tokens and chat template, for training, predict and chat
-                write_text(staging / TOKENIZER_CONFIG, json.dumps(tok.config, indent=1) + "\n")
+        if isinstance(tok, BPETokenizer):  # its special tokens and chat template: for training, predict, chat
+            tok.save(staging)
         hashes = list(_in_order([f.path for f in files], sha256, min(workers, len(files)), init))
         manifest = {
-            "format": MANIFEST_FORMAT,
-            "version": 1,
             "tokenizer": tok_entry,
             # Boundary tokens around each document (null, null: separated by text, inputs.DOC_END);
             # a run checks them against its model's tokenizer and masks attention at them.
@@ -370,8 +394,6 @@ def prepare_files(
             ],
         }
         commit_outputs(staging, out_dir, manifest)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return PreparedData(
         manifest_path=out_dir / MANIFEST,
         train_paths=[out_dir / s["file"] for s in shards["train"]],

@@ -27,9 +27,17 @@ def mean_loss(run: Run, params: Any, batches: Iterable[np.ndarray]) -> float:
 def mean_metrics(run: Run, params: Any, batches: Iterable[np.ndarray]) -> dict[str, np.ndarray]:
     """The eval step's metrics (loss; a mixture of experts' expert load...), each a mean over
     batches; with a loss mask each batch's loss weighs its kept count (the step's `kept`)."""
-    metrics = jax.device_get(
-        [run.eval_step(params, mesh_lib.global_batch(rows, run.mesh, run.cfg.batch_size)) for rows in batches]
-    )
+    # One batch in flight at a time. The eval steps do not depend on each other, so dispatched all at
+    # once they run concurrently, and XLA:CPU's collectives then deadlock: with 2 or 4 devices on a
+    # 2-core pool, one device's later steps hold the threads its peer needs to join an all-reduce
+    # ("Expected 2 threads to join the rendezvous", abort after 40 s). The next batch is read while
+    # this one computes.
+    metrics: list[Any] = []
+    for rows in batches:
+        if metrics:
+            metrics[-1] = jax.device_get(metrics[-1])
+        metrics.append(run.eval_step(params, mesh_lib.global_batch(rows, run.mesh, run.cfg.batch_size)))
+    metrics = jax.device_get(metrics)
     means = {k: np.mean([m[k] for m in metrics], axis=0) for k in metrics[0] if k != "kept"}
     if "kept" in metrics[0]:
         kept = np.array([m["kept"] for m in metrics], np.float64)

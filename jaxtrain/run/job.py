@@ -19,9 +19,8 @@ from typing import Any
 
 from jaxtrain.cluster import join
 from jaxtrain.cluster.detect import LaunchSpec
-from jaxtrain.config import MESH_AXES, Config, ConfigError, MeshConfig, global_rows
+from jaxtrain.config import MESH_AXES, Config, ConfigError, MeshConfig, global_rows, mesh_str
 from jaxtrain.config.batch import batch_plan, check_batch_split
-from jaxtrain.config.schema import mesh_str
 
 
 @dataclass(frozen=True)
@@ -54,14 +53,7 @@ class Job:
     def _resolved(
         cls, cfg: Config, launch: LaunchSpec | None, devices: tuple[Any, ...], index: int, count: int
     ) -> Job:
-        platform = "cpu" if devices[0].platform == "cpu" else "gpu"
-        return cls(with_topology(cfg, len(devices), count, platform), launch, devices, index, count)
-
-    def reconfigured(self, cfg: Config) -> Job:
-        """This job running `cfg` instead (--task test|predict take the checkpoint's model)."""
-        return dataclasses.replace(
-            self, cfg=with_topology(cfg, len(self.devices), self.process_count, self.platform)
-        )
+        return cls(with_topology(cfg, len(devices), count, _platform(devices)), launch, devices, index, count)
 
     @property
     def is_main(self) -> bool:
@@ -74,7 +66,7 @@ class Job:
 
     @property
     def platform(self) -> str:
-        return "cpu" if self.devices[0].platform == "cpu" else "gpu"
+        return _platform(self.devices)
 
     @property
     def device_kind(self) -> str:
@@ -113,6 +105,11 @@ class Job:
         return [int(v) for v in np.ravel(multihost_utils.process_allgather(np.int32(value)))]
 
 
+def _platform(devices: tuple[Any, ...]) -> str:
+    """cpu or gpu: what the rules for dtypes, backends and kernels ask of a job's devices."""
+    return "cpu" if devices[0].platform == "cpu" else "gpu"
+
+
 def _world_of_one_process(world_size: int, devices: tuple[Any, ...]) -> tuple[Any, ...]:
     """The guides' `--world_size N` in one process (their one-process-per-GPU spawn): in JAX one
     process drives its devices, so it trains on N of them, if there are N."""
@@ -128,7 +125,7 @@ def _world_of_one_process(world_size: int, devices: tuple[Any, ...]) -> tuple[An
 
 # ------------------------------------------------------------------------------------- checks
 # The rules that need the launch (before joining) or the devices (after): the config's own value
-# checks, which need neither, are in jaxtrain/config/schema.py.
+# checks, which need neither, are in jaxtrain/config/checks.py.
 
 
 def check_launch(cfg: Config, launch: LaunchSpec) -> None:

@@ -26,8 +26,8 @@ from jaxtrain import config as config_lib
 from jaxtrain.cluster.detect import LaunchSpec
 from jaxtrain.cluster.watchdog import Watchdog
 from jaxtrain.config import Config
-from jaxtrain.data import framing, loader, sources
-from jaxtrain.data.default import run_paths, run_tokenizer
+from jaxtrain.data import loader, sources
+from jaxtrain.data.default import run_tokenizer
 from jaxtrain.disk import checkpoint as ckpt_lib
 from jaxtrain.disk import rundir, runlock, storage
 from jaxtrain.errors import NonFiniteError, StorageError
@@ -44,6 +44,7 @@ from jaxtrain.run.background import Background
 from jaxtrain.run.build import Run, build
 from jaxtrain.run.job import Job, check_launch
 from jaxtrain.run.preemption import StopRequest
+from jaxtrain.run.resolve import Resolved, resolve
 from jaxtrain.xla_env import compile_cache_dir
 
 log = logging.getLogger("jaxtrain")
@@ -55,15 +56,6 @@ class RunResult:
     last_loss: float | None
     val_loss: float | None
     run_dir: Path
-
-
-@dataclasses.dataclass
-class _Data:
-    """The run's data, opened and checked before joining (every process fails alike)."""
-
-    train_path: str
-    train: list[sources.Source]
-    val: list[sources.Source]
 
 
 def train(cfg: Config, launch: LaunchSpec, launch_time: float | None = None) -> RunResult:
@@ -79,9 +71,9 @@ def train(cfg: Config, launch: LaunchSpec, launch_time: float | None = None) -> 
     rundir.restrict_umask()  # nothing it writes into the run dir is world-writable
     check_launch(cfg, launch)
     metrics.check_wandb(cfg)
-    data = _open_data(cfg)
-    cfg = config_lib.with_data(cfg, loader.epoch_windows(data.train))
-    cfg = framing.with_framing(cfg, data.train + data.val, framing.model_tokenizer(cfg))
+    data = resolve(cfg)
+    sources.check_run_data(cfg.resolved_run_dir, cfg.overwrite, data.train + data.val)
+    cfg = data.cfg
     lock = runlock.RunLock(cfg.resolved_run_dir, cfg.lock_stale_s)
     # Process 0 locks the run dir before anything is written into it, and holds it to the end.
     with lock.held(launch.process_id == 0):
@@ -110,17 +102,8 @@ def train(cfg: Config, launch: LaunchSpec, launch_time: float | None = None) -> 
         return result
 
 
-def _open_data(cfg: Config) -> _Data:
-    train_path, val_path = run_paths(cfg)
-    m = cfg.model
-    train = sources.open_sources(train_path, "train", m.vocab_size, cfg.token_dtype, m.seq_len)
-    val = sources.open_sources(val_path, "val", m.vocab_size, cfg.token_dtype, m.seq_len)
-    sources.check_run_data(cfg.resolved_run_dir, cfg.overwrite, train + val)
-    return _Data(train_path, train, val)
-
-
 def _train(
-    run: Run, data: _Data, watchdog: Watchdog, stop: StopRequest, timeline: Timeline, launch_time: float
+    run: Run, data: Resolved, watchdog: Watchdog, stop: StopRequest, timeline: Timeline, launch_time: float
 ) -> RunResult:
     cfg, job, run_dir = run.cfg, run.job, run.cfg.resolved_run_dir
     # ------------------------------------------------------------------------------- start
@@ -213,7 +196,7 @@ def _make_run_dir(run: Run) -> None:
     metrics.setup_logging(run_dir, job.process_index, cfg.ddp.log_level, cfg.verbose)
 
 
-def _say_what_runs(run: Run, data: _Data) -> None:
+def _say_what_runs(run: Run, data: Resolved) -> None:
     """The start of the log: the chosen config, the job, the model, the mesh and its memory."""
     cfg, job, run_dir = run.cfg, run.job, run.cfg.resolved_run_dir
     chosen = "".join(f"\n  {k}: {v!r}" for k, v in config_lib.differences(cfg).items())
@@ -227,7 +210,7 @@ def _say_what_runs(run: Run, data: _Data) -> None:
     log.info(
         f"{job.describe()}; global batch {cfg.batch_size} x {cfg.model.seq_len} tokens, "
         f"{cfg.gradient_accumulation_steps} microbatch(es), {job.rows_per_process} rows per process; "
-        f"data {data.train_path}"
+        f"data {data.data_path}"
     )
     log.info(
         f"model: {run.n_params:,} parameters ({run.n_active_params:,} active per token), "
@@ -249,7 +232,7 @@ def _say_what_runs(run: Run, data: _Data) -> None:
 
 
 def _record_start(
-    run: Run, data: _Data, timeline: Timeline, step: int, launch_time: float, restore_s: float
+    run: Run, data: Resolved, timeline: Timeline, step: int, launch_time: float, restore_s: float
 ) -> None:
     """Once the start step is known: drop records past it, save the config, open the timeline."""
     cfg, run_dir = run.cfg, run.cfg.resolved_run_dir

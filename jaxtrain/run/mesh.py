@@ -1,19 +1,21 @@
 """The device mesh and every sharding decision. Only this module knows the topology.
 
-The mesh is data x expert x fsdp x tensor (config `mesh`):
+The mesh is data x expert x fsdp x context x tensor (config `mesh`):
   data    replicas; the outer axis, spanning processes (hosts). Batch rows split over it.
   expert  MoE: each device holds its share of every MoE layer's experts and receives the tokens
           routed to them by all-to-all (model/moe.py). Batch rows split over it too, so every
           other param is replicated over it as over `data`.
   fsdp    ZeRO-3: every large parameter, its gradient and both Adam moments split over it, and
           the batch rows too. Params are all-gathered for compute and gradients reduce-scattered.
+  context long windows: each sequence split along its length; every token's work is local, and
+          attention takes whole sequences for a share of the heads (an all-to-all each way).
   tensor  Megatron: attention heads, the MLP hidden dim and the vocabulary split over it; the
           residual stream is whole, so a layer needs one collective in and one out.
 With `mesh.zero1` the optimizer state is also split over `data` (params stay replicated there).
 
 The model names the logical axes of its params and activations (model/params.py PARAM_AXES); the tables
 below map logical axes to mesh axes, in one place. Devices are ordered by process, so `data`
-is the axis that crosses hosts and fsdp x tensor groups stay inside one (one NVLink domain).
+is the axis that crosses hosts and fsdp x context x tensor groups stay inside one (one NVLink domain).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from jaxtrain.model.params import path_names
 
 log = logging.getLogger("jaxtrain")
 
-DATA_AXIS, EXPERT_AXIS, FSDP_AXIS, TENSOR_AXIS = MESH_AXES
+DATA_AXIS, EXPERT_AXIS, FSDP_AXIS, CONTEXT_AXIS, TENSOR_AXIS = MESH_AXES
 # Axes a batch is split over (a tensor group shares its rows); the step runs manual over these.
 BATCH_AXES = (DATA_AXIS, EXPERT_AXIS, FSDP_AXIS)
 
@@ -50,10 +52,31 @@ PARAM_RULES: dict[str, str | None] = {
 # `expert` names the (manual) axis MoE layers exchange tokens over (EXPERT_RULES).
 ACTIVATION_RULES = (("heads", TENSOR_AXIS), ("mlp", TENSOR_AXIS), ("vocab", TENSOR_AXIS))
 EXPERT_RULES = (("expert", EXPERT_AXIS),)
+# Context parallelism: activations split along the sequence (`length`), left to the compiler as
+# tensor is. Attention needs whole sequences: model/attention.py re-splits its queries, keys and
+# values by heads over context, an all-to-all each way (Ulysses), and runs the plain causal kernel.
+CONTEXT_RULES = (("length", CONTEXT_AXIS),)
+# Axes a dense model's mesh leaves at 1 unless asked for: unsaid in what is printed.
+OPTIONAL_AXES = (EXPERT_AXIS, CONTEXT_AXIS)
+
+
+def activation_rules(mesh: Any) -> tuple[tuple[str, str], ...]:
+    """The logical activation axes the step places on `mesh`'s axes (those larger than 1).
+
+    With sequences split over context, the logits are not split over tensor by vocabulary: XLA's
+    SPMD partitioner aborts on the loss over logits split both ways (a CHECK in
+    spmd_partitioner_util.cc, jax 0.10.2, CPU); each tensor peer computes its tokens' whole logits.
+    """
+    tensor, context = mesh.shape[TENSOR_AXIS] > 1, mesh.shape[CONTEXT_AXIS] > 1
+    return (
+        tuple(rule for rule in ACTIVATION_RULES if tensor and not (context and rule[0] == "vocab"))
+        + (CONTEXT_RULES if context else ())
+        + (EXPERT_RULES if mesh.shape[EXPERT_AXIS] > 1 else ())
+    )
 
 
 def make_mesh(devices: list[jax.Device] | None = None, shape: MeshConfig | None = None) -> Mesh:
-    """A data x expert x fsdp x tensor mesh over `devices` (default: every device of every process).
+    """A data x expert x fsdp x context x tensor mesh over `devices` (default: every device of every process).
 
     `shape` must be resolved (config.with_topology); None means pure data parallelism.
     """
@@ -74,13 +97,14 @@ def host_warnings(mesh: Mesh) -> list[str]:
     hosts = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
     per_process = int((hosts == hosts.flat[0]).sum())
     said = []
-    inner = mesh.shape[FSDP_AXIS] * mesh.shape[TENSOR_AXIS]
+    group = [a for a in (FSDP_AXIS, CONTEXT_AXIS, TENSOR_AXIS) if a != CONTEXT_AXIS or mesh.shape[a] > 1]
+    inner, named = math.prod(mesh.shape[a] for a in group), " x ".join(group)
     if inner > per_process:
         said.append(
-            f"mesh fsdp x tensor = {inner} devices spans hosts ({per_process} devices per process): its "
+            f"mesh {named} = {inner} devices spans hosts ({per_process} devices per process): its "
             "all-gathers and reduce-scatters of params and gradients (and tensor parallelism's per-layer "
             "all-reduces) cross the network, ~10-20x slower than NVLink; where the train state fits "
-            f"{per_process} devices, fsdp x tensor <= {per_process} with data across hosts keeps them "
+            f"{per_process} devices, {named} <= {per_process} with data across hosts keeps them "
             "inside a host, though a wider fsdp can still be faster (a smaller data all-reduce): "
             "scripts/plan.py --search ranks the layouts"
         )
@@ -102,8 +126,8 @@ def check_mesh(mesh: Mesh) -> None:
 
 
 def mesh_shape(mesh: Mesh) -> dict[str, int]:
-    """Axis sizes by name; `expert` only when used (a dense model's mesh reads as before)."""
-    return {a: int(mesh.shape[a]) for a in MESH_AXES if a != EXPERT_AXIS or mesh.shape[a] > 1}
+    """Axis sizes by name; `expert` and `context` only when used (a mesh reads as it did before them)."""
+    return {a: int(mesh.shape[a]) for a in MESH_AXES if a not in OPTIONAL_AXES or mesh.shape[a] > 1}
 
 
 def describe(mesh: Mesh) -> str:
@@ -212,15 +236,6 @@ def tensor_part(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: A
     inside the step must keep split, so it moves only this device's tensor shard)."""
     spec = param_spec(logical, shape, mesh)
     return P(*(entry if entry == TENSOR_AXIS else None for entry in spec))
-
-
-def fsdp_dim(spec: P) -> int | None:
-    """The dim a param is split on over fsdp, or None when it is whole there."""
-    for i, entry in enumerate(spec):
-        axes = entry if isinstance(entry, tuple) else (entry,)
-        if FSDP_AXIS in axes:
-            return i
-    return None
 
 
 def bytes_per_device(abstract_tree: Any, specs: Any, mesh: Mesh) -> int:

@@ -83,11 +83,23 @@ class ParamSource(Protocol):
     def restore_params(self, step: int, target: Any, flag: str) -> Any: ...
 
 
+class _ReadOnlyNotes(logging.Filter):
+    """orbax's warnings, one per option, that a read-only manager saves and deletes nothing: what
+    read-only means, not news to the user of --resume_from or --init_from."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("CheckpointManagerOptions.read_only=True")
+
+
+_READ_ONLY_NOTES = _ReadOnlyNotes()
+
+
 def open_params(path: str, flag: str) -> tuple[ParamSource, int]:
     """Where `flag` takes params from: hf:DIR (a Hugging Face model dir, read as step 0), else a
     checkpoint of ours (a step dir, or a run's newest). The one place that tells them apart."""
     if is_hf(path):
         return HFCheckpoint(Path(path[len(PREFIX) :]), flag), 0
+    logging.getLogger("absl").addFilter(_READ_ONLY_NOTES)  # a filter is added once however often
     return open_checkpoint(path, flag)
 
 
@@ -102,7 +114,7 @@ def _newest_readable(ckpt: Checkpointer, job: Job) -> int | None:
     chosen = -1
     if job.is_main:
         for step in steps:
-            why = ckpt.damage(step)
+            why = ckpt.damage(step, job.local_devices[0])
             if why is None:
                 chosen = step
                 break

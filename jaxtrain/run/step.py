@@ -42,10 +42,10 @@ from jaxtrain.model.attention import attention_kernel
 from jaxtrain.model.moe import balance_loss, grouped_matmul, router_stats
 from jaxtrain.model.params import logical_axes, path_names
 from jaxtrain.model.transformer import GPT
-from jaxtrain.prepare.format import NO_LOSS, TOKEN_BITS
 from jaxtrain.run import mesh as mesh_lib
 from jaxtrain.run.optim import lr_schedule
 from jaxtrain.run.state import TrainState
+from jaxtrain.text.format import NO_LOSS, TOKEN_BITS
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # Dynamic loss scaling (float16): double the scale after this many finite steps in a row.
@@ -113,9 +113,7 @@ class _ParamLayout:
         self.manual = jax.tree.map(mesh_lib.manual_part, param_specs, is_leaf=is_spec)
         self.fsdp = int(mesh.shape[mesh_lib.FSDP_AXIS])
         self.sizes = {a: int(mesh.shape[a]) for a in mesh_lib.BATCH_AXES}
-        self.rules = (mesh_lib.ACTIVATION_RULES if mesh.shape[mesh_lib.TENSOR_AXIS] > 1 else ()) + (
-            mesh_lib.EXPERT_RULES if mesh.shape[mesh_lib.EXPERT_AXIS] > 1 else ()
-        )
+        self.rules = mesh_lib.activation_rules(mesh)
         self.platform = mesh.devices.flat[0].platform  # what the step compiles for, not jax's default
         self.dtype, self.reduce_dtype = dtype, dtype if reduce_dtype is None else reduce_dtype
 

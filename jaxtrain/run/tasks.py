@@ -10,9 +10,10 @@ thing.
         text from the checkpoint's model and its run's tokenizer (KV-cached sampling, process 0);
         printed and written to <run dir>/predict_step<N>.jsonl. No prompt: unconditional samples
         (from the tokenizer's begin-of-text, else a newline); --temperature 0: greedy
-    --task chat --resume_from hf:DIR --prompt "What is 2 plus 3?"   (no --prompt: standard input)
-        the prompt as a user turn rendered with the tokenizer's chat template, the answer generated
-        up to the end of its turn
+    --task chat --resume_from hf:DIR --prompt "What is 2 plus 3?" [--system "Be brief."]
+        the prompt (no --prompt: standard input) as a user turn, after the system turn, rendered with
+        the tokenizer's chat template; the answer generated up to the end of its turn, printed as
+        `prompt -> answer`
     --resume_from hf:DIR reads a Hugging Face model dir (jaxtrain/hf/), its tokenizer.json too
     --model.seq_len N: the window to test or generate in (rotary models: any up to their context)
 
@@ -24,7 +25,6 @@ the run dir is --run_dir, else the checkpoint's own run dir, which only gains th
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -37,23 +37,22 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxtrain import config as config_lib
 from jaxtrain.cluster.detect import LaunchSpec
-from jaxtrain.config import Config, ModelConfig
-from jaxtrain.data import framing, loader, sources
-from jaxtrain.data.default import given_paths, run_paths, run_tokenizer
+from jaxtrain.config import Config
+from jaxtrain.data import loader, sources
+from jaxtrain.data.default import given_paths, run_tokenizer
 from jaxtrain.disk.files import require_writable, write_text
 from jaxtrain.errors import UserError
 from jaxtrain.model.generate import generate
 from jaxtrain.observe import metrics
-from jaxtrain.prepare.chat import ChatFormat, stop_tokens
-from jaxtrain.run import evaluate, start
+from jaxtrain.run import evaluate
 from jaxtrain.run import mesh as mesh_lib
 from jaxtrain.run.build import Run, build
 from jaxtrain.run.job import Job
 from jaxtrain.run.loop import train
-from jaxtrain.run.start import ParamSource
+from jaxtrain.run.resolve import Resolved, Trained, resolve
 from jaxtrain.run.step import compute_dtype
+from jaxtrain.text.chat_template import ChatFormat, stop_tokens
 from jaxtrain.tokenizer import BPETokenizer
 from jaxtrain.xla_env import compile_cache_dir, enable_compile_cache
 
@@ -71,56 +70,21 @@ def run_task(cfg: Config, launch: LaunchSpec, launch_time: float | None = None) 
     return train(cfg, launch, launch_time)
 
 
-@dataclasses.dataclass
-class _Checkpoint:
-    source: ParamSource
-    step: int
-    saved: dict[str, Any]  # the config the checkpoint was written with
-
-    @property
-    def where(self) -> Path:
-        return self.source.directory / str(self.step)
-
-    @property
-    def run_dir(self) -> Path:
-        d = self.source.directory
-        return d.parent if d.name == "checkpoints" else d
-
-
-def _start(cfg: Config, launch: LaunchSpec) -> tuple[Run, _Checkpoint, Path, Any]:
-    """Join the job, open the checkpoint, build the run of its model; the output dir and its params."""
+def _start(cfg: Config, launch: LaunchSpec) -> tuple[Run, Trained, Path, Any, Resolved]:
+    """Resolve the task's config (its checkpoint's model, its data), join the job, build the run
+    once; the output dir, the checkpoint's params and what was resolved."""
+    resolved = resolve(cfg)
+    cfg, ckpt = resolved.cfg, resolved.trained
+    assert ckpt is not None  # every task but train reads a checkpoint (config checks)
+    out_dir = Path(cfg.run_dir) if cfg.run_dir else ckpt.run_dir
+    require_writable(out_dir, "run dir")
     job = Job.join(cfg, launch)
     metrics.setup_logging(None, job.process_index, cfg.ddp.log_level, cfg.verbose)
     log.info(f"compile cache: {compile_cache_dir() or 'off'}")
-    source, step = start.open_params(cfg.resume_from, "--resume_from")
-    ckpt = _Checkpoint(source, step, source.read_meta(step).get("config", {}))
-    model = _window(config_lib.saved_model(ckpt.saved), cfg.model.seq_len)
-    cfg = dataclasses.replace(cfg, model=model)
-    config_lib.check(cfg)
-    out_dir = Path(cfg.run_dir) if cfg.run_dir else ckpt.run_dir
-    require_writable(out_dir, "run dir")
-    log.info(f"{cfg.task}: checkpoint {ckpt.where}; model {model}")
-    run = build(job.reconfigured(cfg))
+    log.info(f"{cfg.task}: checkpoint {ckpt.where}; model {cfg.model}")
+    run = build(job)
     params = ckpt.source.restore_params(ckpt.step, run.target.params, "--resume_from")
-    return run, ckpt, out_dir, params
-
-
-def _window(model: ModelConfig, given: int) -> ModelConfig:
-    """The checkpoint's model in the window the command gives (--model.seq_len, when not the
-    default): a rotary model runs on any window up to the one it was trained with."""
-    if given in (ModelConfig().seq_len, model.seq_len):
-        return model
-    if model.pos_embedding != "rope":
-        raise UserError(
-            f"--model.seq_len {given}: the checkpoint's model has learned positions for windows of "
-            f"{model.seq_len} tokens only; leave the flag out"
-        )
-    if given > model.seq_len:
-        raise UserError(
-            f"--model.seq_len {given}: the checkpoint's model was trained on windows of {model.seq_len} "
-            f"tokens; pass at most {model.seq_len}"
-        )
-    return dataclasses.replace(model, seq_len=given)
+    return run, ckpt, out_dir, params, resolved
 
 
 def _windows(source: sources.Source, batch_size: int, pid: int, nproc: int) -> Iterator[np.ndarray]:
@@ -133,14 +97,9 @@ def _windows(source: sources.Source, batch_size: int, pid: int, nproc: int) -> I
 
 def evaluate_checkpoint(cfg: Config, launch: LaunchSpec) -> dict[str, Any]:
     """--task test: loss and perplexity of a checkpoint on the test data; process 0 writes them as JSON."""
-    run, ckpt, out_dir, params = _start(cfg, launch)
-    cfg, job = run.cfg, run.job
-    path = cfg.test_data_path or run_paths(cfg, ckpt.saved)[1]
-    m = cfg.model
-    test_sources = sources.open_sources(path, "val", m.vocab_size, cfg.token_dtype, m.seq_len)
-    framed = framing.with_framing(cfg, test_sources, framing.model_tokenizer(cfg))
-    if framed != cfg:  # the data's boundaries and loss mask, as training takes them: same loss
-        run = build(run.job.reconfigured(framed))
+    run, ckpt, out_dir, params, resolved = _start(cfg, launch)
+    cfg, job, m = run.cfg, run.job, run.cfg.model
+    path, test_sources = resolved.data_path, resolved.val
     t0 = time.perf_counter()
     per_source: dict[str, dict[str, Any]] = {}
     for s in test_sources:
@@ -173,7 +132,10 @@ def evaluate_checkpoint(cfg: Config, launch: LaunchSpec) -> dict[str, Any]:
 
 def _prompts(cfg: Config) -> list[str]:
     if cfg.task == "chat" and not (cfg.prompt or cfg.prompt_file):
-        return [sys.stdin.read()]
+        prompt = sys.stdin.read().strip()  # (the newline that ends a typed or echoed line is no part of it)
+        if not prompt:
+            raise UserError("--task chat: standard input held no prompt; pipe one in or pass --prompt TEXT")
+        return [prompt]
     if not cfg.prompt_file:
         return [cfg.prompt]  # "" samples unconditionally
     try:
@@ -193,11 +155,44 @@ def _unconditional_start(tokenizer: Any) -> np.ndarray:
     return ids if len(ids) else tokenizer.encode("\n")
 
 
+# What --task chat needs and the checkpoint lacks: the flags train.py takes that give it
+_CHAT_MODEL = (
+    "give --resume_from hf:DIR of a chat model (its tokenizer.json with chat_template.jinja or a "
+    "chat_template in tokenizer_config.json), or --resume_from a run trained on data prepared with "
+    "scripts/prepare_data.py --chat"
+)
+
+
+def _starts(cfg: Config, tokenizer: Any, prompts: list[str]) -> list[np.ndarray]:
+    """The ids each sample starts from: the prompt (--task chat: a user turn after the --system
+    turn, rendered with the chat template, its generation prompt last)."""
+    if cfg.task != "chat":
+        return [tokenizer.encode(p) if p else _unconditional_start(tokenizer) for p in prompts]
+    if not isinstance(tokenizer, BPETokenizer):
+        raise UserError(
+            f"--task chat: the model's tokenizer is bytes, which have no chat template; {_CHAT_MODEL}"
+        )
+    chat = ChatFormat(tokenizer, _CHAT_MODEL)
+    return [tokenizer.encode_offsets(chat.prompt(p, cfg.system))[0] for p in prompts]
+
+
+def _shown(cfg: Config, record: dict[str, Any]) -> str:
+    """A sample as a person reads it: predict's continuation right after its prompt; chat's
+    prompt -> answer (the arrow on a line of its own after a prompt of several lines)."""
+    if cfg.task != "chat":
+        return record["prompt"] + record["completion"]
+    system = f"(system: {cfg.system})\n" if cfg.system else ""
+    arrow = "\n-> " if "\n" in record["prompt"] else " -> "
+    return f"{system}{record['prompt']}{arrow}{record['completion'].strip()}"
+
+
 def predict(cfg: Config, launch: LaunchSpec) -> list[dict[str, Any]]:
     """Generate after each prompt with the checkpoint's model (--task chat: rendered as a user
     turn of its chat template); process 0 prints and writes them."""
+    if cfg.system and cfg.task != "chat":
+        raise UserError(f"--system is the system turn of --task chat; --task {cfg.task} takes none")
     prompts = _prompts(cfg)
-    run, ckpt, out_dir, params = _start(cfg, launch)
+    run, ckpt, out_dir, params, _ = _start(cfg, launch)
     cfg = run.cfg
     train_path = given_paths(ckpt.saved, cfg)[0]
     # A Hugging Face model dir's own tokenizer.json, else the one beside the training data.
@@ -207,35 +202,32 @@ def predict(cfg: Config, launch: LaunchSpec) -> list[dict[str, Any]]:
             f"the checkpoint's model has vocab_size {cfg.model.vocab_size} but no tokenizer.json sits beside "
             f"its training data {train_path or '(the embedded byte dataset)'}; put the tokenizer there"
         )
-    chat = ChatFormat(tokenizer) if cfg.task == "chat" and isinstance(tokenizer, BPETokenizer) else None
-    if cfg.task == "chat" and chat is None:
-        raise UserError("--task chat needs the model's tokenizer with a chat_template; bytes have none")
+    starts = _starts(cfg, tokenizer, prompts)  # a template that refuses the turns: refused before sampling
     stop = stop_tokens(tokenizer)
     params = mesh_lib.host_copy(params)  # a collective: every process takes part
     if not run.job.is_main:
         return []
     records = []
-    for i, prompt in enumerate(prompts):
-        if chat is not None:
-            text = chat.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
-            ids = chat.tok.encode_offsets(text)[0].astype(np.int32)
-        else:
-            ids = (tokenizer.encode(prompt) if prompt else _unconditional_start(tokenizer)).astype(np.int32)
+    for i, (prompt, ids) in enumerate(zip(prompts, starts, strict=True)):
         t0 = time.perf_counter()
         new = generate(
-            params, cfg.model, ids, cfg.max_new_tokens, jax.random.fold_in(jax.random.key(cfg.seed), i),
-            temperature=cfg.temperature, top_k=cfg.top_k or None, dtype=compute_dtype(cfg), stop=stop,
+            params, cfg.model, ids.astype(np.int32), cfg.max_new_tokens,
+            jax.random.fold_in(jax.random.key(cfg.seed), i), temperature=cfg.temperature,
+            top_k=cfg.top_k or None, dtype=compute_dtype(cfg), stop=stop,
         )  # fmt: skip
         seconds = time.perf_counter() - t0
-        completion = tokenizer.decode(new)
-        records.append(
-            {"checkpoint": str(ckpt.where), "prompt": prompt, "completion": completion, "tokens": len(new)}
-        )
+        record = {"checkpoint": str(ckpt.where), "prompt": prompt, "completion": tokenizer.decode(new)}
+        records.append(record | ({"system": cfg.system} if cfg.system else {}) | {"tokens": len(new)})
         print(
-            f"--- {ckpt.where}, prompt {i + 1}/{len(prompts)} ({len(new) / seconds:,.0f} tokens/s)\n"
-            f"{prompt}{completion}"
+            f"--- {ckpt.where}, prompt {i + 1}/{len(prompts)}: {len(new)} tokens "
+            f"({len(new) / seconds:,.0f} tokens/s)\n{_shown(cfg, records[-1])}"
         )
     out = out_dir / f"{cfg.task}_step{ckpt.step}.jsonl"
     write_text(out, "".join(json.dumps(r) + "\n" for r in records))
-    log.info(f"predict: {len(records)} completion(s) of {cfg.max_new_tokens} tokens written to {out}")
+    what = "answer" if cfg.task == "chat" else "completion"
+    counts = ", ".join(str(r["tokens"]) for r in records)
+    log.info(
+        f"{cfg.task}: {len(records)} {what}{'s' * (len(records) > 1)} of {counts} tokens "
+        f"(--max_new_tokens {cfg.max_new_tokens}) written to {out}"
+    )
     return records

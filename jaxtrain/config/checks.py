@@ -1,0 +1,214 @@
+"""The checks of a config's values alone (no launch, no devices), at load time on every process.
+
+What needs the launch or the devices (process count, mesh against them, batch split) is
+jaxtrain/run/job.py's; what needs the data or a checkpoint, jaxtrain/run/resolve.py's.
+"""
+
+from __future__ import annotations
+
+from jaxtrain.config.data import TOKEN_DTYPES, parse_spec
+from jaxtrain.config.schema import MESH_AXES, SOURCE_LISTS, Config, ConfigError, ModelConfig, get
+
+_CHOICES = {
+    "task": ("train", "test", "predict", "chat"),
+    "optim.name": ("adamw", "muon"),
+    "dtype": ("float32", "bfloat16", "float16"),
+    "token_dtype": TOKEN_DTYPES,
+    "document_mask": ("auto", "off"),
+    "wandb_mode": ("online", "offline"),
+    "model.pos_embedding": ("rope", "learned"),
+    "model.remat": ("none", "full", "dots"),
+    "model.attention_impl": ("auto", "xla", "cudnn"),
+    "model.mlp": ("gelu", "swiglu"),
+    "model.moe.grouped_matmul": ("auto", "ragged_dot", "blocks"),
+    "mesh.reduce_dtype": ("float32", "compute"),
+    "compat.backend": ("auto", "nccl", "gloo"),
+    "ddp.log_level": ("", "DEBUG", "INFO", "WARNING", "ERROR"),
+}
+_POSITIVE = (
+    "batch_size", "total_steps", "gradient_accumulation_steps", "log_interval",
+    "checkpoint_interval", "keep_checkpoints", "eval_batches", "prefetch",
+    "model.vocab_size", "model.seq_len", "model.n_layer", "model.n_head", "model.d_model",
+    "optim.matrix_lr", "max_new_tokens", "model.moe.experts_per_token", "model.moe.every",
+    "optim.lr", "dist.init_timeout", "max_bad_steps", "preemption_check_interval", "lock_stale_s",
+)  # fmt: skip
+_NON_NEGATIVE = (
+    "total_batch_size", "device_batch_size", "eval_interval", "gradient_clip_val", "top_k", "depth",
+    "sample_tokens", "model.d_ff", "model.n_kv_head", "model.head_dim", "temperature",
+    "optim.warmup_steps", "optim.weight_decay",
+    "optim.min_lr_ratio", "dist.num_processes", "watchdog_factor", "watchdog_timeout",
+    "model.moe.n_experts", "model.moe.n_shared_experts", "model.moe.d_expert", "model.moe.balance_coef",
+    "model.moe.z_loss_coef", "model.moe.capacity_factor",
+    "data_threads", "epochs", "compat.world_size",
+)  # fmt: skip
+
+
+def check(cfg: Config) -> None:
+    """Value checks that need no devices."""
+    for path in SOURCE_LISTS:
+        parse_spec(get(cfg, path), path)
+    for path, choices in _CHOICES.items():
+        if get(cfg, path) not in choices:
+            raise ConfigError(
+                f"config key '{path}' must be one of {'|'.join(choices)}, got {get(cfg, path)!r}"
+            )
+    for path in _POSITIVE:
+        if get(cfg, path) <= 0:
+            raise ConfigError(f"config key '{path}' must be > 0, got {get(cfg, path)}")
+    for path in _NON_NEGATIVE:
+        if get(cfg, path) < 0:
+            raise ConfigError(f"config key '{path}' must be >= 0, got {get(cfg, path)}")
+    m = cfg.model
+    if cfg.depth and m.d_model % m.n_head:
+        raise ConfigError(
+            f"--depth {cfg.depth} gives d_model {m.d_model}, which {m.n_head} heads of ~128 do not divide; "
+            "use an even depth or set --model.n_head"
+        )
+    if m.d_model % m.n_head and not m.head_dim:
+        raise ConfigError(f"model.d_model {m.d_model} is not divisible by model.n_head {m.n_head}")
+    if m.n_head % m.kv_heads:
+        raise ConfigError(
+            f"model.n_head {m.n_head} is not a multiple of model.n_kv_head {m.n_kv_head}: each key/value "
+            "head serves a whole group of query heads"
+        )
+    for key in ("doc_bos", "doc_eos"):
+        token = getattr(m, key)
+        if not -1 <= token < m.vocab_size:
+            raise ConfigError(
+                f"model.{key} {token} is not a token of the {m.vocab_size}-token vocabulary; give an id "
+                f"in 0..{m.vocab_size - 1}, or -1 for none"
+            )
+    if cfg.task == "train" and cfg.document_mask == "off" and (m.doc_bos >= 0 or m.doc_eos >= 0):
+        raise ConfigError(
+            f"document_mask off but model.doc_bos {m.doc_bos} / doc_eos {m.doc_eos} ask for a document "
+            "mask; drop --model.doc_bos/--model.doc_eos, or --document_mask off"
+        )
+    if m.pos_embedding == "rope" and m.head_size % 2:
+        raise ConfigError(f"rotary positions need an even head size, got {m.head_size}")
+    if cfg.batch_size % cfg.gradient_accumulation_steps:
+        raise ConfigError(
+            f"batch_size {cfg.batch_size} is not divisible by gradient_accumulation_steps "
+            f"{cfg.gradient_accumulation_steps}"
+        )
+    if cfg.total_batch_size and not cfg.device_batch_size:
+        raise ConfigError("total_batch_size needs device_batch_size (sequences per device per microbatch)")
+    if cfg.total_batch_size and cfg.total_batch_size % m.seq_len:
+        raise ConfigError(
+            f"total_batch_size {cfg.total_batch_size} tokens is not a multiple of seq_len {m.seq_len}"
+        )
+    if cfg.eval_interval and not cfg.eval_batches:
+        raise ConfigError("eval_interval is set but eval_batches is 0")
+    if cfg.compat.local_rank < -1:
+        raise ConfigError(f"--local_rank must be >= 0, got {cfg.compat.local_rank}")
+    _check_task(cfg)
+    if not 0 <= cfg.optim.muon_momentum < 1:
+        raise ConfigError(f"optim.muon_momentum must be in [0, 1), got {cfg.optim.muon_momentum}")
+    if cfg.optim.min_lr_ratio > 1:
+        raise ConfigError(f"optim.min_lr_ratio must be <= 1, got {cfg.optim.min_lr_ratio}")
+    profile_range(cfg.profile_steps)
+    profile_processes(cfg.profile_processes)
+    _check_mesh_values(cfg)
+
+
+def _check_task(cfg: Config) -> None:
+    if cfg.task != "train" and not cfg.resume_from:
+        raise ConfigError(
+            f"--task {cfg.task} needs --resume_from CHECKPOINT (a step dir, or a run's checkpoints/ dir)"
+        )
+    if cfg.task in ("predict", "chat") and cfg.prompt and cfg.prompt_file:
+        raise ConfigError(
+            f"--task {cfg.task} takes --prompt TEXT or --prompt_file FILE (one prompt a line), not both"
+        )
+    if cfg.init_from and (cfg.task != "train" or cfg.resume_from):
+        raise ConfigError(
+            "--init_from starts a new training run from a checkpoint's params; it goes with --task train "
+            "and without --resume_from"
+        )
+
+
+def profile_range(text: str) -> tuple[int, int] | None:
+    """--profile_steps A:B as (A, B), 0 <= A < B; None when unset."""
+    if not text:
+        return None
+    start, colon, stop = text.partition(":")
+    if colon and start.strip().isdigit() and stop.strip().isdigit() and int(start) < int(stop):
+        return int(start), int(stop)
+    raise ConfigError(f"config key 'profile_steps' must be A:B with 0 <= A < B (steps A..B-1), got {text!r}")
+
+
+def profile_processes(text: str) -> set[int] | None:
+    """--profile_processes as a set of process ids; None means all."""
+    if text.strip() == "all":
+        return None
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() for p in parts):
+        raise ConfigError(
+            f"config key 'profile_processes' must be comma-separated process ids or 'all', got {text!r}"
+        )
+    return {int(p) for p in parts}
+
+
+def mesh_str(sizes: dict[str, int]) -> str:
+    """{"data": 2, "fsdp": 4} -> "data 2 x fsdp 4" (expert and context axes of 1 unsaid)."""
+    return " x ".join(f"{a} {n}" for a, n in sizes.items() if a not in ("expert", "context") or n != 1)
+
+
+def _check_mesh_values(cfg: Config) -> None:
+    sizes = {a: getattr(cfg.mesh, a) for a in MESH_AXES}
+    for axis, size in sizes.items():
+        if size == 0 or size < -1:
+            raise ConfigError(f"config key 'mesh.{axis}' must be >= 1 or -1 (the devices left), got {size}")
+    if list(sizes.values()).count(-1) > 1:
+        raise ConfigError(f"at most one mesh axis may be -1, got {mesh_str(sizes)}")
+    m, tp, cp = cfg.model, cfg.mesh.tensor, cfg.mesh.context
+    _check_moe(m, cfg.mesh.expert)
+    if cp > 1 and m.seq_len % cp:
+        raise ConfigError(
+            f"model.seq_len {m.seq_len} is not divisible by mesh.context {cp}: context parallelism splits "
+            f"each window into equal parts; use a mesh.context that divides {m.seq_len}"
+        )
+    if cp > 1 and m.n_head % (cp * tp):
+        raise ConfigError(
+            f"model.n_head {m.n_head} is not divisible by mesh.context x mesh.tensor = {cp * tp}: "
+            "attention splits whole sequences by heads over both; use sizes whose product divides "
+            f"{m.n_head}"
+        )
+    if tp > 1:
+        for what, n in (
+            ("model.n_head", m.n_head),
+            ("model.n_kv_head", m.kv_heads),
+            ("model.ff_dim", m.ff_dim),
+            *((("model.moe.d_expert", m.moe.d_expert or m.ff_dim),) if m.moe.n_experts else ()),
+            ("model.vocab_size", m.vocab_size),
+        ):
+            if n % tp:
+                raise ConfigError(
+                    f"{what} {n} is not divisible by mesh.tensor {tp}: tensor parallelism splits it "
+                    f"evenly; use a mesh.tensor that divides {n}"
+                )
+
+
+def _check_moe(m: ModelConfig, ep: int) -> None:
+    moe = m.moe
+    if not moe.n_experts:
+        if ep > 1:
+            raise ConfigError(
+                f"mesh.expert {ep} needs a mixture of experts; set model.moe.n_experts (a multiple of "
+                f"{ep}) or drop mesh.expert"
+            )
+        return
+    if moe.experts_per_token > moe.n_experts:
+        raise ConfigError(
+            f"model.moe.experts_per_token {moe.experts_per_token} exceeds model.moe.n_experts "
+            f"{moe.n_experts}; route each token to at most {moe.n_experts} experts"
+        )
+    if ep > 1 and moe.n_experts % ep:
+        raise ConfigError(
+            f"model.moe.n_experts {moe.n_experts} is not divisible by mesh.expert {ep}: each device holds "
+            f"n_experts / mesh.expert of them; use a mesh.expert that divides {moe.n_experts}"
+        )
+    if moe.every > 1 and m.scan_layers:
+        raise ConfigError(
+            f"model.moe.every {moe.every} mixes MoE and dense layers, but model.scan_layers compiles one "
+            "layer for all; use model.moe.every 1 or model.scan_layers false"
+        )
