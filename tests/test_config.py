@@ -91,3 +91,19 @@ def test_train_script_exits_2_with_one_line(tmp_path):
         "scripts/train.py --help lists every key"
     )
     assert not list(tmp_path.iterdir())
+
+
+def test_the_mesh_and_batch_advice_keeps_the_expert_axis_and_knows_one_sequence_a_device():
+    """A mesh that does not multiply is told one that does with its expert axis (a mixture of
+    experts needs it: the advice repeated the error before); a batch already at one sequence a
+    device is not told to change device_batch_size."""
+    mixtral = load_config(["--config", "configs/mixtral_8x7b.yaml", "--mesh.fsdp", "3"])
+    with pytest.raises(
+        ConfigError, match="e.g. --mesh.data -1 --mesh.expert 8 --mesh.fsdp 2 --mesh.tensor 1$"
+    ):
+        with_topology(mixtral, 16, 2, "gpu")
+    window = ["--model.seq_len", "131072", "--total_batch_size", str(4 * 131072)]
+    long = load_config(["--config", "configs/llama3_8b.yaml", *window])
+    with pytest.raises(ConfigError, match=r"a multiple of 64 sequences, or split the batch fewer ways") as e:
+        with_topology(long, 64, 1, "gpu")
+    assert "device_batch_size" not in str(e.value).split(";")[1]

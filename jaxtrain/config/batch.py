@@ -29,7 +29,12 @@ def batch_plan(cfg: Config, shards: int, n_devices: int) -> tuple[int, int]:
             raise ConfigError(
                 f"total_batch_size {cfg.total_batch_size} tokens = {rows} sequences is not divisible by "
                 f"device_batch_size {cfg.device_batch_size} x {shards} {where} = {per_micro}; "
-                "change total_batch_size or device_batch_size"
+                + (
+                    "change total_batch_size or device_batch_size"
+                    if cfg.device_batch_size > 1
+                    else f"use a total_batch_size of a multiple of {per_micro} sequences, or split "
+                    "the batch fewer ways (a larger mesh.tensor or mesh.context)"
+                )
             )
         batch, accum = rows, rows // per_micro
     micro = batch // accum

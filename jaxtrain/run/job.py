@@ -171,13 +171,21 @@ def resolve_mesh(mesh: MeshConfig, n_devices: int) -> MeshConfig:
         hint = (
             f"--mesh.data -1 {' '.join(f'--mesh.{a} {n}' for a, n in inner.items())}"
             if fits
-            else f"--mesh.data -1 --mesh.fsdp {n_devices} --mesh.tensor 1"
+            else _fsdp_hint(inner, n_devices)
         )
         raise ConfigError(
             f"mesh {mesh_str({a: getattr(mesh, a) for a in MESH_AXES})} does not multiply to the "
             f"{n_devices} devices of this job; e.g. {hint}"
         )
     return dataclasses.replace(mesh, **sizes)
+
+
+def _fsdp_hint(inner: dict[str, int], n_devices: int) -> str:
+    """A mesh that multiplies to n_devices: the expert and context sizes given where they divide it
+    (a mixture of experts needs its expert axis), every other device in fsdp."""
+    kept = {a: n for a, n in inner.items() if a in OPTIONAL and n_devices % n == 0}
+    flags = "".join(f" --mesh.{a} {n}" for a, n in kept.items())
+    return f"--mesh.data -1{flags} --mesh.fsdp {n_devices // math.prod(kept.values())} --mesh.tensor 1"
 
 
 def with_topology(cfg: Config, n_devices: int, n_processes: int, platform: str = "cpu") -> Config:

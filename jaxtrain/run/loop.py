@@ -214,7 +214,8 @@ def _say_what_runs(run: Run, data: Resolved) -> None:
     )
     log.info(
         f"model: {run.n_params:,} parameters ({run.n_active_params:,} active per token), "
-        f"{run.flops_per_token / 1e6:.1f} MFLOPs per token (6N + 12*L*d*T, N active)\n"
+        f"{run.flops_per_token / 1e6:.1f} MFLOPs per token (6N + 6*L*d*T: N active, causal attention "
+        "at half)\n"
         f"{param_summary(run.abstract.params)}"
     )
     if not metrics.peak_flops(job.device_kind):
