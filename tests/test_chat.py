@@ -79,7 +79,8 @@ def test_a_template_with_generation_tags_renders_as_transformers_renders_it(save
     """transformers' {% generation %} tag (templates that mark assistant text for its own masks)."""
     import shutil
 
-    transformers = pytest.importorskip("transformers")
+    import transformers  # a dev dependency: a skip would hide a broken install
+
     directory = tmp_path / "tagged"
     shutil.copytree(saved_dirs["qwen2", "config"], directory)
     config = json.loads((directory / "tokenizer_config.json").read_text())
@@ -450,7 +451,9 @@ def test_a_run_on_chat_data_takes_its_mask_and_boundaries_test_reads_them_and_ex
 
 
 def test_parquet_rows_give_what_the_same_jsonl_rows_give(tokenizer_dirs, tmp_path):
-    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa  # the parquet extra, in dev: a skip would hide a broken install
+    import pyarrow.parquet as pq
+
     rows = [{"messages": m} for m in CONVERSATIONS * 3]
     pq.write_table(pa.table({"messages": [r["messages"] for r in rows]}), tmp_path / "chats.parquet")
     out = {}
