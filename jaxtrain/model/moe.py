@@ -1,37 +1,15 @@
 """Mixture of experts: a router picks each token's top-k experts, and only those run on it.
 
-Routing (`route`): softmax over the experts' logits, then the top k (Mixtral, Qwen3-MoE), their
-weights optionally renormalised to sum to 1; or DeepSeek-V3's: each expert's sigmoid score, the
-top k picked by score plus a per-expert bias (`router_bias`, selection only: the weights are the
-plain scores), from the topk_group best of n_group groups, renormalised, times routed_scale.
-The bias is no gradient's: with bias_update_rate the step moves it after each update
-(`update_router_bias`, auxiliary-loss-free balancing). Shared experts (model/mlp.py's dense MLP,
-optionally behind Qwen2-MoE's sigmoid gate) see every token.
-
-Dropless: every routed copy of a token is computed. The copies are sorted by expert and each
-expert's rows run as one group of a grouped matmul, so no expert pads to a capacity and none
-drops a token. Two grouped matmuls (`grouped_matmul`):
-  ragged_dot  `jax.lax.ragged_dot`, the grouped GEMM TPUs compile. XLA:CPU gets jax's fallback:
-              every row against every expert, masked (8 experts: 22x one dense matmul), and so
-              does XLA:GPU (jax 0.10.2): no waste with one expert a device, 16x with 16.
-  blocks      each expert's rows padded to whole blocks of BLOCK rows, one batched matmul over the
-              blocks with each block's expert's weights gathered (MegaBlocks' layout): at most
-              n_experts x BLOCK rows of extra work, but a weight copy per block: for CPUs and
-              GPUs holding many small experts (Qwen3-30B-A3B's config), not for an 8x7B.
-
-Expert parallelism: inside the train step the batch axes are manual, and the mesh axis the
-logical `expert` axis maps to (mesh.EXPERT_RULES) holds n_experts / ep experts per device. Each
-device sends every copy to the device holding its expert with one `all_to_all`, computes its own
-experts' rows, and sends the results back with another. all_to_all needs static shapes, and
-XLA:CPU has no `ragged_all_to_all` ("HLO opcode ragged-all-to-all is not supported by XLA:CPU",
-jax 0.10.2), so by default each device's buffer for each peer holds all of its copies: dropless
-whatever the routing, at ep times the bytes of an exact exchange. `capacity_factor` c > 0 sizes
-each buffer to c x copies / ep instead: copies past it are dropped (their expert adds nothing; the
-residual carries the token), and their share is logged (`dropped`).
-
-The router's statistics are sown into the "moe" collection, per layer (`router_stats`): the
-fraction of copies each expert got (`load`), the mean router probability (`probs`) and the
-z-loss; the step turns them into the balancing loss with the whole batch's load (`balance_loss`).
+Routing (`route`): softmax top-k (Mixtral, Qwen3-MoE), or DeepSeek-V3's sigmoid scores picked with
+a per-expert bias (selection only; moved after each step by `update_router_bias`) from the best
+groups; shared experts (model/mlp.py) see every token. Dropless: the copies are sorted by expert
+and run as one grouped matmul (`grouped_matmul`: `jax.lax.ragged_dot`, or `blocks` of BLOCK rows
+per expert). Expert parallelism: inside the train step each device sends every copy to its
+expert's device by one `all_to_all` and gets the result back by another; without a ragged
+all-to-all on XLA:CPU each peer's buffer holds all of a device's copies, or `capacity_factor` x
+copies / ep (the rest dropped and counted). The router's statistics are sown into "moe"
+(`router_stats`) for the balancing loss (`balance_loss`). What each choice costs, measured and
+planned: docs/moe.md and docs/scaling.md.
 """
 
 from __future__ import annotations
