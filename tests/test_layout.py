@@ -288,3 +288,23 @@ def test_the_room_rule_finds_an_upward_import():
     assert _upward_imports({"jaxtrain.data.loader": {"jaxtrain.run.job"}}) == [
         "jaxtrain.data.loader -> jaxtrain.run.job"
     ]
+
+
+def test_the_command_lines_import_no_jax_before_they_set_it_up():
+    """scripts/train.py sets XLA_FLAGS and plan.py puts the CUDA plugin on the path before jax
+    starts: both read their flags and config with no jax imported (an import of jax under hf/
+    once left plan.py without its plugin: "topology not implemented for cuda")."""
+    code = (
+        "import sys\nimport jaxtrain.plan.cli, jaxtrain.run.cli\nfrom jaxtrain.config import load_config\n"
+        "from jaxtrain.hf.config import with_hf_model\n"
+        "load_config(['--config', 'configs/deepseek_tiny.yaml'], '', fill=with_hf_model)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'optax')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parents[1],
+        check=True,
+    )
+    assert out.stdout.strip() == "[]", out.stdout

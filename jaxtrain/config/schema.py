@@ -116,6 +116,11 @@ class ModelConfig:
         return 4 * self.d_model
 
     @property
+    def expert_dim(self) -> int:
+        """An expert MLP's hidden size (model.moe.d_expert, else the dense MLP's)."""
+        return self.moe.d_expert or self.ff_dim
+
+    @property
     def kv_heads(self) -> int:
         return self.n_kv_head or self.n_head
 

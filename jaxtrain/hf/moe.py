@@ -16,7 +16,6 @@ from typing import Any
 
 from jaxtrain.config import ModelConfig
 from jaxtrain.errors import UserError
-from jaxtrain.model.moe import expert_hidden
 
 # The piece each missing family needs, named in its refusal.
 REFUSED = {
@@ -117,7 +116,7 @@ def moe_architecture(m: ModelConfig) -> str:
 def _deepseek(m: ModelConfig) -> str:
     moe = m.moe
     plain = moe.every == 1 and not moe.dense_layers and not moe.shared_gate
-    shared = moe.d_shared in (0, moe.n_shared_experts * expert_hidden(m))
+    shared = moe.d_shared in (0, moe.n_shared_experts * m.expert_dim)
     if not moe.n_experts or moe.router != "sigmoid" or not plain or not shared or not moe.n_shared_experts:
         raise UserError(
             "latent attention exports as DeepSeek-V3: experts after model.moe.first_dense in every layer, "
@@ -136,7 +135,7 @@ def moe_hf(m: ModelConfig, arch: str) -> dict[str, Any]:
     }
     if arch == "DeepseekV3ForCausalLM":
         return common | {
-            "moe_intermediate_size": expert_hidden(m),
+            "moe_intermediate_size": m.expert_dim,
             "n_routed_experts": moe.n_experts,
             "n_shared_experts": moe.n_shared_experts,
             "routed_scaling_factor": moe.routed_scale,
@@ -158,14 +157,14 @@ def moe_hf(m: ModelConfig, arch: str) -> dict[str, Any]:
         "router_aux_loss_coef": moe.balance_coef / k,
     }
     if arch == "MixtralForCausalLM":
-        return common | {"intermediate_size": expert_hidden(m)}
+        return common | {"intermediate_size": m.expert_dim}
     dense = sorted({int(x) for x in moe.dense_layers.split(",") if x.strip()} | set(range(moe.first_dense)))
     common |= {
-        "moe_intermediate_size": expert_hidden(m),
+        "moe_intermediate_size": m.expert_dim,
         "decoder_sparse_step": moe.every,
         "mlp_only_layers": dense,
     }
     if arch == "Qwen2MoeForCausalLM":
-        common |= {"shared_expert_intermediate_size": moe.d_shared or moe.n_shared_experts * expert_hidden(m)}
+        common |= {"shared_expert_intermediate_size": moe.d_shared or moe.n_shared_experts * m.expert_dim}
         common |= {"qkv_bias": m.qkv_bias}
     return common

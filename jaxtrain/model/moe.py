@@ -39,10 +39,6 @@ def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
     )
 
 
-def expert_hidden(cfg: ModelConfig) -> int:
-    return cfg.moe.d_expert or cfg.ff_dim
-
-
 def _mesh_axis(logical: str) -> str | None:
     """The mesh axis the step's logical rules map `logical` to (None outside a step, or unmapped)."""
     axes = nn.logical_to_mesh_axes((logical,))
@@ -219,7 +215,7 @@ class MoeMlp(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg, moe = self.cfg, self.cfg.moe
         b, t, d = x.shape
-        n_experts, k, ff = moe.n_experts, moe.experts_per_token, expert_hidden(cfg)
+        n_experts, k, ff = moe.n_experts, moe.experts_per_token, cfg.expert_dim
         tokens = x.reshape(b * t, d)
         # The router in float32: a low-precision softmax over experts flips near-tied top-k picks.
         logits = dense(n_experts, cfg.init_std, jnp.float32, "router")(tokens.astype(jnp.float32))
@@ -294,6 +290,6 @@ def active_params(cfg: ModelConfig, n_params: int) -> int:
     moe = cfg.moe
     if not moe.n_experts:
         return n_params
-    per_expert = (3 if cfg.mlp == "swiglu" else 2) * cfg.d_model * expert_hidden(cfg)
+    per_expert = (3 if cfg.mlp == "swiglu" else 2) * cfg.d_model * cfg.expert_dim
     n_moe_layers = sum(is_moe_layer(cfg, i) for i in range(cfg.n_layer))
     return n_params - n_moe_layers * (moe.n_experts - moe.experts_per_token) * per_expert
