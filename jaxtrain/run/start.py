@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from jaxtrain.disk import rundir
 from jaxtrain.disk.checkpoint import Checkpointer, open_checkpoint
 from jaxtrain.errors import UserError
-from jaxtrain.hf import PREFIX, is_hf
+from jaxtrain.hf import hf_dir
 from jaxtrain.hf.load import HFCheckpoint
 from jaxtrain.run.build import Run
 from jaxtrain.run.job import Job
@@ -86,8 +86,9 @@ class ParamSource(Protocol):
 def open_params(path: str, flag: str) -> tuple[ParamSource, int]:
     """Where `flag` takes params from: hf:DIR (a Hugging Face model dir, read as step 0), else a
     checkpoint of ours (a step dir, or a run's newest). The one place that tells them apart."""
-    if is_hf(path):
-        return HFCheckpoint(Path(path[len(PREFIX) :]), flag), 0
+    directory = hf_dir(path)
+    if directory is not None:
+        return HFCheckpoint(directory, flag), 0
     return open_checkpoint(path, flag)
 
 
