@@ -18,6 +18,14 @@ def constrain(x: jax.Array, *logical: str | None) -> jax.Array:
     return nn.with_logical_constraint(x, logical)
 
 
+def split_size(logical: str) -> int:
+    """How many devices the step's mesh splits a logical activation axis over (1 outside a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = None if mesh.empty else (nn.logical_to_mesh_axes((logical,)) or (None,))[0]
+    names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return math.prod(int(mesh.shape[a]) for a in names)
+
+
 def cache_index(module: nn.Module, length: int) -> jax.Array:
     """Decoding: the first position of this call's tokens; the cache index moves past them."""
     index = module.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
