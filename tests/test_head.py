@@ -1,5 +1,5 @@
-"""The chunked output head (model/head.py): each token's loss and every gradient as with whole logits,
-and whole [tokens, vocab] logits never in memory.
+"""The output head and the MLPs over pieces of the sequence (model/head.py, mlp.py): each token's
+loss and every gradient as all at once, and whole [tokens, vocab] logits never in memory.
 
     pytest tests/test_head.py
 """
@@ -35,13 +35,13 @@ def _losses_and_grads(cfg: ModelConfig, params, tokens):
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_chunked_loss_and_gradients_equal_whole_logits(tied):
-    whole = dataclasses.replace(CFG, tie_embeddings=tied)
+    whole = dataclasses.replace(CFG, tie_embeddings=tied, mlp="gelu" if tied else "swiglu")
     tokens = _tokens(whole)
     params = GPT(whole).init(jax.random.key(0), tokens[:, :-1])["params"]
     losses, grads = _losses_and_grads(whole, params, tokens)
     # Per token the same matmul row and softmax: equal but for the compiler's fusion choices.
     chunked_losses, chunked_grads = _losses_and_grads(
-        dataclasses.replace(whole, loss_chunks=8), params, tokens
+        dataclasses.replace(whole, token_chunks=8), params, tokens
     )
     logits = GPT(whole).apply({"params": params}, tokens[:, :-1])
     assert logits.shape == (2, whole.seq_len, whole.vocab_size)  # no targets: logits, as before
@@ -56,7 +56,7 @@ def test_chunked_head_never_holds_whole_logits():
     logits_bytes = 2 * CFG.seq_len * CFG.vocab_size * 4  # float32 [B, T, vocab]: 16.8 MB
 
     def temp_bytes(chunks: int) -> int:
-        cfg = dataclasses.replace(CFG, loss_chunks=chunks)
+        cfg = dataclasses.replace(CFG, token_chunks=chunks)
         grad = jax.jit(jax.grad(functools.partial(_loss, cfg)))
         return grad.lower(params, tokens).compile().memory_analysis().temp_size_in_bytes
 
@@ -66,7 +66,7 @@ def test_chunked_head_never_holds_whole_logits():
     assert whole - chunked > logits_bytes, (whole, chunked, logits_bytes)
 
 
-def test_loss_chunks_that_do_not_divide_are_a_one_line_error():
+def test_token_chunks_that_do_not_divide_are_a_one_line_error():
     base = ["--config", "configs/tiny.yaml", "--mesh.context", "2", "--mesh.data", "4"]
-    with pytest.raises(ConfigError, match=r"mesh.context x model.loss_chunks = 2 x 3: .* divides 16$"):
-        load_config([*base, "--model.loss_chunks", "3"])
+    with pytest.raises(ConfigError, match=r"mesh.context x model.token_chunks = 2 x 3: .* divides 16$"):
+        load_config([*base, "--model.token_chunks", "3"])

@@ -1,11 +1,12 @@
 """The output head: logits, or each token's next-token cross-entropy over chunks of the sequence.
 
-At a million tokens a window's float32 logits are [1M, 128K vocabulary]: 537 GB, 34 GB on each of
-16 devices sharing the window. With `model.loss_chunks` n > 1 the head and the loss run over each
-device's tokens n pieces at a time in a scan, each piece recomputed in the backward (jax.checkpoint),
-so one piece's logits exist at a time and the whole [tokens, vocab] never does. Each token's loss is
-the same computation as at once (the same matmul of its own row, the same softmax), so the losses
-and gradients equal the unchunked ones up to float32 summation order.
+At a million tokens a window's float32 logits are [1M, 128K vocabulary]: 537 GB, 67 GB on each of
+8 devices sharing the window. With `model.token_chunks` n > 1 the head and the loss run over each
+device's tokens n pieces at a time in a scan (as each dense MLP does: model/mlp.py), each piece
+recomputed in the backward (jax.checkpoint), so one piece's logits exist at a time and the whole
+[tokens, vocab] never does. Each token's loss is the same computation as at once (the same matmul
+of its own row, the same softmax), so the losses and gradients equal the unchunked ones up to
+float32 summation order.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxtrain.model.layers import constrain, split_size
+from jaxtrain.model.layers import constrain, from_pieces, to_pieces
 
 
 class Embedding(nn.Embed):
@@ -46,21 +47,12 @@ def token_losses(x: jax.Array, table: jax.Array, targets: jax.Array, chunks: int
     def piece(xc: jax.Array, yc: jax.Array) -> jax.Array:
         return optax.softmax_cross_entropy_with_integer_labels(logits(xc, table, dtype), yc)
 
-    b, t, d = x.shape
-    parts = split_size("length")
-    size = t // (parts * chunks)  # config checks: seq_len divides by mesh.context x loss_chunks
-
-    def pieces(a: jax.Array) -> jax.Array:  # [B, T, ...] -> [chunks, B, T / chunks, ...]
-        a = a.reshape(b, parts, chunks, size, *a.shape[2:])
-        return jnp.moveaxis(a, 2, 0).reshape(chunks, b, parts * size, *a.shape[4:])
-
-    xs = constrain(pieces(x), None, "batch", "length", "embed")
-    ys = constrain(pieces(targets), None, "batch", "length")
+    xs = constrain(to_pieces(x, chunks), None, "batch", "length", "embed")
+    ys = constrain(to_pieces(targets, chunks), None, "batch", "length")
 
     def step(carry: None, xy: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
         xc = constrain(xy[0], "batch", "length", "embed")
         return carry, constrain(jax.checkpoint(piece)(xc, xy[1]), "batch", "length")
 
     _, losses = jax.lax.scan(step, None, (xs, ys))  # [chunks, B, T / chunks]
-    losses = jnp.moveaxis(losses.reshape(chunks, b, parts, size), 0, 2)
-    return constrain(losses.reshape(b, t), "batch", "length")
+    return constrain(from_pieces(losses), "batch", "length")

@@ -97,7 +97,7 @@ class GPT(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array, targets: jax.Array | None = None) -> jax.Array:
         """float32 logits [B, T, vocab]; with next tokens `targets` [B, T], each token's float32
-        cross-entropy [B, T] instead, over model.loss_chunks pieces of the sequence (model/head.py)."""
+        cross-entropy [B, T] instead, over model.token_chunks pieces of the sequence (model/head.py)."""
         cfg = self.cfg
 
         def embed(num: int, name: str) -> nn.Embed:
@@ -135,8 +135,8 @@ class GPT(nn.Module):
                 x, _ = block(cfg, self.dtype, self.decode, is_moe_layer(cfg, i), name=f"block_{i}")(x, doc)
         x = norm(x, cfg.norm_eps, "ln_f")
         head = wte if cfg.tie_embeddings else embed(cfg.vocab_size, name="lm_head")
-        if targets is not None and cfg.loss_chunks > 1:
-            return token_losses(x, head.table(), targets, cfg.loss_chunks, self.dtype)
+        if targets is not None and cfg.token_chunks > 1:
+            return token_losses(x, head.table(), targets, cfg.token_chunks, self.dtype)
         logits = constrain(head.attend(x), "batch", "length", "vocab").astype(jnp.float32)
         return logits if targets is None else optax.softmax_cross_entropy_with_integer_labels(logits, targets)
 
