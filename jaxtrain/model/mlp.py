@@ -32,8 +32,8 @@ class Mlp(nn.Module):
     """A block's dense MLP (`mlp`) of cfg.ff_dim; over model.token_chunks pieces of each device's
     tokens in a scan, each piece recomputed in the backward, so one piece's hidden activations
     (Llama-3-8B's [tokens, 2, 14336] gate and up: 7.5 GB at 131,072 tokens a device) exist at a time.
-    The price: the MLP's forward once more in the backward (1.3% of a step at a million tokens,
-    where attention's work dominates). Windows the pieces do not divide (generation's) run whole."""
+    The price: the MLP's forward once more in the backward (about 1% of a step's FLOPs at a million
+    tokens, where attention's work dominates). Windows the pieces do not divide (generation's) run whole."""
 
     cfg: ModelConfig
     dtype: Any
