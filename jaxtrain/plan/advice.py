@@ -130,8 +130,9 @@ def what_would_help(p: dict[str, Any]) -> str:
             f"nothing found: one sequence of {p['seq_len']:,} tokens per device is already the smallest "
             f"batch; what would help: tensor parallelism (splits each layer's activations, up to "
             f"--mesh.tensor {p['gpus_per_host']} in a host), context parallelism (--mesh.context: splits "
-            "each sequence over devices), --model.remat full, a wider fsdp (splits the state only) or a "
-            "shorter --model.seq_len; --search tries them"
+            "each sequence over devices), --model.remat full, --model.token_chunks (the output head, its "
+            "loss and the MLPs over pieces of the sequence), a wider fsdp (splits the state only) or a "
+            "shorter --model.seq_len; --search tries all of them but token_chunks"
         )
     return "nothing found among the nearest settings: try --search, or a smaller --device_batch_size"
 

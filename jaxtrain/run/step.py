@@ -67,8 +67,7 @@ def _token_loss(
     (`share`, see `_ParamLayout.kept_share`): the sum over the targets that take loss (no NO_LOSS
     bit) over `share`."""
     tokens = rows & TOKEN_BITS
-    logits, sown = model.apply({"params": params}, tokens[:, :-1], mutable=["moe"])
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+    losses, sown = model.apply({"params": params}, tokens[:, :-1], tokens[:, 1:], mutable=["moe"])
     loss = losses.mean() if share is None else jnp.where(rows[:, 1:] & NO_LOSS, 0.0, losses).sum() / share
     if "moe" not in sown:
         return loss, {"loss": loss}
