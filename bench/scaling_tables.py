@@ -92,7 +92,10 @@ def dense_row(name: str, p: dict) -> str:
 
 def moe_row(name: str, label: str, p: dict) -> str:
     total = f"{p['total_bytes_per_device'] / 1e9:.1f}" + ("" if p["fits"] else ": does not fit")
-    inside, across = (_moved(p, "all-to-all", "expert", k) for k in ("nvlink_bytes", "network_bytes"))
+    inside, across = (
+        _moved(p, "all-to-all", "expert", k) + _moved(p, "ragged-all-to-all", "expert", k)
+        for k in ("nvlink_bytes", "network_bytes")
+    )
     gathered, scattered = _moved(p, "all-gather", "fsdp"), _moved(p, "reduce-scatter", "fsdp")
     fsdp = f"{gathered:,.1f} / {scattered:,.1f}" if p["mesh"]["fsdp"] > 1 else "-"
     where, batch = f"{p['hosts']} x {p['gpus_per_host']}", f"{p['device_batch']} x {p['accumulation']}"
