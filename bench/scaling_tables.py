@@ -37,6 +37,7 @@ MOE = {
     "qwen3_30b_a3b_8l_h100x8": "Qwen3-30B-A3B, 8 of 48 layers (CI)",
     "mixtral_8x7b_h100_4x8": "Mixtral-8x7B, as shipped",
     "mixtral_8x7b_h100_2x8": "2 hosts",
+    "moe_tiny_dropless_h100x8": "moe_tiny, dropless (CI)",
 }
 DENSE_HEAD = (
     "| model | GPUs | mesh | batch / device x microbatches | total GB / GPU | fsdp GB gathered / "

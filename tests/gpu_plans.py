@@ -67,7 +67,12 @@ CASES = {
     ),  # fmt: skip
     # moe_tiny dropless (capacity_factor 0) over expert 8: each device's receive buffer holds every
     # peer's copies, but the ragged exchange sends only the routed ones (a compile of seconds).
-    "moe_tiny_dropless_h100x8": (["--config", "configs/moe_tiny.yaml", "--mesh.expert", "8"], "h100", 1, 8),
+    "moe_tiny_dropless_h100x8": (
+        ["--config", "configs/moe_tiny.yaml", "--mesh.expert", "8", "--dtype", "bfloat16"],
+        "h100",
+        1,
+        8,
+    ),
     # Not compiled in CI: one GPU, the bfloat16 twin of the fp16 tensor-parallel case, and the
     # shapes of docs/scaling.md.
     "gpt_70b_h100_128x8_data2_fsdp64_tensor8": (

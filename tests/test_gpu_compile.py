@@ -25,6 +25,9 @@ LARGEST_PARAM = 50304 * 768 * 4
 # tests/gpu_plans.py's mixture of experts: 8 layers of Qwen3-30B-A3B on one host of 8.
 MOE = "qwen3_30b_a3b_8l_h100x8"
 QWEN3_MOE = {"d_model": 2048, "n_layer": 8, "n_experts": 128, "k": 8, "d_expert": 768}
+# configs/moe_tiny.yaml, dropless over expert 8 (one expert a GPU).
+TINY_MOE = {"d_model": 128, "n_layer": 4, "n_experts": 8, "k": 2, "d_expert": 176}
+MOE_SHAPES = {MOE: QWEN3_MOE, "moe_tiny_dropless_h100x8": TINY_MOE}
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +158,16 @@ def test_moe_tokens_go_by_ragged_all_to_all_inside_the_host(plans):
     assert sizes["bytes"] == analytic[("all-to-all", "expert")]
 
 
+def test_a_dropless_exchange_sends_the_routed_rows_not_its_receive_buffer(plans):
+    """Dropless, a device's receive buffer holds every peer's copies (8 x its own), but each ragged
+    all-to-all sends a device's copies once: the padded exchange sent 8 times the bytes."""
+    p = plans["moe_tiny_dropless_h100x8"]
+    ragged = [c for c in p["collectives"] if c["kind"] == "ragged-all-to-all"]
+    copies = p["device_batch"] * p["seq_len"] * TINY_MOE["k"]
+    assert [c["largest_bytes"] for c in ragged] == [copies * TINY_MOE["d_model"] * 2], p["collectives"]
+    assert ragged[0]["bytes"] == _exchange(TINY_MOE, p)[("ragged-all-to-all", "expert")]
+
+
 def test_a_job_whose_state_cannot_fit_gets_its_verdict_without_a_compile(plans):
     p = plans["gpt_19b_h100x1"]
     assert not p["compiled"] and not p["fits"]
@@ -200,7 +213,7 @@ def _analytic(p: dict, case: str) -> dict[tuple[str, str], float]:
         out[("all-reduce", "data")] = n / (mesh["fsdp"] * mesh["tensor"]) * 4
     if p["zero1"] and mesh["data"] > 1:
         out[("all-gather", "data")] = n * 4
-    return out | (_exchange(QWEN3_MOE, p) if case == MOE else {})
+    return out | (_exchange(MOE_SHAPES[case], p) if case in MOE_SHAPES else {})
 
 
 @pytest.mark.parametrize("case", [c for c in CI_CASES if c != "gpt_19b_h100x1"])
@@ -226,6 +239,8 @@ def test_both_fused_attention_calls_take_each_devices_share(plans, case):
     assert calls["forward"] > 0 and calls["backward"] > 0, calls
     heads = 64 if case.startswith("llama3_70b") else 32 if case.startswith(("gpt_7b", "qwen3")) else 12
     head_dim = 128 if case.startswith(("llama3_70b", "gpt_7b", "qwen3")) else 64
+    if case.startswith("moe_tiny"):
+        heads, head_dim = 4, 32
     want = [p["device_batch"], p["seq_len"], heads // p["mesh"]["tensor"], head_dim]
     assert calls["q_shapes"] == [want], calls
 

@@ -220,8 +220,12 @@ def _exchange(
         kept,
         axis_name=axis,
     )
+    # The groups are known from the tiny all-to-alls, before the rows arrive: left free, XLA hoists
+    # the grouped matmul's set-up (`blocks` gathers each block's expert weights) into the exchange,
+    # where it overlaps the loop's other layer, holding 9 GB more on Qwen3-30B-A3B's 4 x 8 plan.
+    recv, recv_expert, sizes = jax.lax.optimization_barrier((recv, recv_expert, kept_by_expert.sum(axis=0)))
     order = jnp.argsort(recv_expert, stable=True)
-    out = _tensor_split(recv[order], kept_by_expert.sum(axis=0), w_in, w_out, impl)[jnp.argsort(order)]
+    out = _tensor_split(recv[order], sizes, w_in, w_out, impl)[jnp.argsort(order)]
     back = a2a(out, jnp.zeros_like(rows), offset, kept, their_start, send_sizes, axis_name=axis)
     return back, 1.0 - send_sizes.sum() / n
 
