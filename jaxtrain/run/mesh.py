@@ -3,8 +3,8 @@
 The mesh is data x expert x fsdp x context x tensor (config `mesh`):
   data    replicas; the outer axis, spanning processes (hosts). Batch rows split over it.
   expert  MoE: each device holds its share of every MoE layer's experts and receives the tokens
-          routed to them by all-to-all (model/moe.py). Batch rows split over it too, so every
-          other param is replicated over it as over `data`.
+          routed to them by all-to-all (model/moe.py). Batch rows split over it too, and every
+          other param is split over it as over fsdp (`param_spec`).
   fsdp    ZeRO-3: every large parameter, its gradient and both Adam moments split over it, and
           the batch rows too. Params are all-gathered for compute and gradients reduce-scattered.
   context long windows: each sequence split along its length; every token's work is local, and
