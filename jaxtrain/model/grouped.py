@@ -28,6 +28,7 @@ from jax.experimental.pallas.ops.gpu.ragged_dot_mgpu import GroupInfo
 
 BLOCK_M, BLOCK_N, BLOCK_K, STAGES = 128, 128, 64, 4  # 160 KB of shared memory of H100's 227
 SMS = 132  # H100 SXM
+HOPPER = "9.0"  # the compute capability the kernels' wgmma instructions need
 FLOPS_SCOPE = "grouped_matmul_flops_"  # + the kernel's routed FLOPs, in the HLO's op_name
 
 
@@ -187,11 +188,15 @@ def _transposed_ragged_dot(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> 
     return kernel(sizes, starts, ends, n_blocks, block_starts, lhs, rhs)
 
 
-def check_shapes(d: int, ff: int) -> str | None:
-    """Why the kernels cannot take experts of model width d and hidden ff (per device), or None."""
-    for name, size in (("d_model", d), ("the expert hidden size per device", ff)):
+def refusal(platform: str, compute_capability: str, d: int, ff: int) -> str | None:
+    """Why `grouped_matmul: pallas` cannot run experts of width d and hidden ff (per device) on the
+    step's devices, in one line naming the fix; None if it can."""
+    if platform != "gpu" or compute_capability != HOPPER:
+        where = platform if platform != "gpu" else f"a GPU of compute capability {compute_capability}"
+        return f"model.moe.grouped_matmul pallas needs Hopper GPUs (9.0), not {where}; use auto"
+    for name, size in (("model.d_model", d), ("the expert hidden size per tensor shard", ff)):
         if size % BLOCK_M:
-            return f"{name} {size} is not a multiple of {BLOCK_M}"
+            return f"{name} {size} is not a multiple of {BLOCK_M} for grouped_matmul pallas; use blocks"
     return None
 
 

@@ -3,12 +3,13 @@
 Routing (`route`): softmax top-k (Mixtral, Qwen3-MoE), or DeepSeek-V3's sigmoid scores picked with
 a per-expert bias (selection only; moved after each step by `update_router_bias`) from the best
 groups; shared experts (model/mlp.py) see every token. Dropless: the copies are sorted by expert
-and run as one grouped matmul (`grouped_matmul`: `jax.lax.ragged_dot`, or `blocks` of BLOCK rows
-per expert). Expert parallelism: inside the train step each device sends every copy to its
-expert's device by one `all_to_all` and gets the result back by another; without a ragged
-all-to-all on XLA:CPU each peer's buffer holds all of a device's copies, or `capacity_factor` x
-copies / ep (the rest dropped and counted). The router's statistics are sown into "moe"
-(`router_stats`) for the balancing loss (`balance_loss`). What each choice costs, measured and
+and run as one grouped matmul (`grouped_matmul`: `jax.lax.ragged_dot`, `blocks` of BLOCK rows
+per expert, or `pallas`: model/grouped.py's Hopper kernels, computing only the routed rows).
+Expert parallelism: inside the train step each device sends every copy to its expert's device
+by one `all_to_all` and gets the result back by another; without a ragged all-to-all on XLA:CPU
+each peer's buffer holds all of a device's copies, or `capacity_factor` x copies / ep (the rest
+dropped and counted). The router's statistics are sown into "moe" (`router_stats`) for the
+balancing loss (`balance_loss`). What each choice costs, measured and
 planned: docs/moe.md and docs/scaling.md.
 """
 
@@ -58,9 +59,12 @@ def _expert_parallelism() -> tuple[str | None, int]:
 BLOCK = 128  # rows per block of the `blocks` grouped matmul
 
 
-def grouped_matmul(platform: str) -> str:
-    """The grouped matmul the experts compile to on `platform` ("cpu", "gpu", ...: jax's Device.platform)."""
-    return "blocks" if platform == "cpu" else "ragged_dot"
+def grouped_matmul(platform: str, compute_capability: str = "") -> str:
+    """The grouped matmul the experts compile to on `platform` ("cpu", "gpu", ...: jax's Device.platform)
+    and, on a GPU, its compute capability ("9.0": Hopper, where model/grouped.py's kernels run)."""
+    if platform == "cpu":
+        return "blocks"
+    return "pallas" if compute_capability == grouped.HOPPER else "ragged_dot"
 
 
 def _activation(h: jax.Array, swiglu: bool) -> jax.Array:
