@@ -22,6 +22,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+
+# jax 0.10 exports no GPU interpreter parameters (only TPU's); interpret=True is the generic
+# interpreter, which has no wgmma. Tests run the kernels on CPU with these.
+from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas.ops.gpu.ragged_dot_mgpu import GroupInfo
@@ -36,7 +40,9 @@ def _params() -> plgpu.CompilerParams:
     return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
 
 
-def _ragged_dot(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, transpose_rhs: bool) -> jax.Array:
+def _ragged_dot(
+    lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, transpose_rhs: bool, interpret: bool
+) -> jax.Array:
     """lhs [m, k] (rows sorted by group) x rhs [g, k, n] ([g, n, k] if transpose_rhs) -> [m, n].
     Rows past sum(sizes) are not written."""
     m, k = lhs.shape
@@ -79,6 +85,7 @@ def _ragged_dot(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, transpose_rhs:
         grid=(SMS,),
         grid_names=("sm",),
         compiler_params=_params(),
+        interpret=InterpretGPUParams() if interpret else None,
     )
     return kernel(sizes, lhs, rhs)
 
@@ -104,7 +111,7 @@ def _store(acc, o_gmem, group, ni, m):  # type: ignore[no-untyped-def]
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _transposed_ragged_dot(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> jax.Array:
+def _transposed_ragged_dot(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, interpret: bool) -> jax.Array:
     """lhs [r, m], rhs [r, n], rows sorted by group -> [g, m, n]: each group's lhs^T rhs over its
     rows (zero for an empty group). Rows past sum(sizes) are read, so must be finite."""
     r, m = lhs.shape
@@ -184,6 +191,7 @@ def _transposed_ragged_dot(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> 
         grid=(SMS,),
         grid_names=("sm",),
         compiler_params=_params(),
+        interpret=InterpretGPUParams() if interpret else None,
     )
     return kernel(sizes, starts, ends, n_blocks, block_starts, lhs, rhs)
 
@@ -208,28 +216,31 @@ def _routed_rows(m: int, sizes: jax.Array) -> jax.Array:
     return (jnp.arange(m) < jnp.sum(sizes))[:, None]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def ragged_matmul(rows: jax.Array, w: jax.Array, sizes: jax.Array, routed: int) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def ragged_matmul(
+    rows: jax.Array, w: jax.Array, sizes: jax.Array, routed: int, interpret: bool = False
+) -> jax.Array:
     """rows [m, k] sorted by expert, sizes[e] of them for expert e, times w [E, k, n] -> [m, n];
     rows past sum(sizes) come out zero. `routed`: the rows the caller expects routed (for the
-    planner's FLOPs; the kernel computes sum(sizes) rows, whatever m)."""
-    return _forward(rows, w, sizes, routed)[0]
+    planner's FLOPs; the kernel computes sum(sizes) rows, whatever m). `interpret`: run the
+    kernels in Pallas's GPU interpreter (on CPU: tests)."""
+    return _forward(rows, w, sizes, routed, interpret)[0]
 
 
-def _forward(rows, w, sizes, routed):  # type: ignore[no-untyped-def]
+def _forward(rows, w, sizes, routed, interpret):  # type: ignore[no-untyped-def]
     with _scoped(2.0 * routed * w.shape[1] * w.shape[2]):
-        out = _ragged_dot(rows, w, sizes, transpose_rhs=False)
+        out = _ragged_dot(rows, w, sizes, False, interpret)
     return jnp.where(_routed_rows(rows.shape[0], sizes), out, 0), (rows, w, sizes)
 
 
-def _backward(routed, saved, grad):  # type: ignore[no-untyped-def]
+def _backward(routed, interpret, saved, grad):  # type: ignore[no-untyped-def]
     rows, w, sizes = saved
     grad = jnp.where(_routed_rows(rows.shape[0], sizes), grad, 0).astype(rows.dtype)
     flops = 2.0 * routed * w.shape[1] * w.shape[2]
     with _scoped(flops):
-        d_rows = _ragged_dot(grad, w, sizes, transpose_rhs=True)
+        d_rows = _ragged_dot(grad, w, sizes, True, interpret)
     with _scoped(flops):
-        d_w = _transposed_ragged_dot(rows, grad, sizes)
+        d_w = _transposed_ragged_dot(rows, grad, sizes, interpret)
     return jnp.where(_routed_rows(rows.shape[0], sizes), d_rows, 0), d_w, None
 
 
