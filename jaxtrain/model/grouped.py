@@ -134,38 +134,20 @@ def _transposed_ragged_dot(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, int
             mi, ni = plgpu.planar_snake(info.index[1], (grid_m, grid_n), 1, 1)
             rows = pl.ds(pl.multiple_of(block_starts_g[gi], BLOCK_K), r)  # never read past its blocks
 
-            def masked(block, smem, keep):  # type: ignore[no-untyped-def]
-                # A group's first and last blocks hold its neighbours' rows: zeroed before the matmul.
-                @pl.when(block == 0)
-                def _():  # type: ignore[no-untyped-def]
-                    keep(smem, lambda i: i >= jax.lax.rem(starts_g[gi], BLOCK_K))
-
-                @pl.when(block == n_blocks_g[gi] - 1)
-                def _():  # type: ignore[no-untyped-def]
-                    keep(smem, lambda i: i <= jax.lax.rem(ends_g[gi] - 1, BLOCK_K))
-
-            def keep(smem, rule):  # type: ignore[no-untyped-def]
-                iota = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_K, BLOCK_M), 0)
-                smem[...] = smem[...] * rule(plgpu.layout_cast(iota, plgpu.Layout.WGMMA)).astype(smem.dtype)
-                plgpu.commit_smem()
-
             def acc_scope(acc_ref):  # type: ignore[no-untyped-def]
                 def step(block, a, b):  # type: ignore[no-untyped-def]
-                    masked(block[0], a, keep)
+                    _keep_group_rows(a, block[0], n_blocks_g[gi], starts_g[gi], ends_g[gi])
                     plgpu.wgmma(acc_ref, plgpu.transpose_ref(a, (1, 0)), b)
 
                 @pl.when(sizes_g[gi] > 0)
                 def _():  # type: ignore[no-untyped-def]
+                    spec = functools.partial(plgpu.BlockSpec, delay_release=1, transforms=transforms)
                     plgpu.emit_pipeline(
                         step,
                         grid=(n_blocks_g[gi],),
                         in_specs=[
-                            plgpu.BlockSpec(
-                                (BLOCK_K, BLOCK_M), lambda i: (i, mi), delay_release=1, transforms=transforms
-                            ),
-                            plgpu.BlockSpec(
-                                (BLOCK_K, BLOCK_N), lambda i: (i, ni), delay_release=1, transforms=transforms
-                            ),
+                            spec((BLOCK_K, BLOCK_M), lambda i: (i, mi)),
+                            spec((BLOCK_K, BLOCK_N), lambda i: (i, ni)),
                         ],
                         max_concurrent_steps=STAGES,
                     )(lhs_g.at[rows, :], rhs_g.at[rows, :])
@@ -173,17 +155,8 @@ def _transposed_ragged_dot(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, int
                 return acc_ref[...]
 
             acc = pl.run_scoped(acc_scope, plgpu.ACC((BLOCK_M, BLOCK_N)))
-
-            @functools.partial(
-                pl.run_scoped, o_smem=plgpu.SMEM((BLOCK_M, BLOCK_N), o_g.dtype, transforms=transforms)
-            )
-            def _(o_smem):  # type: ignore[no-untyped-def]
-                o_smem[...] = acc.astype(o_smem.dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(
-                    o_smem, o_g.at[gi, pl.ds(mi * BLOCK_M, BLOCK_M), pl.ds(ni * BLOCK_N, BLOCK_N)]
-                )
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            out = o_g.at[gi, pl.ds(mi * BLOCK_M, BLOCK_M), pl.ds(ni * BLOCK_N, BLOCK_N)]
+            _store_whole(acc, out, transforms)
 
     kernel = plgpu.kernel(
         body,
@@ -194,6 +167,30 @@ def _transposed_ragged_dot(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, int
         interpret=InterpretGPUParams() if interpret else None,
     )
     return kernel(sizes, starts, ends, n_blocks, block_starts, lhs, rhs)
+
+
+def _keep_group_rows(smem, block, n_blocks, start, end):  # type: ignore[no-untyped-def]
+    """A group's first and last blocks of rows hold its neighbours' rows too: zeroed before the
+    matmul (by a product: rows the buffer holds past the routed ones must be finite)."""
+
+    def keep(rule):  # type: ignore[no-untyped-def]
+        iota = plgpu.layout_cast(
+            jax.lax.broadcasted_iota(jnp.int32, (BLOCK_K, BLOCK_M), 0), plgpu.Layout.WGMMA
+        )
+        smem[...] = smem[...] * rule(iota).astype(smem.dtype)
+        plgpu.commit_smem()
+
+    pl.when(block == 0)(lambda: keep(lambda i: i >= jax.lax.rem(start, BLOCK_K)))
+    pl.when(block == n_blocks - 1)(lambda: keep(lambda i: i <= jax.lax.rem(end - 1, BLOCK_K)))
+
+
+def _store_whole(acc, out, transforms):  # type: ignore[no-untyped-def]
+    @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((BLOCK_M, BLOCK_N), out.dtype, transforms=transforms))
+    def _(o_smem):  # type: ignore[no-untyped-def]
+        o_smem[...] = acc.astype(o_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, out)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def refusal(platform: str, compute_capability: str, d: int, ff: int) -> str | None:
