@@ -119,11 +119,19 @@ CASES = {
     "llama3_8b_h100_8x8": (["--config", "configs/llama3_8b.yaml"], "h100", 8, 8),
     "llama3_8b_h100_8x8_fsdp16": (["--config", "configs/llama3_8b.yaml", "--mesh.fsdp", "16"], "h100", 8, 8),
     # Issue 26's mixtures of experts (docs/scaling.md): as shipped, then the experts inside a host
-    # (they do not fit), and XLA:GPU's ragged_dot for Qwen3's 16 experts a GPU.
+    # (they do not fit), and the other grouped matmuls (blocks, XLA:GPU's ragged_dot) for Qwen3's
+    # 16 experts a GPU and Mixtral's one.
     "qwen3_30b_a3b_h100_4x8": (QWEN3_MOE, "h100", 4, 8),
     "mixtral_8x7b_h100_4x8": (["--config", "configs/mixtral_8x7b.yaml"], "h100", 4, 8),
     "qwen3_30b_a3b_h100_4x8_ragged_dot": (
         [*QWEN3_MOE, "--model.moe.grouped_matmul", "ragged_dot"],
+        "h100",
+        4,
+        8,
+    ),
+    "qwen3_30b_a3b_h100_4x8_blocks": ([*QWEN3_MOE, "--model.moe.grouped_matmul", "blocks"], "h100", 4, 8),
+    "mixtral_8x7b_h100_4x8_ragged_dot": (
+        ["--config", "configs/mixtral_8x7b.yaml", "--model.moe.grouped_matmul", "ragged_dot"],
         "h100",
         4,
         8,

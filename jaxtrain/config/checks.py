@@ -20,7 +20,7 @@ _CHOICES = {
     "model.remat": ("none", "full", "dots"),
     "model.attention_impl": ("auto", "xla", "cudnn"),
     "model.mlp": ("gelu", "swiglu"),
-    "model.moe.grouped_matmul": ("auto", "ragged_dot", "blocks"),
+    "model.moe.grouped_matmul": ("auto", "ragged_dot", "blocks", "pallas"),
     "model.moe.router": ("softmax", "sigmoid"),
     "model.rope_type": ("llama3", "yarn"),
     "mesh.reduce_dtype": ("float32", "compute"),

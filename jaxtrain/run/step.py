@@ -36,9 +36,10 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain.config import Config
+from jaxtrain.config import Config, ConfigError
 from jaxtrain.faults import NO_FAULTS, FaultPlan, poison_gradients
 from jaxtrain.model.attention import attention_kernel
+from jaxtrain.model.grouped import refusal
 from jaxtrain.model.moe import balance_loss, grouped_matmul, router_stats, update_router_bias
 from jaxtrain.model.params import logical_axes, path_names
 from jaxtrain.model.transformer import GPT
@@ -115,6 +116,8 @@ class _ParamLayout:
         self.sizes = {a: int(mesh.shape[a]) for a in mesh_lib.BATCH_AXES}
         self.rules = mesh_lib.activation_rules(mesh)
         self.platform = mesh.devices.flat[0].platform  # what the step compiles for, not jax's default
+        self.capability = getattr(mesh.devices.flat[0], "compute_capability", "")  # GPUs: "9.0"...
+        self.tensor = int(mesh.shape[mesh_lib.TENSOR_AXIS])
         self.dtype, self.reduce_dtype = dtype, dtype if reduce_dtype is None else reduce_dtype
 
     def gather(self, variables: Any, where: tuple[str, ...] = ()) -> Any:
@@ -153,8 +156,12 @@ class _ParamLayout:
         kernel = attention_kernel(model.cfg, self.platform, model.dtype)
         cfg = dataclasses.replace(model.cfg, attention_impl=kernel)
         if cfg.moe.grouped_matmul == "auto":
-            moe = dataclasses.replace(cfg.moe, grouped_matmul=grouped_matmul(self.platform))
+            moe = dataclasses.replace(cfg.moe, grouped_matmul=grouped_matmul(self.platform, self.capability))
             cfg = dataclasses.replace(cfg, moe=moe)
+        if cfg.moe.n_experts and cfg.moe.grouped_matmul == "pallas":
+            why = refusal(self.platform, self.capability, cfg.d_model, cfg.expert_dim // self.tensor)
+            if why:
+                raise ConfigError(why)
         return model.clone(cfg=cfg, gather=self.gather if self.gathers else None)
 
     def loss(
