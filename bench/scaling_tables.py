@@ -30,15 +30,14 @@ DENSE = [
 ]  # fmt: skip
 # The mixtures of experts, each with the words of its model column.
 MOE = {
-    "qwen3_30b_a3b_h100_4x8": "Qwen3-30B-A3B, as shipped (grouped matmul `pallas`)",
-    "qwen3_30b_a3b_h100_4x8_blocks": "the same with `blocks`",
-    "qwen3_30b_a3b_h100_4x8_ragged_dot": "the same with `ragged_dot`",
-    "qwen3_30b_a3b_h100_4x8_data4_expert8": "experts inside each host",
+    "qwen3_30b_a3b_h100_4x8": "Qwen3-30B-A3B, as shipped (experts inside each host, grouped matmul `pallas`)",
+    "qwen3_30b_a3b_h100_4x8_expert8_fsdp4": "experts spread over the 4 hosts (shipped before)",
     "qwen3_30b_a3b_h100x8": "one host",
     "qwen3_30b_a3b_8l_h100x8": "Qwen3-30B-A3B, 8 of 48 layers (CI)",
     "mixtral_8x7b_h100_4x8": "Mixtral-8x7B, as shipped (grouped matmul `pallas`)",
     "mixtral_8x7b_h100_4x8_ragged_dot": "the same with `ragged_dot`",
     "mixtral_8x7b_h100_2x8": "2 hosts",
+    "deepseek_v3_671b_h100_128x8": "DeepSeek-V3-671B, as configured",
     "moe_tiny_dropless_h100x8": "moe_tiny, dropless (CI)",
 }
 DENSE_HEAD = (

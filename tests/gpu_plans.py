@@ -32,7 +32,6 @@ GPT_70B = [*GPT2, "--model.n_layer", "80", "--model.d_model", "8192", "--model.n
 GPT_1P5B = [*GPT2, "--model.n_layer", "48", "--model.d_model", "1600", "--model.n_head", "25",
             "--model.scan_layers", "true", "--model.remat", "full", "--device_batch_size", "8"]  # fmt: skip
 QWEN3_MOE = ["--config", "configs/qwen3_30b_a3b.yaml"]
-RAGGED_IN_HOST = ["--mesh.fsdp", "1", "--model.moe.grouped_matmul", "ragged_dot"]
 # case -> (flags, target, hosts, gpus per host)
 CASES = {
     "gpt2_124m_h100x8_data8": (GPT2, "h100", 1, 8),
@@ -131,22 +130,17 @@ CASES = {
     # 16 experts a GPU and Mixtral's one.
     "qwen3_30b_a3b_h100_4x8": (QWEN3_MOE, "h100", 4, 8),
     "mixtral_8x7b_h100_4x8": (["--config", "configs/mixtral_8x7b.yaml"], "h100", 4, 8),
-    "qwen3_30b_a3b_h100_4x8_ragged_dot": (
-        [*QWEN3_MOE, "--model.moe.grouped_matmul", "ragged_dot"],
-        "h100",
-        4,
-        8,
-    ),
-    "qwen3_30b_a3b_h100_4x8_blocks": ([*QWEN3_MOE, "--model.moe.grouped_matmul", "blocks"], "h100", 4, 8),
     "mixtral_8x7b_h100_4x8_ragged_dot": (
         ["--config", "configs/mixtral_8x7b.yaml", "--model.moe.grouped_matmul", "ragged_dot"],
         "h100",
         4,
         8,
     ),
-    "qwen3_30b_a3b_h100_4x8_data4_expert8": ([*QWEN3_MOE, *RAGGED_IN_HOST], "h100", 4, 8),
-    "qwen3_30b_a3b_h100x8": ([*QWEN3_MOE, *RAGGED_IN_HOST], "h100", 1, 8),
+    # The layout shipped before the expert axis split the dense params: experts spread over 4 hosts.
+    "qwen3_30b_a3b_h100_4x8_expert8_fsdp4": ([*QWEN3_MOE, "--mesh.fsdp", "4"], "h100", 4, 8),
+    "qwen3_30b_a3b_h100x8": (QWEN3_MOE, "h100", 1, 8),
     "mixtral_8x7b_h100_2x8": (["--config", "configs/mixtral_8x7b.yaml", "--mesh.fsdp", "2"], "h100", 2, 8),
+    "deepseek_v3_671b_h100_128x8": (["--config", "configs/deepseek_v3_671b.yaml"], "h100", 128, 8),
     "llama3_8b_h100_8x8_reduce_compute": (
         ["--config", "configs/llama3_8b.yaml", "--mesh.reduce_dtype", "compute"],
         "h100",
@@ -195,7 +189,7 @@ def _cases(names: list[str]) -> list[str]:
     """`all`: every committed plan, the ones that take longest to compile (experts) first."""
     if names != ["all"]:
         return names
-    slow = [c for c in CASES if c.startswith(("mixtral", "qwen3"))]
+    slow = [c for c in CASES if c.startswith(("mixtral", "qwen3", "deepseek"))]
     return slow + [c for c in CASES if c not in slow] + [f"search_{c}" for c in SEARCHES]
 
 
