@@ -45,6 +45,9 @@ PARAM_RULES: dict[str, str | None] = {
     "heads": TENSOR_AXIS,
     "mlp": TENSOR_AXIS,
     "embed": FSDP_AXIS,
+    # Multi-head latent attention's up-projections from the latent (model/mla.py) have no d_model
+    # dim: fsdp splits the latent's (left whole they were 3.2B params on every GPU, DeepSeek-V3).
+    "latent": FSDP_AXIS,
     "expert": EXPERT_AXIS,
 }
 # Logical axis of an activation inside the step -> mesh axis. The step is already manual over

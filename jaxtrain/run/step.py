@@ -155,13 +155,14 @@ class _ParamLayout:
         """The model with its attention kernel chosen for the mesh's devices, and FSDP's per-layer gather."""
         kernel = attention_kernel(model.cfg, self.platform, model.dtype)
         cfg = dataclasses.replace(model.cfg, attention_impl=kernel)
+        why = refusal(self.platform, self.capability, cfg.d_model, cfg.expert_dim // self.tensor)
         if cfg.moe.grouped_matmul == "auto":
-            moe = dataclasses.replace(cfg.moe, grouped_matmul=grouped_matmul(self.platform, self.capability))
-            cfg = dataclasses.replace(cfg, moe=moe)
-        if cfg.moe.n_experts and cfg.moe.grouped_matmul == "pallas":
-            why = refusal(self.platform, self.capability, cfg.d_model, cfg.expert_dim // self.tensor)
-            if why:
-                raise ConfigError(why)
+            impl = grouped_matmul(self.platform, self.capability)
+            # Experts whose widths the Hopper kernel's tiles do not take: XLA's ragged_dot, as elsewhere.
+            impl = "ragged_dot" if impl == "pallas" and why else impl
+            cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, grouped_matmul=impl))
+        if cfg.moe.n_experts and cfg.moe.grouped_matmul == "pallas" and why:
+            raise ConfigError(why)
         return model.clone(cfg=cfg, gather=self.gather if self.gathers else None)
 
     def loss(
