@@ -155,7 +155,7 @@ def check_launch(cfg: Config, launch: LaunchSpec) -> None:
     check_batch_split(global_rows(cfg), n_processes)
 
 
-OPTIONAL = ("expert", "context")  # axes a mesh leaves at 1 unless asked for: unsaid in advice
+OPTIONAL = ("pipeline", "expert", "context")  # axes a mesh leaves at 1 unless asked for: unsaid in advice
 
 
 def resolve_mesh(mesh: MeshConfig, n_devices: int) -> MeshConfig:
