@@ -4,17 +4,17 @@ Each stage holds n_layer / pipeline consecutive layers (the stack's `layers` dim
 axis: the same global array on any mesh, so checkpoints move between pipeline sizes). The step's
 shard_map is manual over `pipeline` too, and the schedule is GPipe inside the differentiated
 function, as MaxText does it:
-  - every stage embeds its rows (only stage 0's embedding is used);
-  - tick t: every stage runs its layers on what it holds (stage 0: microbatch t), then a
-    `ppermute` hands each stage's output to the next; the last stage's output at tick t is
-    microbatch t - (pipeline - 1), so M microbatches take M + pipeline - 1 ticks;
-  - the head and loss run per microbatch on the last stage's outputs (every stage computes them;
+  - tick t: stage s holds microbatch t - s; stage 0 embeds it, every stage runs its layers on
+    what it holds, then a `ppermute` hands each stage's output to the next; the last stage
+    finishes microbatch t - (pipeline - 1), so M microbatches take M + pipeline - 1 ticks;
+  - the head and loss run in the tick on the stage's output (every stage computes them: SPMD;
     only the last stage's count: its loss is the one differentiated, the others are zeroed);
   - jax.grad of that gives the backward: ppermute's transpose sends gradients back a stage a tick.
 The bubble, (pipeline - 1) / (M + pipeline - 1) of each stage's layer work, is real compute on
 zeros in this SPMD program, so the compiled program (and the planner's replay of it) counts it.
-With remat `full` a stage is one checkpoint: a tick keeps only its stage's input, and the backward
-recomputes that stage's layers once (the cost per-layer remat has), holding one stage's activations.
+With remat `full` a tick is one checkpoint: each tick keeps only its stage's input, and the
+backward recomputes that tick once (the cost per-layer remat has), holding one stage's activations
+for one microbatch. Logits are never kept: a tick's are recomputed for its backward.
 Params used outside the stack (embeddings, final norm, head) are whole on every stage; their
 gradients are summed over the stages (each is zero where its stage does not use it).
 """
@@ -48,34 +48,41 @@ def bubble(stages: int, micro: int) -> float:
 def _stage(model: GPT) -> Callable[[Any, jax.Array, Documents | None], jax.Array]:
     """run(stack params, x, doc) -> x: this stage's layers (its share of the scanned stack)."""
     cfg = model.cfg
-    whole = cfg.remat == "full"  # the stage is the checkpoint: its layers inside need none
-    block = block_class(dataclasses.replace(cfg, remat="none") if whole else cfg, model.gather)
+    # With remat full the tick is the checkpoint (`_tick`): the layers inside it need none.
+    block = block_class(dataclasses.replace(cfg, remat="none") if cfg.remat == "full" else cfg, model.gather)
 
     def run(params: Any, x: jax.Array, doc: Documents | None) -> jax.Array:
         length = jax.tree.leaves(params)[0].shape[0]
         stack = layer_stack(block, length)(cfg, model.dtype, False, False)
         return stack.apply({"params": params}, x, doc)[0]
 
-    return jax.checkpoint(run) if whole else run
+    return run
 
 
-def _ticks(model: GPT, stack: Any, x: jax.Array, doc: Documents | None, micro: int) -> jax.Array:
-    """The last stage's outputs [micro, b, T, d] for inputs x [micro * b, T, d] (stage 0's)."""
-    stages, stage = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS)
-    split = lambda a: a.reshape(micro, a.shape[0] // micro, *a.shape[1:])  # noqa: E731
-    xs, docs = split(x), jax.tree.map(split, doc)
-    run = _stage(model)
-    shift = [(i, i + 1) for i in range(stages - 1)]  # the last stage's output leaves the pipeline
+def _tick(model: GPT, share: jax.Array | None) -> Callable[..., tuple[jax.Array, jax.Array]]:
+    """work(params, held, rows) -> (out, loss): one stage's tick on the microbatch it holds (rows
+    [b, T+1]): stage 0 embeds it (the others take `held`, the previous stage's output), the
+    stage's layers run, and the head's loss of `out` (the last stage's is the model's)."""
+    cfg, run, stage = model.cfg, _stage(model), jax.lax.axis_index(AXIS)
+    embed, head = model.clone(span="embed"), model.clone(span="head")
+    masked = cfg.doc_bos >= 0 or cfg.doc_eos >= 0
+    name = scanned_stacks(cfg)[0][0]
 
-    def tick(held: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
-        fresh = jax.lax.dynamic_index_in_dim(xs, jnp.minimum(t, micro - 1), keepdims=False)
-        mine = jnp.clip(t - stage, 0, micro - 1)  # the microbatch this stage holds (bubble: clipped)
-        d = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, mine, keepdims=False), docs)
-        out = run(stack, jnp.where(stage == 0, fresh, held), d)
-        return jax.lax.ppermute(out, AXIS, shift), out
+    def loss(params: Any, out: jax.Array, rows: jax.Array) -> jax.Array:
+        logits = head.apply({"params": params}, out)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, rows[:, 1:] & TOKEN_BITS)
+        return losses.mean() if share is None else jnp.where(rows[:, 1:] & NO_LOSS, 0.0, losses).sum() / share
 
-    _, outs = jax.lax.scan(tick, jnp.zeros_like(xs[0]), jnp.arange(micro + stages - 1))
-    return outs[stages - 1 :]
+    def work(params: Any, held: jax.Array, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+        inputs = rows[:, :-1] & TOKEN_BITS
+        fresh: jax.Array = embed.apply({"params": params}, inputs)  # type: ignore[assignment]
+        doc = documents(inputs, cfg.doc_bos, cfg.doc_eos) if masked else None
+        out = run(params[name], jnp.where(stage == 0, fresh, held), doc)
+        return out, head_loss(params, out, rows)
+
+    # Logits are never kept for the backward: a tick holds one microbatch's, recomputed.
+    head_loss = loss if cfg.remat == "full" else jax.checkpoint(loss)
+    return jax.checkpoint(work) if cfg.remat == "full" else work
 
 
 def loss(
@@ -86,29 +93,22 @@ def loss(
     step._token_loss), as gradient accumulation takes it. The loss is the last stage's (zero on
     the others: the sum over stages is the loss); metrics are the last stage's on every stage."""
     stages, stage = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS)
-    cfg = model.cfg
-    tokens = rows & TOKEN_BITS
-    inputs = tokens[:, :-1]
-    masked = cfg.doc_bos >= 0 or cfg.doc_eos >= 0
-    doc = documents(inputs, cfg.doc_bos, cfg.doc_eos) if masked else None
-    (name, _, _), variables = scanned_stacks(cfg)[0], {"params": params}
+    split = rows.reshape(micro, rows.shape[0] // micro, rows.shape[1])
+    shift = [(i, i + 1) for i in range(stages - 1)]  # the last stage's output leaves the pipeline
+    done = stage == stages - 1
+
+    def tick(carry: tuple[jax.Array, jax.Array], t: jax.Array) -> tuple[tuple[jax.Array, jax.Array], None]:
+        held, total = carry
+        mine = jnp.clip(t - stage, 0, micro - 1)  # the microbatch this stage holds (bubble: clipped)
+        out, value = work(params, held, jax.lax.dynamic_index_in_dim(split, mine, keepdims=False))
+        total = total + jnp.where(done & (t >= stages - 1), value, 0.0)
+        return (jax.lax.ppermute(out, AXIS, shift), total), None
+
     with nn.logical_axis_rules(rules):
-        x: jax.Array = model.clone(span="embed").apply(variables, inputs)  # type: ignore[assignment]
-        outs = _ticks(model, params[name], x, doc, micro)
-        head = model.clone(span="head")
-
-        @jax.checkpoint  # one microbatch's logits at a time, recomputed for the backward
-        def one(h: jax.Array, r: jax.Array) -> jax.Array:
-            losses = optax.softmax_cross_entropy_with_integer_labels(
-                head.apply(variables, h), r[:, 1:] & TOKEN_BITS
-            )
-            return (
-                losses.mean() if share is None else jnp.where(r[:, 1:] & NO_LOSS, 0.0, losses).sum() / share
-            )
-
-        split = rows.reshape(micro, rows.shape[0] // micro, rows.shape[1])
-        mean = jax.lax.map(lambda a: one(*a), (outs, split)).mean()
-    mine = jnp.where(stage == stages - 1, mean, 0.0)
+        work = _tick(model, share)
+        held = jnp.zeros((split.shape[1], split.shape[2] - 1, model.cfg.d_model), model.dtype)
+        (_, total), _ = jax.lax.scan(tick, (held, jnp.zeros((), jnp.float32)), jnp.arange(micro + stages - 1))
+    mine = total / micro
     return mine, {"loss": jax.lax.psum(mine, AXIS)}
 
 
