@@ -85,6 +85,20 @@ def _tick(model: GPT, share: jax.Array | None) -> Callable[..., tuple[jax.Array,
     return jax.checkpoint(work) if cfg.remat == "full" else work
 
 
+def _held_rules(rules: Any) -> Any:
+    """The step's rules, plus `held`: what a tick keeps for the backward and sends to the next
+    stage, split along the sequence over `tensor` (whose peers hold it whole in the layers): a
+    tensor group keeps and sends it once, not once per peer. Not where context splits the sequence."""
+    axes = dict(rules)
+    if "length" in axes or mesh_lib.TENSOR_AXIS not in axes.values():
+        return rules
+    return (*rules, ("held", mesh_lib.TENSOR_AXIS))
+
+
+def _held(x: jax.Array) -> jax.Array:
+    return nn.with_logical_constraint(x, ("batch", "held", "embed"))
+
+
 def loss(
     model: GPT, rules: Any, params: Any, rows: jax.Array, micro: int, share: jax.Array | None = None
 ) -> tuple[jax.Array, Metrics]:
@@ -102,11 +116,11 @@ def loss(
         mine = jnp.clip(t - stage, 0, micro - 1)  # the microbatch this stage holds (bubble: clipped)
         out, value = work(params, held, jax.lax.dynamic_index_in_dim(split, mine, keepdims=False))
         total = total + jnp.where(done & (t >= stages - 1), value, 0.0)
-        return (jax.lax.ppermute(out, AXIS, shift), total), None
+        return (jax.lax.ppermute(_held(out), AXIS, shift), total), None
 
-    with nn.logical_axis_rules(rules):
+    with nn.logical_axis_rules(_held_rules(rules)):
         work = _tick(model, share)
-        held = jnp.zeros((split.shape[1], split.shape[2] - 1, model.cfg.d_model), model.dtype)
+        held = _held(jnp.zeros((split.shape[1], split.shape[2] - 1, model.cfg.d_model), model.dtype))
         (_, total), _ = jax.lax.scan(tick, (held, jnp.zeros((), jnp.float32)), jnp.arange(micro + stages - 1))
     mine = total / micro
     return mine, {"loss": jax.lax.psum(mine, AXIS)}
