@@ -43,11 +43,4 @@ def batch_plan(cfg: Config, shards: int, n_devices: int) -> tuple[int, int]:
             f"microbatch {micro} (batch_size {batch} / gradient_accumulation_steps {accum}) is not "
             f"divisible by {shards} {where}; use a batch_size that is a multiple of {accum * shards}"
         )
-    stages = cfg.mesh.pipeline
-    if accum % stages:  # run/pipeline.py deals the last stage's microbatches out evenly
-        raise ConfigError(
-            f"{accum} microbatch(es) (gradient_accumulation_steps) do not divide evenly over mesh.pipeline "
-            f"{stages} stages; use a multiple of {stages} microbatches (several times {stages}: the "
-            f"bubble is (pipeline - 1) / (microbatches + pipeline - 1))"
-        )
     return batch, accum

@@ -7,16 +7,14 @@ function, as MaxText does it:
   - tick t: stage s holds microbatch t - s; stage 0 embeds it, every stage runs its layers on
     what it holds, then a `ppermute` hands each stage's output to the next; the last stage
     finishes microbatch t - (pipeline - 1), so M microbatches take M + pipeline - 1 ticks;
-  - the last stage's outputs are dealt out over the stages by one all-to-all, and each stage
-    takes the head and loss of micro / pipeline of them (the head's work is not repeated on
-    every stage: one stage per tick would pay for it in every tick, all stages waiting);
+  - the head and loss run in the tick on the stage's output (every stage computes them: SPMD;
+    only the last stage's count: its loss is the one differentiated, the others are zeroed);
   - jax.grad of that gives the backward: ppermute's transpose sends gradients back a stage a tick.
 The bubble, (pipeline - 1) / (M + pipeline - 1) of each stage's layer work, is real compute on
 zeros in this SPMD program, so the compiled program (and the planner's replay of it) counts it.
 With remat `full` a tick is one checkpoint: each tick keeps only its stage's input, and the
 backward recomputes that tick once (the cost per-layer remat has), holding one stage's activations
-for one microbatch. Logits are never kept: each microbatch's are recomputed for its backward.
-What a tick keeps and sends is split over `tensor` along the sequence (`_held`).
+for one microbatch. Logits are never kept: a tick's are recomputed for its backward.
 Params used outside the stack (embeddings, final norm, head) are whole on every stage; their
 gradients are summed over the stages (each is zero where its stage does not use it).
 """
@@ -61,36 +59,30 @@ def _stage(model: GPT) -> Callable[[Any, jax.Array, Documents | None], jax.Array
     return run
 
 
-def _tick(model: GPT) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
-    """work(params, held, rows) -> out: one stage's tick on the microbatch it holds (rows
-    [b, T+1]): stage 0 embeds it (the others take `held`, the previous stage's output), and the
-    stage's layers run. With remat full the tick is one checkpoint."""
+def _tick(model: GPT, share: jax.Array | None) -> Callable[..., tuple[jax.Array, jax.Array]]:
+    """work(params, held, rows) -> (out, loss): one stage's tick on the microbatch it holds (rows
+    [b, T+1]): stage 0 embeds it (the others take `held`, the previous stage's output), the
+    stage's layers run, and the head's loss of `out` (the last stage's is the model's)."""
     cfg, run, stage = model.cfg, _stage(model), jax.lax.axis_index(AXIS)
-    embed = model.clone(span="embed")
+    embed, head = model.clone(span="embed"), model.clone(span="head")
     masked = cfg.doc_bos >= 0 or cfg.doc_eos >= 0
     name = scanned_stacks(cfg)[0][0]
 
-    def work(params: Any, held: jax.Array, rows: jax.Array) -> jax.Array:
-        inputs = rows[:, :-1] & TOKEN_BITS
-        fresh: jax.Array = embed.apply({"params": params}, inputs)  # type: ignore[assignment]
-        doc = documents(inputs, cfg.doc_bos, cfg.doc_eos) if masked else None
-        return run(params[name], jnp.where(stage == 0, fresh, held), doc)
-
-    return jax.checkpoint(work) if cfg.remat == "full" else work
-
-
-def _head_loss(model: GPT, share: jax.Array | None) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
-    """loss(params, out, rows) -> the microbatch's loss (step._token_loss's) from the last stage's
-    output; a checkpoint: logits are never kept for the backward, each microbatch's recomputed."""
-    head = model.clone(span="head")
-
-    @jax.checkpoint
     def loss(params: Any, out: jax.Array, rows: jax.Array) -> jax.Array:
         logits = head.apply({"params": params}, out)
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, rows[:, 1:] & TOKEN_BITS)
         return losses.mean() if share is None else jnp.where(rows[:, 1:] & NO_LOSS, 0.0, losses).sum() / share
 
-    return loss
+    def work(params: Any, held: jax.Array, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+        inputs = rows[:, :-1] & TOKEN_BITS
+        fresh: jax.Array = embed.apply({"params": params}, inputs)  # type: ignore[assignment]
+        doc = documents(inputs, cfg.doc_bos, cfg.doc_eos) if masked else None
+        out = run(params[name], jnp.where(stage == 0, fresh, held), doc)
+        return out, head_loss(params, out, rows)
+
+    # Logits are never kept for the backward: a tick holds one microbatch's, recomputed.
+    head_loss = loss if cfg.remat == "full" else jax.checkpoint(loss)
+    return jax.checkpoint(work) if cfg.remat == "full" else work
 
 
 def _held_rules(rules: Any) -> Any:
@@ -112,29 +104,26 @@ def loss(
 ) -> tuple[jax.Array, Metrics]:
     """(loss to differentiate, metrics) of this device's rows [n, T+1] in `micro` microbatches:
     the mean of their mean next-token losses (a loss mask's kept sums over `share`, as
-    step._token_loss), as gradient accumulation takes it. The last stage's outputs are dealt out
-    over the stages (an all-to-all), each taking the head and loss of micro / pipeline of them:
-    the loss is the sum over the stages of theirs; metrics are the whole loss on every stage."""
+    step._token_loss), as gradient accumulation takes it. The loss is the last stage's (zero on
+    the others: the sum over stages is the loss); metrics are the last stage's on every stage."""
     stages, stage = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS)
     split = rows.reshape(micro, rows.shape[0] // micro, rows.shape[1])
     shift = [(i, i + 1) for i in range(stages - 1)]  # the last stage's output leaves the pipeline
+    done = stage == stages - 1
 
-    def tick(held: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def tick(carry: tuple[jax.Array, jax.Array], t: jax.Array) -> tuple[tuple[jax.Array, jax.Array], None]:
+        held, total = carry
         mine = jnp.clip(t - stage, 0, micro - 1)  # the microbatch this stage holds (bubble: clipped)
-        out = _held(work(params, held, jax.lax.dynamic_index_in_dim(split, mine, keepdims=False)))
-        return jax.lax.ppermute(out, AXIS, shift), out
+        out, value = work(params, held, jax.lax.dynamic_index_in_dim(split, mine, keepdims=False))
+        total = total + jnp.where(done & (t >= stages - 1), value, 0.0)
+        return (jax.lax.ppermute(_held(out), AXIS, shift), total), None
 
     with nn.logical_axis_rules(_held_rules(rules)):
-        work = _tick(model)
+        work = _tick(model, share)
         held = _held(jnp.zeros((split.shape[1], split.shape[2] - 1, model.cfg.d_model), model.dtype))
-        _, outs = jax.lax.scan(tick, held, jnp.arange(micro + stages - 1))
-        # The last stage's outputs (microbatch i finished at tick i + stages - 1), a share to each stage.
-        share_of = micro // stages
-        dealt = jax.lax.all_to_all(outs[stages - 1 :], AXIS, 0, 0, tiled=True)[-share_of:]
-        head_loss = _head_loss(model, share)
-        mine = jax.lax.dynamic_slice_in_dim(split, stage * share_of, share_of)
-        value = jax.lax.map(lambda a: head_loss(params, *a), (dealt, mine)).sum() / micro
-    return value, {"loss": jax.lax.psum(value, AXIS)}
+        (_, total), _ = jax.lax.scan(tick, (held, jnp.zeros((), jnp.float32)), jnp.arange(micro + stages - 1))
+    mine = total / micro
+    return mine, {"loss": jax.lax.psum(mine, AXIS)}
 
 
 def sum_over_stages(grads: Any, manual: Any) -> Any:
