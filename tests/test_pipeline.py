@@ -105,3 +105,16 @@ def test_a_layer_count_the_stages_cannot_take_is_one_line():
         load_config([*LLAMA, "--mesh.pipeline", "3"])
     with pytest.raises(ConfigError, match="set model.scan_layers true"):
         load_config([*LLAMA, "--model.scan_layers", "false", "--mesh.pipeline", "2"])
+
+
+def test_without_a_pipeline_the_step_is_the_program_it_was():
+    """Pipeline 1 (every mesh before pipelines) lowers the same step: the axis is only named in
+    the mesh's declaration, never manual, never on a param (checked by hand against the step
+    before pipelines: the lowered text differed in that one line)."""
+    run = _build(("--mesh.data", "2", "--mesh.fsdp", "4", "--gradient_accumulation_steps", "1"), 8)
+    for text in (
+        run.train_step.lower(run.target, run.batch_shape).as_text(),
+        run.eval_step.lower(run.target.params, run.batch_shape).as_text(),
+    ):
+        named = [line for line in text.splitlines() if "pipeline" in line]
+        assert len(named) == 1 and named[0].lstrip().startswith('sdy.mesh @mesh = <["pipeline"=1,'), named
