@@ -142,6 +142,8 @@ CASES = {
     "gpt2_124m_h100x8_fsdp4_tensor2": ([*GPT2, "--mesh.fsdp", "4", "--mesh.tensor", "2"], "h100", 1, 8),
     # Issue 34's long windows: 131,072 tokens, each sequence split over a host (context 8).
     "llama3_8b_128k_h100_8x8": (["--config", "configs/llama3_8b_128k.yaml"], "h100", 8, 8),
+    # A million tokens: context 8 x fsdp 16, the head, loss and MLPs over 16 pieces of the sequence.
+    "llama3_8b_1m_h100_16x8": (["--config", "configs/llama3_8b_1m.yaml"], "h100", 16, 8),
     "llama3_70b_128k_h100_32x8": (
         [
             "--config",

@@ -38,10 +38,10 @@ def _train(argv: list[str], devices: list, docs: bool) -> tuple[np.ndarray, dict
 @pytest.mark.parametrize(
     ("mesh", "docs"),
     [
-        (["--mesh.context", "4", "--mesh.data", "2"], False),
+        (["--mesh.context", "4", "--mesh.data", "2", "--model.token_chunks", "2"], False),
         (["--mesh.context", "2", "--mesh.fsdp", "2", "--mesh.tensor", "2", "--mesh.data", "1"], True),
     ],
-    ids=["context4xdata2", "context2xfsdp2xtensor2-documents"],
+    ids=["context4xdata2-token_chunks2", "context2xfsdp2xtensor2-documents"],
 )
 def test_sequences_split_over_context_train_as_on_one_device(mesh, docs):
     masked = ["--model.doc_bos", "1"] if docs else []

@@ -175,6 +175,12 @@ def _check_mesh_values(cfg: Config) -> None:
             f"model.seq_len {m.seq_len} is not divisible by mesh.context {cp}: context parallelism splits "
             f"each window into equal parts; use a mesh.context that divides {m.seq_len}"
         )
+    if m.token_chunks < 1 or m.seq_len % (max(cp, 1) * m.token_chunks):
+        raise ConfigError(
+            f"model.seq_len {m.seq_len} is not divisible by mesh.context x model.token_chunks = "
+            f"{max(cp, 1)} x {m.token_chunks}: each device's tokens are cut into equal pieces for the "
+            f"head and MLPs; use a model.token_chunks >= 1 that divides {m.seq_len // max(cp, 1)}"
+        )
     if cp > 1 and m.n_head % (cp * tp):
         raise ConfigError(
             f"model.n_head {m.n_head} is not divisible by mesh.context x mesh.tensor = {cp * tp}: "

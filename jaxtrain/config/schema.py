@@ -74,6 +74,10 @@ class ModelConfig:
     scan_layers: bool = False
     remat: str = "none"  # none | full | dots (save matmul outputs, recompute the rest)
     attention_impl: str = "auto"  # auto | xla | cudnn  (jax.nn.dot_product_attention)
+    # The output head with its loss, and each dense MLP, over each device's tokens in this many
+    # pieces, each recomputed in the backward: whole [tokens, vocab] logits, or an MLP's hidden
+    # activations for every token, never exist (model/head.py, mlp.py); 1: all at once
+    token_chunks: int = 1
     # The Llama family (jaxtrain/hf/ maps these to and from Hugging Face classes)
     mlp: str = "gelu"  # gelu | swiglu (silu(x W_gate) * x W_up, then W_down)
     n_kv_head: int = 0  # key/value heads, grouped-query attention (1: multi-query); 0 = n_head

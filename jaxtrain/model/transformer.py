@@ -27,10 +27,12 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 
 from jaxtrain.config import ModelConfig
 from jaxtrain.model.attention import Attention
 from jaxtrain.model.documents import Documents, documents
+from jaxtrain.model.head import Embedding, token_losses
 from jaxtrain.model.layers import cache_index, constrain, norm
 from jaxtrain.model.mlp import Mlp
 from jaxtrain.model.moe import MoeMlp, is_moe_layer
@@ -92,15 +94,19 @@ class GPT(nn.Module):
     gather: Gather | None = None
     decode: bool = False  # keep a KV cache (collection "cache"): see `generate`
     # What a call computes: "all" (tokens -> logits); a pipeline (run/pipeline.py) runs the layers
-    # itself, between "embed" (tokens -> the residual stream) and "head" (the stream -> logits).
+    # itself, between "embed" (tokens -> the residual stream) and "head" (the stream -> logits, or
+    # with `targets` each token's loss, as "all" gives them).
     span: str = "all"
 
     @nn.compact
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, targets: jax.Array | None = None) -> jax.Array:
+        """float32 logits [B, T, vocab]; with next tokens `targets` [B, T], each token's float32
+        cross-entropy [B, T] instead, over model.token_chunks pieces of the sequence (model/head.py)."""
         cfg = self.cfg
 
         def embed(num: int, name: str) -> nn.Embed:
-            cls = _with_gather(nn.Embed, self.gather, (name,), methods=["__call__", "attend"])
+            methods = ["__call__", "attend", "table"]
+            cls = _with_gather(Embedding, self.gather, (name,), methods=methods)
             init = nn.initializers.normal(cfg.init_std)
             return cls(
                 num, cfg.d_model, dtype=self.dtype, param_dtype=jnp.float32, embedding_init=init, name=name
@@ -108,13 +114,20 @@ class GPT(nn.Module):
 
         wte = embed(cfg.vocab_size, name="wte")
 
-        def logits(x: jax.Array) -> jax.Array:
+        def output(x: jax.Array) -> jax.Array:
             x = norm(x, cfg.norm_eps, "ln_f")
             head = wte if cfg.tie_embeddings else embed(cfg.vocab_size, name="lm_head")
-            return constrain(head.attend(x), "batch", "length", "vocab").astype(jnp.float32)
+            if targets is not None and cfg.token_chunks > 1:
+                return token_losses(x, head.table(), targets, cfg.token_chunks, self.dtype)
+            logits = constrain(head.attend(x), "batch", "length", "vocab").astype(jnp.float32)
+            return (
+                logits
+                if targets is None
+                else optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+            )
 
         if self.span == "head":
-            return logits(tokens)
+            return output(tokens)
         x = wte(tokens)
         # Packed documents never see each other (decoding continues one text: no need).
         masked = (cfg.doc_bos >= 0 or cfg.doc_eos >= 0) and not self.decode
@@ -134,7 +147,7 @@ class GPT(nn.Module):
         else:
             for i in range(cfg.n_layer):
                 x, _ = block(cfg, self.dtype, self.decode, is_moe_layer(cfg, i), name=f"block_{i}")(x, doc)
-        return logits(x)
+        return output(x)
 
 
 def layer_stack(block: Any, length: int) -> Any:

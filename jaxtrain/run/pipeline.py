@@ -28,7 +28,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.model.documents import Documents, documents
@@ -69,8 +68,8 @@ def _tick(model: GPT, share: jax.Array | None) -> Callable[..., tuple[jax.Array,
     name = scanned_stacks(cfg)[0][0]
 
     def loss(params: Any, out: jax.Array, rows: jax.Array) -> jax.Array:
-        logits = head.apply({"params": params}, out)
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, rows[:, 1:] & TOKEN_BITS)
+        # Each token's loss, over model.token_chunks pieces as the pipeline-free step takes them.
+        losses: jax.Array = head.apply({"params": params}, out, rows[:, 1:] & TOKEN_BITS)  # type: ignore[assignment]
         return losses.mean() if share is None else jnp.where(rows[:, 1:] & NO_LOSS, 0.0, losses).sum() / share
 
     def work(params: Any, held: jax.Array, rows: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -1,0 +1,58 @@
+"""The output head: logits, or each token's next-token cross-entropy over chunks of the sequence.
+
+At a million tokens a window's float32 logits are [1M, 128K vocabulary]: 537 GB, 67 GB on each of
+8 devices sharing the window. With `model.token_chunks` n > 1 the head and the loss run over each
+device's tokens n pieces at a time in a scan (as each dense MLP does: model/mlp.py), each piece
+recomputed in the backward (jax.checkpoint), so one piece's logits exist at a time and the whole
+[tokens, vocab] never does. Each token's loss is the same computation as at once (the same matmul
+of its own row, the same softmax), so the losses and gradients equal the unchunked ones up to
+float32 summation order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxtrain.model.layers import constrain, from_pieces, to_pieces
+
+
+class Embedding(nn.Embed):
+    """nn.Embed whose table can be read through the model's param gather (`table`), for the
+    chunked head: a flax method cannot run inside jax.lax.scan, a plain array can."""
+
+    def table(self) -> jax.Array:
+        return self.embedding
+
+
+def logits(x: jax.Array, table: jax.Array, dtype: Any) -> jax.Array:
+    """float32 logits [B, T, vocab] of x [B, T, d] against the output embedding `table` [vocab, d],
+    multiplied in `dtype` (nn.Embed.attend's product)."""
+    y = jnp.dot(x.astype(dtype), table.astype(dtype).T)
+    return constrain(y, "batch", "length", "vocab").astype(jnp.float32)
+
+
+def token_losses(x: jax.Array, table: jax.Array, targets: jax.Array, chunks: int, dtype: Any) -> jax.Array:
+    """Next-token cross-entropy [B, T] (float32) of final-normed x [B, T, d] against `targets` [B, T],
+    `chunks` (> 1) pieces of each device's tokens at a time (the module docstring).
+
+    The sequence may be split over devices (the logical `length` axis): each piece takes the same
+    slice of every device's part, so a piece is as split as the whole and no token moves.
+    """
+
+    def piece(xc: jax.Array, yc: jax.Array) -> jax.Array:
+        return optax.softmax_cross_entropy_with_integer_labels(logits(xc, table, dtype), yc)
+
+    xs = constrain(to_pieces(x, chunks), None, "batch", "length", "embed")
+    ys = constrain(to_pieces(targets, chunks), None, "batch", "length")
+
+    def step(carry: None, xy: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
+        xc = constrain(xy[0], "batch", "length", "embed")
+        return carry, constrain(jax.checkpoint(piece)(xc, xy[1]), "batch", "length")
+
+    _, losses = jax.lax.scan(step, None, (xs, ys))  # [chunks, B, T / chunks]
+    return constrain(from_pieces(losses), "batch", "length")
