@@ -32,6 +32,7 @@ GPT_70B = [*GPT2, "--model.n_layer", "80", "--model.d_model", "8192", "--model.n
 GPT_1P5B = [*GPT2, "--model.n_layer", "48", "--model.d_model", "1600", "--model.n_head", "25",
             "--model.scan_layers", "true", "--model.remat", "full", "--device_batch_size", "8"]  # fmt: skip
 QWEN3_MOE = ["--config", "configs/qwen3_30b_a3b.yaml"]
+LAYERS_128 = ["--model.n_layer", "128", "--mesh.zero1", "true"]
 # case -> (flags, target, hosts, gpus per host)
 CASES = {
     "gpt2_124m_h100x8_data8": (GPT2, "h100", 1, 8),
@@ -170,6 +171,40 @@ CASES = {
         ],
         "h100",
         32,
+        8,
+    ),  # fmt: skip
+    # Llama 3 405B on 2,048 H100 (issue 35): as shipped (tensor 8 x fsdp 64 x data 4, 8 microbatches);
+    # and pipelined at 128 layers (126 does not split over a power-of-two pipeline: the two layers
+    # more stand for the padding slots not built), run/pipeline.py's GPipe ticks.
+    "llama3_405b_h100_256x8": (["--config", "configs/llama3_405b.yaml"], "h100", 256, 8),
+    "llama3_405b_128l_h100_256x8_pipeline32": (
+        ["--config", "configs/llama3_405b.yaml", *LAYERS_128, "--mesh.pipeline", "32", "--mesh.fsdp", "1"],
+        "h100",
+        256,
+        8,
+    ),  # fmt: skip
+    "llama3_405b_128l_h100_256x8_pipeline16_fsdp2": (
+        ["--config", "configs/llama3_405b.yaml", *LAYERS_128, "--mesh.pipeline", "16", "--mesh.fsdp", "2"],
+        "h100",
+        256,
+        8,
+    ),  # fmt: skip
+    # Llama-3-70B on 1,024 H100 with a pipeline (stages of 10 layers, 32 microbatches): below as shipped.
+    "llama3_70b_h100_128x8_pipeline8": (
+        [
+            "--config",
+            "configs/llama3_70b.yaml",
+            "--mesh.pipeline",
+            "8",
+            "--mesh.tensor",
+            "8",
+            "--mesh.fsdp",
+            "1",
+            "--mesh.zero1",
+            "true",
+        ],
+        "h100",
+        128,
         8,
     ),  # fmt: skip
 }

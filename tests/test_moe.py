@@ -318,9 +318,10 @@ def test_an_expert_axis_across_hosts_is_warned_of_once(sizes, crosses):
     """2 hosts x 4 devices (fakes: only their host is read). Expert groups stride by fsdp, so
     expert 4 x fsdp 2 puts each group's peers on both hosts though fsdp 2 stays inside one."""
     hosts = [types.SimpleNamespace(process_index=i // 4) for i in range(8)]
+    grid = (1, *sizes)  # pipeline 1 x data x expert x fsdp x context x tensor
     mesh = types.SimpleNamespace(
-        devices=np.asarray(hosts, dtype=object).reshape(sizes),
-        shape=dict(zip(mesh_lib.MESH_AXES, sizes, strict=True)),
+        devices=np.asarray(hosts, dtype=object).reshape(grid),
+        shape=dict(zip(mesh_lib.MESH_AXES, grid, strict=True)),
         axis_names=mesh_lib.MESH_AXES,
     )
     said = mesh_lib.host_warnings(mesh)

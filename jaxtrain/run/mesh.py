@@ -1,6 +1,8 @@
 """The device mesh and every sharding decision. Only this module knows the topology.
 
-The mesh is data x expert x fsdp x context x tensor (config `mesh`):
+The mesh is pipeline x data x expert x fsdp x context x tensor (config `mesh`):
+  pipeline stages: each holds a run of consecutive layers of the scanned stack (its `layers` dim
+          split), and activations pass from stage to stage (run/pipeline.py). Outermost: across hosts.
   data    replicas; the outer axis, spanning processes (hosts). Batch rows split over it.
   expert  MoE: each device holds its share of every MoE layer's experts and receives the tokens
           routed to them by all-to-all (model/moe.py). Batch rows split over it too, and every
@@ -34,8 +36,9 @@ from jaxtrain.model.params import path_names
 
 log = logging.getLogger("jaxtrain")
 
-DATA_AXIS, EXPERT_AXIS, FSDP_AXIS, CONTEXT_AXIS, TENSOR_AXIS = MESH_AXES
-# Axes a batch is split over (a tensor group shares its rows); the step runs manual over these.
+PIPELINE_AXIS, DATA_AXIS, EXPERT_AXIS, FSDP_AXIS, CONTEXT_AXIS, TENSOR_AXIS = MESH_AXES
+# Axes a batch is split over (a tensor group shares its rows); the step runs manual over these
+# (and over `pipeline` when it has stages: each stage sees every row of its batch shard).
 BATCH_AXES = (DATA_AXIS, EXPERT_AXIS, FSDP_AXIS)
 
 # Logical axis of a parameter -> mesh axis. `embed` (d_model) is the dim FSDP splits: every
@@ -49,6 +52,7 @@ PARAM_RULES: dict[str, str | None] = {
     # dim: fsdp splits the latent's (left whole they were 3.2B params on every GPU, DeepSeek-V3).
     "latent": FSDP_AXIS,
     "expert": EXPERT_AXIS,
+    "layers": PIPELINE_AXIS,  # a scanned stack's layer dim: each stage holds its run of layers
 }
 # Logical axis of an activation inside the step -> mesh axis. The step is already manual over
 # the batch axes (each device holds its own rows), so only the tensor axis is left to place;
@@ -60,7 +64,7 @@ EXPERT_RULES = (("expert", EXPERT_AXIS),)
 # values by heads over context, an all-to-all each way (Ulysses), and runs the plain causal kernel.
 CONTEXT_RULES = (("length", CONTEXT_AXIS),)
 # Axes a dense model's mesh leaves at 1 unless asked for: unsaid in what is printed.
-OPTIONAL_AXES = (EXPERT_AXIS, CONTEXT_AXIS)
+OPTIONAL_AXES = (PIPELINE_AXIS, EXPERT_AXIS, CONTEXT_AXIS)
 
 
 def activation_rules(mesh: Any) -> tuple[tuple[str, str], ...]:
@@ -79,7 +83,8 @@ def activation_rules(mesh: Any) -> tuple[tuple[str, str], ...]:
 
 
 def make_mesh(devices: list[jax.Device] | None = None, shape: MeshConfig | None = None) -> Mesh:
-    """A data x expert x fsdp x context x tensor mesh over `devices` (default: every device of every process).
+    """A pipeline x data x expert x fsdp x context x tensor mesh over `devices` (default: every
+    device of every process).
 
     `shape` must be resolved (config.with_topology); None means pure data parallelism.
     """
@@ -129,7 +134,8 @@ def check_mesh(mesh: Mesh) -> None:
 
 
 def mesh_shape(mesh: Mesh) -> dict[str, int]:
-    """Axis sizes by name; `expert` and `context` only when used (a mesh reads as it did before them)."""
+    """Axis sizes by name; `pipeline`, `expert` and `context` only when used (a mesh reads as it
+    did before them)."""
     return {a: int(mesh.shape[a]) for a in MESH_AXES if a not in OPTIONAL_AXES or mesh.shape[a] > 1}
 
 
@@ -230,8 +236,8 @@ def shardings(mesh: Mesh, specs: Any) -> Any:
 
 
 def manual_part(spec: P) -> P:
-    """The part of a spec on the manual (batch) axes: what shard_map's in/out specs name."""
-    keep = set(BATCH_AXES)
+    """The part of a spec on the manual (batch and pipeline) axes: what shard_map's in/out specs name."""
+    keep = {*BATCH_AXES, PIPELINE_AXIS}
 
     def part(entry: Any) -> Any:
         axes = entry if isinstance(entry, tuple) else (entry,) if entry else ()
@@ -296,3 +302,9 @@ def host_copy(tree: Any) -> Any:
     if jax.process_count() == 1:
         return jax.device_get(tree)
     return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def manual_axes(mesh: Mesh) -> set[str]:
+    """The axes the step runs manual over: the batch axes, and `pipeline` when it has stages (one
+    stage stays out, so a mesh without a pipeline compiles the program it did before pipelines)."""
+    return set(BATCH_AXES) | ({PIPELINE_AXIS} if mesh.shape[PIPELINE_AXIS] > 1 else set())

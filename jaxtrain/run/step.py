@@ -44,6 +44,7 @@ from jaxtrain.model.moe import balance_loss, grouped_matmul, router_stats, updat
 from jaxtrain.model.params import logical_axes, path_names
 from jaxtrain.model.transformer import GPT
 from jaxtrain.run import mesh as mesh_lib
+from jaxtrain.run import pipeline
 from jaxtrain.run.optim import lr_schedule
 from jaxtrain.run.state import TrainState
 from jaxtrain.text.format import NO_LOSS, TOKEN_BITS
@@ -114,6 +115,7 @@ class _ParamLayout:
         # Params split over fsdp, or dense ones over expert (mesh_lib.param_spec): layers gather them.
         self.gathers = any(mesh.shape[a] > 1 for a in (mesh_lib.FSDP_AXIS, mesh_lib.EXPERT_AXIS))
         self.sizes = {a: int(mesh.shape[a]) for a in mesh_lib.BATCH_AXES}
+        self.stages = int(mesh.shape[mesh_lib.PIPELINE_AXIS])  # > 1: run/pipeline.py's schedule
         self.rules = mesh_lib.activation_rules(mesh)
         self.platform = mesh.devices.flat[0].platform  # what the step compiles for, not jax's default
         self.capability = getattr(mesh.devices.flat[0], "compute_capability", "")  # GPUs: "9.0"...
@@ -129,7 +131,7 @@ class _ParamLayout:
             logical = logical_axes(names, p.ndim)
             dim = mesh_lib.fsdp_logical_dim(logical)
             axes = None if dim is None else mesh_lib.manual_of(names, p.ndim, self.manual_by_path)[dim]
-            if axes is None:
+            if dim is None or axes is None:
                 return p
             gather = functools.partial(
                 _fsdp_gather, axes=axes, dim=dim, dtype=self.dtype, reduce_dtype=self.reduce_dtype
@@ -274,7 +276,8 @@ def make_train_step(
         if faults.nan_step > 0:  # test-only fault, traced only when asked for
             scale = poison_gradients(faults, scale, step, jax.lax.axis_index(mesh_lib.BATCH_AXES) == 0)
         share = layout.kept_share(layout.kept(rows), accum) if masked else None
-        grads, metrics = _local_grads(model, layout, accum, params, rows, scale, share)
+        local = pipeline.local_grads if layout.stages > 1 else _local_grads
+        grads, metrics = local(model, layout, accum, params, rows, scale, share)
         return layout.reduce_grads(grads), layout.mean(metrics)
 
     # check_vma=False: we reduce explicitly, exactly once per step. `tensor` and `context` stay automatic.
@@ -283,7 +286,7 @@ def make_train_step(
         mesh=mesh,
         in_specs=(layout.manual, mesh_lib.batch_spec(), P(), P()),
         out_specs=(layout.manual, P()),
-        axis_names=set(mesh_lib.BATCH_AXES),
+        axis_names=mesh_lib.manual_axes(mesh),
         check_vma=False,
     )
 
@@ -348,7 +351,11 @@ def make_eval_step(
     def device_metrics(params: Any, rows: jax.Array) -> Metrics:
         kept = layout.kept(rows) if masked else None
         share = None if kept is None else layout.kept_share(kept, accum)
-        if accum == 1:
+        if layout.stages > 1:
+            metrics = layout.mean(
+                pipeline.loss(layout.model(model), layout.rules, params, rows, accum, share)[1]
+            )
+        elif accum == 1:
             metrics = layout.mean(layout.loss(model, params, rows, share)[1])
         else:
             micro = rows.reshape(accum, rows.shape[0] // accum, rows.shape[1])
@@ -362,7 +369,7 @@ def make_eval_step(
         mesh=mesh,
         in_specs=(layout.manual, mesh_lib.batch_spec()),
         out_specs=P(),
-        axis_names=set(mesh_lib.BATCH_AXES),
+        axis_names=mesh_lib.manual_axes(mesh),
         check_vma=False,
     )
 
