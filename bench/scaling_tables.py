@@ -26,17 +26,20 @@ DENSE = [
     "gpt_7b_h100_8x8_data8_fsdp8", "llama3_8b_h100x8", "llama3_8b_h100_8x8", "llama3_8b_h100_8x8_fsdp16",
     "llama3_8b_h100_8x8_reduce_compute", "llama3_70b_h100_16x8_maxtext", "llama3_70b_h100_128x8",
     "gpt_70b_h100_128x8_data2_fsdp64_tensor8", "gpt_19b_h100x1", "llama3_8b_128k_h100_8x8",
-    "llama3_70b_128k_h100_32x8", "llama3_8b_1m_h100_16x8",
+    "llama3_70b_128k_h100_32x8", "llama3_8b_1m_h100_16x8", "llama3_405b_h100_256x8",
+    "llama3_405b_128l_h100_256x8_pipeline32", "llama3_405b_128l_h100_256x8_pipeline16_fsdp2",
+    "llama3_70b_h100_128x8_pipeline8",
 ]  # fmt: skip
 # The mixtures of experts, each with the words of its model column.
 MOE = {
-    "qwen3_30b_a3b_h100_4x8": "Qwen3-30B-A3B, as shipped (grouped matmul `blocks`)",
-    "qwen3_30b_a3b_h100_4x8_ragged_dot": "the same with `ragged_dot`",
-    "qwen3_30b_a3b_h100_4x8_data4_expert8": "experts inside each host",
+    "qwen3_30b_a3b_h100_4x8": "Qwen3-30B-A3B, as shipped (experts inside each host, grouped matmul `pallas`)",
+    "qwen3_30b_a3b_h100_4x8_expert8_fsdp4": "experts spread over the 4 hosts (shipped before)",
     "qwen3_30b_a3b_h100x8": "one host",
     "qwen3_30b_a3b_8l_h100x8": "Qwen3-30B-A3B, 8 of 48 layers (CI)",
-    "mixtral_8x7b_h100_4x8": "Mixtral-8x7B, as shipped",
+    "mixtral_8x7b_h100_4x8": "Mixtral-8x7B, as shipped (grouped matmul `pallas`)",
+    "mixtral_8x7b_h100_4x8_ragged_dot": "the same with `ragged_dot`",
     "mixtral_8x7b_h100_2x8": "2 hosts",
+    "deepseek_v3_671b_h100_128x8": "DeepSeek-V3-671B, as configured",
     "moe_tiny_dropless_h100x8": "moe_tiny, dropless (CI)",
 }
 DENSE_HEAD = (

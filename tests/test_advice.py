@@ -101,16 +101,18 @@ def test_fixes_print_as_flags_with_their_memory(capsys):
     )
 
 
-def test_the_search_varies_the_expert_axis():
+def test_the_search_varies_the_expert_and_pipeline_axes():
     mixtral = _cfg("mixtral_8x7b.yaml")
     grid = advice.layouts(mixtral, devices=16, gpus_per_host=8)
-    assert [(t, e) for t, c, e, _ in grid if t == 1 and c == 1] == [(1, 8), (1, 4), (1, 2), (1, 1)]
-    for tensor, context, expert, fsdps in grid:
-        assert fsdps[-1] * tensor * context * expert == 16 and fsdps[0] == 1
+    assert [(t, e) for t, c, e, _, _ in grid if t == 1 and c == 1] == [(1, 8), (1, 4), (1, 2), (1, 1)]
+    assert {pipe for _, _, _, pipe, _ in grid} == {1}  # no pipeline for a mixture of experts
+    for tensor, context, expert, pipe, fsdps in grid:
+        assert fsdps[-1] * tensor * context * expert * pipe == 16 and fsdps[0] == 1
     # A dense model: expert 1 only; tensor inside the host, largest first; context in what the host
-    # leaves, where it divides the window and the heads (32 heads: context x tensor <= 32).
+    # leaves, where it divides the window and the heads (32 heads: context x tensor <= 32); no
+    # pipeline, then the pipelines that divide its 32 layers in what is left, deepest first.
     dense = advice.layouts(_cfg("llama3_8b.yaml"), devices=64, gpus_per_host=8)
-    assert [(t, c) for t, c, e, _ in dense] == [
+    assert [(t, c) for t, c, e, pipe, _ in dense if pipe == 1] == [
         (8, 1),
         (4, 1),
         (4, 2),
@@ -122,7 +124,10 @@ def test_the_search_varies_the_expert_axis():
         (1, 4),
         (1, 8),
     ]
-    assert {e for _, _, e, _ in dense} == {1}
+    assert [pipe for t, c, _, pipe, _ in dense if (t, c) == (8, 1)] == [1, 8, 4, 2]
+    for tensor, context, _, pipe, fsdps in dense:
+        assert fsdps[-1] * tensor * context * pipe == 64
+    assert {e for _, _, e, _, _ in dense} == {1}
 
 
 def test_a_device_batch_whose_layer_inputs_alone_exceed_a_gpu_is_not_compiled():

@@ -323,6 +323,8 @@ CASES = [
          _yaml_file("list.yaml", "- 1\n- 2\n")),
     Case("train-batch-vs-devices", [*TINY, "--batch_size", "3"], "microbatch 3 (batch_size 3 / gradient_accumulation_steps 1) is not divisible by 2 devices"),
     Case("train-float16-on-cpu", [*TINY, "--dtype", "float16"], "dtype float16 needs a GPU"),
+    Case("train-pallas-on-cpu", [*TINY, "--model.moe.n_experts", "2", "--model.moe.grouped_matmul", "pallas"],
+         "model.moe.grouped_matmul pallas needs Hopper GPUs (9.0), not cpu"),
     # -- train.py: data files
     Case("data-missing", [*TINY, "--train_data_path", "{tmp}/missing.bin"], "missing.bin does not exist"),
     Case("data-is-a-dir", [*TINY, "--train_data_path", "{tmp}"], "is not a file"),

@@ -24,9 +24,9 @@ MESHES = ["data8", "fsdp8", "fsdp4_tensor2_fp16", "zero1"]
 LARGEST_PARAM = 50304 * 768 * 4
 # tests/gpu_plans.py's mixture of experts: 8 layers of Qwen3-30B-A3B on one host of 8.
 MOE = "qwen3_30b_a3b_8l_h100x8"
-QWEN3_MOE = {"d_model": 2048, "n_layer": 8, "n_experts": 128, "k": 8, "d_expert": 768}
+QWEN3_MOE = {"d_model": 2048, "n_layer": 8, "n_experts": 128, "k": 8, "d_expert": 768, "vocab": 151936}
 # configs/moe_tiny.yaml, dropless over expert 8 (one expert a GPU).
-TINY_MOE = {"d_model": 128, "n_layer": 4, "n_experts": 8, "k": 2, "d_expert": 176}
+TINY_MOE = {"d_model": 128, "n_layer": 4, "n_experts": 8, "k": 2, "d_expert": 176, "vocab": 256}
 MOE_SHAPES = {MOE: QWEN3_MOE, "moe_tiny_dropless_h100x8": TINY_MOE}
 
 
@@ -142,12 +142,13 @@ def test_llama3_70b_as_shipped_fits_1024_h100_at_full_speed(plans):
 def test_moe_tokens_go_by_ragged_all_to_all_inside_the_host(plans):
     """The experts stay put and the tokens move: one ragged all-to-all per direction and pass,
     sending a device's routed copies (not a capacity-sized buffer for each peer), after two tiny
-    int32 all-to-alls of their sizes; never an all-gather (of tokens or of experts), every byte
-    inside the host."""
+    int32 all-to-alls of their sizes; never an all-gather of tokens or of experts (the dense
+    params are gathered over the expert axis, split over it as over fsdp), every byte inside the host."""
     p = plans[MOE]
     assert p["fits"] and p["mesh"] == {"data": 1, "expert": 8, "fsdp": 1, "tensor": 1}, p
     moved = {(c["kind"], c["axis"]): c for c in p["collectives"]}
     kinds = {("ragged-all-to-all", "expert"), ("all-to-all", "expert"), ("all-reduce", "expert")}
+    kinds |= {("all-gather", "expert"), ("reduce-scatter", "expert")}
     assert set(moved) == kinds, p["collectives"]
     assert not any(c["crosses_hosts"] for c in p["collectives"])
     ragged, sizes = moved[("ragged-all-to-all", "expert")], moved[("all-to-all", "expert")]
@@ -183,17 +184,21 @@ def _exchange(moe: dict[str, int], p: dict) -> dict[tuple[str, str], float]:
     above them); there and back in the forward, again under full remat, and the two transposed
     in the backward. The sizes go first, in the forward, by two int32 all-to-alls (ep x (experts
     a device + 1), then ep x 2); each backward ragged all-to-all sends its offsets by two more of
-    ep. The gradients of every param not an expert's (replicated over expert) all-reduce in
-    float32 once a step."""
+    ep. Every param not an expert's is split over the expert axis (its d_model dim, as over fsdp):
+    gathered in bfloat16 each microbatch (a scanned layer's again under full remat, the two
+    untied embeddings once) and its gradient reduce-scattered in float32; the norms' scales (a few
+    KB, all-reduced) are left to the check that nothing else moves a weight-sized buffer."""
     ep, d, layers = p["mesh"]["expert"], moe["d_model"], moe["n_layer"]
     passes = 2 if p["remat"] == "full" else 1
     copies = p["device_batch"] * p["seq_len"] * moe["k"]
     sizes = passes * ep * (moe["n_experts"] // ep + 1 + 2) * 4 + 2 * 2 * ep * 4
     experts = layers * moe["n_experts"] * 3 * d * moe["d_expert"]
+    dense, embeddings = p["n_params"] - experts, 2 * moe["vocab"] * d
     return {
         ("ragged-all-to-all", "expert"): p["accumulation"] * layers * (2 * passes + 2) * copies * d * 2,
         ("all-to-all", "expert"): p["accumulation"] * layers * sizes,
-        ("all-reduce", "expert"): (p["n_params"] - experts) * 4,
+        ("all-gather", "expert"): p["accumulation"] * (passes * (dense - embeddings) + embeddings) * 2,
+        ("reduce-scatter", "expert"): p["accumulation"] * dense * 4,
     }
 
 

@@ -33,6 +33,7 @@ from jaxtrain.model.params import param_count
 from jaxtrain.model.transformer import GPT
 from jaxtrain.run import cli
 from jaxtrain.run import mesh as mesh_lib
+from jaxtrain.run import step as step_lib
 from jaxtrain.run.build import build
 from jaxtrain.run.job import Job
 from jaxtrain.run.loop import train
@@ -125,20 +126,21 @@ def test_tokens_go_by_all_to_all_and_experts_stay_split(expert_parallel):
     buffers = f"f32[1,{copies},{cfg.model.d_model}]"
     to_all = _collectives(hlo, "all-to-all")
     assert sum(t.count(buffers) == ep for t in to_all) >= 4 * cfg.model.n_layer, to_all
-    # No all-gather holds tokens: its results are fsdp's params (a d_model dim split over fsdp).
+    # No all-gather holds tokens: its results are params (a d_model dim split over fsdp, and a
+    # dense param's over expert too: the expert axis folds onto the dense part's shards).
     gathers = _collectives(hlo, "all-gather")
-    assert all(str(cfg.model.d_model) in t for t in gathers) and (gathers != []) == (fsdp > 1), gathers
+    assert all(str(cfg.model.d_model) in t for t in gathers) and gathers != [], gathers
     moe = run["run"].shardings.params["block_0"]["moe"]
     assert moe["gate_up"]["kernel"].spec == (
         jax.sharding.PartitionSpec("expert", None, None, None)
         if fsdp == 1
         else jax.sharding.PartitionSpec("expert", "fsdp", None, "tensor")
     )
-    # The shared expert is a dense MLP: split like one, whole on every expert peer.
+    # The shared expert is a dense MLP: split like one, its d_model over fsdp and expert.
     assert moe["shared_gate_up"]["kernel"].spec == (
-        jax.sharding.PartitionSpec(None, None, None)
+        jax.sharding.PartitionSpec("expert", None, None)
         if fsdp == 1
-        else jax.sharding.PartitionSpec("fsdp", None, "tensor")
+        else jax.sharding.PartitionSpec(("fsdp", "expert"), None, "tensor")
     )
 
 
@@ -148,7 +150,11 @@ def _router_logits(run):
     expert axis with the step's drops (a layer's drops change the next layer's input)."""
     cfg = run.cfg.model
     moe = dataclasses.replace(cfg.moe, grouped_matmul=grouped_matmul(run.job.platform))
-    model = run.model.clone(cfg=dataclasses.replace(cfg, attention_impl=run.attention, moe=moe))
+    # The step's own per-layer gathers: dense params are split over the expert axis too.
+    layout = step_lib._ParamLayout(run.mesh, jax.tree.map(lambda s: s.spec, run.shardings.params))
+    model = run.model.clone(
+        cfg=dataclasses.replace(cfg, attention_impl=run.attention, moe=moe), gather=layout.gather
+    )
 
     def device_logits(p, tokens):
         with nn.logical_axis_rules(mesh_lib.EXPERT_RULES):
@@ -312,9 +318,10 @@ def test_an_expert_axis_across_hosts_is_warned_of_once(sizes, crosses):
     """2 hosts x 4 devices (fakes: only their host is read). Expert groups stride by fsdp, so
     expert 4 x fsdp 2 puts each group's peers on both hosts though fsdp 2 stays inside one."""
     hosts = [types.SimpleNamespace(process_index=i // 4) for i in range(8)]
+    grid = (1, *sizes)  # pipeline 1 x data x expert x fsdp x context x tensor
     mesh = types.SimpleNamespace(
-        devices=np.asarray(hosts, dtype=object).reshape(sizes),
-        shape=dict(zip(mesh_lib.MESH_AXES, sizes, strict=True)),
+        devices=np.asarray(hosts, dtype=object).reshape(grid),
+        shape=dict(zip(mesh_lib.MESH_AXES, grid, strict=True)),
         axis_names=mesh_lib.MESH_AXES,
     )
     said = mesh_lib.host_warnings(mesh)

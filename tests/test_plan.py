@@ -208,6 +208,12 @@ def test_flops_of_a_matmul_and_of_fused_attention():
     assert hlo.flops(fwd, {}, {}) == 4 * (2 * 1024 * 8 * 64) * 1024 * 0.5
     bwd = hlo.Op("b", fwd.shape, "custom-call", [], fwd.attrs.replace("fmhaSoftmax", "fmhaSoftmaxBackward"))
     assert hlo.flops(bwd, {}, {}) == 2.5 * hlo.flops(fwd, {}, {})
+    # model/grouped.py's kernel: the routed rows' FLOPs its scope names, not its buffer's.
+    grouped = hlo.Op("g", "bf16[8,1024,512]{2,1,0}", "custom-call", [], (
+        ', custom_call_target="mosaic_gpu_v2", api_version=API_VERSION_TYPED_FFI, metadata={op_name='
+        '"jit(f)/transpose(jvp(grouped_matmul_flops_4294967296))/body/mpmd_map"}, backend_config={module = "ML"}'
+    ))  # fmt: skip
+    assert hlo.flops(grouped, {}, {}) == 2 * 4096 * 1024 * 512
 
 
 # The microbatch loop as XLA's GPU compiler leaves it: no known_trip_count; `i < 3` from 0.

@@ -1,6 +1,7 @@
 """Sharded checkpoints from real processes: 2 processes x 4 devices as data 2 x fsdp 4 (fsdp inside
 each process). Each process writes its own shards; the checkpoint resumes on other meshes and
-process counts; kill -9 and relaunch stays bitwise, under fsdp and under expert parallelism.
+process counts; kill -9 and relaunch stays bitwise, under fsdp and under expert, context and
+pipeline parallelism.
 """
 
 import json
@@ -98,10 +99,17 @@ def test_fsdp_across_processes_trains_and_says_what_it_costs(tmp_path):
 
 # Sequences split in two inside each process (context 2 x fsdp 2), data across the processes.
 CONTEXT = ["--model.n_head", "4", "--mesh.context", "2", "--mesh.fsdp", "2"]
+# One stage per process (pipeline is the outer axis), its layer and 2 microbatches over data 2 x fsdp 2.
+PIPELINE = [
+    "--model.scan_layers", "true", "--mesh.pipeline", "2", "--mesh.fsdp", "2",
+    "--gradient_accumulation_steps", "2",
+]  # fmt: skip
 
 
-@pytest.mark.parametrize("layout", [EXPERT, CONTEXT], ids=["expert", "context"])
-def test_kill_9_under_expert_or_context_parallelism_then_relaunch_is_bitwise_identical(tmp_path, layout):
+@pytest.mark.parametrize("layout", [EXPERT, CONTEXT, PIPELINE], ids=["expert", "context", "pipeline"])
+def test_kill_9_under_expert_context_or_pipeline_parallelism_then_relaunch_is_bitwise_identical(
+    tmp_path, layout
+):
     """The killed launch is its own uninterrupted reference: it ran steps 11-15 past checkpoint 10
     before the kill, and the relaunch from that checkpoint must compute them again bit for bit (a
     separate reference run would cost one more launch and compile). Read before the relaunch, which

@@ -20,7 +20,7 @@ _CHOICES = {
     "model.remat": ("none", "full", "dots"),
     "model.attention_impl": ("auto", "xla", "cudnn"),
     "model.mlp": ("gelu", "swiglu"),
-    "model.moe.grouped_matmul": ("auto", "ragged_dot", "blocks"),
+    "model.moe.grouped_matmul": ("auto", "ragged_dot", "blocks", "pallas"),
     "model.moe.router": ("softmax", "sigmoid"),
     "model.rope_type": ("llama3", "yarn"),
     "mesh.reduce_dtype": ("float32", "compute"),
@@ -154,8 +154,10 @@ def profile_processes(text: str) -> set[int] | None:
 
 
 def mesh_str(sizes: dict[str, int]) -> str:
-    """{"data": 2, "fsdp": 4} -> "data 2 x fsdp 4" (expert and context axes of 1 unsaid)."""
-    return " x ".join(f"{a} {n}" for a, n in sizes.items() if a not in ("expert", "context") or n != 1)
+    """{"data": 2, "fsdp": 4} -> "data 2 x fsdp 4" (pipeline, expert and context axes of 1 unsaid)."""
+    return " x ".join(
+        f"{a} {n}" for a, n in sizes.items() if a not in ("pipeline", "expert", "context") or n != 1
+    )
 
 
 def _check_mesh_values(cfg: Config) -> None:
@@ -167,6 +169,7 @@ def _check_mesh_values(cfg: Config) -> None:
         raise ConfigError(f"at most one mesh axis may be -1, got {mesh_str(sizes)}")
     m, tp, cp = cfg.model, cfg.mesh.tensor, cfg.mesh.context
     _check_moe(m, cfg.mesh.expert)
+    _check_pipeline(m, cfg.mesh.pipeline)
     if cp > 1 and m.seq_len % cp:
         raise ConfigError(
             f"model.seq_len {m.seq_len} is not divisible by mesh.context {cp}: context parallelism splits "
@@ -197,6 +200,28 @@ def _check_mesh_values(cfg: Config) -> None:
                     f"{what} {n} is not divisible by mesh.tensor {tp}: tensor parallelism splits it "
                     f"evenly; use a mesh.tensor that divides {n}"
                 )
+
+
+def _check_pipeline(m: ModelConfig, pp: int) -> None:
+    """Stages of consecutive layers of the scanned stack (run/pipeline.py), dense models only."""
+    if pp == 1:
+        return
+    if not m.scan_layers:
+        raise ConfigError(
+            f"mesh.pipeline {pp} splits the scanned layer stack into stages; set model.scan_layers true "
+            "or drop mesh.pipeline"
+        )
+    if m.moe.n_experts:
+        raise ConfigError(
+            f"mesh.pipeline {pp} is not built for a mixture of experts yet (its router losses and layer "
+            "stacks); drop mesh.pipeline and use mesh.expert and mesh.fsdp"
+        )
+    if m.n_layer % pp:
+        fits = [n for n in range(2, m.n_layer + 1) if m.n_layer % n == 0 and n <= 64]
+        raise ConfigError(
+            f"model.n_layer {m.n_layer} is not divisible by mesh.pipeline {pp}: each stage holds "
+            f"n_layer / pipeline consecutive layers; use a mesh.pipeline in {fits}"
+        )
 
 
 def _check_mla(m: ModelConfig) -> None:

@@ -171,17 +171,20 @@ class DistConfig:
     init_timeout: int = 300  # seconds to wait for every process to join
 
 
-MESH_AXES = ("data", "expert", "fsdp", "context", "tensor")  # outer to inner
+MESH_AXES = ("pipeline", "data", "expert", "fsdp", "context", "tensor")  # outer to inner
 
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """The device mesh, data x expert x fsdp x context x tensor; its product is the device count.
+    """The device mesh, pipeline x data x expert x fsdp x context x tensor; its product is the device count.
 
     -1 means "the devices left over" (at most one axis). `data` is the outer axis and spans
     processes; `fsdp`, `context` and `tensor` stay inside a process (one NVLink domain) wherever they fit.
     """
 
+    # pipeline parallel: the scanned layers split into this many stages of consecutive layers, the
+    # outer axis (across hosts); the microbatches (gradient_accumulation_steps) flow through them
+    pipeline: int = 1
     data: int = -1  # data parallel: replicas of the (fsdp x tensor)-sharded state
     # expert parallel (MoE): each device holds n_experts / expert of them, tokens sent by all-to-all;
     # the batch is split over it too, so for everything else it is one more data axis

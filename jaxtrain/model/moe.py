@@ -3,8 +3,9 @@
 Routing (`route`): softmax top-k (Mixtral, Qwen3-MoE), or DeepSeek-V3's sigmoid scores picked with
 a per-expert bias (selection only; moved after each step by `update_router_bias`) from the best
 groups; shared experts (model/mlp.py) see every token. Dropless: the copies are sorted by expert
-and run as one grouped matmul (`grouped_matmul`: `jax.lax.ragged_dot`, or `blocks` of BLOCK rows
-per expert). Expert parallelism: inside the train step each device sends each peer exactly the
+and run as one grouped matmul (`grouped_matmul`: `jax.lax.ragged_dot`, `blocks` of BLOCK rows
+per expert, or `pallas`: model/grouped.py's Hopper kernels, computing only the routed rows).
+Expert parallelism: inside the train step each device sends each peer exactly the
 copies for its experts by one `ragged_all_to_all` and gets the results back by another (on
 XLA:CPU, which has none, a padded `all_to_all` stands in: same routing); a device's receive buffer
 holds every peer's copies (dropless), or `capacity_factor` x the copies an even router sends it
@@ -24,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.config import ModelConfig, MoeConfig
+from jaxtrain.model import grouped
 from jaxtrain.model.layers import constrain, dense, residual_std
 from jaxtrain.model.mlp import mlp
 
@@ -59,9 +61,12 @@ def _expert_parallelism() -> tuple[str | None, int]:
 BLOCK = 128  # rows per block of the `blocks` grouped matmul
 
 
-def grouped_matmul(platform: str) -> str:
-    """The grouped matmul the experts compile to on `platform` ("cpu", "gpu", ...: jax's Device.platform)."""
-    return "blocks" if platform == "cpu" else "ragged_dot"
+def grouped_matmul(platform: str, compute_capability: str = "") -> str:
+    """The grouped matmul the experts compile to on `platform` ("cpu", "gpu", ...: jax's Device.platform)
+    and, on a GPU, its compute capability ("9.0": Hopper, where model/grouped.py's kernels run)."""
+    if platform == "cpu":
+        return "blocks"
+    return "pallas" if compute_capability == grouped.HOPPER else "ragged_dot"
 
 
 def _activation(h: jax.Array, swiglu: bool) -> jax.Array:
@@ -71,14 +76,22 @@ def _activation(h: jax.Array, swiglu: bool) -> jax.Array:
     return nn.gelu(h)
 
 
-def expert_mlps(rows: jax.Array, sizes: jax.Array, w_in: jax.Array, w_out: jax.Array, impl: str) -> jax.Array:
+def expert_mlps(
+    rows: jax.Array, sizes: jax.Array, w_in: jax.Array, w_out: jax.Array, impl: str, routed: int | None = None
+) -> jax.Array:
     """Rows [m, d] sorted by expert, `sizes[e]` of them for expert e -> each through its expert's MLP.
 
     w_in is [E, d, 2, ff] (SwiGLU: gate and up) or [E, d, ff] (GELU); w_out [E, ff, d]. Rows past
-    sum(sizes) (exchange padding) belong to no expert: they come out zero.
+    sum(sizes) (exchange padding) belong to no expert: they come out zero. `routed`: how many rows
+    are routed here under an even load (default m), the FLOPs the planner counts for `pallas`,
+    which computes only the routed rows whatever the buffer.
     """
     e, d = w_in.shape[:2]
     w_in, swiglu = w_in.reshape(e, d, -1), w_in.ndim == 4
+    if impl == "pallas":
+        routed = rows.shape[0] if routed is None else routed
+        h = _activation(grouped.ragged_matmul(rows, w_in, sizes, routed), swiglu)
+        return grouped.ragged_matmul(h, w_out, sizes, routed)
     if impl == "ragged_dot":
         h = _activation(jax.lax.ragged_dot(rows, w_in, sizes), swiglu)
         return jax.lax.ragged_dot(h, w_out, sizes)
@@ -102,7 +115,7 @@ def expert_mlps(rows: jax.Array, sizes: jax.Array, w_in: jax.Array, w_out: jax.A
 
 
 def _tensor_split(
-    rows: jax.Array, sizes: jax.Array, w_in: jax.Array, w_out: jax.Array, impl: str
+    rows: jax.Array, sizes: jax.Array, w_in: jax.Array, w_out: jax.Array, impl: str, routed: int | None = None
 ) -> jax.Array:
     """expert_mlps with each expert's hidden dim split over the tensor axis, if the step has one:
     each device runs its slice of every expert (Megatron's column then row split) and one psum adds
@@ -110,11 +123,11 @@ def _tensor_split(
     axis = _mesh_axis("mlp")
     mesh = jax.sharding.get_abstract_mesh()
     if axis is None or mesh.empty or axis in mesh.manual_axes or mesh.shape[axis] == 1:
-        return expert_mlps(rows, sizes, w_in, w_out, impl)
+        return expert_mlps(rows, sizes, w_in, w_out, impl, routed)
     spec_in = jax.sharding.PartitionSpec(*(None,) * (w_in.ndim - 1), axis)
     spec_out = jax.sharding.PartitionSpec(None, axis, None)
     return jax.shard_map(
-        lambda r, s, a, b: jax.lax.psum(expert_mlps(r, s, a, b, impl), axis),
+        lambda r, s, a, b: jax.lax.psum(expert_mlps(r, s, a, b, impl, routed), axis),
         mesh=mesh,
         in_specs=(jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec(), spec_in, spec_out),
         out_specs=jax.sharding.PartitionSpec(),
@@ -225,7 +238,8 @@ def _exchange(
     # exchange: 2.9 GB more a GPU on Qwen3-30B-A3B's 4 x 8 plan (55.1 against 52.2).
     recv, recv_expert, sizes = jax.lax.optimization_barrier((recv, recv_expert, kept_by_expert.sum(axis=0)))
     order = jnp.argsort(recv_expert, stable=True)
-    out = _tensor_split(recv[order], sizes, w_in, w_out, impl)[jnp.argsort(order)]
+    # n: the rows an even load brings each device (what the pallas kernel's FLOPs are counted at)
+    out = _tensor_split(recv[order], sizes, w_in, w_out, impl, routed=n)[jnp.argsort(order)]
     back = a2a(out, jnp.zeros_like(rows), offset, kept, their_start, send_sizes, axis_name=axis)
     return back, 1.0 - send_sizes.sum() / n
 

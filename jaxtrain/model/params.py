@@ -22,11 +22,12 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     ("attn", "kv", "kernel"): ("embed", None, "heads", None),
     ("attn", "kv", "bias"): (None, "heads", None),
     ("attn", "out", "kernel"): ("heads", None, "embed"),
-    # Multi-head latent attention (model/mla.py): the latents whole, the heads from them split.
+    # Multi-head latent attention (model/mla.py): the latents whole, the heads from them split (and
+    # their latent dim over fsdp: run/mesh.py PARAM_RULES).
     ("attn", "q_a", "kernel"): ("embed", None),
-    ("attn", "q_b", "kernel"): (None, "heads", None),
+    ("attn", "q_b", "kernel"): ("latent", "heads", None),
     ("attn", "kv_a", "kernel"): ("embed", None),
-    ("attn", "kv_b", "kernel"): (None, "heads", None),
+    ("attn", "kv_b", "kernel"): ("latent", "heads", None),
     ("mlp", "fc", "kernel"): ("embed", "mlp"),
     ("mlp", "gate_up", "kernel"): ("embed", None, "mlp"),
     ("mlp", "out", "kernel"): ("mlp", "embed"),

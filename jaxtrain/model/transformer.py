@@ -72,7 +72,7 @@ def _with_gather(
     )
 
 
-def _block_class(cfg: ModelConfig, gather: Gather | None) -> Any:
+def block_class(cfg: ModelConfig, gather: Gather | None) -> Any:
     """Block, its params gathered as it runs, wrapped in nn.remat as cfg.remat asks."""
     block = _with_gather(Block, gather)
     if cfg.remat == "none":
@@ -93,6 +93,10 @@ class GPT(nn.Module):
     # itself never knows how params are laid out.
     gather: Gather | None = None
     decode: bool = False  # keep a KV cache (collection "cache"): see `generate`
+    # What a call computes: "all" (tokens -> logits); a pipeline (run/pipeline.py) runs the layers
+    # itself, between "embed" (tokens -> the residual stream) and "head" (the stream -> logits, or
+    # with `targets` each token's loss, as "all" gives them).
+    span: str = "all"
 
     @nn.compact
     def __call__(self, tokens: jax.Array, targets: jax.Array | None = None) -> jax.Array:
@@ -109,6 +113,21 @@ class GPT(nn.Module):
             )
 
         wte = embed(cfg.vocab_size, name="wte")
+
+        def output(x: jax.Array) -> jax.Array:
+            x = norm(x, cfg.norm_eps, "ln_f")
+            head = wte if cfg.tie_embeddings else embed(cfg.vocab_size, name="lm_head")
+            if targets is not None and cfg.token_chunks > 1:
+                return token_losses(x, head.table(), targets, cfg.token_chunks, self.dtype)
+            logits = constrain(head.attend(x), "batch", "length", "vocab").astype(jnp.float32)
+            return (
+                logits
+                if targets is None
+                else optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+            )
+
+        if self.span == "head":
+            return output(tokens)
         x = wte(tokens)
         # Packed documents never see each other (decoding continues one text: no need).
         masked = (cfg.doc_bos >= 0 or cfg.doc_eos >= 0) and not self.decode
@@ -117,28 +136,29 @@ class GPT(nn.Module):
             start = cache_index(self, tokens.shape[1]) if self.decode else 0
             wpe = embed(cfg.seq_len, name="wpe")
             x = x + (wpe(start + jnp.arange(tokens.shape[1]))[None] if doc is None else wpe(doc.positions))
-        block = _block_class(cfg, self.gather)
+        if self.span == "embed":
+            return x
+        block = block_class(cfg, self.gather)
         if cfg.scan_layers:
             # One traced body for all layers: compile time stays flat in depth. DeepSeek's first
             # dense layers are a stack of their own, before the MoE layers' (`scanned_stacks`).
             for name, length, moe in scanned_stacks(cfg):
-                stack = nn.scan(
-                    block,
-                    variable_axes={"params": 0, "cache": 0, "moe": 0},
-                    split_rngs={"params": True},
-                    in_axes=nn.broadcast,
-                    length=length,
-                )
-                x, _ = stack(cfg, self.dtype, self.decode, moe, name=name)(x, doc)
+                x, _ = layer_stack(block, length)(cfg, self.dtype, self.decode, moe, name=name)(x, doc)
         else:
             for i in range(cfg.n_layer):
                 x, _ = block(cfg, self.dtype, self.decode, is_moe_layer(cfg, i), name=f"block_{i}")(x, doc)
-        x = norm(x, cfg.norm_eps, "ln_f")
-        head = wte if cfg.tie_embeddings else embed(cfg.vocab_size, name="lm_head")
-        if targets is not None and cfg.token_chunks > 1:
-            return token_losses(x, head.table(), targets, cfg.token_chunks, self.dtype)
-        logits = constrain(head.attend(x), "batch", "length", "vocab").astype(jnp.float32)
-        return logits if targets is None else optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        return output(x)
+
+
+def layer_stack(block: Any, length: int) -> Any:
+    """`length` layers of `block` as one scanned module, params stacked on a leading `layers` dim."""
+    return nn.scan(
+        block,
+        variable_axes={"params": 0, "cache": 0, "moe": 0},
+        split_rngs={"params": True},
+        in_axes=nn.broadcast,
+        length=length,
+    )
 
 
 def scanned_stacks(cfg: ModelConfig) -> list[tuple[str, int, bool]]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from jaxtrain.config import Config
+from jaxtrain.config import Config, check
 from jaxtrain.errors import UserError
 from jaxtrain.observe.memory import fits
 from jaxtrain.plan import targets
@@ -82,8 +82,11 @@ def nearer(cfg: Config, p: dict[str, Any], devices: int) -> list[dict[str, Any]]
 
 
 def _try(cfg: Config, target: targets.GpuTarget, hosts: int, gpus_per_host: int) -> tuple[str, dict | None]:
-    """Plan one candidate: ("fits" | "does not fit" | why it was not compiled, its plan)."""
+    """Plan one candidate: ("fits" | "does not fit" | why it was not compiled, its plan). A candidate
+    a user's config would be refused for (a tensor size the key/value heads do not divide, ...) is
+    refused here by the same checks, not compiled."""
     try:
+        check(cfg)
         p = plan_one(cfg, target, hosts, gpus_per_host)
     except (UserError, jax.errors.JaxRuntimeError) as e:  # rejected, or the compiler failed
         return str(e).splitlines()[0], None
@@ -151,19 +154,24 @@ def print_fixes(p: dict[str, Any]) -> None:
         print("fits with: " + what_would_help(p))
 
 
-def activation_floor(cfg: Config, device_batch: int, context: int = 1) -> int:
+def activation_floor(
+    cfg: Config, device_batch: int, context: int = 1, pipeline: int = 1, rows: int = 0
+) -> int:
     """Bytes a device holds at least at this device batch, whatever the mesh and remat: the input
     of every layer, saved for the backward (tensor parallelism does not split it; context
-    parallelism splits each sequence)."""
+    parallelism splits each sequence). Under a pipeline: its stage's input for each of its `rows`
+    (every microbatch's, run/pipeline.py), whatever the device batch."""
     m = cfg.model
-    return m.n_layer * device_batch * m.seq_len * m.d_model * DTYPE_BYTES.get(cfg.dtype, 4) // context
+    per_row = m.seq_len * m.d_model * DTYPE_BYTES.get(cfg.dtype, 4) // context
+    return rows * per_row if pipeline > 1 else m.n_layer * device_batch * per_row
 
 
-def layouts(cfg: Config, devices: int, gpus_per_host: int) -> list[tuple[int, int, int, list[int]]]:
-    """(tensor, context, expert, fsdp widths) to search: tensor inside a host, largest first; context
-    in what the host leaves, smallest first (1: whole sequences), where it divides the window and
-    the heads; then expert, largest first, dividing the model's experts (1 for a dense model);
-    fsdp filling the rest."""
+def layouts(cfg: Config, devices: int, gpus_per_host: int) -> list[tuple[int, int, int, int, list[int]]]:
+    """(tensor, context, expert, pipeline, fsdp widths) to search: tensor inside a host, largest
+    first; context in what the host leaves, smallest first (1: whole sequences), where it divides
+    the window and the heads; then expert, largest first, dividing the model's experts (1 for a
+    dense model); then no pipeline, then the pipelines that divide a dense scanned model's layers,
+    deepest first; fsdp filling the rest."""
     powers = [2**i for i in range(devices.bit_length()) if devices % 2**i == 0]
     m = cfg.model
     out = []
@@ -177,8 +185,20 @@ def layouts(cfg: Config, devices: int, gpus_per_host: int) -> list[tuple[int, in
             n_experts = m.moe.n_experts
             experts = [e for e in powers if e * inner <= devices and n_experts % e == 0] if n_experts else [1]
             for expert in sorted(experts, reverse=True):
-                out.append((tensor, context, expert, [f for f in powers if f * inner * expert <= devices]))
+                for pipe in pipelines(cfg, devices // (inner * expert)):
+                    fsdps = [f for f in powers if f * inner * expert * pipe <= devices]
+                    out.append((tensor, context, expert, pipe, fsdps))
     return out
+
+
+def pipelines(cfg: Config, devices: int) -> list[int]:
+    """1, then the pipeline sizes (powers of two, at most `devices`) that divide the layers of a
+    dense scanned model, deepest first (config/checks.py refuses the others)."""
+    m = cfg.model
+    if not m.scan_layers or m.moe.n_experts:
+        return [1]
+    deep = [2**i for i in range(1, devices.bit_length()) if devices % 2**i == 0 and m.n_layer % 2**i == 0]
+    return [1, *sorted(deep, reverse=True)]
 
 
 class _Search:
@@ -239,15 +259,18 @@ def search(
     limit = usable_bytes(target)
     s = _Search(cfg, (target, hosts, gpus_per_host), budget)
     skipped: set[tuple[int, int]] = set()
-    for tensor, context, expert, fsdps in layouts(cfg, devices, gpus_per_host):
-        shards = devices // (tensor * context)  # data x expert x fsdp: the batch is split over them
+    for tensor, context, expert, pipe, fsdps in layouts(cfg, devices, gpus_per_host):
+        shards = devices // (tensor * context * pipe)  # data x expert x fsdp: the batch is split over them
         if rows % shards:
             print(
-                f"  tensor {tensor} x context {context}: {rows} sequences do not split over {shards} shards"
+                f"  tensor {tensor} x context {context} x pipeline {pipe}: {rows} sequences do not split "
+                f"over {shards} shards"
             )
             continue
-        for b in [b for b in range(rows // shards, 0, -1) if (rows // shards) % b == 0 and b & (b - 1) == 0]:
-            floor = activation_floor(cfg, b, context)
+        # A pipeline takes one row per microbatch: the most microbatches, the smallest bubble.
+        sizes = range(rows // shards, 0, -1) if pipe == 1 else [1]
+        for b in [b for b in sizes if (rows // shards) % b == 0 and b & (b - 1) == 0]:
+            floor = activation_floor(cfg, b, context, pipe, rows // shards)
             if not fits(floor, limit):
                 if (b, context) not in skipped:
                     skipped.add((b, context))
@@ -263,6 +286,7 @@ def search(
                 {"mesh.data": -1, "mesh.tensor": tensor}
                 | ({"mesh.context": context} if context > 1 else {})
                 | ({"mesh.expert": expert} if cfg.model.moe.n_experts else {})
+                | ({"mesh.pipeline": pipe} if pipe > 1 else {})
             )
             found = s.narrowest(mesh, {**batch, **FULL}, fsdps)
             if isinstance(found, dict):

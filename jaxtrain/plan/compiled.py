@@ -67,6 +67,7 @@ def attention_calls(text: str) -> dict[str, Any]:
 @dataclass
 class _Tally:
     written: float = 0.0
+    flops: float = 0.0  # matmul FLOPs of the compiled program (hlo.flops), per step
     collectives: dict[tuple[str, str, bool], dict[str, float]] = field(default_factory=dict)
 
     @staticmethod
@@ -74,7 +75,10 @@ class _Tally:
         """What the costliest branch of a conditional could cost, figure by figure: the step's
         update sits in one branch (the other skips a non-finite step) and may hold collectives
         (ZeRO-1's all-gather of the updated params) while writing less than the other."""
-        most = _Tally(written=max((b.written for b in branches), default=0.0))
+        most = _Tally(
+            written=max((b.written for b in branches), default=0.0),
+            flops=max((b.flops for b in branches), default=0.0),
+        )
         for b in branches:
             for key, c in b.collectives.items():
                 mine = most.collectives.setdefault(key, dict.fromkeys(c, 0.0))
@@ -84,6 +88,7 @@ class _Tally:
 
     def add(self, other: _Tally) -> None:
         self.written += other.written
+        self.flops += other.flops
         for key, c in other.collectives.items():
             mine = self.collectives.setdefault(key, dict.fromkeys(c, 0.0))
             for k, v in c.items():
@@ -116,6 +121,7 @@ class _Walker:
                 self._collective(tally, op, ops, mult)
             else:
                 tally.written += mult * program.written(op)
+                tally.flops += mult * hlo.flops(op, program.comps, ops)
         return tally
 
     def _collective(self, tally: _Tally, op: hlo.Op, ops: dict[str, hlo.Op], mult: float) -> None:
@@ -143,6 +149,11 @@ class Facts:
     n_params: int
     model_flops_per_step: float
     dtype: str
+
+
+def compiled_flops(text: str, layout: hlo.Placement) -> float:
+    """The matmul FLOPs one run of a compiled program performs (loops times their trips)."""
+    return _Walker(text, layout).tally().flops
 
 
 def analyze(train: Any, evaluate: Any | None, facts: Facts, compile_s: float) -> dict[str, Any]:
@@ -184,6 +195,8 @@ def analyze(train: Any, evaluate: Any | None, facts: Facts, compile_s: float) ->
         "collectives": collectives,
         "hbm_bytes_floor": int(hbm_bytes),
         "model_flops_per_step": facts.model_flops_per_step,
+        # What the program's matmuls compute per device (remat's recomputation included).
+        "compiled_flops_per_device": tally.flops,
         "bound_terms_s": times,
         "bound_limited_by": max(times, key=lambda k: times[k]),
         "step_time_lower_bound_s": bound,

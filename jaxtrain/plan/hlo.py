@@ -18,6 +18,7 @@ DTYPE_BYTES = {
     "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 1, "u4": 1,
 }  # fmt: skip
 ARRAY = re.compile(r"([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\]")
+GROUPED_FLOPS = "grouped_matmul_flops_"  # model/grouped.py's FLOPS_SCOPE: a scope in the op's op_name
 COLLECTIVES = (
     "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute",
 )  # fmt: skip
@@ -198,8 +199,10 @@ def _dims(shape: str) -> list[int]:
 
 def flops(op: Op, comps: dict[str, dict[str, Op]], ops: dict[str, Op]) -> float:
     """The matmul FLOPs of one op: a dot, a fusion's dots (kCustom gemm fusions hold one), a cuBLAS
-    call, or cuDNN's fused attention (QK^T and PV: 4 x q elements x keys; its backward 2.5 times
-    that; half of each when causal, as cuDNN skips the masked blocks). Other ops: 0."""
+    call, cuDNN's fused attention (QK^T and PV: 4 x q elements x keys; its backward 2.5 times
+    that; half of each when causal, as cuDNN skips the masked blocks), or the experts' grouped
+    matmul kernel (a Mosaic GPU call: the FLOPs of the rows routed to it under an even load, which
+    model/grouped.py names in its scope; the buffer's other rows it skips). Other ops: 0."""
     if op.opcode == "dot":
         contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", op.attrs)
         lhs = _dims(ops[op.operands[0]].shape) if op.operands and op.operands[0] in ops else []
@@ -221,6 +224,9 @@ def flops(op: Op, comps: dict[str, dict[str, Op]], ops: dict[str, Op]) -> float:
             return 0.0
         causal = 0.5 if re.search(r'"mask_type":\s*"CAUSAL"', op.attrs) else 1.0
         return 4.0 * math.prod(shapes[0]) * shapes[1][1] * causal * (2.5 if "Backward" in name else 1.0)
+    if name == "mosaic_gpu_v2":
+        routed = re.findall(GROUPED_FLOPS + r"(\d+)", op.attrs)
+        return float(routed[-1]) if routed else 0.0
     if "gemm" in name or "matmul" in name:
         lhs_contracting = re.search(r'"lhs_contracting_dimensions":\s*\[([^\]]*)\]', op.attrs)
         lhs = _dims(ops[op.operands[0]].shape) if op.operands and op.operands[0] in ops else []

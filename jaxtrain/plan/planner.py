@@ -20,6 +20,7 @@ from jaxtrain.observe.memory import fits
 from jaxtrain.plan import compiled as plan
 from jaxtrain.plan import targets
 from jaxtrain.run import mesh as mesh_lib
+from jaxtrain.run import pipeline
 from jaxtrain.run.build import Run, build
 from jaxtrain.run.job import Job
 
@@ -44,7 +45,9 @@ def _facts(run: Run) -> dict[str, Any]:
 
 
 def _head(f: dict[str, Any], target: targets.GpuTarget, hosts: int, gpus_per_host: int) -> dict[str, Any]:
-    return {
+    stages = f["cfg"].mesh.pipeline  # the share of a stage's ticks that run on zeros (run/pipeline.py)
+    bubble = {"pipeline_bubble": pipeline.bubble(stages, f["accumulation"])} if stages > 1 else {}
+    return bubble | {
         "target": target.name, "device_kind": target.device_kind, "hosts": hosts,
         "gpus_per_host": gpus_per_host, "mesh": f["mesh"], "zero1": f["cfg"].mesh.zero1,
         "dtype": f["cfg"].dtype, "remat": f["cfg"].model.remat, "global_batch": f["global_batch"],
@@ -99,6 +102,8 @@ def print_plan(p: dict[str, Any]) -> None:
                   f"{p['device_batch']} per device; {p['dtype']}, remat {p['remat']}"),
         ("params", f"{p['n_params']:,}"),
     ]  # fmt: skip
+    if "pipeline_bubble" in p:
+        head.append(("pipeline bubble", f"{100 * p['pipeline_bubble']:.1f}% of each stage's ticks (GPipe)"))
     if not p["compiled"]:
         for k, v in head:
             print(f"{k:<26}{v}")

@@ -73,8 +73,16 @@ class Job:
         return str(self.devices[0].device_kind)
 
     @property
+    def data_share(self) -> tuple[int, int]:
+        """(which, of how many): this process's part of each global batch. Every pipeline stage
+        takes the whole batch, and the outer mesh axis follows the process order, so the processes
+        of one stage split it (a process holding whole stages loads all of it)."""
+        per_stage = max(1, self.process_count // self.cfg.mesh.pipeline)
+        return self.process_index % per_stage, per_stage
+
+    @property
     def rows_per_process(self) -> int:
-        return self.cfg.batch_size // self.process_count
+        return self.cfg.batch_size // self.data_share[1]
 
     def describe(self) -> str:
         return f"{self.process_count} process(es) x {len(self.local_devices)} {self.device_kind} device(s)"
@@ -155,7 +163,7 @@ def check_launch(cfg: Config, launch: LaunchSpec) -> None:
     check_batch_split(global_rows(cfg), n_processes)
 
 
-OPTIONAL = ("expert", "context")  # axes a mesh leaves at 1 unless asked for: unsaid in advice
+OPTIONAL = ("pipeline", "expert", "context")  # axes a mesh leaves at 1 unless asked for: unsaid in advice
 
 
 def resolve_mesh(mesh: MeshConfig, n_devices: int) -> MeshConfig:

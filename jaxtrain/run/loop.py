@@ -310,8 +310,8 @@ class _Batches:
         self.cfg, self.mesh = cfg, run.mesh
         self.rows = iter(
             loader.train_loader(
-                train, cfg.batch_size, cfg.seed, start_step, cfg.total_steps, job.process_index,
-                job.process_count, cfg.data_threads, cfg.prefetch,
+                train, cfg.batch_size, cfg.seed, start_step, cfg.total_steps, *job.data_share,
+                cfg.data_threads, cfg.prefetch,
             )
         )  # fmt: skip
         self.ready: jax.Array | None = None
@@ -337,7 +337,7 @@ class _Evaluator:
 
     def __init__(self, run: Run, val: list[sources.Source]) -> None:
         self.built, self.cfg = run, run.cfg
-        rows = (run.cfg.batch_size, run.cfg.eval_batches, run.job.process_index, run.job.process_count)
+        rows = (run.cfg.batch_size, run.cfg.eval_batches, *run.job.data_share)
         self.sets = [(s, loader.eval_batches(s, *rows)) for s in (val if self.cfg.eval_interval else [])]
 
     def due(self, step: int) -> bool:

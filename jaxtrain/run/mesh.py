@@ -1,10 +1,12 @@
 """The device mesh and every sharding decision. Only this module knows the topology.
 
-The mesh is data x expert x fsdp x context x tensor (config `mesh`):
+The mesh is pipeline x data x expert x fsdp x context x tensor (config `mesh`):
+  pipeline stages: each holds a run of consecutive layers of the scanned stack (its `layers` dim
+          split), and activations pass from stage to stage (run/pipeline.py). Outermost: across hosts.
   data    replicas; the outer axis, spanning processes (hosts). Batch rows split over it.
   expert  MoE: each device holds its share of every MoE layer's experts and receives the tokens
-          routed to them by all-to-all (model/moe.py). Batch rows split over it too, so every
-          other param is replicated over it as over `data`.
+          routed to them by all-to-all (model/moe.py). Batch rows split over it too, and every
+          other param is split over it as over fsdp (`param_spec`).
   fsdp    ZeRO-3: every large parameter, its gradient and both Adam moments split over it, and
           the batch rows too. Params are all-gathered for compute and gradients reduce-scattered.
   context long windows: each sequence split along its length; every token's work is local, and
@@ -34,8 +36,9 @@ from jaxtrain.model.params import path_names
 
 log = logging.getLogger("jaxtrain")
 
-DATA_AXIS, EXPERT_AXIS, FSDP_AXIS, CONTEXT_AXIS, TENSOR_AXIS = MESH_AXES
-# Axes a batch is split over (a tensor group shares its rows); the step runs manual over these.
+PIPELINE_AXIS, DATA_AXIS, EXPERT_AXIS, FSDP_AXIS, CONTEXT_AXIS, TENSOR_AXIS = MESH_AXES
+# Axes a batch is split over (a tensor group shares its rows); the step runs manual over these
+# (and over `pipeline` when it has stages: each stage sees every row of its batch shard).
 BATCH_AXES = (DATA_AXIS, EXPERT_AXIS, FSDP_AXIS)
 
 # Logical axis of a parameter -> mesh axis. `embed` (d_model) is the dim FSDP splits: every
@@ -45,7 +48,11 @@ PARAM_RULES: dict[str, str | None] = {
     "heads": TENSOR_AXIS,
     "mlp": TENSOR_AXIS,
     "embed": FSDP_AXIS,
+    # Multi-head latent attention's up-projections from the latent (model/mla.py) have no d_model
+    # dim: fsdp splits the latent's (left whole they were 3.2B params on every GPU, DeepSeek-V3).
+    "latent": FSDP_AXIS,
     "expert": EXPERT_AXIS,
+    "layers": PIPELINE_AXIS,  # a scanned stack's layer dim: each stage holds its run of layers
 }
 # Logical axis of an activation inside the step -> mesh axis. The step is already manual over
 # the batch axes (each device holds its own rows), so only the tensor axis is left to place;
@@ -57,7 +64,7 @@ EXPERT_RULES = (("expert", EXPERT_AXIS),)
 # values by heads over context, an all-to-all each way (Ulysses), and runs the plain causal kernel.
 CONTEXT_RULES = (("length", CONTEXT_AXIS),)
 # Axes a dense model's mesh leaves at 1 unless asked for: unsaid in what is printed.
-OPTIONAL_AXES = (EXPERT_AXIS, CONTEXT_AXIS)
+OPTIONAL_AXES = (PIPELINE_AXIS, EXPERT_AXIS, CONTEXT_AXIS)
 
 
 def activation_rules(mesh: Any) -> tuple[tuple[str, str], ...]:
@@ -76,7 +83,8 @@ def activation_rules(mesh: Any) -> tuple[tuple[str, str], ...]:
 
 
 def make_mesh(devices: list[jax.Device] | None = None, shape: MeshConfig | None = None) -> Mesh:
-    """A data x expert x fsdp x context x tensor mesh over `devices` (default: every device of every process).
+    """A pipeline x data x expert x fsdp x context x tensor mesh over `devices` (default: every
+    device of every process).
 
     `shape` must be resolved (config.with_topology); None means pure data parallelism.
     """
@@ -126,7 +134,8 @@ def check_mesh(mesh: Mesh) -> None:
 
 
 def mesh_shape(mesh: Mesh) -> dict[str, int]:
-    """Axis sizes by name; `expert` and `context` only when used (a mesh reads as it did before them)."""
+    """Axis sizes by name; `pipeline`, `expert` and `context` only when used (a mesh reads as it
+    did before them)."""
     return {a: int(mesh.shape[a]) for a in MESH_AXES if a not in OPTIONAL_AXES or mesh.shape[a] > 1}
 
 
@@ -149,19 +158,21 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 def param_spec(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> P:
     """Mesh spec of one param from its logical axes; a dim the axis does not divide stays whole.
-    The dim fsdp splits is split over `context` too (ZeRO over the devices that share the batch
-    rows of a sequence): a context group holds its params once, not `context` times, and each
-    layer's gradient is reduce-scattered over it, not all-reduced."""
+
+    The dim fsdp splits is split over `expert` and `context` too, ZeRO over every device that
+    computes with the whole param on rows of its own: a context group holds its params once, not
+    `context` times, and so does an expert group its dense params (attention, embeddings, norms'
+    neighbours: the expert axis folds onto the dense part's fsdp shards, as Megatron's Parallel
+    Folding puts the expert layout on the dense part's data devices). Each layer's gradient is
+    reduce-scattered over them, not all-reduced. A param with experts keeps `expert` on its
+    expert dim."""
+    fsdp_axes = (FSDP_AXIS, *((EXPERT_AXIS,) if "expert" not in logical else ()), CONTEXT_AXIS)
     out: list[Any] = []
     for name, dim in zip(logical, shape, strict=True):
         axis = PARAM_RULES.get(name) if name else None
-        axes = [
-            a
-            for a in ((FSDP_AXIS, CONTEXT_AXIS) if axis == FSDP_AXIS else (axis,))
-            if a and mesh.shape[a] > 1
-        ]
+        axes = [a for a in (fsdp_axes if axis == FSDP_AXIS else (axis,)) if a and mesh.shape[a] > 1]
         while axes and dim % math.prod(mesh.shape[a] for a in axes):
-            axes.pop()  # context first: fsdp alone where the dim does not split both ways
+            axes.pop()  # context, then expert: fsdp alone where the dim does not split every way
         out.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
     return P(*out)
 
@@ -225,8 +236,8 @@ def shardings(mesh: Mesh, specs: Any) -> Any:
 
 
 def manual_part(spec: P) -> P:
-    """The part of a spec on the manual (batch) axes: what shard_map's in/out specs name."""
-    keep = set(BATCH_AXES)
+    """The part of a spec on the manual (batch and pipeline) axes: what shard_map's in/out specs name."""
+    keep = {*BATCH_AXES, PIPELINE_AXIS}
 
     def part(entry: Any) -> Any:
         axes = entry if isinstance(entry, tuple) else (entry,) if entry else ()
@@ -234,6 +245,23 @@ def manual_part(spec: P) -> P:
         return kept if len(kept) > 1 else kept[0] if kept else None
 
     return P(*(part(e) for e in spec))
+
+
+def manual_by_path(param_specs: Any) -> dict[tuple[str, ...], P]:
+    """Each param's manual spec (`manual_part`) by its path's names, for `manual_of`."""
+    flat = jax.tree_util.tree_flatten_with_path(param_specs, is_leaf=lambda x: isinstance(x, P))[0]
+    return {path_names(path): manual_part(spec) for path, spec in flat}
+
+
+def manual_of(names: tuple[str, ...], ndim: int, by_path: dict[tuple[str, ...], P]) -> P:
+    """The manual spec of the param whose path ends with `names` (one layer of a scanned stack
+    included: its last `ndim` dims). Every param a layer gathers is in `by_path`."""
+    # A dense and an MoE stack may both end with `names`: same logical axes, same dims, same spec.
+    spec = next((spec for path, spec in by_path.items() if path[-len(names) :] == names), None)
+    if spec is None:
+        raise KeyError(f"no param ends with {'/'.join(names)}")
+    entries = list(spec) + [None] * (ndim - len(spec))
+    return P(*entries[len(entries) - ndim :])
 
 
 def fsdp_logical_dim(logical: tuple[str | None, ...]) -> int | None:
@@ -274,3 +302,9 @@ def host_copy(tree: Any) -> Any:
     if jax.process_count() == 1:
         return jax.device_get(tree)
     return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def manual_axes(mesh: Mesh) -> set[str]:
+    """The axes the step runs manual over: the batch axes, and `pipeline` when it has stages (one
+    stage stays out, so a mesh without a pipeline compiles the program it did before pipelines)."""
+    return set(BATCH_AXES) | ({PIPELINE_AXIS} if mesh.shape[PIPELINE_AXIS] > 1 else set())

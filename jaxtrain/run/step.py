@@ -36,13 +36,15 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain.config import Config
+from jaxtrain.config import Config, ConfigError
 from jaxtrain.faults import NO_FAULTS, FaultPlan, poison_gradients
 from jaxtrain.model.attention import attention_kernel
+from jaxtrain.model.grouped import refusal
 from jaxtrain.model.moe import balance_loss, grouped_matmul, router_stats, update_router_bias
 from jaxtrain.model.params import logical_axes, path_names
 from jaxtrain.model.transformer import GPT
 from jaxtrain.run import mesh as mesh_lib
+from jaxtrain.run import pipeline
 from jaxtrain.run.optim import lr_schedule
 from jaxtrain.run.state import TrainState
 from jaxtrain.text.format import NO_LOSS, TOKEN_BITS
@@ -80,22 +82,21 @@ def _token_loss(
     return total, metrics | {"moe_dropped": stats["dropped"].mean()}
 
 
-def _fsdp_gather(p: jax.Array, dim: int, dtype: Any, reduce_dtype: Any) -> jax.Array:
-    """The whole param from this device's fsdp shard, gathered in `dtype` (every use of a weight
+def _fsdp_gather(p: jax.Array, axes: Any, dim: int, dtype: Any, reduce_dtype: Any) -> jax.Array:
+    """The whole param from this device's shard on the manual `axes` (fsdp, and expert for a dense
+    param: mesh_lib.param_spec), gathered in `dtype` (every use of a weight
     is in the compute dtype, and a cast commutes with a gather: the same values, a fraction of the
     bytes); its gradient is reduce-scattered in `reduce_dtype`, then kept in the param's dtype."""
 
     @jax.custom_vjp
     def gather(x: jax.Array) -> jax.Array:
-        return jax.lax.all_gather(x.astype(dtype), mesh_lib.FSDP_AXIS, axis=dim, tiled=True)
+        return jax.lax.all_gather(x.astype(dtype), axes, axis=dim, tiled=True)
 
     def forward(x: jax.Array) -> tuple[jax.Array, None]:
         return gather(x), None
 
     def backward(_: None, g: jax.Array) -> tuple[jax.Array]:
-        shard = jax.lax.psum_scatter(
-            g.astype(reduce_dtype), mesh_lib.FSDP_AXIS, scatter_dimension=dim, tiled=True
-        )
+        shard = jax.lax.psum_scatter(g.astype(reduce_dtype), axes, scatter_dimension=dim, tiled=True)
         return (shard.astype(p.dtype),)
 
     gather.defvjp(forward, backward)
@@ -110,10 +111,15 @@ class _ParamLayout:
     ) -> None:
         is_spec = lambda x: isinstance(x, P)  # noqa: E731
         self.manual = jax.tree.map(mesh_lib.manual_part, param_specs, is_leaf=is_spec)
-        self.fsdp = int(mesh.shape[mesh_lib.FSDP_AXIS])
+        self.manual_by_path = mesh_lib.manual_by_path(param_specs)
+        # Params split over fsdp, or dense ones over expert (mesh_lib.param_spec): layers gather them.
+        self.gathers = any(mesh.shape[a] > 1 for a in (mesh_lib.FSDP_AXIS, mesh_lib.EXPERT_AXIS))
         self.sizes = {a: int(mesh.shape[a]) for a in mesh_lib.BATCH_AXES}
+        self.stages = int(mesh.shape[mesh_lib.PIPELINE_AXIS])  # > 1: run/pipeline.py's schedule
         self.rules = mesh_lib.activation_rules(mesh)
         self.platform = mesh.devices.flat[0].platform  # what the step compiles for, not jax's default
+        self.capability = getattr(mesh.devices.flat[0], "compute_capability", "")  # GPUs: "9.0"...
+        self.tensor = int(mesh.shape[mesh_lib.TENSOR_AXIS])
         self.dtype, self.reduce_dtype = dtype, dtype if reduce_dtype is None else reduce_dtype
 
     def gather(self, variables: Any, where: tuple[str, ...] = ()) -> Any:
@@ -121,12 +127,14 @@ class _ParamLayout:
         dtype; each gather's gradient is a reduce-scatter (`_fsdp_gather`)."""
 
         def one(path: tuple, p: jax.Array) -> jax.Array:
-            logical = logical_axes((*where, *path_names(path)[1:]), p.ndim)  # [0]: the collection
+            names = (*where, *path_names(path)[1:])  # [0]: the collection
+            logical = logical_axes(names, p.ndim)
             dim = mesh_lib.fsdp_logical_dim(logical)
-            if dim is None:
+            axes = None if dim is None else mesh_lib.manual_of(names, p.ndim, self.manual_by_path)[dim]
+            if dim is None or axes is None:
                 return p
             gather = functools.partial(
-                _fsdp_gather, dim=dim, dtype=self.dtype, reduce_dtype=self.reduce_dtype
+                _fsdp_gather, axes=axes, dim=dim, dtype=self.dtype, reduce_dtype=self.reduce_dtype
             )
             mesh = jax.sharding.get_abstract_mesh()
             tensor = mesh_lib.tensor_part(logical, p.shape, mesh)
@@ -149,10 +157,15 @@ class _ParamLayout:
         """The model with its attention kernel chosen for the mesh's devices, and FSDP's per-layer gather."""
         kernel = attention_kernel(model.cfg, self.platform, model.dtype)
         cfg = dataclasses.replace(model.cfg, attention_impl=kernel)
+        why = refusal(self.platform, self.capability, cfg.d_model, cfg.expert_dim // self.tensor)
         if cfg.moe.grouped_matmul == "auto":
-            moe = dataclasses.replace(cfg.moe, grouped_matmul=grouped_matmul(self.platform))
-            cfg = dataclasses.replace(cfg, moe=moe)
-        return model.clone(cfg=cfg, gather=self.gather if self.fsdp > 1 else None)
+            impl = grouped_matmul(self.platform, self.capability)
+            # Experts whose widths the Hopper kernel's tiles do not take: XLA's ragged_dot, as elsewhere.
+            impl = "ragged_dot" if impl == "pallas" and why else impl
+            cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, grouped_matmul=impl))
+        if cfg.moe.n_experts and cfg.moe.grouped_matmul == "pallas" and why:
+            raise ConfigError(why)
+        return model.clone(cfg=cfg, gather=self.gather if self.gathers else None)
 
     def loss(
         self, model: GPT, params: Any, rows: jax.Array, share: jax.Array | None = None
@@ -263,7 +276,8 @@ def make_train_step(
         if faults.nan_step > 0:  # test-only fault, traced only when asked for
             scale = poison_gradients(faults, scale, step, jax.lax.axis_index(mesh_lib.BATCH_AXES) == 0)
         share = layout.kept_share(layout.kept(rows), accum) if masked else None
-        grads, metrics = _local_grads(model, layout, accum, params, rows, scale, share)
+        local = pipeline.local_grads if layout.stages > 1 else _local_grads
+        grads, metrics = local(model, layout, accum, params, rows, scale, share)
         return layout.reduce_grads(grads), layout.mean(metrics)
 
     # check_vma=False: we reduce explicitly, exactly once per step. `tensor` and `context` stay automatic.
@@ -272,7 +286,7 @@ def make_train_step(
         mesh=mesh,
         in_specs=(layout.manual, mesh_lib.batch_spec(), P(), P()),
         out_specs=(layout.manual, P()),
-        axis_names=set(mesh_lib.BATCH_AXES),
+        axis_names=mesh_lib.manual_axes(mesh),
         check_vma=False,
     )
 
@@ -337,7 +351,11 @@ def make_eval_step(
     def device_metrics(params: Any, rows: jax.Array) -> Metrics:
         kept = layout.kept(rows) if masked else None
         share = None if kept is None else layout.kept_share(kept, accum)
-        if accum == 1:
+        if layout.stages > 1:
+            metrics = layout.mean(
+                pipeline.loss(layout.model(model), layout.rules, params, rows, accum, share)[1]
+            )
+        elif accum == 1:
             metrics = layout.mean(layout.loss(model, params, rows, share)[1])
         else:
             micro = rows.reshape(accum, rows.shape[0] // accum, rows.shape[1])
@@ -351,7 +369,7 @@ def make_eval_step(
         mesh=mesh,
         in_specs=(layout.manual, mesh_lib.batch_spec()),
         out_specs=P(),
-        axis_names=set(mesh_lib.BATCH_AXES),
+        axis_names=mesh_lib.manual_axes(mesh),
         check_vma=False,
     )
 

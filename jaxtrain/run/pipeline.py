@@ -1,0 +1,155 @@
+"""Pipeline parallelism: the scanned layer stack split into stages over the `pipeline` mesh axis.
+
+Each stage holds n_layer / pipeline consecutive layers (the stack's `layers` dim split over the
+axis: the same global array on any mesh, so checkpoints move between pipeline sizes). The step's
+shard_map is manual over `pipeline` too, and the schedule is GPipe inside the differentiated
+function, as MaxText does it:
+  - tick t: stage s holds microbatch t - s; stage 0 embeds it, every stage runs its layers on
+    what it holds, then a `ppermute` hands each stage's output to the next; the last stage
+    finishes microbatch t - (pipeline - 1), so M microbatches take M + pipeline - 1 ticks;
+  - the head and loss run in the tick on the stage's output (every stage computes them: SPMD;
+    only the last stage's count: its loss is the one differentiated, the others are zeroed);
+  - jax.grad of that gives the backward: ppermute's transpose sends gradients back a stage a tick.
+The bubble, (pipeline - 1) / (M + pipeline - 1) of each stage's layer work, is real compute on
+zeros in this SPMD program, so the compiled program (and the planner's replay of it) counts it.
+With remat `full` a tick is one checkpoint: each tick keeps only its stage's input, and the
+backward recomputes that tick once (the cost per-layer remat has), holding one stage's activations
+for one microbatch. Logits are never kept: a tick's are recomputed for its backward.
+Params used outside the stack (embeddings, final norm, head) are whole on every stage; their
+gradients are summed over the stages (each is zero where its stage does not use it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxtrain.model.documents import Documents, documents
+from jaxtrain.model.transformer import GPT, block_class, layer_stack, scanned_stacks
+from jaxtrain.run import mesh as mesh_lib
+from jaxtrain.text.format import NO_LOSS, TOKEN_BITS
+
+AXIS = mesh_lib.PIPELINE_AXIS
+Metrics = dict[str, jax.Array]
+
+
+def bubble(stages: int, micro: int) -> float:
+    """The share of each stage's ticks that compute nothing: (stages - 1) / (micro + stages - 1)."""
+    return (stages - 1) / (micro + stages - 1)
+
+
+def _stage(model: GPT) -> Callable[[Any, jax.Array, Documents | None], jax.Array]:
+    """run(stack params, x, doc) -> x: this stage's layers (its share of the scanned stack)."""
+    cfg = model.cfg
+    # With remat full the tick is the checkpoint (`_tick`): the layers inside it need none.
+    block = block_class(dataclasses.replace(cfg, remat="none") if cfg.remat == "full" else cfg, model.gather)
+
+    def run(params: Any, x: jax.Array, doc: Documents | None) -> jax.Array:
+        length = jax.tree.leaves(params)[0].shape[0]
+        stack = layer_stack(block, length)(cfg, model.dtype, False, False)
+        return stack.apply({"params": params}, x, doc)[0]
+
+    return run
+
+
+def _tick(model: GPT, share: jax.Array | None) -> Callable[..., tuple[jax.Array, jax.Array]]:
+    """work(params, held, rows) -> (out, loss): one stage's tick on the microbatch it holds (rows
+    [b, T+1]): stage 0 embeds it (the others take `held`, the previous stage's output), the
+    stage's layers run, and the head's loss of `out` (the last stage's is the model's)."""
+    cfg, run, stage = model.cfg, _stage(model), jax.lax.axis_index(AXIS)
+    embed, head = model.clone(span="embed"), model.clone(span="head")
+    masked = cfg.doc_bos >= 0 or cfg.doc_eos >= 0
+    name = scanned_stacks(cfg)[0][0]
+
+    def loss(params: Any, out: jax.Array, rows: jax.Array) -> jax.Array:
+        # Each token's loss, over model.token_chunks pieces as the pipeline-free step takes them.
+        losses: jax.Array = head.apply({"params": params}, out, rows[:, 1:] & TOKEN_BITS)  # type: ignore[assignment]
+        return losses.mean() if share is None else jnp.where(rows[:, 1:] & NO_LOSS, 0.0, losses).sum() / share
+
+    def work(params: Any, held: jax.Array, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+        inputs = rows[:, :-1] & TOKEN_BITS
+        fresh: jax.Array = embed.apply({"params": params}, inputs)  # type: ignore[assignment]
+        doc = documents(inputs, cfg.doc_bos, cfg.doc_eos) if masked else None
+        out = run(params[name], jnp.where(stage == 0, fresh, held), doc)
+        return out, head_loss(params, out, rows)
+
+    # Logits are never kept for the backward: a tick holds one microbatch's, recomputed.
+    head_loss = loss if cfg.remat == "full" else jax.checkpoint(loss)
+    return jax.checkpoint(work) if cfg.remat == "full" else work
+
+
+def _held_rules(rules: Any) -> Any:
+    """The step's rules, plus `held`: what a tick keeps for the backward and sends to the next
+    stage, split along the sequence over `tensor` (whose peers hold it whole in the layers): a
+    tensor group keeps and sends it once, not once per peer. Not where context splits the sequence."""
+    axes = dict(rules)
+    if "length" in axes or mesh_lib.TENSOR_AXIS not in axes.values():
+        return rules
+    return (*rules, ("held", mesh_lib.TENSOR_AXIS))
+
+
+def _held(x: jax.Array) -> jax.Array:
+    return nn.with_logical_constraint(x, ("batch", "held", "embed"))
+
+
+def loss(
+    model: GPT, rules: Any, params: Any, rows: jax.Array, micro: int, share: jax.Array | None = None
+) -> tuple[jax.Array, Metrics]:
+    """(loss to differentiate, metrics) of this device's rows [n, T+1] in `micro` microbatches:
+    the mean of their mean next-token losses (a loss mask's kept sums over `share`, as
+    step._token_loss), as gradient accumulation takes it. The loss is the last stage's (zero on
+    the others: the sum over stages is the loss); metrics are the last stage's on every stage."""
+    stages, stage = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS)
+    split = rows.reshape(micro, rows.shape[0] // micro, rows.shape[1])
+    shift = [(i, i + 1) for i in range(stages - 1)]  # the last stage's output leaves the pipeline
+    done = stage == stages - 1
+
+    def tick(carry: tuple[jax.Array, jax.Array], t: jax.Array) -> tuple[tuple[jax.Array, jax.Array], None]:
+        held, total = carry
+        mine = jnp.clip(t - stage, 0, micro - 1)  # the microbatch this stage holds (bubble: clipped)
+        out, value = work(params, held, jax.lax.dynamic_index_in_dim(split, mine, keepdims=False))
+        total = total + jnp.where(done & (t >= stages - 1), value, 0.0)
+        return (jax.lax.ppermute(_held(out), AXIS, shift), total), None
+
+    with nn.logical_axis_rules(_held_rules(rules)):
+        work = _tick(model, share)
+        held = _held(jnp.zeros((split.shape[1], split.shape[2] - 1, model.cfg.d_model), model.dtype))
+        (_, total), _ = jax.lax.scan(tick, (held, jnp.zeros((), jnp.float32)), jnp.arange(micro + stages - 1))
+    mine = total / micro
+    return mine, {"loss": jax.lax.psum(mine, AXIS)}
+
+
+def sum_over_stages(grads: Any, manual: Any) -> Any:
+    """Gradients of params whole on every stage (not split over `pipeline`), summed over stages."""
+
+    def one(g: jax.Array, spec: P) -> jax.Array:
+        split = {a for entry in spec for a in (entry if isinstance(entry, tuple) else (entry,))}
+        return g if AXIS in split else jax.lax.psum(g, AXIS)
+
+    return jax.tree.map(one, grads, manual, is_leaf=lambda x: isinstance(x, P))
+
+
+def local_grads(
+    model: GPT,
+    layout: Any,
+    accum: int,
+    params: Any,
+    rows: jax.Array,
+    scale: jax.Array,
+    share: jax.Array | None = None,
+) -> tuple[Any, Metrics]:
+    """step._local_grads through the pipeline (`layout`: step._ParamLayout): the gradient of this
+    device's rows over `accum` microbatches, in one backward pass of the whole schedule."""
+
+    def scaled_loss(p: Any) -> tuple[jax.Array, Metrics]:
+        value, metrics = loss(layout.model(model), layout.rules, p, rows, accum, share)
+        return value * scale, metrics
+
+    grads, metrics = jax.grad(scaled_loss, has_aux=True)(params)
+    return sum_over_stages(grads, layout.manual), metrics

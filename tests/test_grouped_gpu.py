@@ -1,0 +1,36 @@
+"""The experts' grouped matmul compiled for 8 H100 computes the routed rows only: its matmul FLOPs,
+counted as the planner counts them (plan/hlo.py `flops`), are the active FLOPs within 10%.
+
+One subprocess (tests/grouped_flops.py) compiles one MoE layer's forward and backward with the CUDA
+plugin, for Mixtral-8x7B's experts (8 of 14336: one a GPU under expert 8, two under expert 4) and
+Qwen3-30B-A3B's (128 of 768: sixteen a GPU). About a minute.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from processes import clean_env
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def counted():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "grouped_flops.py")],
+        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", ["mixtral_expert8", "mixtral_expert4", "qwen3_expert8"])
+def test_the_gpu_default_grouped_matmul_computes_only_the_routed_rows(counted, case):
+    """ragged_dot's dense fallback computes every row against every local expert, and both it and
+    `blocks` compute the whole dropless exchange buffer (mesh.expert times the routed rows)."""
+    flops = counted[case]
+    assert abs(flops["compiled"] / flops["active"] - 1) < 0.1, flops
