@@ -39,6 +39,7 @@ MOE = {
     "mixtral_8x7b_h100_4x8": "Mixtral-8x7B, as shipped (grouped matmul `pallas`)",
     "mixtral_8x7b_h100_4x8_ragged_dot": "the same with `ragged_dot`",
     "mixtral_8x7b_h100_2x8": "2 hosts",
+    "moe_tiny_dropless_h100x8": "moe_tiny, dropless (CI)",
 }
 DENSE_HEAD = (
     "| model | GPUs | mesh | batch / device x microbatches | total GB / GPU | fsdp GB gathered / "
@@ -94,7 +95,10 @@ def dense_row(name: str, p: dict) -> str:
 
 def moe_row(name: str, label: str, p: dict) -> str:
     total = f"{p['total_bytes_per_device'] / 1e9:.1f}" + ("" if p["fits"] else ": does not fit")
-    inside, across = (_moved(p, "all-to-all", "expert", k) for k in ("nvlink_bytes", "network_bytes"))
+    inside, across = (
+        _moved(p, "all-to-all", "expert", k) + _moved(p, "ragged-all-to-all", "expert", k)
+        for k in ("nvlink_bytes", "network_bytes")
+    )
     gathered, scattered = _moved(p, "all-gather", "fsdp"), _moved(p, "reduce-scatter", "fsdp")
     fsdp = f"{gathered:,.1f} / {scattered:,.1f}" if p["mesh"]["fsdp"] > 1 else "-"
     where, batch = f"{p['hosts']} x {p['gpus_per_host']}", f"{p['device_batch']} x {p['accumulation']}"

@@ -65,6 +65,14 @@ CASES = {
         1,
         8,
     ),  # fmt: skip
+    # moe_tiny dropless (capacity_factor 0) over expert 8: each device's receive buffer holds every
+    # peer's copies, but the ragged exchange sends only the routed ones (a compile of seconds).
+    "moe_tiny_dropless_h100x8": (
+        ["--config", "configs/moe_tiny.yaml", "--mesh.expert", "8", "--dtype", "bfloat16"],
+        "h100",
+        1,
+        8,
+    ),
     # Not compiled in CI: one GPU, the bfloat16 twin of the fp16 tensor-parallel case, and the
     # shapes of docs/scaling.md.
     "gpt_70b_h100_128x8_data2_fsdp64_tensor8": (
@@ -171,7 +179,7 @@ CASES = {
         8,
     ),  # fmt: skip
 }
-CI_CASES = list(CASES)[:9]
+CI_CASES = list(CASES)[:10]
 # scripts/plan.py runs that do not fit, each suggestion they print then planned in turn
 # (tests/test_gpu_compile.py: each must fit). Two layers of gpt2_124m at 128 sequences a device on
 # 2 hosts of one L40S: the logits alone do not fit; fsdp spans the hosts (warned once).

@@ -6,7 +6,6 @@ plugin first (make gpu-plugin); without it these tests fail, naming the fix.
 """
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -26,6 +25,9 @@ LARGEST_PARAM = 50304 * 768 * 4
 # tests/gpu_plans.py's mixture of experts: 8 layers of Qwen3-30B-A3B on one host of 8.
 MOE = "qwen3_30b_a3b_8l_h100x8"
 QWEN3_MOE = {"d_model": 2048, "n_layer": 8, "n_experts": 128, "k": 8, "d_expert": 768}
+# configs/moe_tiny.yaml, dropless over expert 8 (one expert a GPU).
+TINY_MOE = {"d_model": 128, "n_layer": 4, "n_experts": 8, "k": 2, "d_expert": 176}
+MOE_SHAPES = {MOE: QWEN3_MOE, "moe_tiny_dropless_h100x8": TINY_MOE}
 
 
 @pytest.fixture(scope="module")
@@ -137,19 +139,33 @@ def test_llama3_70b_as_shipped_fits_1024_h100_at_full_speed(plans):
     assert p["schedule_bound_s"] >= p["step_time_lower_bound_s"]
 
 
-def test_moe_tokens_go_by_all_to_all_inside_the_host(plans):
-    """The experts stay put and the tokens move: one all-to-all per direction and pass, never an
-    all-gather (of tokens or of experts), every byte inside the host; the buffer per peer holds
-    capacity_factor 1.25 x a device's copies / 8, not all of them (the dropless exchange)."""
+def test_moe_tokens_go_by_ragged_all_to_all_inside_the_host(plans):
+    """The experts stay put and the tokens move: one ragged all-to-all per direction and pass,
+    sending a device's routed copies (not a capacity-sized buffer for each peer), after two tiny
+    int32 all-to-alls of their sizes; never an all-gather (of tokens or of experts), every byte
+    inside the host."""
     p = plans[MOE]
     assert p["fits"] and p["mesh"] == {"data": 1, "expert": 8, "fsdp": 1, "tensor": 1}, p
     moved = {(c["kind"], c["axis"]): c for c in p["collectives"]}
-    assert set(moved) == {("all-to-all", "expert"), ("all-reduce", "expert")}, p["collectives"]
+    kinds = {("ragged-all-to-all", "expert"), ("all-to-all", "expert"), ("all-reduce", "expert")}
+    assert set(moved) == kinds, p["collectives"]
     assert not any(c["crosses_hosts"] for c in p["collectives"])
-    to_all = moved[("all-to-all", "expert")]
+    ragged, sizes = moved[("ragged-all-to-all", "expert")], moved[("all-to-all", "expert")]
     copies = p["device_batch"] * p["seq_len"] * QWEN3_MOE["k"]
-    assert to_all["largest_bytes"] == 8 * math.ceil(1.25 * copies / 8) * QWEN3_MOE["d_model"] * 2
-    assert to_all["bytes"] == _exchange(QWEN3_MOE, p)[("all-to-all", "expert")]
+    assert ragged["largest_bytes"] == copies * QWEN3_MOE["d_model"] * 2
+    analytic = _exchange(QWEN3_MOE, p)
+    assert ragged["bytes"] == analytic[("ragged-all-to-all", "expert")]
+    assert sizes["bytes"] == analytic[("all-to-all", "expert")]
+
+
+def test_a_dropless_exchange_sends_the_routed_rows_not_its_receive_buffer(plans):
+    """Dropless, a device's receive buffer holds every peer's copies (8 x its own), but each ragged
+    all-to-all sends a device's copies once: the padded exchange sent 8 times the bytes."""
+    p = plans["moe_tiny_dropless_h100x8"]
+    ragged = [c for c in p["collectives"] if c["kind"] == "ragged-all-to-all"]
+    copies = p["device_batch"] * p["seq_len"] * TINY_MOE["k"]
+    assert [c["largest_bytes"] for c in ragged] == [copies * TINY_MOE["d_model"] * 2], p["collectives"]
+    assert ragged[0]["bytes"] == _exchange(TINY_MOE, p)[("ragged-all-to-all", "expert")]
 
 
 def test_a_job_whose_state_cannot_fit_gets_its_verdict_without_a_compile(plans):
@@ -161,18 +177,22 @@ def test_a_job_whose_state_cannot_fit_gets_its_verdict_without_a_compile(plans):
 def _exchange(moe: dict[str, int], p: dict) -> dict[tuple[str, str], float]:
     """A mixture of experts under expert parallelism (experts whole on each device: no fsdp or
     tensor), bytes per device per step: in each MoE layer, per microbatch, each device's
-    device_batch x T x k token copies go to the ep devices by all-to-all in one bfloat16 buffer
-    per peer of capacity_factor x copies / ep rows, and the results come back the same way: there
-    and back in the forward (with an int32 buffer of expert ids), again under full remat, and the
-    two transposed in the backward. The gradients of every param not an expert's (replicated over
-    expert) all-reduce in float32 once a step."""
+    device_batch x T x k routed token copies (bfloat16 rows) go to the devices holding their
+    experts by a ragged all-to-all, and the results come back by another (the planner counts
+    the rows routed, hlo.routed: all of them, as capacity_factor 1.25 bounds the receive buffer
+    above them); there and back in the forward, again under full remat, and the two transposed
+    in the backward. The sizes go first, in the forward, by two int32 all-to-alls (ep x (experts
+    a device + 1), then ep x 2); each backward ragged all-to-all sends its offsets by two more of
+    ep. The gradients of every param not an expert's (replicated over expert) all-reduce in
+    float32 once a step."""
     ep, d, layers = p["mesh"]["expert"], moe["d_model"], moe["n_layer"]
     passes = 2 if p["remat"] == "full" else 1
-    capacity = math.ceil(1.25 * p["device_batch"] * p["seq_len"] * moe["k"] / ep)
-    tokens, ids = ep * capacity * d * 2, ep * capacity * 4
+    copies = p["device_batch"] * p["seq_len"] * moe["k"]
+    sizes = passes * ep * (moe["n_experts"] // ep + 1 + 2) * 4 + 2 * 2 * ep * 4
     experts = layers * moe["n_experts"] * 3 * d * moe["d_expert"]
     return {
-        ("all-to-all", "expert"): p["accumulation"] * layers * ((2 * passes + 2) * tokens + passes * ids),
+        ("ragged-all-to-all", "expert"): p["accumulation"] * layers * (2 * passes + 2) * copies * d * 2,
+        ("all-to-all", "expert"): p["accumulation"] * layers * sizes,
         ("all-reduce", "expert"): (p["n_params"] - experts) * 4,
     }
 
@@ -193,7 +213,7 @@ def _analytic(p: dict, case: str) -> dict[tuple[str, str], float]:
         out[("all-reduce", "data")] = n / (mesh["fsdp"] * mesh["tensor"]) * 4
     if p["zero1"] and mesh["data"] > 1:
         out[("all-gather", "data")] = n * 4
-    return out | (_exchange(QWEN3_MOE, p) if case == MOE else {})
+    return out | (_exchange(MOE_SHAPES[case], p) if case in MOE_SHAPES else {})
 
 
 @pytest.mark.parametrize("case", [c for c in CI_CASES if c != "gpt_19b_h100x1"])
@@ -219,6 +239,8 @@ def test_both_fused_attention_calls_take_each_devices_share(plans, case):
     assert calls["forward"] > 0 and calls["backward"] > 0, calls
     heads = 64 if case.startswith("llama3_70b") else 32 if case.startswith(("gpt_7b", "qwen3")) else 12
     head_dim = 128 if case.startswith(("llama3_70b", "gpt_7b", "qwen3")) else 64
+    if case.startswith("moe_tiny"):
+        heads, head_dim = 4, 32
     want = [p["device_batch"], p["seq_len"], heads // p["mesh"]["tensor"], head_dim]
     assert calls["q_shapes"] == [want], calls
 
@@ -232,7 +254,7 @@ TEMP_GB = {
     "gpt2_124m_h100_2x8_data16": 11.82,
     "gpt_7b_h100x8_fsdp8": 13.32,
     "llama3_70b_h100_128x8": 35.30,
-    "qwen3_30b_a3b_8l_h100x8": 25.17,
+    "qwen3_30b_a3b_8l_h100x8": 20.95,
 }
 
 

@@ -125,6 +125,35 @@ def test_a_conditional_counts_what_either_branch_could_cost():
     assert tally.written == 8 * 1024 * 4  # the larger branch's writes: the copy
 
 
+# The expert exchange as XLA's GPU compiler prints it (model/moe.py): a device's 1024 routed rows
+# into a receive buffer of 1280, and the results back; sizes and offsets known only when it runs.
+RAGGED_HLO = """HloModule jit_step, is_scheduled=true
+
+ENTRY %main (x: bf16[1024,256], o: s64[8]) -> bf16[1024,256] {
+  %x = bf16[1024,256]{1,0} parameter(0)
+  %o = s64[8]{0} parameter(1)
+  %zeros = bf16[1280,256]{1,0} constant(0)
+  %back = bf16[1024,256]{1,0} constant(0)
+  %there = ((bf16[1024,256]{1,0}, bf16[1280,256]{1,0}, s64[8]{0}, s64[8]{0}, s64[8]{0}, /*index=5*/s64[8]{0}), bf16[1280,256]{1,0}) ragged-all-to-all-start(%x, %zeros, %o, %o, %o, /*index=5*/%o), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}
+  %got = bf16[1280,256]{1,0} ragged-all-to-all-done(%there)
+  ROOT %returned = bf16[1024,256]{1,0} ragged-all-to-all(%got, %back, %o, %o, %o, %o), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}
+}
+"""
+
+
+def test_a_ragged_all_to_all_moves_the_rows_it_routes_not_its_buffers():
+    """Each way the smaller buffer's bytes (a device's 1024 routed rows), an even share to each of
+    the 8 peers: 3 of them in its host of 4, 4 across; the 1280-row receive buffer is not sent."""
+    layout = hlo.Placement(("data", "expert", "fsdp", "tensor"), (1, 8, 1, 1), [0] * 4 + [1] * 4)
+    moved = plan._Walker(RAGGED_HLO, layout).tally().collectives[("ragged-all-to-all", "expert", True)]
+    rows = 1024 * 256 * 2
+    assert moved["count"] == 2 and moved["bytes"] == moved["largest_bytes"] * 2 == 2 * rows
+    assert moved["nvlink_bytes"] == 2 * 3 / 8 * rows and moved["network_bytes"] == 2 * 4 / 8 * rows
+    t = targets.get("h100")
+    clock = schedule.Replay(RAGGED_HLO, layout, t, targets.peak_flops(t, "bfloat16")).run()
+    assert clock.exposed == pytest.approx(2 * 4 / 8 * rows / t.network_bytes_per_s)
+
+
 # An async gather started before a matmul and waited for after it; then a synchronous all-reduce.
 SCHEDULE_HLO = """HloModule jit_step, is_scheduled=true
 

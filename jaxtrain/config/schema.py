@@ -50,8 +50,8 @@ class MoeConfig:
     bias_update_rate: float = 0.0
     balance_coef: float = 0.01  # load-balancing loss coefficient (Switch; 1.0 when perfectly balanced)
     z_loss_coef: float = 0.0  # router z-loss coefficient (ST-MoE: mean logsumexp(logits)^2); 0 = off
-    # Under mesh.expert, each device's buffer for each peer: 0 = all its copies (dropless, mesh.expert
-    # times an exact exchange's bytes); c > 0: c x its copies / mesh.expert, copies past it dropped
+    # Under mesh.expert, the copies a device receives (the rows its experts' grouped matmul runs over):
+    # 0 = every peer's (dropless, mesh.expert x its own); c > 0: c x its own, the rest dropped
     capacity_factor: float = 0.0
     # auto | ragged_dot | blocks: the experts' grouped matmul (auto: blocks on CPUs, ragged_dot elsewhere)
     grouped_matmul: str = "auto"

@@ -5,16 +5,18 @@ a per-expert bias (selection only; moved after each step by `update_router_bias`
 groups; shared experts (model/mlp.py) see every token. Dropless: the copies are sorted by expert
 and run as one grouped matmul (`grouped_matmul`: `jax.lax.ragged_dot`, `blocks` of BLOCK rows
 per expert, or `pallas`: model/grouped.py's Hopper kernels, computing only the routed rows).
-Expert parallelism: inside the train step each device sends every copy to its expert's device
-by one `all_to_all` and gets the result back by another; without a ragged all-to-all on XLA:CPU
-each peer's buffer holds all of a device's copies, or `capacity_factor` x copies / ep (the rest
-dropped and counted). The router's statistics are sown into "moe" (`router_stats`) for the
-balancing loss (`balance_loss`). What each choice costs, measured and
+Expert parallelism: inside the train step each device sends each peer exactly the
+copies for its experts by one `ragged_all_to_all` and gets the results back by another (on
+XLA:CPU, which has none, a padded `all_to_all` stands in: same routing); a device's receive buffer
+holds every peer's copies (dropless), or `capacity_factor` x the copies an even router sends it
+(the rest dropped, the same share of each sender's, and counted). The router's statistics are sown into "moe"
+(`router_stats`) for the balancing loss (`balance_loss`). What each choice costs, measured and
 planned: docs/moe.md and docs/scaling.md.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -133,6 +135,51 @@ def _tensor_split(
     )(rows, sizes, w_in, w_out)
 
 
+def _platform() -> str | None:
+    """The platform the traced step compiles for ("cpu", "gpu", ...), None outside a mesh."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    return device.platform if device is not None else None
+
+
+def padded_ragged_all_to_all(
+    operand: jax.Array,
+    output: jax.Array,
+    input_offsets: jax.Array,
+    send_sizes: jax.Array,
+    output_offsets: jax.Array,
+    recv_sizes: jax.Array,
+    *,
+    axis_name: str,
+    width: int,
+) -> jax.Array:
+    """`jax.lax.ragged_all_to_all` (one slice per peer) on a padded `all_to_all`, for XLA:CPU, which
+    has no ragged one: each slice travels in a buffer of `width` rows (at least the largest slice),
+    and lands where the ragged one would put it. Same arguments, same result, same gradient."""
+    peers, rows = input_offsets.shape[0], jnp.arange(width)
+    at = jnp.where(rows < send_sizes[:, None], input_offsets[:, None] + rows, operand.shape[0])
+    send = operand.at[at].get(mode="fill", fill_value=0)  # [peers, width, ...]
+    got = jax.lax.all_to_all(send, axis_name, 0, 0, tiled=True)
+    landing = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # as the ragged one does
+    to = jnp.where(rows < recv_sizes[:, None], landing[:, None] + rows, output.shape[0])
+    return output.at[to.reshape(-1)].set(got.reshape(peers * width, *got.shape[2:]), mode="drop")
+
+
+def receive_bound(n: int, ep: int, capacity_factor: float) -> int:
+    """Rows a device's receive buffer holds when each of the ep devices routes n copies: every
+    copy of every peer (dropless: no routing overflows it), else capacity_factor x the n a device
+    receives when the router is even. The experts' grouped matmul computes over all of them."""
+    return min(ep * n, math.ceil(capacity_factor * n)) if capacity_factor else ep * n
+
+
+def _kept(want: jax.Array, bound: int) -> jax.Array:
+    """Copies kept of what each peer wants to send this device [ep]: all of them if they fit in
+    `bound` rows, else the same share of each peer's (rounded down; the rest dropped)."""
+    total = want.sum()
+    share = jnp.floor(want.astype(jnp.float32) * (bound / jnp.maximum(total, 1).astype(jnp.float32)))
+    kept = jnp.where(total <= bound, want, jnp.minimum(share.astype(jnp.int32), want))
+    return jnp.clip(bound - (jnp.cumsum(kept) - kept), 0, kept)  # float rounding never overfills it
+
+
 def _exchange(
     rows: jax.Array,
     experts: jax.Array,
@@ -142,27 +189,59 @@ def _exchange(
     w_out: jax.Array,
     impl: str,
     capacity_factor: float,
+    ragged: bool,
 ) -> tuple[jax.Array, jax.Array]:
     """Rows [n, d] sorted by global expert id `experts` [n] -> (their experts' outputs, computed
     on the devices along `axis` (ep of them) that hold those experts (w_in, w_out: this device's),
-    the share of rows dropped: past their peer's buffer, zero out)."""
+    the share of rows dropped: past their receiver's bound (`receive_bound`, `_kept`), zero out).
+
+    Each device sends each peer exactly the rows it keeps, by `ragged_all_to_all` (ragged) or its
+    padded stand-in (XLA:CPU); both land them in the same places, so the routing is the same.
+    Two tiny int32 all_to_alls settle the sizes first: each peer's copies per local expert (and
+    where they start in its rows), then what each receiver keeps and where it puts them."""
     n, local = rows.shape[0], w_in.shape[0]
-    # A buffer of n rows for each peer is dropless however the router splits them.
-    capacity = min(n, math.ceil(capacity_factor * n / ep)) if capacity_factor else n
-    dest = experts // local  # the device holding each row's expert; rows sorted, so in runs
-    counts = jnp.zeros(ep, jnp.int32).at[dest].add(1)
-    slot = jnp.arange(n) - (jnp.cumsum(counts) - counts)[dest]  # place in its device's buffer
-    send = jnp.zeros((ep, capacity, rows.shape[1]), rows.dtype).at[dest, slot].set(rows, mode="drop")
-    send_expert = jnp.full((ep, capacity), local, jnp.int32).at[dest, slot].set(experts % local, mode="drop")
-    recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True).reshape(ep * capacity, -1)
-    recv_expert = jax.lax.all_to_all(send_expert, axis, 0, 0, tiled=True).reshape(ep * capacity)
-    # Padding carries expert id `local`: sorted last, in no group.
+    bound = receive_bound(n, ep, capacity_factor)
+    counts = jnp.zeros(ep * local, jnp.int32).at[experts].add(1, mode="drop").reshape(ep, local)
+    sent = counts.sum(axis=1)
+    start = jnp.cumsum(sent) - sent  # rows are sorted by expert: peer j's run starts here
+    table = jax.lax.all_to_all(jnp.concatenate([counts, start[:, None]], axis=1), axis, 0, 0, tiled=True)
+    per_expert, their_start = table[:, :local], table[:, local]  # from each source
+    kept = _kept(per_expert.sum(axis=1), bound)
+    offset = jnp.cumsum(kept) - kept  # source-major in this device's receive buffer
+    reply = jax.lax.all_to_all(jnp.stack([kept, offset], axis=1), axis, 0, 0, tiled=True)
+    send_sizes, out_offsets = reply[:, 0], reply[:, 1]  # per peer: rows of ours it keeps, and where
+    # A source's kept rows are a prefix of its run, so of each expert's rows a prefix.
+    before = jnp.cumsum(per_expert, axis=1) - per_expert
+    kept_by_expert = jnp.clip(kept[:, None] - before, 0, per_expert)  # [source, local expert]
+    # The expert of each received row (`local`, in no group, past the last).
+    r = jnp.arange(bound)
+    source = jnp.minimum(jnp.searchsorted(jnp.cumsum(kept), r, side="right"), ep - 1)
+    ends = jnp.cumsum(kept_by_expert, axis=1)[source]  # [bound, local]
+    recv_expert = jnp.sum(r[:, None] - offset[source][:, None] >= ends, axis=1)
+    recv_expert = jnp.where(r < kept.sum(), recv_expert, local)
+    a2a: Any = (
+        jax.lax.ragged_all_to_all
+        if ragged
+        else functools.partial(padded_ragged_all_to_all, width=min(n, bound))
+    )
+    recv = a2a(
+        rows,
+        jnp.zeros((bound, rows.shape[1]), rows.dtype),
+        start,
+        send_sizes,
+        out_offsets,
+        kept,
+        axis_name=axis,
+    )
+    # The groups are known from the tiny all-to-alls, before the rows arrive: left free, XLA hoists
+    # the grouped matmul's set-up (`blocks` gathers each block's expert weights) into the exchange,
+    # where it overlaps the loop's other layer, holding 9 GB more on Qwen3-30B-A3B's 4 x 8 plan.
+    recv, recv_expert, sizes = jax.lax.optimization_barrier((recv, recv_expert, kept_by_expert.sum(axis=0)))
     order = jnp.argsort(recv_expert, stable=True)
-    sizes = jnp.zeros(local, jnp.int32).at[recv_expert].add(1, mode="drop")
-    out = _tensor_split(recv[order], sizes, w_in, w_out, impl, routed=n)  # n: an even load's rows
-    out = out[jnp.argsort(order)].reshape(ep, capacity, -1)
-    back = jax.lax.all_to_all(out, axis, 0, 0, tiled=True)
-    return back.at[dest, slot].get(mode="fill", fill_value=0), jnp.mean(slot >= capacity)
+    # n: the rows an even load brings each device (what the pallas kernel's FLOPs are counted at)
+    out = _tensor_split(recv[order], sizes, w_in, w_out, impl, routed=n)[jnp.argsort(order)]
+    back = a2a(out, jnp.zeros_like(rows), offset, kept, their_start, send_sizes, axis_name=axis)
+    return back, 1.0 - send_sizes.sum() / n
 
 
 def route(moe: MoeConfig, logits: jax.Array, bias: jax.Array | None) -> tuple[jax.Array, ...]:
@@ -253,7 +332,10 @@ class MoeMlp(nn.Module):
             sizes = jnp.zeros(n_experts, jnp.int32).at[flat].add(1)
             out = _tensor_split(rows, sizes, w_in, w_out, impl)
         else:
-            out, dropped = _exchange(rows, flat[order], axis, ep, w_in, w_out, impl, moe.capacity_factor)
+            ragged = _platform() not in (None, "cpu")  # XLA:CPU has no ragged all-to-all
+            out, dropped = _exchange(
+                rows, flat[order], axis, ep, w_in, w_out, impl, moe.capacity_factor, ragged
+            )
         out = out[jnp.argsort(order)].reshape(b * t, k, d)
         y = jnp.einsum("nk,nkd->nd", weights.astype(self.dtype), out).reshape(b, t, d)
         if moe.n_shared_experts:

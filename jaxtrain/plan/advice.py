@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from jaxtrain.config import Config
+from jaxtrain.config import Config, check
 from jaxtrain.errors import UserError
 from jaxtrain.observe.memory import fits
 from jaxtrain.plan import targets
@@ -82,8 +82,11 @@ def nearer(cfg: Config, p: dict[str, Any], devices: int) -> list[dict[str, Any]]
 
 
 def _try(cfg: Config, target: targets.GpuTarget, hosts: int, gpus_per_host: int) -> tuple[str, dict | None]:
-    """Plan one candidate: ("fits" | "does not fit" | why it was not compiled, its plan)."""
+    """Plan one candidate: ("fits" | "does not fit" | why it was not compiled, its plan). A candidate
+    a user's config would be refused for (a tensor size the key/value heads do not divide, ...) is
+    refused here by the same checks, not compiled."""
     try:
+        check(cfg)
         p = plan_one(cfg, target, hosts, gpus_per_host)
     except (UserError, jax.errors.JaxRuntimeError) as e:  # rejected, or the compiler failed
         return str(e).splitlines()[0], None

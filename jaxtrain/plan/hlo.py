@@ -19,7 +19,9 @@ DTYPE_BYTES = {
 }  # fmt: skip
 ARRAY = re.compile(r"([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\]")
 GROUPED_FLOPS = "grouped_matmul_flops_"  # model/grouped.py's FLOPS_SCOPE: a scope in the op's op_name
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+COLLECTIVES = (
+    "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute",
+)  # fmt: skip
 # Ops that move no bytes of their own, or whose bytes other terms count (collectives, loops).
 NO_TRAFFIC = {
     "parameter", "get-tuple-element", "tuple", "constant", "bitcast", "while", "conditional", "call",
@@ -135,8 +137,9 @@ class Placement:
 
 @dataclass(frozen=True)
 class Transfer:
-    """What one collective moves, per device: its buffer, and an ideal ring's bytes sent over
-    NVLink (inside a host) and over the network (to other hosts, every GPU's NIC in use)."""
+    """What one collective moves, per device: its buffer (a ragged all-to-all's: the rows it
+    routes, `routed`), and an ideal ring's bytes sent over NVLink (inside a host) and over the
+    network (to other hosts, every GPU's NIC in use)."""
 
     kind: str
     axis: str
@@ -146,6 +149,19 @@ class Transfer:
     network: float
 
 
+def routed(op: Op, ops: dict[str, Op]) -> int:
+    """The bytes a ragged all-to-all sends per device, assumed: the smaller of its input and output
+    buffers (operands 0 and 1), in even shares to the peers of its group. Its sizes are known only
+    when it runs; in the expert exchange (model/moe.py) the input holds a device's routed copies and
+    the output a bound on what it receives (there, and the reverse back), and an even router sends
+    every device as many copies as it sends. So for an even router this is exact; an uneven one
+    moves more into some devices (at most their output buffers) and less into others."""
+    arrays = [nbytes(ops[n].shape) for n in op.operands[:2] if n in ops]
+    if len(arrays) < 2:  # an async start's result opens with its operands: (input, output, ...)
+        arrays = [nbytes(f"{t}[{d}]") for t, d in ARRAY.findall(op.shape)[:2]]
+    return min(arrays)
+
+
 def transfer(op: Op, ops: dict[str, Op], layout: Placement) -> Transfer:
     """The bytes collective `op` (sync or an async start) moves, and over which mesh axes."""
     kind = op.opcode.removesuffix("-start")
@@ -153,7 +169,7 @@ def transfer(op: Op, ops: dict[str, Op], layout: Placement) -> Transfer:
     out_bytes = nbytes(op.shape)
     if op.opcode.endswith("-start") and out_bytes > in_bytes and op.shape.startswith("(("):
         out_bytes -= in_bytes  # an async start's result holds its operands too
-    size = max(in_bytes, out_bytes)
+    size = routed(op, ops) if kind == "ragged-all-to-all" else max(in_bytes, out_bytes)
     all_groups = groups(op.attrs, len(layout.hosts))
     group = all_groups[0]
     hosts = [layout.hosts[i] for i in group]
@@ -166,7 +182,7 @@ def transfer(op: Op, ops: dict[str, Op], layout: Placement) -> Transfer:
     else:
         crosses = n_hosts > 1
         ring = 2.0 if kind == "all-reduce" else 1.0
-        if kind == "all-to-all":
+        if kind in ("all-to-all", "ragged-all-to-all"):
             n = len(group)
             nvlink, network = (per_host - 1) / n * size, (n - per_host) / n * size
         else:

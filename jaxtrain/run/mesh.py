@@ -3,8 +3,8 @@
 The mesh is data x expert x fsdp x context x tensor (config `mesh`):
   data    replicas; the outer axis, spanning processes (hosts). Batch rows split over it.
   expert  MoE: each device holds its share of every MoE layer's experts and receives the tokens
-          routed to them by all-to-all (model/moe.py). Batch rows split over it too, so every
-          other param is replicated over it as over `data`.
+          routed to them by all-to-all (model/moe.py). Batch rows split over it too, and every
+          other param is split over it as over fsdp (`param_spec`).
   fsdp    ZeRO-3: every large parameter, its gradient and both Adam moments split over it, and
           the batch rows too. Params are all-gathered for compute and gradients reduce-scattered.
   context long windows: each sequence split along its length; every token's work is local, and
@@ -149,19 +149,21 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 def param_spec(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> P:
     """Mesh spec of one param from its logical axes; a dim the axis does not divide stays whole.
-    The dim fsdp splits is split over `context` too (ZeRO over the devices that share the batch
-    rows of a sequence): a context group holds its params once, not `context` times, and each
-    layer's gradient is reduce-scattered over it, not all-reduced."""
+
+    The dim fsdp splits is split over `expert` and `context` too, ZeRO over every device that
+    computes with the whole param on rows of its own: a context group holds its params once, not
+    `context` times, and so does an expert group its dense params (attention, embeddings, norms'
+    neighbours: the expert axis folds onto the dense part's fsdp shards, as Megatron's Parallel
+    Folding puts the expert layout on the dense part's data devices). Each layer's gradient is
+    reduce-scattered over them, not all-reduced. A param with experts keeps `expert` on its
+    expert dim."""
+    fsdp_axes = (FSDP_AXIS, *((EXPERT_AXIS,) if "expert" not in logical else ()), CONTEXT_AXIS)
     out: list[Any] = []
     for name, dim in zip(logical, shape, strict=True):
         axis = PARAM_RULES.get(name) if name else None
-        axes = [
-            a
-            for a in ((FSDP_AXIS, CONTEXT_AXIS) if axis == FSDP_AXIS else (axis,))
-            if a and mesh.shape[a] > 1
-        ]
+        axes = [a for a in (fsdp_axes if axis == FSDP_AXIS else (axis,)) if a and mesh.shape[a] > 1]
         while axes and dim % math.prod(mesh.shape[a] for a in axes):
-            axes.pop()  # context first: fsdp alone where the dim does not split both ways
+            axes.pop()  # context, then expert: fsdp alone where the dim does not split every way
         out.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
     return P(*out)
 
@@ -234,6 +236,23 @@ def manual_part(spec: P) -> P:
         return kept if len(kept) > 1 else kept[0] if kept else None
 
     return P(*(part(e) for e in spec))
+
+
+def manual_by_path(param_specs: Any) -> dict[tuple[str, ...], P]:
+    """Each param's manual spec (`manual_part`) by its path's names, for `manual_of`."""
+    flat = jax.tree_util.tree_flatten_with_path(param_specs, is_leaf=lambda x: isinstance(x, P))[0]
+    return {path_names(path): manual_part(spec) for path, spec in flat}
+
+
+def manual_of(names: tuple[str, ...], ndim: int, by_path: dict[tuple[str, ...], P]) -> P:
+    """The manual spec of the param whose path ends with `names` (one layer of a scanned stack
+    included: its last `ndim` dims). Every param a layer gathers is in `by_path`."""
+    # A dense and an MoE stack may both end with `names`: same logical axes, same dims, same spec.
+    spec = next((spec for path, spec in by_path.items() if path[-len(names) :] == names), None)
+    if spec is None:
+        raise KeyError(f"no param ends with {'/'.join(names)}")
+    entries = list(spec) + [None] * (ndim - len(spec))
+    return P(*entries[len(entries) - ndim :])
 
 
 def fsdp_logical_dim(logical: tuple[str | None, ...]) -> int | None:

@@ -81,22 +81,21 @@ def _token_loss(
     return total, metrics | {"moe_dropped": stats["dropped"].mean()}
 
 
-def _fsdp_gather(p: jax.Array, dim: int, dtype: Any, reduce_dtype: Any) -> jax.Array:
-    """The whole param from this device's fsdp shard, gathered in `dtype` (every use of a weight
+def _fsdp_gather(p: jax.Array, axes: Any, dim: int, dtype: Any, reduce_dtype: Any) -> jax.Array:
+    """The whole param from this device's shard on the manual `axes` (fsdp, and expert for a dense
+    param: mesh_lib.param_spec), gathered in `dtype` (every use of a weight
     is in the compute dtype, and a cast commutes with a gather: the same values, a fraction of the
     bytes); its gradient is reduce-scattered in `reduce_dtype`, then kept in the param's dtype."""
 
     @jax.custom_vjp
     def gather(x: jax.Array) -> jax.Array:
-        return jax.lax.all_gather(x.astype(dtype), mesh_lib.FSDP_AXIS, axis=dim, tiled=True)
+        return jax.lax.all_gather(x.astype(dtype), axes, axis=dim, tiled=True)
 
     def forward(x: jax.Array) -> tuple[jax.Array, None]:
         return gather(x), None
 
     def backward(_: None, g: jax.Array) -> tuple[jax.Array]:
-        shard = jax.lax.psum_scatter(
-            g.astype(reduce_dtype), mesh_lib.FSDP_AXIS, scatter_dimension=dim, tiled=True
-        )
+        shard = jax.lax.psum_scatter(g.astype(reduce_dtype), axes, scatter_dimension=dim, tiled=True)
         return (shard.astype(p.dtype),)
 
     gather.defvjp(forward, backward)
@@ -111,7 +110,9 @@ class _ParamLayout:
     ) -> None:
         is_spec = lambda x: isinstance(x, P)  # noqa: E731
         self.manual = jax.tree.map(mesh_lib.manual_part, param_specs, is_leaf=is_spec)
-        self.fsdp = int(mesh.shape[mesh_lib.FSDP_AXIS])
+        self.manual_by_path = mesh_lib.manual_by_path(param_specs)
+        # Params split over fsdp, or dense ones over expert (mesh_lib.param_spec): layers gather them.
+        self.gathers = any(mesh.shape[a] > 1 for a in (mesh_lib.FSDP_AXIS, mesh_lib.EXPERT_AXIS))
         self.sizes = {a: int(mesh.shape[a]) for a in mesh_lib.BATCH_AXES}
         self.rules = mesh_lib.activation_rules(mesh)
         self.platform = mesh.devices.flat[0].platform  # what the step compiles for, not jax's default
@@ -124,12 +125,14 @@ class _ParamLayout:
         dtype; each gather's gradient is a reduce-scatter (`_fsdp_gather`)."""
 
         def one(path: tuple, p: jax.Array) -> jax.Array:
-            logical = logical_axes((*where, *path_names(path)[1:]), p.ndim)  # [0]: the collection
+            names = (*where, *path_names(path)[1:])  # [0]: the collection
+            logical = logical_axes(names, p.ndim)
             dim = mesh_lib.fsdp_logical_dim(logical)
-            if dim is None:
+            axes = None if dim is None else mesh_lib.manual_of(names, p.ndim, self.manual_by_path)[dim]
+            if axes is None:
                 return p
             gather = functools.partial(
-                _fsdp_gather, dim=dim, dtype=self.dtype, reduce_dtype=self.reduce_dtype
+                _fsdp_gather, axes=axes, dim=dim, dtype=self.dtype, reduce_dtype=self.reduce_dtype
             )
             mesh = jax.sharding.get_abstract_mesh()
             tensor = mesh_lib.tensor_part(logical, p.shape, mesh)
@@ -159,7 +162,7 @@ class _ParamLayout:
             why = refusal(self.platform, self.capability, cfg.d_model, cfg.expert_dim // self.tensor)
             if why:
                 raise ConfigError(why)
-        return model.clone(cfg=cfg, gather=self.gather if self.fsdp > 1 else None)
+        return model.clone(cfg=cfg, gather=self.gather if self.gathers else None)
 
     def loss(
         self, model: GPT, params: Any, rows: jax.Array, share: jax.Array | None = None

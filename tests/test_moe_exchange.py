@@ -1,0 +1,181 @@
+"""The expert-parallel exchange (model/moe.py `_exchange`) on 8 fake CPU devices: the padded stand-in
+for `ragged_all_to_all` XLA:CPU runs lands every row where the ragged one (GPUs) does, forward and
+through jax's own backward of it, and the exchange routes as specified: each device receives
+exactly its experts' copies, up to its receive bound, the same share of each sender's dropped.
+
+XLA:CPU cannot run `ragged_all_to_all` (UNIMPLEMENTED), so the ragged side is its documented
+semantics (jax's docstring, by hand below) and jax's own transpose rule; tests/test_gpu_compile.py
+checks that the GPU program uses it and moves the routed bytes.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxtrain.model.moe import _exchange, padded_ragged_all_to_all, receive_bound
+
+
+def _shard_map(fn, n_devices, n_in):
+    mesh = Mesh(np.array(jax.devices()[:n_devices]), ("x",))
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("x"),) * n_in, out_specs=P("x"), check_vma=False))
+
+
+def _ragged_by_hand(operand, output, input_offsets, send_sizes, output_offsets):
+    """jax.lax.ragged_all_to_all's docstring, per device lists: device s's slice i goes to device i
+    at output_offsets[s][i] (recv_sizes are the transposed send_sizes: jax requires it)."""
+    result = [o.copy() for o in output]
+    for s in range(len(operand)):
+        for i in range(len(operand)):
+            piece = operand[s][input_offsets[s][i] : input_offsets[s][i] + send_sizes[s][i]]
+            result[i][output_offsets[s][i] : output_offsets[s][i] + len(piece)] = piece
+    return result
+
+
+def _random_slices(rng, ep, n, m):
+    """Slices with gaps on both sides: each device sends each peer a run of its n rows, each
+    receiver gets them in an m-row buffer in a shuffled source order."""
+    send = np.zeros((ep, ep), np.int32)
+    for s in range(ep):
+        send[s] = rng.multinomial(rng.integers(0, n + 1), np.ones(ep) / ep)
+    while send.sum(axis=0).max() > m - ep:  # room for a gap before each slice
+        send = np.maximum(send - (send.sum(axis=0) > m - ep), 0)
+    in_off = np.cumsum(send, axis=1) - send + rng.integers(0, 2, (ep, 1))
+    in_off = np.minimum(in_off, n - send)
+    out_off = np.zeros((ep, ep), np.int32)
+    for i in range(ep):
+        at = 0
+        for s in rng.permutation(ep):
+            at += int(rng.integers(0, 2))
+            out_off[s, i], at = at, at + send[s, i]
+    return in_off.astype(np.int32), send, out_off, send.T.copy()
+
+
+def test_the_padded_stand_in_lands_rows_where_ragged_all_to_all_does():
+    """jax's docstring example on 2 devices, then random slices (empty ones, gaps) on 8."""
+    ex = {"operand": [[1, 2, 2], [3, 4, 0]], "in": [[0, 1], [0, 1]], "send": [[1, 2], [1, 1]]}
+    ex |= {"out_off": [[0, 0], [1, 2]], "recv": [[1, 1], [2, 1]]}
+    fn = _shard_map(
+        lambda x, a, b, c, d: padded_ragged_all_to_all(
+            x, jnp.zeros(4, x.dtype), a, b, c, d, axis_name="x", width=2
+        ),
+        2,
+        5,
+    )
+    got = fn(*(jnp.asarray(np.ravel(ex[k]), jnp.int32) for k in ("operand", "in", "send", "out_off", "recv")))
+    assert np.asarray(got).tolist() == [1, 3, 0, 0, 2, 2, 4, 0]  # the docstring's result
+    rng = np.random.default_rng(0)
+    ep, n, m, d = 8, 10, 14, 3
+    in_off, send, out_off, recv = _random_slices(rng, ep, n, m)
+    x = rng.normal(size=(ep, n, d)).astype(np.float32)
+    init = rng.normal(size=(ep, m, d)).astype(np.float32)  # rows nothing lands on keep their value
+    fn = _shard_map(
+        lambda x, o, a, b, c, e: padded_ragged_all_to_all(x, o, a, b, c, e, axis_name="x", width=n), ep, 6
+    )
+    got = fn(*(jnp.asarray(v.reshape(-1, *v.shape[2:])) for v in (x, init, in_off, send, out_off, recv)))
+    want = _ragged_by_hand(list(x), list(init), in_off, send, out_off)
+    np.testing.assert_array_equal(np.asarray(got).reshape(ep, m, d), np.stack(want))
+
+
+def _with_stand_in(closed, args, width):
+    """A jaxpr evaluated with each ragged_all_to_all run by the padded stand-in."""
+    jaxpr, env = closed.jaxpr, {}
+    env.update(zip(jaxpr.constvars, closed.consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    read = lambda v: v.val if isinstance(v, jax.extend.core.Literal) else env[v]  # noqa: E731
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        if eqn.primitive.name == "ragged_all_to_all":
+            outs = [padded_ragged_all_to_all(*ins, axis_name=eqn.params["axis_name"][0], width=width)]
+        else:
+            outs = eqn.primitive.bind(*ins, **eqn.params)
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def test_jax_backward_of_ragged_all_to_all_is_the_stand_ins_gradient():
+    """jax's own VJP of ragged_all_to_all (its transpose rule: the cotangent sent back by another
+    ragged_all_to_all), run with the stand-in for the primitive, equals the gradient of the
+    stand-in: the GPU step's backward needs no custom_vjp."""
+    rng = np.random.default_rng(1)
+    ep, n, m, d = 8, 10, 14, 3
+    in_off, send, out_off, recv = _random_slices(rng, ep, n, m)
+    x, ct = rng.normal(size=(ep, n, d)).astype(np.float32), rng.normal(size=(ep, m, d)).astype(np.float32)
+
+    def both(x, ct, a, b, c, e):
+        def forward(a2a):
+            return lambda x: a2a(x, jnp.zeros((m, d), x.dtype), a, b, c, e, axis_name="x")
+
+        stand_in = jax.tree_util.Partial(padded_ragged_all_to_all, width=n)
+        autodiff = jax.vjp(forward(stand_in), x)[1](ct)[0]
+        jaxs = jax.make_jaxpr(lambda x, ct: jax.vjp(forward(jax.lax.ragged_all_to_all), x)[1](ct))(x, ct)
+        return jnp.stack([autodiff, _with_stand_in(jaxs, [x, ct], width=max(n, m))[0]])
+
+    fn = _shard_map(both, ep, 6)
+    got = np.asarray(
+        fn(*(jnp.asarray(v.reshape(-1, *v.shape[2:])) for v in (x, ct, in_off, send, out_off, recv)))
+    )
+    got = got.reshape(ep, 2, n, d)
+    assert np.abs(got[:, 0]).sum() > 0
+    np.testing.assert_array_equal(got[:, 0], got[:, 1])
+
+
+def _routed_by_hand(experts, rows, w_in, w_out, ep, capacity_factor):
+    """Each device's copies (rows sorted by their experts) through their experts, computed with
+    numpy: a receiver keeps all the copies its peers send it if they fit in its bound, else the
+    same share of each sender's (rounded down), the first of each sender's run. -> outputs, dropped."""
+    devices, n = experts.shape
+    local = w_in.shape[0] // ep
+    bound = receive_bound(n, ep, capacity_factor)
+    dest = experts // local
+    want = (dest[:, :, None] == np.arange(ep)).sum(axis=1)  # [sender, receiver]
+    out, dropped = np.zeros_like(rows), 0
+    for j in range(ep):
+        total = want[:, j].sum()
+        kept = (
+            want[:, j]
+            if total <= bound
+            else np.floor(want[:, j].astype(np.float32) * (np.float32(bound) / np.float32(total))).astype(int)
+        )
+        for s in range(devices):
+            run = np.flatnonzero(dest[s] == j)
+            dropped += len(run) - kept[s]
+            for i in run[: kept[s]]:
+                h = rows[s, i] @ w_in[experts[s, i]].reshape(rows.shape[-1], -1)
+                gate, up = np.split(h, 2)
+                out[s, i] = (gate / (1 + np.exp(-gate)) * up) @ w_out[experts[s, i]]
+    return out, dropped / experts.size
+
+
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.0])
+def test_each_device_receives_its_experts_copies_up_to_its_bound(capacity_factor):
+    """4 devices of 4 experts each, a router that sends most copies to the first device: dropless,
+    every copy comes back through its expert; at capacity 1, the first device keeps n of its
+    peers' copies (the same share of each) and the share dropped is counted exactly."""
+    rng = np.random.default_rng(2)
+    ep, local, n, d, ff = 4, 4, 24, 8, 6
+    skew = np.r_[np.full(local, 3.0), np.ones(local * (ep - 1))]
+    experts = np.sort(rng.choice(ep * local, size=(ep, n), p=skew / skew.sum()), axis=1).astype(np.int32)
+    rows = rng.normal(size=(ep, n, d)).astype(np.float32)
+    w_in = (rng.normal(size=(ep * local, d, 2, ff)) * 0.5).astype(np.float32)
+    w_out = (rng.normal(size=(ep * local, ff, d)) * 0.5).astype(np.float32)
+
+    def device(r, e, a, b):
+        out, dropped = _exchange(r, e, "x", ep, a, b, "blocks", capacity_factor, ragged=False)
+        return out, dropped[None]
+
+    mesh = Mesh(np.array(jax.devices()[:ep]), ("x",))
+    fn = jax.jit(jax.shard_map(device, mesh=mesh, in_specs=(P("x"),) * 4, out_specs=P("x"), check_vma=False))
+    out, dropped = fn(rows.reshape(ep * n, d), experts.reshape(-1), w_in, w_out)
+    want, want_dropped = _routed_by_hand(experts, rows, w_in, w_out, ep, capacity_factor)
+    np.testing.assert_allclose(np.asarray(out).reshape(ep, n, d), want, rtol=1e-5, atol=1e-5)
+    assert float(np.mean(dropped)) == pytest.approx(want_dropped, abs=1e-7)
+    assert (want_dropped > 0) == (capacity_factor > 0), want_dropped
+    assert receive_bound(n, ep, capacity_factor) == (
+        math.ceil(capacity_factor * n) if capacity_factor else ep * n
+    )
