@@ -5,7 +5,7 @@ the CUDA plugin and counted as the planner counts them, against the active FLOPs
 
 One layer (jaxtrain/model/moe.py MoeMlp, dropless) under expert parallelism, 4096 tokens a device;
 the active FLOPs are the router's (float32, 6 x tokens x d x E) and the routed copies' SwiGLU
-experts' (18 x tokens x k x d x ff). IMPL: a model.moe.grouped_matmul (default: the GPU's default).
+experts' (18 x tokens x k x d x ff). IMPL: a model.moe.grouped_matmul (default: H100's default).
 """
 
 import json
@@ -72,5 +72,6 @@ def flops(impl: str, n_experts: int, k: int, d: int, ff: int, ep: int) -> dict[s
 
 
 if __name__ == "__main__":
-    impl = sys.argv[1] if len(sys.argv) > 1 else grouped_matmul("gpu")
+    device = targets.target_devices(targets.get("h100"), 1, 8)[0]  # as the step picks: by its devices
+    impl = sys.argv[1] if len(sys.argv) > 1 else grouped_matmul(device.platform, device.compute_capability)
     print(json.dumps({case: flops(impl, *shape) for case, shape in CASES.items()}))

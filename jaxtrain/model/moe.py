@@ -167,7 +167,8 @@ def padded_ragged_all_to_all(
 def receive_bound(n: int, ep: int, capacity_factor: float) -> int:
     """Rows a device's receive buffer holds when each of the ep devices routes n copies: every
     copy of every peer (dropless: no routing overflows it), else capacity_factor x the n a device
-    receives when the router is even. The experts' grouped matmul computes over all of them."""
+    receives when the router is even. The experts' grouped matmul computes over all of them
+    (`blocks`, `ragged_dot`), or only over the rows received (`pallas`)."""
     return min(ep * n, math.ceil(capacity_factor * n)) if capacity_factor else ep * n
 
 
