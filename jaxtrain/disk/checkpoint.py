@@ -241,8 +241,15 @@ class Checkpointer:
             return e
         log.warning(f"checkpoint save of step {step} failed: {type(e).__name__}: {e}")
         if self.primary:  # orbax's temporary dirs: a step dir that never became complete
-            for half in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
-                shutil.rmtree(half, ignore_errors=True)
+            # Its writer threads may still be finishing files in it: removed until it stays gone
+            # (one pass left it behind once in ~20 CI runs).
+            for _ in range(50):
+                halves = list(self.directory.glob(f"{step}.orbax-checkpoint-tmp*"))
+                if not halves:
+                    break
+                for half in halves:
+                    shutil.rmtree(half, ignore_errors=True)
+                time.sleep(0.1)
         self.manager.reload()
         good = self.latest_step()
         last = f"{self.directory}/{good}" if good is not None else "none yet"
