@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.config import Config, ConfigError, ModelConfig
 from jaxtrain.faults import NO_FAULTS, FaultPlan, poison_gradients
-from jaxtrain.model.attention import attention_kernel
+from jaxtrain.model.attention import attention_kernel, cudnn_max_head_dim
 from jaxtrain.model.grouped import refusal
 from jaxtrain.model.moe import balance_loss, grouped_matmul, router_stats, update_router_bias
 from jaxtrain.model.params import logical_axes, path_names
@@ -168,7 +168,14 @@ class _ParamLayout:
 
     def model(self, model: GPT) -> GPT:
         """The model with its attention kernel chosen for the mesh's devices, and FSDP's per-layer gather."""
-        kernel = attention_kernel(model.cfg, self.platform, model.dtype)
+        kernel = attention_kernel(model.cfg, self.platform, model.dtype, self.capability)
+        most = cudnn_max_head_dim(self.capability)
+        if kernel == "cudnn" and self.platform == "gpu" and model.cfg.head_size > most:
+            raise ConfigError(
+                f"model.attention_impl cudnn takes heads of at most {most} on GPUs of compute "
+                f"capability {self.capability}, and this model's are {model.cfg.head_size}; use "
+                "model.attention_impl auto (XLA's kernel)"
+            )
         cfg = dataclasses.replace(model.cfg, attention_impl=kernel)
         why = refusal(self.platform, self.capability, cfg.d_model, cfg.expert_dim // self.tensor)
         if cfg.moe.grouped_matmul == "auto":
