@@ -28,6 +28,13 @@ class Embedding(nn.Embed):
     def table(self) -> jax.Array:
         return self.embedding
 
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        # The rows first, then the cast (nn.Embed casts the whole table first): the same values,
+        # and the gradient is a scatter of the rows straight into the float32 table's, which XLA
+        # adds in place where a loop accumulates it (a pipeline's ticks: run/pipeline.py), not a
+        # table of zeros cast and added whole per use.
+        return jnp.take(self.embedding, inputs, axis=0).astype(self.dtype)
+
 
 def logits(x: jax.Array, table: jax.Array, dtype: Any) -> jax.Array:
     """float32 logits [B, T, vocab] of x [B, T, d] against the output embedding `table` [vocab, d],
