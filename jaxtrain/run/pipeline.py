@@ -58,10 +58,11 @@ def _stage(model: GPT) -> Callable[[Any, jax.Array, Documents | None], jax.Array
     return run
 
 
-def _tick(model: GPT, share: jax.Array | None) -> Callable[..., tuple[jax.Array, jax.Array]]:
-    """work(params, held, rows) -> (out, loss): one stage's tick on the microbatch it holds (rows
-    [b, T+1]): stage 0 embeds it (the others take `held`, the previous stage's output), the
-    stage's layers run, and the head's loss of `out` (the last stage's is the model's)."""
+def _tick(model: GPT, share: jax.Array | None) -> tuple[Callable[..., jax.Array], Callable[..., jax.Array]]:
+    """(work, head_loss): work(params, held, rows) -> out, one stage's tick on the microbatch it
+    holds (rows [b, T+1]): stage 0 embeds it (the others take `held`, the previous stage's
+    output), then the stage's layers run; head_loss(params, out, rows): the model's loss of a
+    finished microbatch's output, its logits recomputed in the backward, never kept."""
     cfg, run, stage = model.cfg, _stage(model), jax.lax.axis_index(AXIS)
     embed, head = model.clone(span="embed"), model.clone(span="head")
     masked = cfg.doc_bos >= 0 or cfg.doc_eos >= 0
@@ -72,16 +73,13 @@ def _tick(model: GPT, share: jax.Array | None) -> Callable[..., tuple[jax.Array,
         losses: jax.Array = head.apply({"params": params}, out, rows[:, 1:] & TOKEN_BITS)  # type: ignore[assignment]
         return losses.mean() if share is None else jnp.where(rows[:, 1:] & NO_LOSS, 0.0, losses).sum() / share
 
-    def work(params: Any, held: jax.Array, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def work(params: Any, held: jax.Array, rows: jax.Array) -> jax.Array:
         inputs = rows[:, :-1] & TOKEN_BITS
         fresh: jax.Array = embed.apply({"params": params}, inputs)  # type: ignore[assignment]
         doc = documents(inputs, cfg.doc_bos, cfg.doc_eos) if masked else None
-        out = run(params[name], jnp.where(stage == 0, fresh, held), doc)
-        return out, head_loss(params, out, rows)
+        return run(params[name], jnp.where(stage == 0, fresh, held), doc)
 
-    # Logits are never kept for the backward: a tick holds one microbatch's, recomputed.
-    head_loss = loss if cfg.remat == "full" else jax.checkpoint(loss)
-    return jax.checkpoint(work) if cfg.remat == "full" else work
+    return (jax.checkpoint(work) if cfg.remat == "full" else work), jax.checkpoint(loss)
 
 
 def _held_rules(rules: Any) -> Any:
@@ -98,29 +96,64 @@ def _held(x: jax.Array) -> jax.Array:
     return nn.with_logical_constraint(x, ("batch", "held", "embed"))
 
 
+def _keep(kept: jax.Array, passing: jax.Array, m: jax.Array, micro: int) -> jax.Array:
+    """`kept` [slots, ...] with `passing`, microbatch m's finished output, in slot m // stages if
+    this stage owns m (m % stages): each stage keeps every stages-th microbatch for the head."""
+    stages, stage = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS)
+    slot = jnp.clip(m // stages, 0, kept.shape[0] - 1)
+    old = jax.lax.dynamic_index_in_dim(kept, slot, keepdims=False)
+    mine = (m >= 0) & (m < micro) & (m % stages == stage)
+    return jax.lax.dynamic_update_index_in_dim(kept, jnp.where(mine, passing, old), slot, 0)
+
+
 def loss(
     model: GPT, rules: Any, params: Any, rows: jax.Array, micro: int, share: jax.Array | None = None
 ) -> tuple[jax.Array, Metrics]:
     """(loss to differentiate, metrics) of this device's rows [n, T+1] in `micro` microbatches:
     the mean of their mean next-token losses (a loss mask's kept sums over `share`, as
-    step._token_loss), as gradient accumulation takes it. The loss is the last stage's (zero on
-    the others: the sum over stages is the loss); metrics are the last stage's on every stage."""
+    step._token_loss), as gradient accumulation takes it. Each stage's loss is that of the
+    microbatches whose head it ran (the sum over stages is the loss); metrics are the whole
+    loss on every stage."""
     stages, stage = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS)
+    last = stages - 1
     split = rows.reshape(micro, rows.shape[0] // micro, rows.shape[1])
-    shift = [(i, i + 1) for i in range(stages - 1)]  # the last stage's output leaves the pipeline
-    done = stage == stages - 1
+    shift = [(i, i + 1) for i in range(last)]  # activations: the last stage's output leaves
+    ring = [(i, (i + 1) % stages) for i in range(stages)]  # finished outputs, to their owners
 
-    def tick(carry: tuple[jax.Array, jax.Array], t: jax.Array) -> tuple[tuple[jax.Array, jax.Array], None]:
-        held, total = carry
+    def tick(carry: tuple[jax.Array, ...], t: jax.Array) -> tuple[tuple[jax.Array, ...], None]:
+        held, passing, kept = carry
         mine = jnp.clip(t - stage, 0, micro - 1)  # the microbatch this stage holds (bubble: clipped)
-        out, value = work(params, held, jax.lax.dynamic_index_in_dim(split, mine, keepdims=False))
-        total = total + jnp.where(done & (t >= stages - 1), value, 0.0)
-        return (jax.lax.ppermute(_held(out), AXIS, shift), total), None
+        out = work(params, held, jax.lax.dynamic_index_in_dim(split, mine, keepdims=False))
+        # The last stage's output (microbatch t - last) enters the ring; the others pass on what
+        # reached them: microbatch t - stages - stage, finished stage + 1 ticks ago.
+        sent = jnp.where(stage == last, out, passing)
+        kept = _keep(kept, sent, jnp.where(stage == last, t - last, t - stages - stage), micro)
+        return (
+            jax.lax.ppermute(_held(out), AXIS, shift),
+            jax.lax.ppermute(_held(sent), AXIS, ring),
+            kept,
+        ), None
+
+    def drain(carry: tuple[jax.Array, jax.Array], t: jax.Array) -> tuple[tuple[jax.Array, jax.Array], None]:
+        passing, kept = carry  # the last microbatches still on their way to their owners
+        kept = _keep(kept, passing, t - stages - stage, micro)
+        return (jax.lax.ppermute(_held(passing), AXIS, ring), kept), None
+
+    def head(total: jax.Array, slot: jax.Array) -> tuple[jax.Array, None]:
+        m = slot * stages + stage
+        rows = jax.lax.dynamic_index_in_dim(split, jnp.minimum(m, micro - 1), keepdims=False)
+        value = head_loss(params, jax.lax.dynamic_index_in_dim(kept, slot, keepdims=False), rows)
+        return total + jnp.where(m < micro, value, 0.0), None
 
     with nn.logical_axis_rules(_held_rules(rules)):
-        work = _tick(model, share)
+        work, head_loss = _tick(model, share)
         held = _held(jnp.zeros((split.shape[1], split.shape[2] - 1, model.cfg.d_model), model.dtype))
-        (_, total), _ = jax.lax.scan(tick, (held, jnp.zeros((), jnp.float32)), jnp.arange(micro + stages - 1))
+        kept = jnp.zeros((-(-micro // stages), *held.shape), held.dtype)
+        kept = nn.with_logical_constraint(kept, (None, "batch", "held", "embed"))
+        ticks = micro + last
+        (_, passing, kept), _ = jax.lax.scan(tick, (held, held, kept), jnp.arange(ticks))
+        (_, kept), _ = jax.lax.scan(drain, (passing, kept), jnp.arange(ticks, ticks + last))
+        total, _ = jax.lax.scan(head, jnp.zeros((), jnp.float32), jnp.arange(kept.shape[0]))
     mine = total / micro
     return mine, {"loss": jax.lax.psum(mine, AXIS)}
 
