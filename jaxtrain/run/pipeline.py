@@ -58,6 +58,36 @@ def _stage(model: GPT) -> Callable[[Any, jax.Array, Documents | None], jax.Array
     return run
 
 
+@jax.custom_vjp
+def _as_copy(master: jax.Array, copy: jax.Array) -> jax.Array:
+    """`copy`, master cast to the compute dtype once a step (`_copies`), with master's gradient:
+    a tick's layers read their weights as the scanned stack's own slices (no cast, and nothing
+    for the backward to keep per layer), and the gradient the tick adds up stays float32."""
+    return copy
+
+
+def _as_copy_forward(master: jax.Array, copy: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return copy, jnp.zeros((0,), master.dtype)
+
+
+def _as_copy_backward(dtype: jax.Array, g: jax.Array) -> tuple[jax.Array, None]:
+    return g.astype(dtype.dtype), None
+
+
+_as_copy.defvjp(_as_copy_forward, _as_copy_backward)
+
+
+def _copies(model: GPT, stack: Any) -> Any:
+    """The stage's weight matrices (leaves of 3+ dims: [layers, in, ...], which the layers only use
+    in the compute dtype) cast once for all ticks; None for the rest (norm scales, biases), and
+    for all under FSDP, whose per-layer gather casts (its gradient's reduce-scatter stays as is)."""
+    if model.gather is not None:
+        return jax.tree.map(lambda p: None, stack)
+    return jax.tree.map(
+        lambda p: jax.lax.stop_gradient(p.astype(model.dtype)) if p.ndim >= 3 else None, stack
+    )
+
+
 def _tick(model: GPT, share: jax.Array | None) -> tuple[Callable[..., jax.Array], Callable[..., jax.Array]]:
     """(work, head_loss): work(params, held, rows) -> out, one stage's tick on the microbatch it
     holds (rows [b, T+1]): stage 0 embeds it (the others take `held`, the previous stage's
@@ -73,11 +103,12 @@ def _tick(model: GPT, share: jax.Array | None) -> tuple[Callable[..., jax.Array]
         losses: jax.Array = head.apply({"params": params}, out, rows[:, 1:] & TOKEN_BITS)  # type: ignore[assignment]
         return losses.mean() if share is None else jnp.where(rows[:, 1:] & NO_LOSS, 0.0, losses).sum() / share
 
-    def work(params: Any, held: jax.Array, rows: jax.Array) -> jax.Array:
+    def work(params: Any, copies: Any, held: jax.Array, rows: jax.Array) -> jax.Array:
         inputs = rows[:, :-1] & TOKEN_BITS
         fresh: jax.Array = embed.apply({"params": params}, inputs)  # type: ignore[assignment]
         doc = documents(inputs, cfg.doc_bos, cfg.doc_eos) if masked else None
-        return run(params[name], jnp.where(stage == 0, fresh, held), doc)
+        stack = jax.tree.map(lambda p, c: p if c is None else _as_copy(p, c), params[name], copies)
+        return run(stack, jnp.where(stage == 0, fresh, held), doc)
 
     return (jax.checkpoint(work) if cfg.remat == "full" else work), jax.checkpoint(loss)
 
@@ -123,7 +154,7 @@ def loss(
     def tick(carry: tuple[jax.Array, ...], t: jax.Array) -> tuple[tuple[jax.Array, ...], None]:
         held, passing, kept = carry
         mine = jnp.clip(t - stage, 0, micro - 1)  # the microbatch this stage holds (bubble: clipped)
-        out = work(params, held, jax.lax.dynamic_index_in_dim(split, mine, keepdims=False))
+        out = work(params, copies, held, jax.lax.dynamic_index_in_dim(split, mine, keepdims=False))
         # The last stage's output (microbatch t - last) enters the ring; the others pass on what
         # reached them: microbatch t - stages - stage, finished stage + 1 ticks ago.
         sent = jnp.where(stage == last, out, passing)
@@ -147,6 +178,7 @@ def loss(
 
     with nn.logical_axis_rules(_held_rules(rules)):
         work, head_loss = _tick(model, share)
+        copies = _copies(model, params[scanned_stacks(model.cfg)[0][0]])
         held = _held(jnp.zeros((split.shape[1], split.shape[2] - 1, model.cfg.d_model), model.dtype))
         kept = jnp.zeros((-(-micro // stages), *held.shape), held.dtype)
         kept = nn.with_logical_constraint(kept, (None, "batch", "held", "embed"))
