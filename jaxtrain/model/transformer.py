@@ -150,7 +150,7 @@ class GPT(nn.Module):
         return output(x)
 
 
-def layer_stack(block: Any, length: int) -> Any:
+def layer_stack(block: Any, length: int, unroll: int = 1) -> Any:
     """`length` layers of `block` as one scanned module, params stacked on a leading `layers` dim."""
     return nn.scan(
         block,
@@ -158,6 +158,7 @@ def layer_stack(block: Any, length: int) -> Any:
         split_rngs={"params": True},
         in_axes=nn.broadcast,
         length=length,
+        unroll=unroll,
     )
 
 

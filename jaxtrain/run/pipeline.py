@@ -52,7 +52,10 @@ def _stage(model: GPT) -> Callable[[Any, jax.Array, Documents | None], jax.Array
 
     def run(params: Any, x: jax.Array, doc: Documents | None) -> jax.Array:
         length = jax.tree.leaves(params)[0].shape[0]
-        stack = layer_stack(block, length)(cfg, model.dtype, False, False)
+        # Unrolled: a stage is a few layers (405B over 32 stages: 4), and as a loop inside the
+        # tick loop XLA peeled it and copied each layer's saved activations and weight slices
+        # (405B stand-in, planned: 3.93 -> 3.83 s, 48.0 -> 45.8 GB).
+        stack = layer_stack(block, length, unroll=length)(cfg, model.dtype, False, False)
         return stack.apply({"params": params}, x, doc)[0]
 
     return run
