@@ -37,6 +37,8 @@ from jaxtrain.text.format import NO_LOSS, TOKEN_BITS
 
 AXIS = mesh_lib.PIPELINE_AXIS
 Metrics = dict[str, jax.Array]
+Arrays3 = tuple[jax.Array, jax.Array, jax.Array]
+Arrays4 = tuple[jax.Array, jax.Array, jax.Array, jax.Array]
 
 
 def bubble(stages: int, micro: int) -> float:
@@ -154,24 +156,28 @@ def loss(
     shift = [(i, i + 1) for i in range(last)]  # activations: the last stage's output leaves
     ring = [(i, (i + 1) % stages) for i in range(stages)]  # finished outputs, to their owners
 
-    def tick(carry: tuple[jax.Array, ...], t: jax.Array) -> tuple[tuple[jax.Array, ...], None]:
-        held, passing, kept = carry
+    def pass_on(
+        passing: jax.Array, done: jax.Array, kept: jax.Array, t: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        # The ring at tick t: the last stage sends `done`, its output of the tick before
+        # (microbatch t - 1 - last); the others pass on what reached them (microbatch
+        # t - stages - 1 - stage), each keeping what it owns. Sent from what the tick before
+        # left, the transfer runs beside the tick's layers, not after them.
+        sent = jnp.where(stage == last, done, passing)
+        kept = _keep(kept, sent, jnp.where(stage == last, t - 1 - last, t - stages - 1 - stage), micro)
+        return jax.lax.ppermute(_held(sent), AXIS, ring), kept
+
+    def tick(carry: Arrays4, t: jax.Array) -> tuple[Arrays4, None]:
+        held, passing, done, kept = carry
+        passing, kept = pass_on(passing, done, kept, t)
         mine = jnp.clip(t - stage, 0, micro - 1)  # the microbatch this stage holds (bubble: clipped)
         out = work(params, copies, held, jax.lax.dynamic_index_in_dim(split, mine, keepdims=False))
-        # The last stage's output (microbatch t - last) enters the ring; the others pass on what
-        # reached them: microbatch t - stages - stage, finished stage + 1 ticks ago.
-        sent = jnp.where(stage == last, out, passing)
-        kept = _keep(kept, sent, jnp.where(stage == last, t - last, t - stages - stage), micro)
-        return (
-            jax.lax.ppermute(_held(out), AXIS, shift),
-            jax.lax.ppermute(_held(sent), AXIS, ring),
-            kept,
-        ), None
+        return (jax.lax.ppermute(_held(out), AXIS, shift), passing, out, kept), None
 
-    def drain(carry: tuple[jax.Array, jax.Array], t: jax.Array) -> tuple[tuple[jax.Array, jax.Array], None]:
-        passing, kept = carry  # the last microbatches still on their way to their owners
-        kept = _keep(kept, passing, t - stages - stage, micro)
-        return (jax.lax.ppermute(_held(passing), AXIS, ring), kept), None
+    def drain(carry: Arrays3, t: jax.Array) -> tuple[Arrays3, None]:
+        passing, done, kept = carry  # the last microbatches on their way to their owners
+        passing, kept = pass_on(passing, done, kept, t)
+        return (passing, done, kept), None
 
     def head(total: jax.Array, slot: jax.Array) -> tuple[jax.Array, None]:
         m = slot * stages + stage
@@ -186,8 +192,8 @@ def loss(
         kept = jnp.zeros((-(-micro // stages), *held.shape), held.dtype)
         kept = nn.with_logical_constraint(kept, (None, "batch", "held", "embed"))
         ticks = micro + last
-        (_, passing, kept), _ = jax.lax.scan(tick, (held, held, kept), jnp.arange(ticks))
-        (_, kept), _ = jax.lax.scan(drain, (passing, kept), jnp.arange(ticks, ticks + last))
+        (_, passing, done, kept), _ = jax.lax.scan(tick, (held, held, held, kept), jnp.arange(ticks))
+        (_, _, kept), _ = jax.lax.scan(drain, (passing, done, kept), jnp.arange(ticks, ticks + stages))
         total, _ = jax.lax.scan(head, jnp.zeros((), jnp.float32), jnp.arange(kept.shape[0]))
     mine = total / micro
     return mine, {"loss": jax.lax.psum(mine, AXIS)}
