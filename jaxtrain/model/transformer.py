@@ -109,7 +109,13 @@ class GPT(nn.Module):
             cls = _with_gather(Embedding, self.gather, (name,), methods=methods)
             init = nn.initializers.normal(cfg.init_std)
             return cls(
-                num, cfg.d_model, dtype=self.dtype, param_dtype=jnp.float32, embedding_init=init, name=name
+                num,
+                cfg.d_model,
+                dtype=self.dtype,
+                param_dtype=jnp.float32,
+                embedding_init=init,
+                rows_first=self.span == "embed",
+                name=name,
             )
 
         wte = embed(cfg.vocab_size, name="wte")
