@@ -7,16 +7,21 @@ function, as MaxText does it:
   - tick t: stage s holds microbatch t - s; stage 0 embeds it, every stage runs its layers on
     what it holds, then a `ppermute` hands each stage's output to the next; the last stage
     finishes microbatch t - (pipeline - 1), so M microbatches take M + pipeline - 1 ticks;
-  - the head and loss run in the tick on the stage's output (every stage computes them: SPMD;
-    only the last stage's count: its loss is the one differentiated, the others are zeroed);
+  - the head and loss are not in the tick (SPMD: a tick costs every stage what the slowest stage
+    does, so a head run by the last stage alone would cost all of them, every tick): finished
+    outputs ride a ring of `ppermute`s to their owner, stage m % pipeline, which keeps them
+    (M / pipeline of them, one microbatch's activation each) and after the ticks runs the head
+    and loss of each; the ring sends what the tick before left, so it runs beside the layers;
   - jax.grad of that gives the backward: ppermute's transpose sends gradients back a stage a tick.
 The bubble, (pipeline - 1) / (M + pipeline - 1) of each stage's layer work, is real compute on
 zeros in this SPMD program, so the compiled program (and the planner's replay of it) counts it.
 With remat `full` a tick is one checkpoint: each tick keeps only its stage's input, and the
 backward recomputes that tick once (the cost per-layer remat has), holding one stage's activations
-for one microbatch. Logits are never kept: a tick's are recomputed for its backward.
+for one microbatch. Inside a tick the stage's layers run unrolled, on its weight matrices cast to
+the compute dtype once a step (`_copies`); their gradient accumulates in float32 over the ticks.
 Params used outside the stack (embeddings, final norm, head) are whole on every stage; their
 gradients are summed over the stages (each is zero where its stage does not use it).
+Planned for Llama 3 405B on 256 x 8 H100 (docs/scaling.md "Pipeline parallelism").
 """
 
 from __future__ import annotations
@@ -56,8 +61,10 @@ def _stage(model: GPT) -> Callable[[Any, jax.Array, Documents | None], jax.Array
         length = jax.tree.leaves(params)[0].shape[0]
         # Unrolled: a stage is a few layers (405B over 32 stages: 4), and as a loop inside the
         # tick loop XLA peeled it and copied each layer's saved activations and weight slices
-        # (405B stand-in, planned: 3.93 -> 3.83 s, 48.0 -> 45.8 GB).
-        stack = layer_stack(block, length, unroll=length)(cfg, model.dtype, False, False)
+        # (405B stand-in, planned: 3.93 -> 3.83 s, 48.0 -> 45.8 GB). Not under FSDP: its gathers
+        # overlap the layer before only in a loop (XLA's pipelined all-gather).
+        unroll = length if model.gather is None else 1
+        stack = layer_stack(block, length, unroll=unroll)(cfg, model.dtype, False, False)
         return stack.apply({"params": params}, x, doc)[0]
 
     return run
