@@ -27,6 +27,7 @@ Planned for Llama 3 405B on 256 x 8 H100 (docs/scaling.md "Pipeline parallelism"
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -52,52 +53,71 @@ def bubble(stages: int, micro: int) -> float:
 
 
 def _stage(model: GPT) -> Callable[[Any, jax.Array, Documents | None], jax.Array]:
-    """run(stack params, x, doc) -> x: this stage's layers (its share of the scanned stack)."""
+    """run(params, x, doc) -> x: this stage's layers (its share of the scanned stack), from the
+    stack's params, or unrolled from one tree per layer (`_layers`)."""
     cfg = model.cfg
     # With remat full the tick is the checkpoint (`_tick`): the layers inside it need none.
     block = block_class(dataclasses.replace(cfg, remat="none") if cfg.remat == "full" else cfg, model.gather)
 
     def run(params: Any, x: jax.Array, doc: Documents | None) -> jax.Array:
+        if isinstance(params, list):
+            layer = block(cfg, model.dtype, False, False)
+            for one in params:
+                x = layer.apply({"params": one}, x, doc)[0]
+            return x
         length = jax.tree.leaves(params)[0].shape[0]
-        # Unrolled: a stage is a few layers (405B over 32 stages: 4), and as a loop inside the
-        # tick loop XLA peeled it and copied each layer's saved activations and weight slices
-        # (405B stand-in, planned: 3.93 -> 3.83 s, 48.0 -> 45.8 GB). Not under FSDP: its gathers
-        # overlap the layer before only in a loop (XLA's pipelined all-gather).
-        unroll = length if model.gather is None else 1
-        stack = layer_stack(block, length, unroll=unroll)(cfg, model.dtype, False, False)
-        return stack.apply({"params": params}, x, doc)[0]
+        return layer_stack(block, length)(cfg, model.dtype, False, False).apply({"params": params}, x, doc)[0]
 
     return run
 
 
 @jax.custom_vjp
-def _as_copy(master: jax.Array, copy: jax.Array) -> jax.Array:
-    """`copy`, master cast to the compute dtype once a step (`_copies`), with master's gradient:
-    a tick's layers read their weights as the scanned stack's own slices (no cast, and nothing
-    for the backward to keep per layer), and the gradient the tick adds up stays float32."""
-    return copy
+def _as_copies(master: jax.Array, copies: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """`copies`, master's layers cast to the compute dtype once a step (`_copies`), with master's
+    gradient: a tick's layers read their weights as they are (no cast, no slice, nothing kept per
+    tick for the backward), and the gradient the ticks add up stays float32."""
+    return copies
 
 
-def _as_copy_forward(master: jax.Array, copy: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return copy, jnp.zeros((0,), master.dtype)
+def _as_copies_forward(
+    master: jax.Array, copies: tuple[jax.Array, ...]
+) -> tuple[tuple[jax.Array, ...], jax.Array]:
+    return copies, jnp.zeros((0,), master.dtype)
 
 
-def _as_copy_backward(dtype: jax.Array, g: jax.Array) -> tuple[jax.Array, None]:
-    return g.astype(dtype.dtype), None
+def _as_copies_backward(dtype: jax.Array, g: tuple[jax.Array, ...]) -> tuple[jax.Array, None]:
+    return jnp.stack(g).astype(dtype.dtype), None
 
 
-_as_copy.defvjp(_as_copy_forward, _as_copy_backward)
+_as_copies.defvjp(_as_copies_forward, _as_copies_backward)
 
 
 def _copies(model: GPT, stack: Any) -> Any:
     """The stage's weight matrices (leaves of 3+ dims: [layers, in, ...], which the layers only use
-    in the compute dtype) cast once for all ticks; None for the rest (norm scales, biases), and
-    for all under FSDP, whose per-layer gather casts (its gradient's reduce-scatter stays as is)."""
+    in the compute dtype) cast once for all ticks, one array per layer; None for the rest (norm
+    scales, biases). None at all under FSDP, whose per-layer gather casts (and whose gathers
+    overlap the layer before only in a layer loop: XLA's pipelined all-gather)."""
     if model.gather is not None:
-        return jax.tree.map(lambda p: None, stack)
+        return None
     return jax.tree.map(
-        lambda p: jax.lax.stop_gradient(p.astype(model.dtype)) if p.ndim >= 3 else None, stack
+        lambda p: tuple(jax.lax.stop_gradient(p.astype(model.dtype))) if p.ndim >= 3 else None, stack
     )
+
+
+def _layers(stack: Any, copies: Any) -> Any:
+    """The stage's params for `_stage`: one tree per layer, unrolled (a stage is a few layers:
+    405B over 32 stages, 4; as a loop inside the tick loop XLA peeled it and copied each layer's
+    saved activations and weight slices); the stack itself where there are no copies."""
+    if copies is None:
+        return stack
+    length = jax.tree.leaves(stack)[0].shape[0]
+    per_leaf = jax.tree.map(
+        lambda p, c: tuple(p) if c is None else _as_copies(p, c), stack, copies, is_leaf=lambda c: c is None
+    )
+    return [
+        jax.tree.map(operator.itemgetter(i), per_leaf, is_leaf=lambda x: isinstance(x, tuple))
+        for i in range(length)
+    ]
 
 
 def _tick(model: GPT, share: jax.Array | None) -> tuple[Callable[..., jax.Array], Callable[..., jax.Array]]:
@@ -119,8 +139,7 @@ def _tick(model: GPT, share: jax.Array | None) -> tuple[Callable[..., jax.Array]
         inputs = rows[:, :-1] & TOKEN_BITS
         fresh: jax.Array = embed.apply({"params": params}, inputs)  # type: ignore[assignment]
         doc = documents(inputs, cfg.doc_bos, cfg.doc_eos) if masked else None
-        stack = jax.tree.map(lambda p, c: p if c is None else _as_copy(p, c), params[name], copies)
-        return run(stack, jnp.where(stage == 0, fresh, held), doc)
+        return run(_layers(params[name], copies), jnp.where(stage == 0, fresh, held), doc)
 
     return (jax.checkpoint(work) if cfg.remat == "full" else work), jax.checkpoint(loss)
 
