@@ -197,16 +197,28 @@ class _ParamLayout:
         """Mean over the batch shards."""
         return self._pmean(tree, mesh_lib.BATCH_AXES)
 
-    def reduce_grads(self, grads: Any) -> Any:
-        """Mean over every batch shard. A param split over a batch axis gets its gradient summed
-        over that axis already (fsdp's reduce-scatter, the experts' all-to-all back): divided there."""
+    def reduce_grads(self, grads: Any, out_specs: Any) -> Any:
+        """Mean over every batch shard, each gradient left in its manual spec in `out_specs`. A
+        param split over a batch axis gets its gradient summed over that axis already (fsdp's
+        reduce-scatter, the experts' all-to-all back): divided there. Where `out_specs` adds
+        `data` (ZeRO-1: the moments' layout, mesh_lib.zero1_spec) a reduce-scatter over it
+        stands in for the all-reduce: each data shard gets only its slice, half the bytes."""
 
-        def one(g: jax.Array, spec: P) -> jax.Array:
-            split = {a for entry in spec for a in (entry if isinstance(entry, tuple) else (entry,))}
+        def one(g: jax.Array, spec: P, out: P) -> jax.Array:
+            split = _axes(spec)
+            scatter = [i for i, e in enumerate(out) if mesh_lib.DATA_AXIS in _axes(P(e)) - split]
+            if scatter:
+                g = jax.lax.psum_scatter(g, mesh_lib.DATA_AXIS, scatter_dimension=scatter[0], tiled=True)
+                split = split | {mesh_lib.DATA_AXIS}
             g = self._pmean(g, tuple(a for a in mesh_lib.BATCH_AXES if a not in split))
             return g / math.prod(self.sizes[a] for a in mesh_lib.BATCH_AXES if a in split)
 
-        return jax.tree.map(one, grads, self.manual, is_leaf=lambda x: isinstance(x, P))
+        return jax.tree.map(one, grads, self.manual, out_specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def _axes(spec: P) -> set[str]:
+    """The mesh axes a spec splits over."""
+    return {a for entry in spec for a in (entry if isinstance(entry, tuple) else (entry,)) if a}
 
 
 def _local_grads(
@@ -271,24 +283,35 @@ def make_train_step(
     fp16 = cfg.dtype == "float16"
     masked = cfg.loss_mask  # unmasked data keeps the plain mean: its losses stay bit for bit
     bias_rate = cfg.model.moe.bias_update_rate
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
 
-    def device_grads(params: Any, rows: jax.Array, scale: jax.Array, step: jax.Array) -> tuple[Any, Metrics]:
+    def device_grads(
+        grad_specs: Any, params: Any, rows: jax.Array, scale: jax.Array, step: jax.Array
+    ) -> tuple[Any, Metrics]:
         if faults.nan_step > 0:  # test-only fault, traced only when asked for
             scale = poison_gradients(faults, scale, step, jax.lax.axis_index(mesh_lib.BATCH_AXES) == 0)
         share = layout.kept_share(layout.kept(rows), accum) if masked else None
         local = pipeline.local_grads if layout.stages > 1 else _local_grads
         grads, metrics = local(model, layout, accum, params, rows, scale, share)
-        return layout.reduce_grads(grads), layout.mean(metrics)
+        return layout.reduce_grads(grads, grad_specs), layout.mean(metrics)
 
-    # check_vma=False: we reduce explicitly, exactly once per step. `tensor` and `context` stay automatic.
-    sharded_grads = jax.shard_map(
-        device_grads,
-        mesh=mesh,
-        in_specs=(layout.manual, mesh_lib.batch_spec(), P(), P()),
-        out_specs=(layout.manual, P()),
-        axis_names=mesh_lib.manual_axes(mesh),
-        check_vma=False,
-    )
+    def sharded_grads(params: Any, *args: jax.Array) -> tuple[Any, Metrics]:
+        """The step's mean gradient, under ZeRO-1 already split over data as the moments are."""
+        specs = param_specs
+        if cfg.mesh.zero1:
+            specs = jax.tree.map(
+                lambda s, p: mesh_lib.zero1_spec(s, p.shape, mesh), specs, params, is_leaf=is_spec
+            )
+        manual = jax.tree.map(mesh_lib.manual_part, specs, is_leaf=is_spec)
+        # check_vma=False: we reduce explicitly, exactly once per step. `tensor` and `context` stay automatic.
+        return jax.shard_map(
+            functools.partial(device_grads, manual),
+            mesh=mesh,
+            in_specs=(layout.manual, mesh_lib.batch_spec(), P(), P()),
+            out_specs=(manual, P()),
+            axis_names=mesh_lib.manual_axes(mesh),
+            check_vma=False,
+        )(params, *args)
 
     def apply(state: TrainState, grads: Any, grad_norm: jax.Array, finite: jax.Array) -> tuple[Any, Any]:
         """The optimizer's update, or the state unchanged where the step is not finite. A select,
