@@ -265,6 +265,33 @@ def _loss_scale(state: TrainState, finite: jax.Array, fp16: bool) -> tuple[jax.A
     return scale, jnp.where(grow, 0, good)
 
 
+def _grads_on_mesh(
+    device_grads: Callable, layout: _ParamLayout, mesh: Mesh, param_specs: Any, zero1: bool
+) -> Callable:
+    """device_grads(out_specs, params, rows, scale, step) run over the step's manual axes: the mean
+    gradient, under ZeRO-1 already split over data as the moments are (mesh_lib.zero1_spec)."""
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+
+    def run(params: Any, *args: jax.Array) -> tuple[Any, Metrics]:
+        specs = param_specs
+        if zero1:
+            specs = jax.tree.map(
+                lambda s, p: mesh_lib.zero1_spec(s, p.shape, mesh), specs, params, is_leaf=is_spec
+            )
+        manual = jax.tree.map(mesh_lib.manual_part, specs, is_leaf=is_spec)
+        # check_vma=False: we reduce explicitly, exactly once per step. `tensor` and `context` stay automatic.
+        return jax.shard_map(
+            functools.partial(device_grads, manual),
+            mesh=mesh,
+            in_specs=(layout.manual, mesh_lib.batch_spec(), P(), P()),
+            out_specs=(manual, P()),
+            axis_names=mesh_lib.manual_axes(mesh),
+            check_vma=False,
+        )(params, *args)
+
+    return run
+
+
 def make_train_step(
     cfg: Config,
     model: GPT,
@@ -283,7 +310,6 @@ def make_train_step(
     fp16 = cfg.dtype == "float16"
     masked = cfg.loss_mask  # unmasked data keeps the plain mean: its losses stay bit for bit
     bias_rate = cfg.model.moe.bias_update_rate
-    is_spec = lambda x: isinstance(x, P)  # noqa: E731
 
     def device_grads(
         grad_specs: Any, params: Any, rows: jax.Array, scale: jax.Array, step: jax.Array
@@ -295,23 +321,7 @@ def make_train_step(
         grads, metrics = local(model, layout, accum, params, rows, scale, share)
         return layout.reduce_grads(grads, grad_specs), layout.mean(metrics)
 
-    def sharded_grads(params: Any, *args: jax.Array) -> tuple[Any, Metrics]:
-        """The step's mean gradient, under ZeRO-1 already split over data as the moments are."""
-        specs = param_specs
-        if cfg.mesh.zero1:
-            specs = jax.tree.map(
-                lambda s, p: mesh_lib.zero1_spec(s, p.shape, mesh), specs, params, is_leaf=is_spec
-            )
-        manual = jax.tree.map(mesh_lib.manual_part, specs, is_leaf=is_spec)
-        # check_vma=False: we reduce explicitly, exactly once per step. `tensor` and `context` stay automatic.
-        return jax.shard_map(
-            functools.partial(device_grads, manual),
-            mesh=mesh,
-            in_specs=(layout.manual, mesh_lib.batch_spec(), P(), P()),
-            out_specs=(manual, P()),
-            axis_names=mesh_lib.manual_axes(mesh),
-            check_vma=False,
-        )(params, *args)
+    sharded_grads = _grads_on_mesh(device_grads, layout, mesh, param_specs, cfg.mesh.zero1)
 
     def apply(state: TrainState, grads: Any, grad_norm: jax.Array, finite: jax.Array) -> tuple[Any, Any]:
         """The optimizer's update, or the state unchanged where the step is not finite. A select,
