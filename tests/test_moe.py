@@ -300,6 +300,32 @@ def test_the_layers_gradient_moves_rows_by_gathers_not_scatter_adds():
     np.testing.assert_allclose(ours(tokens), plain(tokens), rtol=1e-6, atol=1e-6)
 
 
+def test_experts_are_cast_once_a_stack_and_their_gradients_stack_in_the_compute_dtype():
+    """In bfloat16 the scanned layers take the experts' weights already cast (run/step.py
+    whole_experts), so the backward loop stacks their gradients in bfloat16: in float32 it
+    wrote twice the bytes, for the same values (the expert matmuls' weight gradients are bfloat16)."""
+    argv = [
+        *MOE,
+        "--dtype",
+        "bfloat16",
+        "--model.scan_layers",
+        "true",
+        "--mesh.expert",
+        "4",
+        "--mesh.data",
+        "2",
+    ]
+    run = build(Job.of_devices(load_config(argv), jax.devices()))
+    cfg = run.cfg
+    batch = jax.ShapeDtypeStruct((cfg.batch_size, cfg.model.seq_len + 1), jnp.int32)
+    step = jax.make_jaxpr(run.train_step)(run.abstract, batch)
+    stacked = run.abstract.params["blocks"]["moe"]["gate_up"]["kernel"].shape
+    local = (stacked[0], stacked[1] // 4, *stacked[2:])  # this device's experts
+    loops = [v.aval for e in _eqns(step.jaxpr) if e.primitive.name == "scan" for v in e.outvars]
+    grads = [a for a in loops if a.shape == local]
+    assert grads and all(a.dtype == jnp.bfloat16 for a in grads), grads
+
+
 def test_both_grouped_matmuls_agree_with_uneven_empty_and_padded_groups():
     """blocks (CPUs) computes what ragged_dot (GPUs) does, gradients too: an empty expert, one past
     a block, and rows of no expert (exchange padding) that must come out zero."""

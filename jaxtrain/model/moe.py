@@ -3,8 +3,9 @@
 Routing (`route`): softmax top-k (Mixtral, Qwen3-MoE), or DeepSeek-V3's sigmoid scores picked with
 a per-expert bias (selection only; moved after each step by `update_router_bias`) from the best
 groups; shared experts (model/mlp.py) see every token. Dropless: the copies are sorted by expert
-and run as one grouped matmul (`grouped_matmul`: `jax.lax.ragged_dot`, `blocks` of BLOCK rows
-per expert, or `pallas`: model/grouped.py's Hopper kernels, computing only the routed rows).
+(`dispatch`, `permute`: gathers, and so are their gradients) and run as one grouped matmul
+(`grouped_matmul`: `jax.lax.ragged_dot`, `blocks` of BLOCK rows per expert, or `pallas`:
+model/grouped.py's Hopper kernels, computing only the routed rows).
 Expert parallelism: inside the train step each device sends each peer exactly the
 copies for its experts by one `ragged_all_to_all` and gets the results back by another (on
 XLA:CPU, which has none, a padded `all_to_all` stands in: same routing); a device's receive buffer

@@ -129,8 +129,7 @@ class _ParamLayout:
         def one(path: tuple, p: jax.Array) -> jax.Array:
             names = (*where, *path_names(path)[1:])  # [0]: the collection
             logical = logical_axes(names, p.ndim)
-            dim = mesh_lib.fsdp_logical_dim(logical)
-            axes = None if dim is None else mesh_lib.manual_of(names, p.ndim, self.manual_by_path)[dim]
+            dim, axes = self._gathered(names, p.ndim)
             if dim is None or axes is None:
                 return p
             gather = functools.partial(
@@ -153,6 +152,27 @@ class _ParamLayout:
 
         return jax.tree_util.tree_map_with_path(one, variables)
 
+    def _gathered(self, names: tuple[str, ...], ndim: int) -> tuple[int | None, Any]:
+        """(the dim `gather` gathers of the param at `names` with `ndim` dims, the mesh axes it
+        gathers over): (None, ...) or (..., None) for a param each layer uses as it is."""
+        dim = mesh_lib.fsdp_logical_dim(logical_axes(names, ndim))
+        return dim, None if dim is None else mesh_lib.manual_of(names, ndim, self.manual_by_path)[dim]
+
+    def whole_experts(self, variables: Any) -> Any:
+        """A scanned stack's params with its experts' weights that no layer gathers cast to the
+        compute dtype once for every layer, not in each: their gradients then stack over the
+        layers in it, not in float32 (half the bytes; the same values: the experts' matmuls give
+        their weight gradients in the compute dtype)."""
+
+        def one(path: tuple, p: jax.Array) -> jax.Array:
+            names = path_names(path)[1:]  # [0]: the collection
+            if names[-3:-1] not in (("moe", "gate_up"), ("moe", "fc"), ("moe", "out")):
+                return p
+            dim, axes = self._gathered(names, p.ndim - 1)
+            return p.astype(self.dtype) if dim is None or axes is None else p
+
+        return jax.tree_util.tree_map_with_path(one, variables)
+
     def model(self, model: GPT) -> GPT:
         """The model with its attention kernel chosen for the mesh's devices, and FSDP's per-layer gather."""
         kernel = attention_kernel(model.cfg, self.platform, model.dtype)
@@ -165,7 +185,8 @@ class _ParamLayout:
             cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, grouped_matmul=impl))
         if cfg.moe.n_experts and cfg.moe.grouped_matmul == "pallas" and why:
             raise ConfigError(why)
-        return model.clone(cfg=cfg, gather=self.gather if self.gathers else None)
+        stack_in = self.whole_experts if cfg.moe.n_experts else None
+        return model.clone(cfg=cfg, gather=self.gather if self.gathers else None, stack_in=stack_in)
 
     def loss(
         self, model: GPT, params: Any, rows: jax.Array, share: jax.Array | None = None
