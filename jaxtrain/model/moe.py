@@ -285,7 +285,11 @@ def _exchange(
     out = permute(
         _tensor_split(permute(recv, order, inverse), sizes, w_in, w_out, impl, routed=n), inverse, order
     )
-    back = a2a(out, jnp.zeros_like(rows), offset, kept, their_start, send_sizes, axis_name=axis)
+    # The results land in the copies' own buffer (dead once they are sent), not in a zeroed one
+    # (a buffer written each time); the rows a receiver dropped keep their token: zeroed here.
+    back = a2a(out, jax.lax.stop_gradient(rows), offset, kept, their_start, send_sizes, axis_name=axis)
+    peer = jnp.minimum(experts // local, ep - 1)
+    back = jnp.where((jnp.arange(n) - start[peer] < send_sizes[peer])[:, None], back, 0)
     return back, 1.0 - send_sizes.sum() / n
 
 
