@@ -210,8 +210,9 @@ def _analytic(p: dict, case: str) -> dict[tuple[str, str], float]:
     """The bytes per device per step each collective must move (buffers, as the plan counts them):
     fsdp gathers params in the compute dtype (2 bytes), once per microbatch and again in the
     backward under full remat, each device its tensor shard; gradients reduce-scatter in float32
-    once per microbatch; data parallelism all-reduces the float32 gradients (of its shard) once;
-    ZeRO-1 all-gathers the float32 params once."""
+    once per microbatch; data parallelism all-reduces the float32 gradients (of its shard) once,
+    or under ZeRO-1 reduce-scatters them (the same buffer, half the bytes sent) into the moments'
+    split and all-gathers the float32 params once."""
     n, mesh, accum = p["n_params"], p["mesh"], p["accumulation"]
     regathers = 2 if p["remat"] == "full" else 1
     out: dict[tuple[str, str], float] = {}
@@ -219,7 +220,8 @@ def _analytic(p: dict, case: str) -> dict[tuple[str, str], float]:
         out[("all-gather", "fsdp")] = accum * regathers * n / mesh["tensor"] * 2
         out[("reduce-scatter", "fsdp")] = accum * n / mesh["tensor"] * 4
     if mesh["data"] > 1:
-        out[("all-reduce", "data")] = n / (mesh["fsdp"] * mesh["tensor"]) * 4
+        reduce = "reduce-scatter" if p["zero1"] else "all-reduce"
+        out[(reduce, "data")] = n / (mesh["fsdp"] * mesh["tensor"]) * 4
     if p["zero1"] and mesh["data"] > 1:
         out[("all-gather", "data")] = n * 4
     return out | (_exchange(MOE_SHAPES[case], p) if case in MOE_SHAPES else {})
@@ -265,7 +267,7 @@ TEMP_GB = {
     "gpt2_124m_h100_2x8_data16": 11.82,
     "gpt_7b_h100x8_fsdp8": 13.32,
     "llama3_70b_h100_128x8": 35.30,
-    "qwen3_30b_a3b_8l_h100x8": 20.95,
+    "qwen3_30b_a3b_8l_h100x8": 13.59,
     "deepseek_tiny_heads192_h100x8": 0.0052,
 }
 

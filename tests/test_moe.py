@@ -24,8 +24,10 @@ from jaxtrain.model.moe import (
     MoeMlp,
     active_params,
     balance_loss,
+    dispatch,
     expert_mlps,
     grouped_matmul,
+    permute,
     receive_bound,
     router_stats,
 )
@@ -258,6 +260,70 @@ def test_shared_experts_add_their_dense_mlp_to_every_token():
     added = layer.apply({"params": params}, x) - layer.apply({"params": routed_only}, x)
     assert float(jnp.abs(by_hand).min()) > 0
     np.testing.assert_allclose(added, by_hand, rtol=1e-4, atol=1e-6)
+
+
+def _eqns(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs inside it."""
+    for e in jaxpr.eqns:
+        yield e
+        for v in e.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _eqns(inner)
+
+
+def test_the_layers_gradient_moves_rows_by_gathers_not_scatter_adds():
+    """The copies' sort and unsort (and the exchange's) are permutations: their gradients are
+    gathers by the inverse permutation (a scatter-add writes a zeroed buffer, then every row),
+    and equal the plain gathers' gradients."""
+    cfg = load_config([*MOE, "--model.moe.grouped_matmul", "ragged_dot"]).model
+    layer = MoeMlp(cfg, jnp.float32)
+    x = jax.random.normal(jax.random.key(1), (2, 5, cfg.d_model))
+    params = layer.init(jax.random.key(0), x)["params"]
+    grad = jax.make_jaxpr(jax.grad(lambda p, x: layer.apply({"params": p}, x).sum(), (0, 1)))(params, x)
+    rows = [
+        e
+        for e in _eqns(grad.jaxpr)
+        if e.primitive.name == "scatter-add" and e.outvars[0].aval.shape[-1] == cfg.d_model
+    ]
+    assert not rows, rows
+    k, tokens = 3, jax.random.normal(jax.random.key(2), (6, 4))
+    order = jnp.argsort(jax.random.randint(jax.random.key(3), (6 * k,), 0, 5), stable=True)
+    weights = jax.random.normal(jax.random.key(4), (6 * k, 4))
+    ours = jax.grad(
+        lambda t: (
+            permute(dispatch(t, order, jnp.argsort(order), k), order, jnp.argsort(order)) * weights
+        ).sum()
+    )
+    plain = jax.grad(lambda t: (t[order // k][order] * weights).sum())
+    np.testing.assert_allclose(ours(tokens), plain(tokens), rtol=1e-6, atol=1e-6)
+
+
+def test_experts_are_cast_once_a_stack_and_their_gradients_stack_in_the_compute_dtype():
+    """In bfloat16 the scanned layers take the experts' weights already cast (run/step.py
+    whole_experts), so the backward loop stacks their gradients in bfloat16: in float32 it
+    wrote twice the bytes, for the same values (the expert matmuls' weight gradients are bfloat16)."""
+    argv = [
+        *MOE,
+        "--dtype",
+        "bfloat16",
+        "--model.scan_layers",
+        "true",
+        "--mesh.expert",
+        "4",
+        "--mesh.data",
+        "2",
+    ]
+    run = build(Job.of_devices(load_config(argv), jax.devices()))
+    cfg = run.cfg
+    batch = jax.ShapeDtypeStruct((cfg.batch_size, cfg.model.seq_len + 1), jnp.int32)
+    step = jax.make_jaxpr(run.train_step)(run.abstract, batch)
+    stacked = run.abstract.params["blocks"]["moe"]["gate_up"]["kernel"].shape
+    local = (stacked[0], stacked[1] // 4, *stacked[2:])  # this device's experts
+    loops = [v.aval for e in _eqns(step.jaxpr) if e.primitive.name == "scan" for v in e.outvars]
+    grads = [a for a in loops if a.shape == local]
+    assert grads and all(a.dtype == jnp.bfloat16 for a in grads), grads
 
 
 def test_both_grouped_matmuls_agree_with_uneven_empty_and_padded_groups():

@@ -121,6 +121,15 @@ def test_fsdp_reduce_scatters_gradients_and_never_all_reduces_them():
     assert max(_all_reduce_sizes(dp_hlo)) == largest
 
 
+def test_zero1_reduce_scatters_gradients_over_data_into_the_moments_layout():
+    state, hlo = _hlo(["--mesh.zero1", "true"])
+    # Each data shard reduces only its slice of the gradient (the moments' split): no all-reduce
+    # of a whole gradient, which sends twice the bytes (the old step's).
+    assert "reduce-scatter" in hlo
+    largest = max(x.size for x in jax.tree.leaves(state.params))
+    assert max(_all_reduce_sizes(hlo), default=0) <= largest // 8
+
+
 def test_params_and_moments_are_split_the_same_way():
     run = _build(("--mesh.data", "1", "--mesh.fsdp", "4", "--mesh.tensor", "2"))
     state, shardings = run.init_state(), run.shardings

@@ -3,8 +3,9 @@
 Routing (`route`): softmax top-k (Mixtral, Qwen3-MoE), or DeepSeek-V3's sigmoid scores picked with
 a per-expert bias (selection only; moved after each step by `update_router_bias`) from the best
 groups; shared experts (model/mlp.py) see every token. Dropless: the copies are sorted by expert
-and run as one grouped matmul (`grouped_matmul`: `jax.lax.ragged_dot`, `blocks` of BLOCK rows
-per expert, or `pallas`: model/grouped.py's Hopper kernels, computing only the routed rows).
+(`dispatch`, `permute`: gathers, and so are their gradients) and run as one grouped matmul
+(`grouped_matmul`: `jax.lax.ragged_dot`, `blocks` of BLOCK rows per expert, or `pallas`:
+model/grouped.py's Hopper kernels, computing only the routed rows).
 Expert parallelism: inside the train step each device sends each peer exactly the
 copies for its experts by one `ragged_all_to_all` and gets the results back by another (on
 XLA:CPU, which has none, a padded `all_to_all` stands in: same routing); a device's receive buffer
@@ -138,6 +139,46 @@ def _tensor_split(
     )(rows, sizes, w_in, w_out)
 
 
+@jax.custom_vjp
+def permute(x: jax.Array, perm: jax.Array, inverse: jax.Array) -> jax.Array:
+    """x[perm] for a permutation `perm` of x's rows (`inverse` = argsort(perm)), whose gradient
+    is the gather g[inverse]: the plain gather's is a scatter-add into a zeroed buffer (a write of
+    the buffer, then one of every row, on the exchange buffers of each MoE layer)."""
+    return x[perm]
+
+
+def _permute_fwd(x: jax.Array, perm: jax.Array, inverse: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return x[perm], inverse
+
+
+def _permute_bwd(inverse: jax.Array, g: jax.Array) -> tuple[jax.Array, None, None]:
+    return g[inverse], None, None
+
+
+permute.defvjp(_permute_fwd, _permute_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def dispatch(tokens: jax.Array, order: jax.Array, inverse: jax.Array, k: int) -> jax.Array:
+    """Token i's k copies (copy j of token i at i*k + j) in `order`: tokens[order // k]. Its
+    gradient sums each token's copies by a gather (g[inverse], k rows a token), not a scatter-add."""
+    return tokens[order // k]
+
+
+def _dispatch_fwd(
+    tokens: jax.Array, order: jax.Array, inverse: jax.Array, k: int
+) -> tuple[jax.Array, jax.Array]:
+    return tokens[order // k], inverse
+
+
+def _dispatch_bwd(k: int, inverse: jax.Array, g: jax.Array) -> tuple[jax.Array, None, None]:
+    copies = g[inverse].reshape(-1, k, g.shape[-1])
+    return copies.sum(axis=1, dtype=jnp.float32).astype(g.dtype), None, None
+
+
+dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
 def _platform() -> str | None:
     """The platform the traced step compiles for ("cpu", "gpu", ...), None outside a mesh."""
     device = jax.sharding.get_abstract_mesh().abstract_device
@@ -242,9 +283,16 @@ def _exchange(
     # exchange: 2.9 GB more a GPU on Qwen3-30B-A3B's 4 x 8 plan (55.1 against 52.2).
     recv, recv_expert, sizes = jax.lax.optimization_barrier((recv, recv_expert, kept_by_expert.sum(axis=0)))
     order = jnp.argsort(recv_expert, stable=True)
+    inverse = jnp.argsort(order)
     # n: the rows an even load brings each device (what the pallas kernel's FLOPs are counted at)
-    out = _tensor_split(recv[order], sizes, w_in, w_out, impl, routed=n)[jnp.argsort(order)]
-    back = a2a(out, jnp.zeros_like(rows), offset, kept, their_start, send_sizes, axis_name=axis)
+    out = permute(
+        _tensor_split(permute(recv, order, inverse), sizes, w_in, w_out, impl, routed=n), inverse, order
+    )
+    # The results land in the copies' own buffer (dead once they are sent), not in a zeroed one
+    # (a buffer written each time); the rows a receiver dropped keep their token: zeroed here.
+    back = a2a(out, jax.lax.stop_gradient(rows), offset, kept, their_start, send_sizes, axis_name=axis)
+    peer = jnp.minimum(experts // local, ep - 1)
+    back = jnp.where((jnp.arange(n) - start[peer] < send_sizes[peer])[:, None], back, 0)
     return back, 1.0 - send_sizes.sum() / n
 
 
@@ -330,7 +378,8 @@ class MoeMlp(nn.Module):
 
         flat = experts.reshape(-1)  # [N * k]: token i's copies at i*k .. i*k + k-1
         order = jnp.argsort(flat, stable=True)
-        rows = tokens[order // k]
+        inverse = jnp.argsort(order)
+        rows = dispatch(tokens, order, inverse, k)
         dropped = jnp.zeros((), jnp.float32)
         if axis is None:
             sizes = jnp.zeros(n_experts, jnp.int32).at[flat].add(1)
@@ -340,7 +389,7 @@ class MoeMlp(nn.Module):
             out, dropped = _exchange(
                 rows, flat[order], axis, ep, w_in, w_out, impl, moe.capacity_factor, ragged
             )
-        out = out[jnp.argsort(order)].reshape(b * t, k, d)
+        out = permute(out, inverse, order).reshape(b * t, k, d)
         y = jnp.einsum("nk,nkd->nd", weights.astype(self.dtype), out).reshape(b, t, d)
         if moe.n_shared_experts:
             shared = mlp(cfg, self.dtype, x, moe.d_shared or moe.n_shared_experts * ff, prefix="shared_")

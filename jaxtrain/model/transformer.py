@@ -92,6 +92,9 @@ class GPT(nn.Module):
     # step passes FSDP's all-gather here, so whole params exist one layer at a time; the model
     # itself never knows how params are laid out.
     gather: Gather | None = None
+    # Applied to each scanned stack's params (`layers` dim leading) before its layers run: the
+    # step casts the experts' weights there, once for every layer (run/step.py whole_experts).
+    stack_in: Gather | None = None
     decode: bool = False  # keep a KV cache (collection "cache"): see `generate`
     # What a call computes: "all" (tokens -> logits); a pipeline (run/pipeline.py) runs the layers
     # itself, between "embed" (tokens -> the residual stream) and "head" (the stream -> logits, or
@@ -149,7 +152,10 @@ class GPT(nn.Module):
             # One traced body for all layers: compile time stays flat in depth. DeepSeek's first
             # dense layers are a stack of their own, before the MoE layers' (`scanned_stacks`).
             for name, length, moe in scanned_stacks(cfg):
-                x, _ = layer_stack(block, length)(cfg, self.dtype, self.decode, moe, name=name)(x, doc)
+                stack = layer_stack(block, length)
+                if self.stack_in is not None:
+                    stack = nn.map_variables(stack, "params", trans_in_fn=self.stack_in)
+                x, _ = stack(cfg, self.dtype, self.decode, moe, name=name)(x, doc)
         else:
             for i in range(cfg.n_layer):
                 x, _ = block(cfg, self.dtype, self.decode, is_moe_layer(cfg, i), name=f"block_{i}")(x, doc)

@@ -110,15 +110,19 @@ def local_grads(
     embed, head = model.clone(span="embed"), model.clone(span="head")
     masked = cfg.doc_bos >= 0 or cfg.doc_eos >= 0
     rest = {k: v for k, v in params.items() if k not in stacks}
+    # What the layers compute with, made once a step: the stacks take no gradient of their own.
+    layers = {name: params[name] for name in stacks}
+    if model.stack_in is not None:  # the experts cast once (step._ParamLayout.whole_experts)
+        layers = {name: model.stack_in({"params": p})["params"] for name, p in layers.items()}
 
     def scaled_loss(rest: Any, totals: Any, mb: jax.Array) -> tuple[jax.Array, Metrics]:
-        whole = rest | {name: params[name] for name in stacks}
+        whole = rest | layers
         inputs = mb[:, :-1] & TOKEN_BITS
         x: jax.Array = embed.apply({"params": whole}, inputs)  # type: ignore[assignment]
         doc = documents(inputs, cfg.doc_bos, cfg.doc_eos) if masked else None
         sown = {}
         for name, stack in stacks.items():
-            x, sown[name] = stack(params[name], totals[name], x, doc)
+            x, sown[name] = stack(layers[name], totals[name], x, doc)
         losses: jax.Array = head.apply({"params": whole}, x, mb[:, 1:] & TOKEN_BITS)  # type: ignore[assignment]
         moe = {name: s for name, s in sown.items() if s}
         loss, metrics = objective(mb, losses, moe or None)

@@ -177,16 +177,20 @@ def param_spec(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Me
     return P(*out)
 
 
-def _add_data_axis(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
-    """ZeRO-1: split one more dim (the largest that divides) over `data`, for an optimizer moment."""
+def zero1_spec(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
+    """ZeRO-1: `spec` with one more dim (the largest that divides) split over `data`: an optimizer
+    moment's, and the step's gradient, reduce-scattered into it (run/step.py reduce_grads). On that
+    dim `data` goes after the manual axes already there and before the automatic ones: a device's
+    reduce-scatter over data of the block it holds then lands exactly its moments' slice."""
     n = mesh.shape[DATA_AXIS]
     if n == 1:
         return spec
+    manual = {*BATCH_AXES, PIPELINE_AXIS}
     parts = list(spec) + [None] * (len(shape) - len(spec))
     for i in sorted(range(len(shape)), key=lambda i: -shape[i]):
         held = parts[i] if isinstance(parts[i], tuple) else (parts[i],) if parts[i] else ()
         if shape[i] % (n * math.prod(mesh.shape[a] for a in held)) == 0:
-            parts[i] = (DATA_AXIS, *held)
+            parts[i] = (*(a for a in held if a in manual), DATA_AXIS, *(a for a in held if a not in manual))
             return P(*parts)
     return spec
 
@@ -208,7 +212,7 @@ def state_specs(abstract_state: Any, param_axes: Any, mesh: Mesh, zero1: bool) -
         spec = _match_param(path, by_shape_path)
         if spec is None or not leaf.shape:
             return P()
-        return _add_data_axis(spec, leaf.shape, mesh) if zero1 else spec
+        return zero1_spec(spec, leaf.shape, mesh) if zero1 else spec
 
     opt_specs = jax.tree_util.tree_map_with_path(opt_leaf, abstract_state.opt_state)
     return abstract_state.replace(

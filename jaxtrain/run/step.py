@@ -142,8 +142,7 @@ class _ParamLayout:
         def one(path: tuple, p: jax.Array) -> jax.Array:
             names = (*where, *path_names(path)[1:])  # [0]: the collection
             logical = logical_axes(names, p.ndim)
-            dim = mesh_lib.fsdp_logical_dim(logical)
-            axes = None if dim is None else mesh_lib.manual_of(names, p.ndim, self.manual_by_path)[dim]
+            dim, axes = self._gathered(names, p.ndim)
             if dim is None or axes is None:
                 return p
             gather = functools.partial(
@@ -166,6 +165,27 @@ class _ParamLayout:
 
         return jax.tree_util.tree_map_with_path(one, variables)
 
+    def _gathered(self, names: tuple[str, ...], ndim: int) -> tuple[int | None, Any]:
+        """(the dim `gather` gathers of the param at `names` with `ndim` dims, the mesh axes it
+        gathers over): (None, ...) or (..., None) for a param each layer uses as it is."""
+        dim = mesh_lib.fsdp_logical_dim(logical_axes(names, ndim))
+        return dim, None if dim is None else mesh_lib.manual_of(names, ndim, self.manual_by_path)[dim]
+
+    def whole_experts(self, variables: Any) -> Any:
+        """A scanned stack's params with its experts' weights that no layer gathers cast to the
+        compute dtype once for every layer, not in each: their gradients then stack over the
+        layers in it, not in float32 (half the bytes; the same values: the experts' matmuls give
+        their weight gradients in the compute dtype)."""
+
+        def one(path: tuple, p: jax.Array) -> jax.Array:
+            names = path_names(path)[1:]  # [0]: the collection
+            if names[-3:-1] not in (("moe", "gate_up"), ("moe", "fc"), ("moe", "out")):
+                return p
+            dim, axes = self._gathered(names, p.ndim - 1)
+            return p.astype(self.dtype) if dim is None or axes is None else p
+
+        return jax.tree_util.tree_map_with_path(one, variables)
+
     def model(self, model: GPT) -> GPT:
         """The model with its attention kernel chosen for the mesh's devices, and FSDP's per-layer gather."""
         kernel = attention_kernel(model.cfg, self.platform, model.dtype, self.capability)
@@ -185,7 +205,8 @@ class _ParamLayout:
             cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, grouped_matmul=impl))
         if cfg.moe.n_experts and cfg.moe.grouped_matmul == "pallas" and why:
             raise ConfigError(why)
-        return model.clone(cfg=cfg, gather=self.gather if self.gathers else None)
+        stack_in = self.whole_experts if cfg.moe.n_experts else None
+        return model.clone(cfg=cfg, gather=self.gather if self.gathers else None, stack_in=stack_in)
 
     def loss(
         self, model: GPT, params: Any, rows: jax.Array, share: jax.Array | None = None
@@ -217,16 +238,28 @@ class _ParamLayout:
         """Mean over the batch shards."""
         return self._pmean(tree, mesh_lib.BATCH_AXES)
 
-    def reduce_grads(self, grads: Any) -> Any:
-        """Mean over every batch shard. A param split over a batch axis gets its gradient summed
-        over that axis already (fsdp's reduce-scatter, the experts' all-to-all back): divided there."""
+    def reduce_grads(self, grads: Any, out_specs: Any) -> Any:
+        """Mean over every batch shard, each gradient left in its manual spec in `out_specs`. A
+        param split over a batch axis gets its gradient summed over that axis already (fsdp's
+        reduce-scatter, the experts' all-to-all back): divided there. Where `out_specs` adds
+        `data` (ZeRO-1: the moments' layout, mesh_lib.zero1_spec) a reduce-scatter over it
+        stands in for the all-reduce: each data shard gets only its slice, half the bytes."""
 
-        def one(g: jax.Array, spec: P) -> jax.Array:
-            split = {a for entry in spec for a in (entry if isinstance(entry, tuple) else (entry,))}
+        def one(g: jax.Array, spec: P, out: P) -> jax.Array:
+            split = _axes(spec)
+            scatter = [i for i, e in enumerate(out) if mesh_lib.DATA_AXIS in _axes(P(e)) - split]
+            if scatter:
+                g = jax.lax.psum_scatter(g, mesh_lib.DATA_AXIS, scatter_dimension=scatter[0], tiled=True)
+                split = split | {mesh_lib.DATA_AXIS}
             g = self._pmean(g, tuple(a for a in mesh_lib.BATCH_AXES if a not in split))
             return g / math.prod(self.sizes[a] for a in mesh_lib.BATCH_AXES if a in split)
 
-        return jax.tree.map(one, grads, self.manual, is_leaf=lambda x: isinstance(x, P))
+        return jax.tree.map(one, grads, self.manual, out_specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def _axes(spec: P) -> set[str]:
+    """The mesh axes a spec splits over."""
+    return {a for entry in spec for a in (entry if isinstance(entry, tuple) else (entry,)) if a}
 
 
 def _local_grads(
@@ -278,6 +311,33 @@ def _loss_scale(state: TrainState, finite: jax.Array, fp16: bool) -> tuple[jax.A
     return scale, jnp.where(grow, 0, good)
 
 
+def _grads_on_mesh(
+    device_grads: Callable, layout: _ParamLayout, mesh: Mesh, param_specs: Any, zero1: bool
+) -> Callable:
+    """device_grads(out_specs, params, rows, scale, step) run over the step's manual axes: the mean
+    gradient, under ZeRO-1 already split over data as the moments are (mesh_lib.zero1_spec)."""
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+
+    def run(params: Any, *args: jax.Array) -> tuple[Any, Metrics]:
+        specs = param_specs
+        if zero1:
+            specs = jax.tree.map(
+                lambda s, p: mesh_lib.zero1_spec(s, p.shape, mesh), specs, params, is_leaf=is_spec
+            )
+        manual = jax.tree.map(mesh_lib.manual_part, specs, is_leaf=is_spec)
+        # check_vma=False: we reduce explicitly, exactly once per step. `tensor` and `context` stay automatic.
+        return jax.shard_map(
+            functools.partial(device_grads, manual),
+            mesh=mesh,
+            in_specs=(layout.manual, mesh_lib.batch_spec(), P(), P()),
+            out_specs=(manual, P()),
+            axis_names=mesh_lib.manual_axes(mesh),
+            check_vma=False,
+        )(params, *args)
+
+    return run
+
+
 def make_train_step(
     cfg: Config,
     model: GPT,
@@ -297,23 +357,17 @@ def make_train_step(
     masked = cfg.loss_mask  # unmasked data keeps the plain mean: its losses stay bit for bit
     bias_rate = cfg.model.moe.bias_update_rate
 
-    def device_grads(params: Any, rows: jax.Array, scale: jax.Array, step: jax.Array) -> tuple[Any, Metrics]:
+    def device_grads(
+        grad_specs: Any, params: Any, rows: jax.Array, scale: jax.Array, step: jax.Array
+    ) -> tuple[Any, Metrics]:
         if faults.nan_step > 0:  # test-only fault, traced only when asked for
             scale = poison_gradients(faults, scale, step, jax.lax.axis_index(mesh_lib.BATCH_AXES) == 0)
         share = layout.kept_share(layout.kept(rows), accum) if masked else None
         local = pipeline.local_grads if layout.stages > 1 else _local_grads
         grads, metrics = local(model, layout, accum, params, rows, scale, share)
-        return layout.reduce_grads(grads), layout.mean(metrics)
+        return layout.reduce_grads(grads, grad_specs), layout.mean(metrics)
 
-    # check_vma=False: we reduce explicitly, exactly once per step. `tensor` and `context` stay automatic.
-    sharded_grads = jax.shard_map(
-        device_grads,
-        mesh=mesh,
-        in_specs=(layout.manual, mesh_lib.batch_spec(), P(), P()),
-        out_specs=(layout.manual, P()),
-        axis_names=mesh_lib.manual_axes(mesh),
-        check_vma=False,
-    )
+    sharded_grads = _grads_on_mesh(device_grads, layout, mesh, param_specs, cfg.mesh.zero1)
 
     def apply(state: TrainState, grads: Any, grad_norm: jax.Array, finite: jax.Array) -> tuple[Any, Any]:
         """The optimizer's update, or the state unchanged where the step is not finite. A select,
