@@ -121,10 +121,11 @@ def _layers(stack: Any, copies: Any) -> Any:
 
 
 def _tick(model: GPT, share: jax.Array | None) -> tuple[Callable[..., jax.Array], Callable[..., jax.Array]]:
-    """(work, head_loss): work(params, held, rows) -> out, one stage's tick on the microbatch it
-    holds (rows [b, T+1]): stage 0 embeds it (the others take `held`, the previous stage's
-    output), then the stage's layers run; head_loss(params, out, rows): the model's loss of a
-    finished microbatch's output, its logits recomputed in the backward, never kept."""
+    """(work, head_loss): work(params, copies, held, rows) -> out, one stage's tick on the
+    microbatch it holds (rows [b, T+1]; copies: `_copies`): stage 0 embeds it (the others take
+    `held`, the previous stage's output), then the stage's layers run; head_loss(params, out,
+    rows): the model's loss of a finished microbatch's output, its logits recomputed in the
+    backward, never kept."""
     cfg, run, stage = model.cfg, _stage(model), jax.lax.axis_index(AXIS)
     embed, head = model.clone(span="embed"), model.clone(span="head")
     masked = cfg.doc_bos >= 0 or cfg.doc_eos >= 0
