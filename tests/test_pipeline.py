@@ -62,8 +62,19 @@ def _train(argv: tuple[str, ...], devices: int) -> tuple[np.ndarray, dict, int]:
             ("--model.remat", "full"),
         ),
         (("--mesh.pipeline", "2", "--mesh.fsdp", "2", "--mesh.tensor", "2", "--mesh.data", "1"), DOCS_REMAT),
+        # 6 layers over 4 stages (2 each, the last stage's zero padding): the stack stored whole by
+        # layers and split over pipeline by d_model (the 405B's 126 over 32), regrouped in the
+        # step; ZeRO-1 over data 2, remat full without FSDP, as the 405B plan has them.
+        (
+            ("--mesh.pipeline", "4", "--mesh.data", "2", "--mesh.zero1", "true"),
+            ("--model.n_layer", "6", "--model.remat", "full"),
+        ),
     ],
-    ids=["pipeline4xdata2-remat", "pipeline2xfsdp2xtensor2-documents-remat"],
+    ids=[
+        "pipeline4xdata2-remat",
+        "pipeline2xfsdp2xtensor2-documents-remat",
+        "6layers-pipeline4xdata2-zero1-remat",
+    ],
 )
 def test_layers_split_over_stages_train_as_on_one_device(mesh, options):
     one_losses, one_params, one_bytes = _train(tuple(options), 1)

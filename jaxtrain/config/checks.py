@@ -216,11 +216,10 @@ def _check_pipeline(m: ModelConfig, pp: int) -> None:
             f"mesh.pipeline {pp} is not built for a mixture of experts yet (its router losses and layer "
             "stacks); drop mesh.pipeline and use mesh.expert and mesh.fsdp"
         )
-    if m.n_layer % pp:
-        fits = [n for n in range(2, m.n_layer + 1) if m.n_layer % n == 0 and n <= 64]
+    if pp > m.n_layer:
         raise ConfigError(
-            f"model.n_layer {m.n_layer} is not divisible by mesh.pipeline {pp}: each stage holds "
-            f"n_layer / pipeline consecutive layers; use a mesh.pipeline in {fits}"
+            f"mesh.pipeline {pp} is more stages than model.n_layer {m.n_layer} (each stage runs at "
+            f"least one layer); use a mesh.pipeline of at most {m.n_layer}"
         )
 
 

@@ -2,7 +2,8 @@
 
 The mesh is pipeline x data x expert x fsdp x context x tensor (config `mesh`):
   pipeline stages: each holds a run of consecutive layers of the scanned stack (its `layers` dim
-          split), and activations pass from stage to stage (run/pipeline.py). Outermost: across hosts.
+          split, or where the stages do not divide the layers its d_model dim, regrouped in the
+          step), and activations pass from stage to stage (run/pipeline.py). Outermost: across hosts.
   data    replicas; the outer axis, spanning processes (hosts). Batch rows split over it.
   expert  MoE: each device holds its share of every MoE layer's experts and receives the tokens
           routed to them by all-to-all (model/moe.py). Batch rows split over it too, and every
@@ -165,14 +166,22 @@ def param_spec(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Me
     neighbours: the expert axis folds onto the dense part's fsdp shards, as Megatron's Parallel
     Folding puts the expert layout on the dense part's data devices). Each layer's gradient is
     reduce-scattered over them, not all-reduced. A param with experts keeps `expert` on its
-    expert dim."""
-    fsdp_axes = (FSDP_AXIS, *((EXPERT_AXIS,) if "expert" not in logical else ()), CONTEXT_AXIS)
+    expert dim. A scanned stack whose layers the pipeline does not divide (126 over 32) keeps
+    them whole and is split over `pipeline` on that dim too, innermost of the manual axes (each
+    stage's layers are regrouped from it in the step: run/pipeline.py `_on_stage`)."""
+    uneven = "layers" in logical and shape[logical.index("layers")] % mesh.shape[PIPELINE_AXIS] != 0
+    fsdp_axes = (
+        FSDP_AXIS,
+        *((EXPERT_AXIS,) if "expert" not in logical else ()),
+        *((PIPELINE_AXIS,) if uneven else ()),
+        CONTEXT_AXIS,
+    )
     out: list[Any] = []
     for name, dim in zip(logical, shape, strict=True):
         axis = PARAM_RULES.get(name) if name else None
         axes = [a for a in (fsdp_axes if axis == FSDP_AXIS else (axis,)) if a and mesh.shape[a] > 1]
         while axes and dim % math.prod(mesh.shape[a] for a in axes):
-            axes.pop()  # context, then expert: fsdp alone where the dim does not split every way
+            axes.pop()  # context, pipeline, then expert: fsdp alone where the dim does not split every way
         out.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
     return P(*out)
 
@@ -239,16 +248,21 @@ def shardings(mesh: Mesh, specs: Any) -> Any:
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
+def _kept(entry: Any, keep: Any) -> Any:
+    """One spec entry (None, an axis or a tuple of axes) with only the axes in `keep`."""
+    axes = entry if isinstance(entry, tuple) else (entry,) if entry else ()
+    kept = tuple(a for a in axes if a in keep)
+    return kept if len(kept) > 1 else kept[0] if kept else None
+
+
+def entry_without(entry: Any, axis: str) -> Any:
+    """One spec entry without `axis`."""
+    return _kept(entry, set(MESH_AXES) - {axis})
+
+
 def manual_part(spec: P) -> P:
     """The part of a spec on the manual (batch and pipeline) axes: what shard_map's in/out specs name."""
-    keep = {*BATCH_AXES, PIPELINE_AXIS}
-
-    def part(entry: Any) -> Any:
-        axes = entry if isinstance(entry, tuple) else (entry,) if entry else ()
-        kept = tuple(a for a in axes if a in keep)
-        return kept if len(kept) > 1 else kept[0] if kept else None
-
-    return P(*(part(e) for e in spec))
+    return P(*(_kept(e, {*BATCH_AXES, PIPELINE_AXIS}) for e in spec))
 
 
 def manual_by_path(param_specs: Any) -> dict[tuple[str, ...], P]:

@@ -92,16 +92,46 @@ def _as_copies_backward(dtype: jax.Array, g: tuple[jax.Array, ...]) -> tuple[jax
 _as_copies.defvjp(_as_copies_forward, _as_copies_backward)
 
 
-def _copies(model: GPT, stack: Any) -> Any:
+def _on_stage(p: jax.Array, spec: P) -> jax.Array:
+    """This stage's run of layers of a scanned stack's param, from this device's block `p` of it
+    (laid out by its manual `spec`): `p` itself where the stack is split by layers. Where the
+    stages do not divide the layers (mesh_lib.param_spec), the stack padded with zero layers to
+    ceil(layers / stages) per stage, on the last stages (a pre-norm block of zeros adds zero to
+    the residual stream: the identity), then regrouped: by an all-to-all over `pipeline` where
+    the stack is split over it on another dim (each stage gets its layers' slices from every peer:
+    `pipeline` innermost of the manual axes there, so they join in order), sliced where every
+    stage holds it whole. The transposes take the gradient back to the stored layout (summed over
+    stages by `sum_over_stages` where it is whole) and drop the padding's."""
+    axes = [_axes(entry) for entry in spec]
+    if axes and AXIS in axes[0]:
+        return p
+    stages = jax.lax.axis_size(AXIS)
+    length = -(-p.shape[0] // stages)
+    padded = jnp.pad(p, [(0, length * stages - p.shape[0])] + [(0, 0)] * (p.ndim - 1))
+    split = next((i for i, held in enumerate(axes) if AXIS in held), None)
+    if split is None:
+        return jax.lax.dynamic_slice_in_dim(padded, jax.lax.axis_index(AXIS) * length, length, 0)
+    return jax.lax.all_to_all(padded, AXIS, 0, split, tiled=True)
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+    """The mesh axes of one spec entry."""
+    return entry if isinstance(entry, tuple) else (entry,) if entry else ()
+
+
+def _copies(model: GPT, stack: Any, specs: Any) -> Any:
     """The stage's weight matrices (leaves of 3+ dims: [layers, in, ...], which the layers only use
     in the compute dtype) cast once for all ticks, one array per layer; None for the rest (norm
-    scales, biases). None at all under FSDP, whose per-layer gather casts (and whose gathers
-    overlap the layer before only in a layer loop: XLA's pipelined all-gather)."""
+    scales, biases). Cast before any regrouping (`_on_stage`), which then moves half the bytes.
+    None at all under FSDP, whose per-layer gather casts (and whose gathers overlap the layer
+    before only in a layer loop: XLA's pipelined all-gather)."""
     if model.gather is not None:
         return None
-    return jax.tree.map(
-        lambda p: tuple(jax.lax.stop_gradient(p.astype(model.dtype))) if p.ndim >= 3 else None, stack
-    )
+
+    def one(p: jax.Array, spec: P) -> tuple[jax.Array, ...] | None:
+        return tuple(_on_stage(jax.lax.stop_gradient(p.astype(model.dtype)), spec)) if p.ndim >= 3 else None
+
+    return jax.tree.map(one, stack, specs)
 
 
 def _layers(stack: Any, copies: Any) -> Any:
@@ -170,13 +200,19 @@ def _keep(kept: jax.Array, passing: jax.Array, m: jax.Array, micro: int) -> jax.
 
 
 def loss(
-    model: GPT, rules: Any, params: Any, rows: jax.Array, micro: int, share: jax.Array | None = None
+    model: GPT,
+    rules: Any,
+    manual: Any,
+    params: Any,
+    rows: jax.Array,
+    micro: int,
+    share: jax.Array | None = None,
 ) -> tuple[jax.Array, Metrics]:
     """(loss to differentiate, metrics) of this device's rows [n, T+1] in `micro` microbatches:
     the mean of their mean next-token losses (a loss mask's kept sums over `share`, as
     step._token_loss), as gradient accumulation takes it. Each stage's loss is that of the
     microbatches whose head it ran (the sum over stages is the loss); metrics are the whole
-    loss on every stage."""
+    loss on every stage. `manual`: the params' manual specs (step._ParamLayout.manual)."""
     stages, stage = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS)
     last = stages - 1
     split = rows.reshape(micro, rows.shape[0] // micro, rows.shape[1])
@@ -214,7 +250,10 @@ def loss(
 
     with nn.logical_axis_rules(_held_rules(rules)):
         work, head_loss = _tick(model, share)
-        copies = _copies(model, params[scanned_stacks(model.cfg)[0][0]])
+        name = scanned_stacks(model.cfg)[0][0]
+        copies = _copies(model, params[name], manual[name])
+        # The stage's layers in the params' dtype: only the gradient's path where there are copies.
+        params = {**params, name: jax.tree.map(_on_stage, params[name], manual[name])}
         held = _held(jnp.zeros((split.shape[1], split.shape[2] - 1, model.cfg.d_model), model.dtype))
         kept = jnp.zeros((-(-micro // stages), *held.shape), held.dtype)
         kept = nn.with_logical_constraint(kept, (None, "batch", "held", "embed"))
@@ -249,7 +288,7 @@ def local_grads(
     device's rows over `accum` microbatches, in one backward pass of the whole schedule."""
 
     def scaled_loss(p: Any) -> tuple[jax.Array, Metrics]:
-        value, metrics = loss(layout.model(model), layout.rules, p, rows, accum, share)
+        value, metrics = loss(layout.model(model), layout.rules, layout.manual, p, rows, accum, share)
         return value * scale, metrics
 
     grads, metrics = jax.grad(scaled_loss, has_aux=True)(params)

@@ -169,7 +169,11 @@ class _ParamLayout:
         """(the dim `gather` gathers of the param at `names` with `ndim` dims, the mesh axes it
         gathers over): (None, ...) or (..., None) for a param each layer uses as it is."""
         dim = mesh_lib.fsdp_logical_dim(logical_axes(names, ndim))
-        return dim, None if dim is None else mesh_lib.manual_of(names, ndim, self.manual_by_path)[dim]
+        if dim is None:
+            return None, None
+        # Not over `pipeline`: a stack split over it there is regrouped by stage before any layer runs.
+        entry = mesh_lib.manual_of(names, ndim, self.manual_by_path)[dim]
+        return dim, mesh_lib.entry_without(entry, mesh_lib.PIPELINE_AXIS)
 
     def whole_experts(self, variables: Any) -> Any:
         """A scanned stack's params with its experts' weights that no layer gathers cast to the
@@ -432,7 +436,7 @@ def make_eval_step(
         share = None if kept is None else layout.kept_share(kept, accum)
         if layout.stages > 1:
             metrics = layout.mean(
-                pipeline.loss(layout.model(model), layout.rules, params, rows, accum, share)[1]
+                pipeline.loss(layout.model(model), layout.rules, layout.manual, params, rows, accum, share)[1]
             )
         elif accum == 1:
             metrics = layout.mean(layout.loss(model, params, rows, share)[1])
