@@ -128,6 +128,10 @@ def test_the_search_varies_the_expert_and_pipeline_axes():
     for tensor, context, _, pipe, fsdps in dense:
         assert fsdps[-1] * tensor * context * pipe == 64
     assert {e for _, _, e, _, _ in dense} == {1}
+    # Layer counts the stages do not divide, padded by at most 1/16: 126 (2 padding layers over
+    # 64, 32, ... stages; none over 2), and 80 (none over 16; 16 of 96 over 32).
+    assert advice.pipelines(_cfg("llama3_405b.yaml"), 256) == [1, 64, 32, 16, 8, 4, 2]
+    assert advice.pipelines(_cfg("llama3_70b.yaml"), 128) == [1, 16, 8, 4, 2]
 
 
 def test_a_device_batch_whose_layer_inputs_alone_exceed_a_gpu_is_not_compiled():

@@ -1,8 +1,8 @@
 """Pipeline parallelism: a tiny Llama of 8 layers split into stages over the `pipeline` mesh axis
 trains as on one device (jaxtrain/run/pipeline.py), composed with data, fsdp and tensor, under
-gradient accumulation (the microbatches the pipeline runs), with remat and documents masked; its
-checkpoints restore on other pipeline sizes and on none; a layer count the stages cannot take is
-one line.
+gradient accumulation (the microbatches the pipeline runs), with remat and documents masked, and
+so do 5 layers over 2 stages (padded to 6); its checkpoints restore on other pipeline sizes and
+on none, and so do those of 6 layers over 4 stages; more stages than layers is one line.
 
     pytest tests/test_pipeline.py
 """
@@ -62,18 +62,18 @@ def _train(argv: tuple[str, ...], devices: int) -> tuple[np.ndarray, dict, int]:
             ("--model.remat", "full"),
         ),
         (("--mesh.pipeline", "2", "--mesh.fsdp", "2", "--mesh.tensor", "2", "--mesh.data", "1"), DOCS_REMAT),
-        # 6 layers over 4 stages (2 each, the last stage's zero padding): the stack stored whole by
-        # layers and split over pipeline by d_model (the 405B's 126 over 32), regrouped in the
-        # step; ZeRO-1 over data 2, remat full without FSDP, as the 405B plan has them.
+        # 5 layers over 2 stages (3 each, the last stage's third zero padding): the stack stored
+        # whole by layers and split over pipeline by d_model (the 405B's 126 over 32), regrouped in
+        # the step; with tensor, ZeRO-1 over data and remat full without FSDP, as the 405B plan.
         (
-            ("--mesh.pipeline", "4", "--mesh.data", "2", "--mesh.zero1", "true"),
-            ("--model.n_layer", "6", "--model.remat", "full"),
+            ("--mesh.pipeline", "2", "--mesh.data", "2", "--mesh.tensor", "2", "--mesh.zero1", "true"),
+            ("--model.n_layer", "5", "--model.remat", "full"),
         ),
     ],
     ids=[
         "pipeline4xdata2-remat",
         "pipeline2xfsdp2xtensor2-documents-remat",
-        "6layers-pipeline4xdata2-zero1-remat",
+        "5layers-pipeline2xdata2xtensor2-zero1-remat",
     ],
 )
 def test_layers_split_over_stages_train_as_on_one_device(mesh, options):
@@ -98,8 +98,10 @@ def test_stages_hold_consecutive_layers_and_the_program_shifts_activations():
     assert bubble(4, 4) == pytest.approx(3 / 7)
 
 
-def test_checkpoints_restore_across_pipeline_sizes_and_to_none(tmp_path):
-    source = _build(("--mesh.pipeline", "4", "--mesh.data", "2"), 8)
+@pytest.mark.parametrize("layers", [(), ("--model.n_layer", "6")], ids=["8layers", "6layers-padded"])
+def test_checkpoints_restore_across_pipeline_sizes_and_to_none(tmp_path, layers):
+    """8 layers split by layers over 4 stages; 6 stored whole, split by d_model (3 a stage over 2)."""
+    source = _build((*layers, "--mesh.pipeline", "4", "--mesh.data", "2"), 8)
     state = source.init_state()
     state = state.replace(params=jax.tree.map(lambda x: x + 0.25, state.params))  # not the init
     ckpt = Checkpointer(tmp_path / "ckpt", keep=2)
@@ -109,17 +111,18 @@ def test_checkpoints_restore_across_pipeline_sizes_and_to_none(tmp_path):
     reader = Checkpointer(tmp_path / "ckpt", keep=2, read_only=True)
     other = ("--mesh.pipeline", "2", "--mesh.fsdp", "2", "--mesh.tensor", "2", "--mesh.data", "1")
     for argv, devices in ((other, 8), ((), 1)):
-        target = _build(argv, devices).target
+        target = _build((*layers, *argv), devices).target
         restored = jax.tree.leaves(jax.device_get(reader.restore(3, target)))
         assert all(np.array_equal(a, b) for a, b in zip(saved, restored, strict=True)), argv
     ckpt.close()
 
 
 def test_a_layer_count_the_stages_cannot_take_is_one_line():
+    load_config([*LLAMA, "--mesh.pipeline", "3"])  # 8 layers over 3 stages: 3, 3 and 2 (padded)
     with pytest.raises(
-        ConfigError, match=r"model.n_layer 8 is not divisible by mesh.pipeline 3: .*\[2, 4, 8\]"
+        ConfigError, match=r"mesh.pipeline 16 is more stages than model.n_layer 8 .* at most 8$"
     ):
-        load_config([*LLAMA, "--mesh.pipeline", "3"])
+        load_config([*LLAMA, "--mesh.pipeline", "16"])
     with pytest.raises(ConfigError, match="set model.scan_layers true"):
         load_config([*LLAMA, "--model.scan_layers", "false", "--mesh.pipeline", "2"])
 

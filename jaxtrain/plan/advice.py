@@ -170,8 +170,8 @@ def layouts(cfg: Config, devices: int, gpus_per_host: int) -> list[tuple[int, in
     """(tensor, context, expert, pipeline, fsdp widths) to search: tensor inside a host, largest
     first; context in what the host leaves, smallest first (1: whole sequences), where it divides
     the window and the heads; then expert, largest first, dividing the model's experts (1 for a
-    dense model); then no pipeline, then the pipelines that divide a dense scanned model's layers,
-    deepest first; fsdp filling the rest."""
+    dense model); then no pipeline, then the pipelines a dense scanned model's layers take
+    (`pipelines`), deepest first; fsdp filling the rest."""
     powers = [2**i for i in range(devices.bit_length()) if devices % 2**i == 0]
     m = cfg.model
     out = []
@@ -192,12 +192,15 @@ def layouts(cfg: Config, devices: int, gpus_per_host: int) -> list[tuple[int, in
 
 
 def pipelines(cfg: Config, devices: int) -> list[int]:
-    """1, then the pipeline sizes (powers of two, at most `devices`) that divide the layers of a
-    dense scanned model, deepest first (config/checks.py refuses the others)."""
+    """1, then the pipeline sizes (powers of two, at most `devices` and the layers of a dense
+    scanned model) whose stages pad the layers by at most 1/16 of them, deepest first: a stage's
+    tick runs its padding layers too (run/pipeline.py), so 126 layers over 32 stages cost 128,
+    and 80 over 32, 96."""
     m = cfg.model
     if not m.scan_layers or m.moe.n_experts:
         return [1]
-    deep = [2**i for i in range(1, devices.bit_length()) if devices % 2**i == 0 and m.n_layer % 2**i == 0]
+    sizes = [2**i for i in range(1, devices.bit_length()) if devices % 2**i == 0 and 2**i <= m.n_layer]
+    deep = [p for p in sizes if 16 * (-(-m.n_layer // p) * p - m.n_layer) <= m.n_layer]
     return [1, *sorted(deep, reverse=True)]
 
 

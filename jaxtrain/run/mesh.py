@@ -196,8 +196,15 @@ def zero1_spec(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
         return spec
     manual = {*BATCH_AXES, PIPELINE_AXIS}
     parts = list(spec) + [None] * (len(shape) - len(spec))
-    for i in sorted(range(len(shape)), key=lambda i: -shape[i]):
-        held = parts[i] if isinstance(parts[i], tuple) else (parts[i],) if parts[i] else ()
+    held_by = [
+        parts[i] if isinstance(parts[i], tuple) else (parts[i],) if parts[i] else ()
+        for i in range(len(shape))
+    ]
+    # A stack split over pipeline by d_model (param_spec) takes `data` there first: a dim the
+    # step's reduce-scatter splits without moving the tensor shards (`over_tensor`).
+    regrouped = [i > 0 and PIPELINE_AXIS in held_by[i] for i in range(len(shape))]
+    for i in sorted(range(len(shape)), key=lambda i: (not regrouped[i], -shape[i])):
+        held = held_by[i]
         if shape[i] % (n * math.prod(mesh.shape[a] for a in held)) == 0:
             parts[i] = (*(a for a in held if a in manual), DATA_AXIS, *(a for a in held if a not in manual))
             return P(*parts)
@@ -242,6 +249,19 @@ def _match_param(path: tuple, param_paths: dict[tuple[str, ...], P]) -> P | None
         if key[-n:] in param_paths:
             return param_paths[key[-n:]]
     return None
+
+
+def over_tensor(fn: Any, x: Any, logical: tuple[str | None, ...]) -> Any:
+    """fn(x) manual over `tensor` too, where x (a param of `logical` axes, or its gradient) is split
+    over it: left automatic, XLA moved such arrays whole over tensor around a collective over
+    another axis (all-gathers over tensor of 8 times the bytes)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    tensor = tensor_part(logical, x.shape, mesh)
+    if all(entry is None for entry in tensor):
+        return fn(x)
+    return jax.shard_map(
+        fn, mesh=mesh, in_specs=tensor, out_specs=tensor, axis_names={TENSOR_AXIS}, check_vma=False
+    )(x)
 
 
 def shardings(mesh: Mesh, specs: Any) -> Any:

@@ -1,9 +1,13 @@
 """Pipeline parallelism: the scanned layer stack split into stages over the `pipeline` mesh axis.
 
-Each stage holds n_layer / pipeline consecutive layers (the stack's `layers` dim split over the
-axis: the same global array on any mesh, so checkpoints move between pipeline sizes). The step's
-shard_map is manual over `pipeline` too, and the schedule is GPipe inside the differentiated
-function, as MaxText does it:
+Each stage runs n_layer / pipeline consecutive layers (the stack's `layers` dim split over the
+axis: the same global array on any mesh, so checkpoints move between pipeline sizes). Where the
+stages do not divide the layers (Llama 3 405B's 126 over 32) the stack is stored whole by layers
+and split over `pipeline` by d_model instead (still the one global array); once a step each
+stage's ceil(n_layer / pipeline) layers are regrouped from it by an all-to-all of the weights cast
+to the compute dtype, the last stages padded with zero layers (the identity; a tick costs them as
+real ones: 128 layers' work for 126). `_on_stage`. The step's shard_map is manual over `pipeline`
+too, and the schedule is GPipe inside the differentiated function, as MaxText does it:
   - tick t: stage s holds microbatch t - s; stage 0 embeds it, every stage runs its layers on
     what it holds, then a `ppermute` hands each stage's output to the next; the last stage
     finishes microbatch t - (pipeline - 1), so M microbatches take M + pipeline - 1 ticks;
@@ -37,6 +41,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.model.documents import Documents, documents
+from jaxtrain.model.params import logical_axes, path_names
 from jaxtrain.model.transformer import GPT, block_class, layer_stack, scanned_stacks
 from jaxtrain.run import mesh as mesh_lib
 from jaxtrain.text.format import NO_LOSS, TOKEN_BITS
@@ -92,26 +97,41 @@ def _as_copies_backward(dtype: jax.Array, g: tuple[jax.Array, ...]) -> tuple[jax
 _as_copies.defvjp(_as_copies_forward, _as_copies_backward)
 
 
-def _on_stage(p: jax.Array, spec: P) -> jax.Array:
+def _on_stage(p: jax.Array, spec: P, logical: tuple[str | None, ...]) -> jax.Array:
     """This stage's run of layers of a scanned stack's param, from this device's block `p` of it
-    (laid out by its manual `spec`): `p` itself where the stack is split by layers. Where the
-    stages do not divide the layers (mesh_lib.param_spec), the stack padded with zero layers to
-    ceil(layers / stages) per stage, on the last stages (a pre-norm block of zeros adds zero to
-    the residual stream: the identity), then regrouped: by an all-to-all over `pipeline` where
-    the stack is split over it on another dim (each stage gets its layers' slices from every peer:
-    `pipeline` innermost of the manual axes there, so they join in order), sliced where every
-    stage holds it whole. The transposes take the gradient back to the stored layout (summed over
-    stages by `sum_over_stages` where it is whole) and drop the padding's."""
+    (laid out by its manual `spec`; `logical`: its logical axes): `p` itself where the stack is
+    split by layers. Where the stages do not divide the layers (mesh_lib.param_spec), the stack
+    padded with zero layers to ceil(layers / stages) per stage, on the last stages (a pre-norm
+    block of zeros adds zero to the residual stream: the identity), then regrouped: by an
+    all-to-all over `pipeline` where the stack is split over it on another dim (each stage gets its
+    layers' slices from every peer: `pipeline` innermost of the manual axes there, so they join in
+    order), sliced where every stage holds it whole. The transposes take the gradient back to the
+    stored layout (summed over stages by `sum_over_stages` where it is whole) and drop the padding's."""
     axes = [_axes(entry) for entry in spec]
     if axes and AXIS in axes[0]:
         return p
     stages = jax.lax.axis_size(AXIS)
     length = -(-p.shape[0] // stages)
-    padded = jnp.pad(p, [(0, length * stages - p.shape[0])] + [(0, 0)] * (p.ndim - 1))
     split = next((i for i, held in enumerate(axes) if AXIS in held), None)
-    if split is None:
-        return jax.lax.dynamic_slice_in_dim(padded, jax.lax.axis_index(AXIS) * length, length, 0)
-    return jax.lax.all_to_all(padded, AXIS, 0, split, tiled=True)
+
+    def regroup(x: jax.Array) -> jax.Array:
+        x = jnp.pad(x, [(0, length * stages - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+        if split is None:
+            return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(AXIS) * length, length, 0)
+        return jax.lax.all_to_all(x, AXIS, 0, split, tiled=True)
+
+    # Manual over tensor too: left automatic, XLA moved the weights whole over tensor (the 405B's
+    # all-to-alls 8 times the bytes).
+    return regroup(p) if split is None else mesh_lib.over_tensor(regroup, p, logical)
+
+
+def _stage_tree(name: str, stack: Any, specs: Any, one: Callable[..., Any]) -> Any:
+    """one(p, spec, logical axes) over the leaves of the stack `name` and their manual specs."""
+
+    def leaf(path: tuple, p: jax.Array, spec: P) -> Any:
+        return one(p, spec, logical_axes((name, *path_names(path)), p.ndim))
+
+    return jax.tree_util.tree_map_with_path(leaf, stack, specs)
 
 
 def _axes(entry: Any) -> tuple[str, ...]:
@@ -119,7 +139,7 @@ def _axes(entry: Any) -> tuple[str, ...]:
     return entry if isinstance(entry, tuple) else (entry,) if entry else ()
 
 
-def _copies(model: GPT, stack: Any, specs: Any) -> Any:
+def _copies(model: GPT, name: str, stack: Any, specs: Any) -> Any:
     """The stage's weight matrices (leaves of 3+ dims: [layers, in, ...], which the layers only use
     in the compute dtype) cast once for all ticks, one array per layer; None for the rest (norm
     scales, biases). Cast before any regrouping (`_on_stage`), which then moves half the bytes.
@@ -128,10 +148,11 @@ def _copies(model: GPT, stack: Any, specs: Any) -> Any:
     if model.gather is not None:
         return None
 
-    def one(p: jax.Array, spec: P) -> tuple[jax.Array, ...] | None:
-        return tuple(_on_stage(jax.lax.stop_gradient(p.astype(model.dtype)), spec)) if p.ndim >= 3 else None
+    def one(p: jax.Array, spec: P, logical: tuple[str | None, ...]) -> tuple[jax.Array, ...] | None:
+        cast = jax.lax.stop_gradient(p.astype(model.dtype))
+        return tuple(_on_stage(cast, spec, logical)) if p.ndim >= 3 else None
 
-    return jax.tree.map(one, stack, specs)
+    return _stage_tree(name, stack, specs, one)
 
 
 def _layers(stack: Any, copies: Any) -> Any:
@@ -251,9 +272,9 @@ def loss(
     with nn.logical_axis_rules(_held_rules(rules)):
         work, head_loss = _tick(model, share)
         name = scanned_stacks(model.cfg)[0][0]
-        copies = _copies(model, params[name], manual[name])
+        copies = _copies(model, name, params[name], manual[name])
         # The stage's layers in the params' dtype: only the gradient's path where there are copies.
-        params = {**params, name: jax.tree.map(_on_stage, params[name], manual[name])}
+        params = {**params, name: _stage_tree(name, params[name], manual[name], _on_stage)}
         held = _held(jnp.zeros((split.shape[1], split.shape[2] - 1, model.cfg.d_model), model.dtype))
         kept = jnp.zeros((-(-micro // stages), *held.shape), held.dtype)
         kept = nn.with_logical_constraint(kept, (None, "batch", "held", "embed"))

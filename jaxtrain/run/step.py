@@ -249,16 +249,22 @@ class _ParamLayout:
         `data` (ZeRO-1: the moments' layout, mesh_lib.zero1_spec) a reduce-scatter over it
         stands in for the all-reduce: each data shard gets only its slice, half the bytes."""
 
-        def one(g: jax.Array, spec: P, out: P) -> jax.Array:
+        def one(path: tuple, g: jax.Array, spec: P, out: P) -> jax.Array:
             split = _axes(spec)
             scatter = [i for i, e in enumerate(out) if mesh_lib.DATA_AXIS in _axes(P(e)) - split]
             if scatter:
-                g = jax.lax.psum_scatter(g, mesh_lib.DATA_AXIS, scatter_dimension=scatter[0], tiled=True)
+                at = functools.partial(jax.lax.psum_scatter, axis_name=mesh_lib.DATA_AXIS, tiled=True)
+                at = functools.partial(at, scatter_dimension=scatter[0])
+                # A stack split over pipeline by d_model, scattered there (mesh_lib.zero1_spec).
+                regrouped = scatter[0] > 0 and mesh_lib.PIPELINE_AXIS in _axes(P(spec[scatter[0]]))
+                g = mesh_lib.over_tensor(at, g, logical_axes(path, g.ndim)) if regrouped else at(g)
                 split = split | {mesh_lib.DATA_AXIS}
             g = self._pmean(g, tuple(a for a in mesh_lib.BATCH_AXES if a not in split))
             return g / math.prod(self.sizes[a] for a in mesh_lib.BATCH_AXES if a in split)
 
-        return jax.tree.map(one, grads, self.manual, out_specs, is_leaf=lambda x: isinstance(x, P))
+        return jax.tree_util.tree_map_with_path(
+            one, grads, self.manual, out_specs, is_leaf=lambda x: isinstance(x, P)
+        )
 
 
 def _axes(spec: P) -> set[str]:
