@@ -27,7 +27,8 @@ DENSE = [
     "llama3_8b_h100_8x8_reduce_compute", "llama3_70b_h100_16x8_maxtext", "llama3_70b_h100_128x8",
     "gpt_70b_h100_128x8_data2_fsdp64_tensor8", "gpt_19b_h100x1", "llama3_8b_128k_h100_8x8",
     "llama3_70b_128k_h100_32x8", "llama3_8b_1m_h100_16x8", "llama3_405b_h100_256x8",
-    "llama3_405b_128l_h100_256x8_pipeline32", "llama3_405b_128l_h100_256x8_pipeline16_fsdp2",
+    "llama3_405b_h100_256x8_fsdp64", "llama3_405b_128l_h100_256x8_pipeline32",
+    "llama3_405b_128l_h100_256x8_pipeline16_fsdp2",
     "llama3_70b_h100_128x8_pipeline8",
 ]  # fmt: skip
 # The mixtures of experts, each with the words of its model column.

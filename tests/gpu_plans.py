@@ -200,9 +200,9 @@ CASES = {
         32,
         8,
     ),  # fmt: skip
-    # Llama 3 405B on 2,048 H100 (issue 35): as shipped (tensor 8 x fsdp 64 x data 4, 8 microbatches);
-    # and pipelined at 128 layers (126 does not split over a power-of-two pipeline: the two layers
-    # more stand for the padding slots not built), run/pipeline.py's GPipe ticks.
+    # Llama 3 405B on 2,048 H100 (issue 35): as shipped (pipeline 32 x tensor 8 x data 8 + ZeRO-1,
+    # its 126 layers padded to 4 a stage); and at 128 layers (before padding was built, the two
+    # layers more stood for it), run/pipeline.py's GPipe ticks. Issue 35's start: the last case.
     "llama3_405b_h100_256x8": (["--config", "configs/llama3_405b.yaml"], "h100", 256, 8),
     "llama3_405b_128l_h100_256x8_pipeline32": (
         ["--config", "configs/llama3_405b.yaml", *LAYERS_128, "--mesh.pipeline", "32", "--mesh.fsdp", "1"],
@@ -232,6 +232,23 @@ CASES = {
         ],
         "h100",
         128,
+        8,
+    ),  # fmt: skip
+    # Llama 3 405B as shipped before its pipeline (issue 35's start): tensor 8 x fsdp 64 x data 4,
+    # 8 microbatches, each gathering every layer over the network.
+    "llama3_405b_h100_256x8_fsdp64": (
+        [
+            "--config",
+            "configs/llama3_405b.yaml",
+            "--mesh.pipeline",
+            "1",
+            "--mesh.fsdp",
+            "64",
+            "--mesh.zero1",
+            "false",
+        ],
+        "h100",
+        256,
         8,
     ),  # fmt: skip
 }
