@@ -23,6 +23,7 @@ is the axis that crosses hosts and fsdp x context x tensor groups stay inside on
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Any
@@ -262,6 +263,15 @@ def over_tensor(fn: Any, x: Any, logical: tuple[str | None, ...]) -> Any:
     return jax.shard_map(
         fn, mesh=mesh, in_specs=tensor, out_specs=tensor, axis_names={TENSOR_AXIS}, check_vma=False
     )(x)
+
+
+def scatter_over_data(g: Any, spec: P, dim: int, logical: tuple[str | None, ...]) -> Any:
+    """ZeRO-1's reduce-scatter over `data` of a gradient (manual `spec`, `logical` axes) on `dim`;
+    manual over tensor where that dim is a stack's d_model split over pipeline (`zero1_spec`)."""
+    scatter = functools.partial(jax.lax.psum_scatter, axis_name=DATA_AXIS, scatter_dimension=dim, tiled=True)
+    entry = spec[dim] if dim < len(spec) else None
+    regrouped = dim > 0 and PIPELINE_AXIS in (entry if isinstance(entry, tuple) else (entry,))
+    return over_tensor(scatter, g, logical) if regrouped else scatter(g)
 
 
 def shardings(mesh: Mesh, specs: Any) -> Any:

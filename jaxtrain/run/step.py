@@ -169,10 +169,8 @@ class _ParamLayout:
         """(the dim `gather` gathers of the param at `names` with `ndim` dims, the mesh axes it
         gathers over): (None, ...) or (..., None) for a param each layer uses as it is."""
         dim = mesh_lib.fsdp_logical_dim(logical_axes(names, ndim))
-        if dim is None:
-            return None, None
         # Not over `pipeline`: a stack split over it there is regrouped by stage before any layer runs.
-        entry = mesh_lib.manual_of(names, ndim, self.manual_by_path)[dim]
+        entry = None if dim is None else mesh_lib.manual_of(names, ndim, self.manual_by_path)[dim]
         return dim, mesh_lib.entry_without(entry, mesh_lib.PIPELINE_AXIS)
 
     def whole_experts(self, variables: Any) -> Any:
@@ -253,18 +251,12 @@ class _ParamLayout:
             split = _axes(spec)
             scatter = [i for i, e in enumerate(out) if mesh_lib.DATA_AXIS in _axes(P(e)) - split]
             if scatter:
-                at = functools.partial(jax.lax.psum_scatter, axis_name=mesh_lib.DATA_AXIS, tiled=True)
-                at = functools.partial(at, scatter_dimension=scatter[0])
-                # A stack split over pipeline by d_model, scattered there (mesh_lib.zero1_spec).
-                regrouped = scatter[0] > 0 and mesh_lib.PIPELINE_AXIS in _axes(P(spec[scatter[0]]))
-                g = mesh_lib.over_tensor(at, g, logical_axes(path, g.ndim)) if regrouped else at(g)
+                g = mesh_lib.scatter_over_data(g, spec, scatter[0], logical_axes(path, g.ndim))
                 split = split | {mesh_lib.DATA_AXIS}
             g = self._pmean(g, tuple(a for a in mesh_lib.BATCH_AXES if a not in split))
             return g / math.prod(self.sizes[a] for a in mesh_lib.BATCH_AXES if a in split)
 
-        return jax.tree_util.tree_map_with_path(
-            one, grads, self.manual, out_specs, is_leaf=lambda x: isinstance(x, P)
-        )
+        return jax.tree_util.tree_map_with_path(one, grads, self.manual, out_specs)  # specs: up to grads
 
 
 def _axes(spec: P) -> set[str]:
