@@ -148,20 +148,9 @@ class _ParamLayout:
             gather = functools.partial(
                 _fsdp_gather, axes=axes, dim=dim, dtype=self.dtype, reduce_dtype=self.reduce_dtype
             )
-            mesh = jax.sharding.get_abstract_mesh()
-            tensor = mesh_lib.tensor_part(logical, p.shape, mesh)
-            if all(entry is None for entry in tensor):
-                return gather(p)
             # Manual over tensor too for the gather: left automatic, XLA first gathered the weight
             # whole over tensor, then over fsdp (the whole float32 weight on every device).
-            return jax.shard_map(
-                gather,
-                mesh=mesh,
-                in_specs=tensor,
-                out_specs=tensor,
-                axis_names={mesh_lib.TENSOR_AXIS},
-                check_vma=False,
-            )(p)
+            return mesh_lib.over_tensor(gather, p, logical)
 
         return jax.tree_util.tree_map_with_path(one, variables)
 
