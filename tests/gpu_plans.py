@@ -73,6 +73,33 @@ CASES = {
         1,
         8,
     ),
+    # deepseek_tiny with DeepSeek-V3's head sizes (192 for queries and keys, 128 for values):
+    # cuDNN's attention on Hopper, and 2 microbatches summed in one gradient buffer (run/accumulate.py).
+    "deepseek_tiny_heads192_h100x8": (
+        [
+            "--config",
+            "configs/deepseek_tiny.yaml",
+            "--mesh.expert",
+            "8",
+            "--dtype",
+            "bfloat16",
+            "--model.nope_head_dim",
+            "128",
+            "--model.rope_head_dim",
+            "64",
+            "--model.v_head_dim",
+            "128",
+            "--model.scan_layers",
+            "true",
+            "--model.remat",
+            "full",
+            "--gradient_accumulation_steps",
+            "2",
+        ],
+        "h100",
+        1,
+        8,
+    ),  # fmt: skip
     # Not compiled in CI: one GPU, the bfloat16 twin of the fp16 tensor-parallel case, and the
     # shapes of docs/scaling.md.
     "gpt_70b_h100_128x8_data2_fsdp64_tensor8": (
@@ -130,7 +157,7 @@ CASES = {
     # (they do not fit), and the other grouped matmuls (blocks, XLA:GPU's ragged_dot) for Qwen3's
     # 16 experts a GPU and Mixtral's one.
     "qwen3_30b_a3b_h100_4x8": (QWEN3_MOE, "h100", 4, 8),
-    "mixtral_8x7b_h100_4x8": (["--config", "configs/mixtral_8x7b.yaml"], "h100", 4, 8),
+    "mixtral_8x7b_h100_4x8": (["--config", "configs/mixtral_8x7b.yaml", "--mesh.fsdp", "4"], "h100", 4, 8),
     "mixtral_8x7b_h100_4x8_ragged_dot": (
         ["--config", "configs/mixtral_8x7b.yaml", "--model.moe.grouped_matmul", "ragged_dot"],
         "h100",
@@ -208,7 +235,7 @@ CASES = {
         8,
     ),  # fmt: skip
 }
-CI_CASES = list(CASES)[:10]
+CI_CASES = list(CASES)[:11]
 # scripts/plan.py runs that do not fit, each suggestion they print then planned in turn
 # (tests/test_gpu_compile.py: each must fit). Two layers of gpt2_124m at 128 sequences a device on
 # 2 hosts of one L40S: the logits alone do not fit; fsdp spans the hosts (warned once).

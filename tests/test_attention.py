@@ -22,6 +22,10 @@ def test_auto_picks_cudnn_on_gpus_where_it_runs_and_xla_elsewhere():
     assert attention_kernel(gpt2, "cpu", "bfloat16") == "xla"
     assert attention_kernel(ModelConfig(d_model=768, n_head=64), "gpu", "bfloat16") == "xla"  # head dim 12
     assert attention_kernel(ModelConfig(d_model=1024, n_head=4), "gpu", "bfloat16") == "xla"  # head dim 256
+    # Hopper and later take heads up to 256 (DeepSeek-V3's 192), as jax's own check does.
+    assert attention_kernel(ModelConfig(d_model=1024, n_head=4), "gpu", "bfloat16", "9.0") == "cudnn"
+    assert attention_kernel(ModelConfig(d_model=1024, n_head=4), "gpu", "bfloat16", "8.0") == "xla"
+    assert attention_kernel(ModelConfig(d_model=1024, n_head=2), "gpu", "bfloat16", "10.0") == "xla"  # 512
     assert attention_kernel(ModelConfig(attention_impl="xla"), "gpu", "bfloat16") == "xla"
     assert attention_kernel(ModelConfig(attention_impl="cudnn"), "cpu", "float32") == "cudnn"  # as asked
 

@@ -6,11 +6,13 @@ shared-memory operands, which both backward kernels use: those run only on a Hop
     pytest tests/test_grouped.py     # seconds
 """
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain.model.grouped import ragged_matmul
+from jaxtrain.model.moe import _tensor_split
 
 
 def test_pallas_forward_is_ragged_dot_over_the_routed_rows_and_zero_past_them():
@@ -28,3 +30,20 @@ def test_pallas_forward_is_ragged_dot_over_the_routed_rows_and_zero_past_them():
     # float32 accumulation both ways; the kernel rounds its output to bfloat16 (half an ulp).
     np.testing.assert_allclose(out[:routed], want[:routed], rtol=2**-8, atol=1e-2)
     assert not out[routed:].any()
+
+
+def test_tensor_split_experts_differentiate_through_the_kernel():
+    """Experts split over `tensor` (moe._tensor_split) run the kernel inside a shard_map; its
+    gradients must type as that shard_map's inputs (jax refused the program when the planner tried
+    DeepSeek-V3 with tensor 8). Traced only: the backward kernels do not run in the interpreter."""
+    auto = (jax.sharding.AxisType.Auto,)  # as the step's mesh (run/mesh.py)
+    mesh = jax.make_mesh((2,), ("tensor",), axis_types=auto, devices=jax.devices()[:2])
+    rows, sizes = jnp.zeros((256, 128), jnp.bfloat16), jnp.array([200, 56], jnp.int32)
+    w_in, w_out = jnp.zeros((2, 128, 2, 256), jnp.bfloat16), jnp.zeros((2, 256, 128), jnp.bfloat16)
+
+    def loss(rows, w_in, w_out):
+        return _tensor_split(rows, sizes, w_in, w_out, "pallas").astype(jnp.float32).sum()
+
+    with jax.set_mesh(mesh), nn.logical_axis_rules([("mlp", "tensor")]):
+        grads = jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), rows, w_in, w_out)
+    assert [g.shape for g in grads] == [rows.shape, w_in.shape, w_out.shape]

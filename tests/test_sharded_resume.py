@@ -20,12 +20,6 @@ from test_faults import _bitwise_same_end, _losses, _ok, _run, _start, _wait_for
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 FSDP = ["--mesh.fsdp", "4"]  # data -1 = 2: the outer axis spans the processes
-# tests/test_moe.py's experts (8, 2 per token) over expert 4 x fsdp 2: an expert group strides by
-# fsdp over all 8 devices, so every MoE layer's token all-to-all crosses the two processes.
-EXPERT = [
-    "--model.n_head", "4", "--model.mlp", "swiglu", "--model.moe.n_experts", "8",
-    "--model.moe.d_expert", "32", "--mesh.expert", "4", "--mesh.fsdp", "2", "--mesh.data", "1",
-]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +91,14 @@ def test_fsdp_across_processes_trains_and_says_what_it_costs(tmp_path):
     assert "mesh fsdp x tensor = 4 devices spans hosts (2 devices per process)" in out.stdout + out.stderr
 
 
-# Sequences split in two inside each process (context 2 x fsdp 2), data across the processes.
-CONTEXT = ["--model.n_head", "4", "--mesh.context", "2", "--mesh.fsdp", "2"]
+# tests/test_moe.py's experts (8, 2 per token) over expert 2 across the processes (each MoE layer's token
+# all-to-all crosses them), sequences split in two inside each (context 2 x fsdp 2): one launch
+# for both axes.
+EXPERT_CONTEXT = [
+    "--model.n_head", "4", "--model.mlp", "swiglu", "--model.moe.n_experts", "8",
+    "--model.moe.d_expert", "32",
+    "--mesh.expert", "2", "--mesh.context", "2", "--mesh.fsdp", "2", "--mesh.data", "1",
+]  # fmt: skip
 # One stage per process (pipeline is the outer axis), its layer and 2 microbatches over data 2 x fsdp 2.
 PIPELINE = [
     "--model.scan_layers", "true", "--mesh.pipeline", "2", "--mesh.fsdp", "2",
@@ -106,7 +106,7 @@ PIPELINE = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("layout", [EXPERT, CONTEXT, PIPELINE], ids=["expert", "context", "pipeline"])
+@pytest.mark.parametrize("layout", [EXPERT_CONTEXT, PIPELINE], ids=["expert_context", "pipeline"])
 def test_kill_9_under_expert_context_or_pipeline_parallelism_then_relaunch_is_bitwise_identical(
     tmp_path, layout
 ):
@@ -127,5 +127,5 @@ def test_kill_9_under_expert_context_or_pipeline_parallelism_then_relaunch_is_bi
     assert max(first) == 15 and sorted(relaunch) == list(range(1, 21)), (first, relaunch)
     assert all(first[s] == relaunch[s] for s in range(11, 16)), (first, relaunch)
     # Process 0's log says once per launch that the all-to-all crosses hosts (each process warns).
-    warning = "mesh expert 4 spans hosts (4 devices per process)"
-    assert (run_dir / "train.log").read_text().count(warning) == (2 if layout is EXPERT else 0)
+    warning = "mesh expert 2 spans hosts (4 devices per process)"
+    assert (run_dir / "train.log").read_text().count(warning) == (2 if layout is EXPERT_CONTEXT else 0)

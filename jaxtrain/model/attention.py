@@ -26,30 +26,31 @@ from jaxtrain.model.layers import (
 )
 from jaxtrain.model.mla import latent_qkv
 
-# cuDNN's fused (flash) attention: half or bfloat16 inputs, head dim a multiple of 8 up to 128
-# (256 on Hopper and later; 128 holds on every GPU jax supports). jax's own checks, in
+# cuDNN's fused (flash) attention: half or bfloat16 inputs, head dim a multiple of 8 up to 128, or
+# 256 on Hopper and later (compute capability 9.0: DeepSeek-V3's 192). jax's own checks, in
 # jax/_src/cudnn/fused_attention_stablehlo.py (check_layout, check_is_flash_attention).
 _CUDNN_DTYPES = ("bfloat16", "float16")
 
 
-_CUDNN_MAX_HEAD_DIM = 128
+def cudnn_max_head_dim(capability: str) -> int:
+    """The largest head cuDNN's fused attention takes on GPUs of this compute capability ("9.0")."""
+    major = int(capability.split(".")[0]) if capability else 0
+    return 256 if major >= 9 else 128
 
 
-def attention_kernel(cfg: ModelConfig, platform: str, dtype: Any) -> str:
+def attention_kernel(cfg: ModelConfig, platform: str, dtype: Any, capability: str = "") -> str:
     """The causal attention kernel a run compiles to, "cudnn" or "xla" (resolves attention_impl auto).
 
     `platform` is the devices' ("gpu", "cpu", ...: jax's Device.platform), `dtype` the compute
-    dtype. auto picks cuDNN on GPUs wherever it supports the dtype and head dim, XLA elsewhere
-    (jax's own `implementation=None` always takes XLA's path, which materialises T x T scores).
+    dtype, `capability` a GPU's compute capability ("9.0"). auto picks cuDNN on GPUs wherever it
+    supports the dtype and head dim, XLA elsewhere (jax's own `implementation=None` always takes
+    XLA's path, which materialises T x T scores: 25 GB of DeepSeek-V3's temporaries, planned).
     """
     if cfg.attention_impl != "auto":
         return cfg.attention_impl
-    return _auto_kernel(platform, jnp.dtype(dtype).name, cfg.head_size)
-
-
-def _auto_kernel(platform: str, dtype: str, head_dim: int) -> str:
-    fits = dtype in _CUDNN_DTYPES and head_dim % 8 == 0 and head_dim <= _CUDNN_MAX_HEAD_DIM
-    return "cudnn" if platform == "gpu" and fits else "xla"
+    head_dim = cfg.head_size
+    fits = jnp.dtype(dtype).name in _CUDNN_DTYPES and head_dim % 8 == 0
+    return "cudnn" if platform == "gpu" and fits and head_dim <= cudnn_max_head_dim(capability) else "xla"
 
 
 def _causal_attention(

@@ -25,8 +25,19 @@ class Embedding(nn.Embed):
     """nn.Embed whose table can be read through the model's param gather (`table`), for the
     chunked head: a flax method cannot run inside jax.lax.scan, a plain array can."""
 
+    # The rows first, then the cast (nn.Embed casts the whole table first): the same values, and
+    # the gradient is a scatter of the rows straight into the float32 table's, which XLA adds in
+    # place where a loop accumulates it (a pipeline's ticks, run/pipeline.py: its `embed` span)
+    # instead of a table of zeros cast and added whole per tick.
+    rows_first: bool = False
+
     def table(self) -> jax.Array:
         return self.embedding
+
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        if not self.rows_first:
+            return super().__call__(inputs)
+        return jnp.take(self.embedding, inputs, axis=0).astype(self.dtype)
 
 
 def logits(x: jax.Array, table: jax.Array, dtype: Any) -> jax.Array:

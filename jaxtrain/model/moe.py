@@ -133,6 +133,9 @@ def _tensor_split(
         in_specs=(jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec(), spec_in, spec_out),
         out_specs=jax.sharding.PartitionSpec(),
         axis_names={axis},
+        # Unchecked, as the step's: the Pallas kernel's gradients vary over no axis, and jax's
+        # check refused the weights' (varying over `tensor`) in the backward.
+        check_vma=False,
     )(rows, sizes, w_in, w_out)
 
 

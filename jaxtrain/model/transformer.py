@@ -112,7 +112,13 @@ class GPT(nn.Module):
             cls = _with_gather(Embedding, self.gather, (name,), methods=methods)
             init = nn.initializers.normal(cfg.init_std)
             return cls(
-                num, cfg.d_model, dtype=self.dtype, param_dtype=jnp.float32, embedding_init=init, name=name
+                num,
+                cfg.d_model,
+                dtype=self.dtype,
+                param_dtype=jnp.float32,
+                embedding_init=init,
+                rows_first=self.span == "embed",
+                name=name,
             )
 
         wte = embed(cfg.vocab_size, name="wte")
@@ -156,7 +162,7 @@ class GPT(nn.Module):
         return output(x)
 
 
-def layer_stack(block: Any, length: int) -> Any:
+def layer_stack(block: Any, length: int, unroll: int = 1) -> Any:
     """`length` layers of `block` as one scanned module, params stacked on a leading `layers` dim."""
     return nn.scan(
         block,
@@ -164,6 +170,7 @@ def layer_stack(block: Any, length: int) -> Any:
         split_rngs={"params": True},
         in_axes=nn.broadcast,
         length=length,
+        unroll=unroll,
     )
 
 

@@ -78,8 +78,9 @@ def plan_one(cfg: Config, target: targets.GpuTarget, hosts: int, gpus_per_host: 
             "usable_bytes_per_device": limit, "device_memory_bytes": target.memory_bytes,
         }  # fmt: skip
     t0 = time.perf_counter()
-    train = run.compile_train()
-    evaluate = run.compile_eval()
+    with targets.cudnn_gates(target):
+        train = run.compile_train()
+        evaluate = run.compile_eval()
     facts = plan.Facts(
         target=target, mesh=f["mesh"], hosts=hosts, gpus_per_host=gpus_per_host,
         device_hosts=f["device_hosts"], n_params=f["n_params"],

@@ -29,9 +29,11 @@ Bandwidths are per direction, per GPU. Sources:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -253,3 +255,28 @@ def target_devices(target: GpuTarget, hosts: int, gpus_per_host: int) -> list[An
         platform="cuda", target_config=target_config(target), topology=f"1x{hosts}x{gpus_per_host}"
     )
     return list(topology.devices)
+
+
+@contextlib.contextmanager
+def cudnn_gates(target: GpuTarget) -> Iterator[None]:
+    """jax's Python-side cuDNN attention checks answered for `target`'s GPUs while a step compiles.
+
+    jax gates cuDNN attention's head sizes (256 on Hopper, else 128) and its latent-attention mode
+    on the compute capability of the local GPU (`check_compute_capability` in
+    jax/_src/cudnn/fused_attention_stablehlo.py), and with no GPU here it answers "none": the
+    planner would refuse programs the target's GPUs run. Here the answer is the target's, as a
+    real GPU of it gives; XLA itself already compiles for the target (`target_config`)."""
+    from jax._src.cudnn import fused_attention_stablehlo as gates
+
+    def at_least(capability: str) -> bool:
+        return target.compute_capability >= tuple(int(x) for x in capability.split("."))
+
+    def equal(capability: str) -> bool:
+        return target.compute_capability == tuple(int(x) for x in capability.split("."))
+
+    saved = gates.check_compute_capability, gates.is_cuda_compute_capability_equal
+    gates.check_compute_capability, gates.is_cuda_compute_capability_equal = at_least, equal
+    try:
+        yield
+    finally:
+        gates.check_compute_capability, gates.is_cuda_compute_capability_equal = saved

@@ -67,7 +67,8 @@ class Run:
     @property
     def attention(self) -> str:
         """The attention kernel the steps compile to on the job's devices: cudnn or xla."""
-        return attention_kernel(self.cfg.model, self.job.platform, compute_dtype(self.cfg))
+        capability = getattr(self.job.devices[0], "compute_capability", "")
+        return attention_kernel(self.cfg.model, self.job.platform, compute_dtype(self.cfg), capability)
 
     @property
     def n_params(self) -> int:

@@ -7,21 +7,27 @@ function, as MaxText does it:
   - tick t: stage s holds microbatch t - s; stage 0 embeds it, every stage runs its layers on
     what it holds, then a `ppermute` hands each stage's output to the next; the last stage
     finishes microbatch t - (pipeline - 1), so M microbatches take M + pipeline - 1 ticks;
-  - the head and loss run in the tick on the stage's output (every stage computes them: SPMD;
-    only the last stage's count: its loss is the one differentiated, the others are zeroed);
+  - the head and loss are not in the tick (SPMD: a tick costs every stage what the slowest stage
+    does, so a head run by the last stage alone would cost all of them, every tick): finished
+    outputs ride a ring of `ppermute`s to their owner, stage m % pipeline, which keeps them
+    (M / pipeline of them, one microbatch's activation each) and after the ticks runs the head
+    and loss of each; the ring sends what the tick before left, so it runs beside the layers;
   - jax.grad of that gives the backward: ppermute's transpose sends gradients back a stage a tick.
 The bubble, (pipeline - 1) / (M + pipeline - 1) of each stage's layer work, is real compute on
 zeros in this SPMD program, so the compiled program (and the planner's replay of it) counts it.
 With remat `full` a tick is one checkpoint: each tick keeps only its stage's input, and the
 backward recomputes that tick once (the cost per-layer remat has), holding one stage's activations
-for one microbatch. Logits are never kept: a tick's are recomputed for its backward.
+for one microbatch. Inside a tick the stage's layers run unrolled, on its weight matrices cast to
+the compute dtype once a step (`_copies`); their gradient accumulates in float32 over the ticks.
 Params used outside the stack (embeddings, final norm, head) are whole on every stage; their
 gradients are summed over the stages (each is zero where its stage does not use it).
+Planned for Llama 3 405B on 256 x 8 H100 (docs/scaling.md "Pipeline parallelism").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +43,8 @@ from jaxtrain.text.format import NO_LOSS, TOKEN_BITS
 
 AXIS = mesh_lib.PIPELINE_AXIS
 Metrics = dict[str, jax.Array]
+Arrays3 = tuple[jax.Array, jax.Array, jax.Array]
+Arrays4 = tuple[jax.Array, jax.Array, jax.Array, jax.Array]
 
 
 def bubble(stages: int, micro: int) -> float:
@@ -45,23 +53,78 @@ def bubble(stages: int, micro: int) -> float:
 
 
 def _stage(model: GPT) -> Callable[[Any, jax.Array, Documents | None], jax.Array]:
-    """run(stack params, x, doc) -> x: this stage's layers (its share of the scanned stack)."""
+    """run(params, x, doc) -> x: this stage's layers (its share of the scanned stack), from the
+    stack's params, or unrolled from one tree per layer (`_layers`)."""
     cfg = model.cfg
     # With remat full the tick is the checkpoint (`_tick`): the layers inside it need none.
     block = block_class(dataclasses.replace(cfg, remat="none") if cfg.remat == "full" else cfg, model.gather)
 
     def run(params: Any, x: jax.Array, doc: Documents | None) -> jax.Array:
+        if isinstance(params, list):
+            layer = block(cfg, model.dtype, False, False)
+            for one in params:
+                x = layer.apply({"params": one}, x, doc)[0]
+            return x
         length = jax.tree.leaves(params)[0].shape[0]
-        stack = layer_stack(block, length)(cfg, model.dtype, False, False)
-        return stack.apply({"params": params}, x, doc)[0]
+        return layer_stack(block, length)(cfg, model.dtype, False, False).apply({"params": params}, x, doc)[0]
 
     return run
 
 
-def _tick(model: GPT, share: jax.Array | None) -> Callable[..., tuple[jax.Array, jax.Array]]:
-    """work(params, held, rows) -> (out, loss): one stage's tick on the microbatch it holds (rows
-    [b, T+1]): stage 0 embeds it (the others take `held`, the previous stage's output), the
-    stage's layers run, and the head's loss of `out` (the last stage's is the model's)."""
+@jax.custom_vjp
+def _as_copies(master: jax.Array, copies: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """`copies`, master's layers cast to the compute dtype once a step (`_copies`), with master's
+    gradient: a tick's layers read their weights as they are (no cast, no slice, nothing kept per
+    tick for the backward), and the gradient the ticks add up stays float32."""
+    return copies
+
+
+def _as_copies_forward(
+    master: jax.Array, copies: tuple[jax.Array, ...]
+) -> tuple[tuple[jax.Array, ...], jax.Array]:
+    return copies, jnp.zeros((0,), master.dtype)
+
+
+def _as_copies_backward(dtype: jax.Array, g: tuple[jax.Array, ...]) -> tuple[jax.Array, None]:
+    return jnp.stack(g).astype(dtype.dtype), None
+
+
+_as_copies.defvjp(_as_copies_forward, _as_copies_backward)
+
+
+def _copies(model: GPT, stack: Any) -> Any:
+    """The stage's weight matrices (leaves of 3+ dims: [layers, in, ...], which the layers only use
+    in the compute dtype) cast once for all ticks, one array per layer; None for the rest (norm
+    scales, biases). None at all under FSDP, whose per-layer gather casts (and whose gathers
+    overlap the layer before only in a layer loop: XLA's pipelined all-gather)."""
+    if model.gather is not None:
+        return None
+    return jax.tree.map(
+        lambda p: tuple(jax.lax.stop_gradient(p.astype(model.dtype))) if p.ndim >= 3 else None, stack
+    )
+
+
+def _layers(stack: Any, copies: Any) -> Any:
+    """The stage's params for `_stage`: one tree per layer, unrolled (a stage is a few layers:
+    405B over 32 stages, 4; as a loop inside the tick loop XLA peeled it and copied each layer's
+    saved activations and weight slices); the stack itself where there are no copies."""
+    if copies is None:
+        return stack
+    length = jax.tree.leaves(stack)[0].shape[0]
+    per_leaf = jax.tree.map(
+        lambda p, c: tuple(p) if c is None else _as_copies(p, c), stack, copies, is_leaf=lambda c: c is None
+    )
+    return [
+        jax.tree.map(operator.itemgetter(i), per_leaf, is_leaf=lambda x: isinstance(x, tuple))
+        for i in range(length)
+    ]
+
+
+def _tick(model: GPT, share: jax.Array | None) -> tuple[Callable[..., jax.Array], Callable[..., jax.Array]]:
+    """(work, head_loss): work(params, held, rows) -> out, one stage's tick on the microbatch it
+    holds (rows [b, T+1]): stage 0 embeds it (the others take `held`, the previous stage's
+    output), then the stage's layers run; head_loss(params, out, rows): the model's loss of a
+    finished microbatch's output, its logits recomputed in the backward, never kept."""
     cfg, run, stage = model.cfg, _stage(model), jax.lax.axis_index(AXIS)
     embed, head = model.clone(span="embed"), model.clone(span="head")
     masked = cfg.doc_bos >= 0 or cfg.doc_eos >= 0
@@ -72,16 +135,13 @@ def _tick(model: GPT, share: jax.Array | None) -> Callable[..., tuple[jax.Array,
         losses: jax.Array = head.apply({"params": params}, out, rows[:, 1:] & TOKEN_BITS)  # type: ignore[assignment]
         return losses.mean() if share is None else jnp.where(rows[:, 1:] & NO_LOSS, 0.0, losses).sum() / share
 
-    def work(params: Any, held: jax.Array, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def work(params: Any, copies: Any, held: jax.Array, rows: jax.Array) -> jax.Array:
         inputs = rows[:, :-1] & TOKEN_BITS
         fresh: jax.Array = embed.apply({"params": params}, inputs)  # type: ignore[assignment]
         doc = documents(inputs, cfg.doc_bos, cfg.doc_eos) if masked else None
-        out = run(params[name], jnp.where(stage == 0, fresh, held), doc)
-        return out, head_loss(params, out, rows)
+        return run(_layers(params[name], copies), jnp.where(stage == 0, fresh, held), doc)
 
-    # Logits are never kept for the backward: a tick holds one microbatch's, recomputed.
-    head_loss = loss if cfg.remat == "full" else jax.checkpoint(loss)
-    return jax.checkpoint(work) if cfg.remat == "full" else work
+    return (jax.checkpoint(work) if cfg.remat == "full" else work), jax.checkpoint(loss)
 
 
 def _held_rules(rules: Any) -> Any:
@@ -98,29 +158,69 @@ def _held(x: jax.Array) -> jax.Array:
     return nn.with_logical_constraint(x, ("batch", "held", "embed"))
 
 
+def _keep(kept: jax.Array, passing: jax.Array, m: jax.Array, micro: int) -> jax.Array:
+    """`kept` [slots, ...] with `passing`, microbatch m's finished output, in slot m // stages if
+    this stage owns m (m % stages): each stage keeps every stages-th microbatch for the head."""
+    stages, stage = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS)
+    slot = jnp.clip(m // stages, 0, kept.shape[0] - 1)
+    old = jax.lax.dynamic_index_in_dim(kept, slot, keepdims=False)
+    mine = (m >= 0) & (m < micro) & (m % stages == stage)
+    return jax.lax.dynamic_update_index_in_dim(kept, jnp.where(mine, passing, old), slot, 0)
+
+
 def loss(
     model: GPT, rules: Any, params: Any, rows: jax.Array, micro: int, share: jax.Array | None = None
 ) -> tuple[jax.Array, Metrics]:
     """(loss to differentiate, metrics) of this device's rows [n, T+1] in `micro` microbatches:
     the mean of their mean next-token losses (a loss mask's kept sums over `share`, as
-    step._token_loss), as gradient accumulation takes it. The loss is the last stage's (zero on
-    the others: the sum over stages is the loss); metrics are the last stage's on every stage."""
+    step._token_loss), as gradient accumulation takes it. Each stage's loss is that of the
+    microbatches whose head it ran (the sum over stages is the loss); metrics are the whole
+    loss on every stage."""
     stages, stage = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS)
+    last = stages - 1
     split = rows.reshape(micro, rows.shape[0] // micro, rows.shape[1])
-    shift = [(i, i + 1) for i in range(stages - 1)]  # the last stage's output leaves the pipeline
-    done = stage == stages - 1
+    shift = [(i, i + 1) for i in range(last)]  # activations: the last stage's output leaves
+    ring = [(i, (i + 1) % stages) for i in range(stages)]  # finished outputs, to their owners
 
-    def tick(carry: tuple[jax.Array, jax.Array], t: jax.Array) -> tuple[tuple[jax.Array, jax.Array], None]:
-        held, total = carry
+    def pass_on(
+        passing: jax.Array, done: jax.Array, kept: jax.Array, t: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        # The ring at tick t: the last stage sends `done`, its output of the tick before
+        # (microbatch t - 1 - last); the others pass on what reached them (microbatch
+        # t - stages - 1 - stage), each keeping what it owns. Sent from what the tick before
+        # left, the transfer runs beside the tick's layers, not after them.
+        sent = jnp.where(stage == last, done, passing)
+        kept = _keep(kept, sent, jnp.where(stage == last, t - 1 - last, t - stages - 1 - stage), micro)
+        return jax.lax.ppermute(_held(sent), AXIS, ring), kept
+
+    def tick(carry: Arrays4, t: jax.Array) -> tuple[Arrays4, None]:
+        held, passing, done, kept = carry
+        passing, kept = pass_on(passing, done, kept, t)
         mine = jnp.clip(t - stage, 0, micro - 1)  # the microbatch this stage holds (bubble: clipped)
-        out, value = work(params, held, jax.lax.dynamic_index_in_dim(split, mine, keepdims=False))
-        total = total + jnp.where(done & (t >= stages - 1), value, 0.0)
-        return (jax.lax.ppermute(_held(out), AXIS, shift), total), None
+        out = work(params, copies, held, jax.lax.dynamic_index_in_dim(split, mine, keepdims=False))
+        return (jax.lax.ppermute(_held(out), AXIS, shift), passing, out, kept), None
+
+    def drain(carry: Arrays3, t: jax.Array) -> tuple[Arrays3, None]:
+        passing, done, kept = carry  # the last microbatches on their way to their owners
+        passing, kept = pass_on(passing, done, kept, t)
+        return (passing, done, kept), None
+
+    def head(total: jax.Array, slot: jax.Array) -> tuple[jax.Array, None]:
+        m = slot * stages + stage
+        rows = jax.lax.dynamic_index_in_dim(split, jnp.minimum(m, micro - 1), keepdims=False)
+        value = head_loss(params, jax.lax.dynamic_index_in_dim(kept, slot, keepdims=False), rows)
+        return total + jnp.where(m < micro, value, 0.0), None
 
     with nn.logical_axis_rules(_held_rules(rules)):
-        work = _tick(model, share)
+        work, head_loss = _tick(model, share)
+        copies = _copies(model, params[scanned_stacks(model.cfg)[0][0]])
         held = _held(jnp.zeros((split.shape[1], split.shape[2] - 1, model.cfg.d_model), model.dtype))
-        (_, total), _ = jax.lax.scan(tick, (held, jnp.zeros((), jnp.float32)), jnp.arange(micro + stages - 1))
+        kept = jnp.zeros((-(-micro // stages), *held.shape), held.dtype)
+        kept = nn.with_logical_constraint(kept, (None, "batch", "held", "embed"))
+        ticks = micro + last
+        (_, passing, done, kept), _ = jax.lax.scan(tick, (held, held, held, kept), jnp.arange(ticks))
+        (_, _, kept), _ = jax.lax.scan(drain, (passing, done, kept), jnp.arange(ticks, ticks + stages))
+        total, _ = jax.lax.scan(head, jnp.zeros((), jnp.float32), jnp.arange(kept.shape[0]))
     mine = total / micro
     return mine, {"loss": jax.lax.psum(mine, AXIS)}
 

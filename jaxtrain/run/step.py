@@ -36,15 +36,15 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain.config import Config, ConfigError
+from jaxtrain.config import Config, ConfigError, ModelConfig
 from jaxtrain.faults import NO_FAULTS, FaultPlan, poison_gradients
-from jaxtrain.model.attention import attention_kernel
+from jaxtrain.model.attention import attention_kernel, cudnn_max_head_dim
 from jaxtrain.model.grouped import refusal
 from jaxtrain.model.moe import balance_loss, grouped_matmul, router_stats, update_router_bias
 from jaxtrain.model.params import logical_axes, path_names
 from jaxtrain.model.transformer import GPT
+from jaxtrain.run import accumulate, pipeline
 from jaxtrain.run import mesh as mesh_lib
-from jaxtrain.run import pipeline
 from jaxtrain.run.optim import lr_schedule
 from jaxtrain.run.state import TrainState
 from jaxtrain.text.format import NO_LOSS, TOKEN_BITS
@@ -63,17 +63,30 @@ def compute_dtype(cfg: Config) -> Any:
 def _token_loss(
     model: GPT, params: Any, rows: jax.Array, mean: Callable[[Any], Any], share: jax.Array | None = None
 ) -> tuple[jax.Array, Metrics]:
-    """(loss to differentiate, metrics): mean next-token cross-entropy of rows [b, T+1] in float32
-    (metrics' `loss`), plus a mixture of experts' router losses, averaged over its MoE layers.
+    """(loss to differentiate, metrics) of rows [b, T+1] (`_objective`)."""
+    tokens = rows & TOKEN_BITS
+    losses, sown = model.apply({"params": params}, tokens[:, :-1], tokens[:, 1:], mutable=["moe"])
+    return _objective(model.cfg, mean, share, rows, losses, sown.get("moe"))
+
+
+def _objective(
+    cfg: ModelConfig,
+    mean: Callable[[Any], Any],
+    share: jax.Array | None,
+    rows: jax.Array,
+    losses: jax.Array,
+    moe_stats: Any,
+) -> tuple[jax.Array, Metrics]:
+    """(loss to differentiate, metrics) from each token's cross-entropy `losses` [b, T] of rows
+    [b, T+1]: their mean in float32 (metrics' `loss`), plus a mixture of experts' router losses
+    from its "moe" collection, averaged over its MoE layers.
     `mean`: the mean over the batch shards, for the whole batch's expert load. With a loss mask
     (`share`, see `_ParamLayout.kept_share`): the sum over the targets that take loss (no NO_LOSS
     bit) over `share`."""
-    tokens = rows & TOKEN_BITS
-    losses, sown = model.apply({"params": params}, tokens[:, :-1], tokens[:, 1:], mutable=["moe"])
     loss = losses.mean() if share is None else jnp.where(rows[:, 1:] & NO_LOSS, 0.0, losses).sum() / share
-    if "moe" not in sown:
+    if moe_stats is None:
         return loss, {"loss": loss}
-    stats, moe = router_stats(sown["moe"]), model.cfg.moe
+    stats, moe = router_stats(moe_stats), cfg.moe
     load = mean(stats["load"])  # the whole batch's: balance_loss's mean over devices is the batch's
     balance = balance_loss(load, stats["probs"]).mean()
     z = stats["z"].mean()
@@ -175,7 +188,14 @@ class _ParamLayout:
 
     def model(self, model: GPT) -> GPT:
         """The model with its attention kernel chosen for the mesh's devices, and FSDP's per-layer gather."""
-        kernel = attention_kernel(model.cfg, self.platform, model.dtype)
+        kernel = attention_kernel(model.cfg, self.platform, model.dtype, self.capability)
+        most = cudnn_max_head_dim(self.capability)
+        if kernel == "cudnn" and self.platform == "gpu" and model.cfg.head_size > most:
+            raise ConfigError(
+                f"model.attention_impl cudnn takes heads of at most {most} on GPUs of compute "
+                f"capability {self.capability}, and this model's are {model.cfg.head_size}; use "
+                "model.attention_impl auto (XLA's kernel)"
+            )
         cfg = dataclasses.replace(model.cfg, attention_impl=kernel)
         why = refusal(self.platform, self.capability, cfg.d_model, cfg.expert_dim // self.tensor)
         if cfg.moe.grouped_matmul == "auto":
@@ -257,6 +277,11 @@ def _local_grads(
         loss, metrics = layout.loss(model, p, mb, share)
         return loss * scale, metrics
 
+    if accumulate.applies(model.cfg, accum):
+        objective = functools.partial(_objective, model.cfg, layout.mean, share)
+        return accumulate.local_grads(
+            layout.model(model), layout.rules, objective, accum, params, rows, scale
+        )
     grad_fn = jax.grad(scaled_loss, has_aux=True)
     if accum == 1:
         return grad_fn(params, rows)

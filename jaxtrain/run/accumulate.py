@@ -1,0 +1,141 @@
+"""Gradient accumulation into one float32 buffer.
+
+Plain accumulation (step._local_grads) adds each microbatch's gradient, a fresh buffer jax.grad
+returns, to the running sum: two float32 copies of a device's gradient live at once (Mixtral-8x7B
+on 2 x 8 H100: 11.7 GB each). Here the scanned layer stacks, which hold nearly every param, run
+under a backward of our own that adds each layer's gradient into the running sum as soon as it is
+made (an update of one layer's slice of a loop carry: XLA does it in place), so besides the sum
+only one layer's gradient exists at a time. The running sum goes into the backward as an input of
+the stack whose "cotangent" is the updated sum: jax.grad with respect to it returns the new sum.
+The params outside the stacks (embeddings, final norm, head) take the plain way.
+
+The forward keeps each layer's input and the backward recomputes the layer before
+differentiating it: remat "full", the only policy this path serves (`applies`). The arithmetic is
+the plain path's, layer by layer: tests/test_accumulate.py checks the two agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxtrain.config import ModelConfig
+from jaxtrain.model.documents import documents
+from jaxtrain.model.transformer import GPT, block_class, scanned_stacks
+from jaxtrain.text.format import TOKEN_BITS
+
+Metrics = dict[str, jax.Array]
+# objective(rows, each token's loss [b, T], the "moe" collection or None) -> (loss, metrics)
+Objective = Callable[[jax.Array, jax.Array, Any], tuple[jax.Array, Metrics]]
+
+
+def applies(cfg: ModelConfig, accum: int) -> bool:
+    """Whether the step accumulates through this module: several microbatches over scanned layers
+    under full remat (one microbatch has nothing to accumulate)."""
+    return accum > 1 and cfg.scan_layers and cfg.remat == "full"
+
+
+def _add_at(total: jax.Array, i: jax.Array, g: jax.Array) -> jax.Array:
+    """total[i] += g, written as the in-place update XLA recognizes on a loop carry."""
+    row = jax.lax.dynamic_index_in_dim(total, i, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(total, row + g.astype(total.dtype), i, 0)
+
+
+def _stack(layer: Callable[..., tuple[jax.Array, Any]]) -> Callable[..., tuple[jax.Array, Any]]:
+    """stack(params, total, x, doc) -> (x, sown): the layers of a scanned stack (params stacked on
+    a leading dim) one after another; its backward adds each layer's gradient into `total`
+    (stacked as the params) and returns the sum as `total`'s cotangent. `layer(p, x, doc) -> (x,
+    sown)` is one layer."""
+
+    def forward(params: Any, x: jax.Array, doc: Any) -> tuple[tuple[jax.Array, Any], jax.Array]:
+        def body(h: jax.Array, p: Any) -> tuple[jax.Array, tuple[jax.Array, Any]]:
+            y, sown = layer(p, h, doc)
+            return y, (h, sown)
+
+        y, (inputs, sown) = jax.lax.scan(body, x, params)
+        return (y, sown), inputs
+
+    @jax.custom_vjp
+    def stack(params: Any, total: Any, x: jax.Array, doc: Any) -> tuple[jax.Array, Any]:
+        return forward(params, x, doc)[0]
+
+    def fwd(params: Any, total: Any, x: jax.Array, doc: Any) -> tuple[tuple[jax.Array, Any], Any]:
+        out, inputs = forward(params, x, doc)
+        return out, (params, total, inputs, doc)
+
+    def bwd(saved: Any, cotangent: tuple[jax.Array, Any]) -> tuple[None, Any, jax.Array, None]:
+        params, total, inputs, doc = saved
+        dy, dsown = cotangent
+
+        def body(carry: tuple[jax.Array, Any], one: Any) -> tuple[tuple[jax.Array, Any], None]:
+            dx, total = carry
+            i, p, h, ds = one
+            _, vjp = jax.vjp(lambda p, h: layer(p, h, doc), p, h)  # recomputes the layer: remat full
+            dp, dx = vjp((dx, ds))
+            return (dx, jax.tree.map(lambda t, g: _add_at(t, i, g), total, dp)), None
+
+        n = jax.tree.leaves(params)[0].shape[0]
+        (dx, total), _ = jax.lax.scan(body, (dy, total), (jnp.arange(n), params, inputs, dsown), reverse=True)
+        return None, total, dx, None
+
+    stack.defvjp(fwd, bwd)
+    return stack
+
+
+def _layer(model: GPT, moe: bool) -> Callable[..., tuple[jax.Array, Any]]:
+    """layer(p, x, doc) -> (x, its "moe" collection): one block of `model` (params gathered as the
+    step's layout asks), without remat of its own: the stack's backward recomputes it."""
+    cfg = dataclasses.replace(model.cfg, remat="none")
+    block = block_class(cfg, model.gather)(cfg, model.dtype, False, moe)
+
+    def layer(p: Any, x: jax.Array, doc: Any) -> tuple[jax.Array, Any]:
+        (y, _), sown = block.apply({"params": p}, x, doc, mutable=["moe"])
+        return y, sown.get("moe", {})
+
+    return layer
+
+
+def local_grads(
+    model: GPT, rules: Any, objective: Objective, accum: int, params: Any, rows: jax.Array, scale: jax.Array
+) -> tuple[Any, Metrics]:
+    """step._local_grads' (gradient, metrics) of this device's rows over `accum` microbatches, the
+    stacks' gradients summed in one buffer. `model`: the step's (its layout's gather and kernel)."""
+    cfg = model.cfg
+    stacks = {name: _stack(_layer(model, moe)) for name, _, moe in scanned_stacks(cfg)}
+    embed, head = model.clone(span="embed"), model.clone(span="head")
+    masked = cfg.doc_bos >= 0 or cfg.doc_eos >= 0
+    rest = {k: v for k, v in params.items() if k not in stacks}
+
+    def scaled_loss(rest: Any, totals: Any, mb: jax.Array) -> tuple[jax.Array, Metrics]:
+        whole = rest | {name: params[name] for name in stacks}
+        inputs = mb[:, :-1] & TOKEN_BITS
+        x: jax.Array = embed.apply({"params": whole}, inputs)  # type: ignore[assignment]
+        doc = documents(inputs, cfg.doc_bos, cfg.doc_eos) if masked else None
+        sown = {}
+        for name, stack in stacks.items():
+            x, sown[name] = stack(params[name], totals[name], x, doc)
+        losses: jax.Array = head.apply({"params": whole}, x, mb[:, 1:] & TOKEN_BITS)  # type: ignore[assignment]
+        moe = {name: s for name, s in sown.items() if s}
+        loss, metrics = objective(mb, losses, moe or None)
+        return loss * scale, metrics
+
+    grad_fn = jax.grad(scaled_loss, argnums=(0, 1), has_aux=True)
+    micro = rows.reshape(accum, rows.shape[0] // accum, rows.shape[1])
+
+    def body(carry: tuple[Any, Any, Metrics], mb: jax.Array) -> tuple[tuple[Any, Any, Metrics], None]:
+        rest_sum, totals, metrics_sum = carry
+        (g, totals), metrics = grad_fn(rest, totals, mb)
+        return (jax.tree.map(jnp.add, rest_sum, g), totals, jax.tree.map(jnp.add, metrics_sum, metrics)), None
+
+    with nn.logical_axis_rules(rules):  # the backward is traced inside too: its layers constrain
+        zeros = jax.tree.map(jnp.zeros_like, (rest, {name: params[name] for name in stacks}))
+        shapes = jax.eval_shape(grad_fn, rest, zeros[1], micro[0])[1]
+        start = (*zeros, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+        (rest_sum, totals, metrics), _ = jax.lax.scan(body, start, micro)
+    grads = jax.tree.map(lambda x: x / accum, rest_sum | totals)
+    return grads, jax.tree.map(lambda x: x / accum, metrics)

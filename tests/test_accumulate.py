@@ -1,0 +1,70 @@
+"""Gradient accumulation into one float32 buffer (run/accumulate.py): the same training as the
+plain path's, with one gradient copy fewer, on DeepSeek's layer stacks (a dense one, then MoE)."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxtrain.config import load_config
+from jaxtrain.run import accumulate
+from jaxtrain.run import mesh as mesh_lib
+from jaxtrain.run.build import build
+from jaxtrain.run.job import Job
+
+ARGV = [
+    "--config", "configs/deepseek_tiny.yaml", "--optim.warmup_steps", "0",
+    "--model.scan_layers", "true", "--model.remat", "full", "--model.doc_bos", "1",
+    "--model.moe.d_expert", "256",  # the experts' gradient most of the temporaries
+    "--gradient_accumulation_steps", "2", "--batch_size", "16",
+    "--mesh.expert", "2", "--mesh.fsdp", "2", "--mesh.tensor", "2",
+]  # fmt: skip
+
+
+def _trained(run, batches):
+    """(compiled step's temporary bytes, losses, grad norms, params) after training on `batches`."""
+    temp = run.compile_train().memory_analysis().temp_size_in_bytes
+    state, losses, norms = run.init_state(), [], []
+    for b in batches:
+        state, m = run.train_step(state, mesh_lib.global_batch(b, run.mesh, b.shape[0]))
+        losses.append(float(m["loss"]))
+        norms.append(float(m["grad_norm"]))
+    return temp, np.array(losses), np.array(norms), jax.device_get(state.params)
+
+
+@pytest.fixture(scope="module")
+def both():
+    """The one-buffer run and the plain path's, trained on the same batches."""
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, 256, (16, 65), dtype=np.int32) for _ in range(3)]
+    cfg = load_config(ARGV)
+    assert accumulate.applies(cfg.model, cfg.gradient_accumulation_steps)
+    one = build(Job.of_devices(cfg, jax.devices()))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(accumulate, "applies", lambda *_: False)
+        plain = _trained(build(Job.of_devices(cfg, jax.devices())), batches)
+    return one, _trained(one, batches), plain
+
+
+def test_one_buffer_trains_as_the_plain_path(both):
+    _, (_, l1, n1, p1), (_, l2, n2, p2) = both
+    np.testing.assert_allclose(l1, l2, rtol=1e-6)
+    np.testing.assert_allclose(n1, n2, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)  # the sharding tests' tolerance
+
+
+def test_one_buffer_holds_one_gradient_copy_fewer(both):
+    run, (temp_one, *_), (temp_plain, *_) = both
+    stack_bytes = sum(
+        4 * np.prod(s.shard_shape(p.shape))
+        for name in ("blocks_dense", "blocks")
+        for p, s in zip(
+            jax.tree.leaves(run.abstract.params[name]),
+            jax.tree.leaves(run.shardings.params[name]),
+            strict=True,
+        )
+    )
+    # XLA:CPU's peak is not all in the backward: measured 0.51 of the stacks' gradient saved here;
+    # the plan of Mixtral-8x7B on 2 x 8 H100 saves 23 GB, both float32 copies' worth (docs/moe.md).
+    saved = temp_plain - temp_one
+    assert 0.4 * stack_bytes <= saved <= 1.5 * stack_bytes, (saved, stack_bytes)
