@@ -42,6 +42,7 @@ MOE = {
     "mixtral_8x7b_h100_2x8": "2 hosts",
     "deepseek_v3_671b_h100_128x8": "DeepSeek-V3-671B, as configured",
     "moe_tiny_dropless_h100x8": "moe_tiny, dropless (CI)",
+    "deepseek_tiny_heads192_h100x8": "DeepSeek-style tiny, query heads of 192: cuDNN attention (CI)",
 }
 DENSE_HEAD = (
     "| model | GPUs | mesh | batch / device x microbatches | total GB / GPU | fsdp GB gathered / "

@@ -28,8 +28,9 @@ QWEN3_MOE = {"d_model": 2048, "n_layer": 8, "n_experts": 128, "k": 8, "d_expert"
 # configs/moe_tiny.yaml, dropless over expert 8 (one expert a GPU).
 TINY_MOE = {"d_model": 128, "n_layer": 4, "n_experts": 8, "k": 2, "d_expert": 176, "vocab": 256}
 MOE_SHAPES = {MOE: QWEN3_MOE, "moe_tiny_dropless_h100x8": TINY_MOE}
-# deepseek_tiny with DeepSeek-V3's head sizes: its dense first layer and shared expert are outside
-# `_exchange`'s arithmetic, so it is left out of the byte count (its exchange is Qwen3's and moe_tiny's).
+# deepseek_tiny with DeepSeek-V3's head sizes: its dense first layer, shared expert and latent
+# projections are outside `_exchange`'s count of gathered params, so only its exchange is counted
+# (test_deepseek_layers_exchange_the_routed_rows).
 HEADS_192 = "deepseek_tiny_heads192_h100x8"
 
 
@@ -173,6 +174,18 @@ def test_a_dropless_exchange_sends_the_routed_rows_not_its_receive_buffer(plans)
     assert ragged[0]["bytes"] == _exchange(TINY_MOE, p)[("ragged-all-to-all", "expert")]
 
 
+def test_deepseek_layers_exchange_the_routed_rows(plans):
+    """DeepSeek's stacks (a dense layer, then MoE ones under one gradient buffer: run/accumulate.py)
+    exchange exactly what `_exchange` counts for its 2 MoE layers: the routed copies there and back
+    in the forward, again in the backward's recomputation, and the two transposed."""
+    p = plans[HEADS_192]
+    tiny = {"d_model": 64, "n_layer": 2, "n_experts": 8, "k": 2, "d_expert": 32, "vocab": 256}
+    moved = {(c["kind"], c["axis"]): c["bytes"] for c in p["collectives"]}
+    want = _exchange(tiny, p)
+    for key in (("ragged-all-to-all", "expert"), ("all-to-all", "expert")):
+        assert moved[key] == want[key], (key, p["collectives"])
+
+
 def test_a_job_whose_state_cannot_fit_gets_its_verdict_without_a_compile(plans):
     p = plans["gpt_19b_h100x1"]
     assert not p["compiled"] and not p["fits"]
@@ -267,7 +280,7 @@ TEMP_GB = {
     "gpt2_124m_h100_2x8_data16": 11.82,
     "gpt_7b_h100x8_fsdp8": 13.32,
     "llama3_70b_h100_128x8": 35.30,
-    "qwen3_30b_a3b_8l_h100x8": 13.59,
+    "qwen3_30b_a3b_8l_h100x8": 12.43,
     "deepseek_tiny_heads192_h100x8": 0.0052,
 }
 
