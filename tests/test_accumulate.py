@@ -31,30 +31,23 @@ def _trained(run, batches):
     return temp, np.array(losses), np.array(norms), jax.device_get(state.params)
 
 
-@pytest.fixture(scope="module")
-def both():
-    """The one-buffer run and the plain path's, trained on the same batches."""
+def test_one_buffer_trains_as_the_plain_path_with_one_gradient_copy_fewer():
+    """Both runs in one test: two compiles, on one pytest-xdist worker."""
     rng = np.random.default_rng(0)
     batches = [rng.integers(0, 256, (16, 65), dtype=np.int32) for _ in range(3)]
     cfg = load_config(ARGV)
     assert accumulate.applies(cfg.model, cfg.gradient_accumulation_steps)
-    one = build(Job.of_devices(cfg, jax.devices()))
+    run = build(Job.of_devices(cfg, jax.devices()))
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(accumulate, "applies", lambda *_: False)
-        plain = _trained(build(Job.of_devices(cfg, jax.devices())), batches)
-    return one, _trained(one, batches), plain
+        temp_plain, l2, n2, p2 = _trained(build(Job.of_devices(cfg, jax.devices())), batches)
+    temp_one, l1, n1, p1 = _trained(run, batches)
 
-
-def test_one_buffer_trains_as_the_plain_path(both):
-    _, (_, l1, n1, p1), (_, l2, n2, p2) = both
     np.testing.assert_allclose(l1, l2, rtol=1e-6)
     np.testing.assert_allclose(n1, n2, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)  # the sharding tests' tolerance
 
-
-def test_one_buffer_holds_one_gradient_copy_fewer(both):
-    run, (temp_one, *_), (temp_plain, *_) = both
     stack_bytes = sum(
         4 * np.prod(s.shard_shape(p.shape))
         for name in ("blocks_dense", "blocks")
