@@ -280,8 +280,8 @@ TEMP_GB = {
     "gpt2_124m_h100_2x8_data16": 11.82,
     "gpt_7b_h100x8_fsdp8": 13.32,
     "llama3_70b_h100_128x8": 35.30,
-    "qwen3_30b_a3b_8l_h100x8": 12.43,
-    "deepseek_tiny_heads192_h100x8": 0.0052,
+    "qwen3_30b_a3b_8l_h100x8": 13.64,
+    "deepseek_tiny_heads192_h100x8": 0.0049,
 }
 
 
