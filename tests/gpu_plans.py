@@ -169,7 +169,14 @@ CASES = {
     "qwen3_30b_a3b_h100_4x8": (QWEN3_MOE, "h100", 4, 8),
     "mixtral_8x7b_h100_4x8": (["--config", "configs/mixtral_8x7b.yaml", "--mesh.fsdp", "4"], "h100", 4, 8),
     "mixtral_8x7b_h100_4x8_ragged_dot": (
-        ["--config", "configs/mixtral_8x7b.yaml", "--model.moe.grouped_matmul", "ragged_dot"],
+        [
+            "--config",
+            "configs/mixtral_8x7b.yaml",
+            "--mesh.fsdp",
+            "4",
+            "--model.moe.grouped_matmul",
+            "ragged_dot",
+        ],
         "h100",
         4,
         8,

@@ -35,9 +35,12 @@ Objective = Callable[[jax.Array, jax.Array, Any], tuple[jax.Array, Metrics]]
 
 
 def applies(cfg: ModelConfig, accum: int) -> bool:
-    """Whether the step accumulates through this module: several microbatches over scanned layers
-    under full remat (one microbatch has nothing to accumulate)."""
-    return accum > 1 and cfg.scan_layers and cfg.remat == "full"
+    """Whether the step accumulates through this module: a mixture of experts' several microbatches
+    over scanned layers under full remat (one microbatch has nothing to accumulate). Dense models
+    keep the plain path: there XLA overlaps each layer's FSDP gather with the layer before better
+    (llama3_8b at 131,072 tokens on 8 x 8 H100, planned: 0.96 s of communication left exposed
+    against 3.62 s through this module, for 1 GB less), and their memory does not need the room."""
+    return accum > 1 and cfg.scan_layers and cfg.remat == "full" and cfg.moe.n_experts > 0
 
 
 def _add_at(total: jax.Array, i: jax.Array, g: jax.Array) -> jax.Array:

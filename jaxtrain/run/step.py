@@ -240,7 +240,7 @@ class _ParamLayout:
             split = _axes(spec)
             scatter = [i for i, e in enumerate(out) if mesh_lib.DATA_AXIS in _axes(P(e)) - split]
             if scatter:
-                g = mesh_lib.scatter_over_data(g, spec, scatter[0], logical_axes(path, g.ndim))
+                g = mesh_lib.scatter_over_data(g, scatter[0], logical_axes(path, g.ndim))
                 split = split | {mesh_lib.DATA_AXIS}
             g = self._pmean(g, tuple(a for a in mesh_lib.BATCH_AXES if a not in split))
             return g / math.prod(self.sizes[a] for a in mesh_lib.BATCH_AXES if a in split)
