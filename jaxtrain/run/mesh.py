@@ -197,10 +197,7 @@ def zero1_spec(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
         return spec
     manual = {*BATCH_AXES, PIPELINE_AXIS}
     parts = list(spec) + [None] * (len(shape) - len(spec))
-    held_by = [
-        parts[i] if isinstance(parts[i], tuple) else (parts[i],) if parts[i] else ()
-        for i in range(len(shape))
-    ]
+    held_by = [entry_axes(part) for part in parts]
     # A stack split over pipeline by d_model (param_spec) takes `data` there first, then any dim
     # not split over tensor: dims the step's reduce-scatter splits manual over tensor, without
     # moving the tensor shards (`scatter_over_data`).
@@ -280,10 +277,19 @@ def shardings(mesh: Mesh, specs: Any) -> Any:
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
+def entry_axes(entry: Any) -> tuple[str, ...]:
+    """The mesh axes of one spec entry (None, an axis or a tuple of axes)."""
+    return entry if isinstance(entry, tuple) else (entry,) if entry else ()
+
+
+def spec_axes(spec: P) -> set[str]:
+    """The mesh axes a spec splits over."""
+    return {a for entry in spec for a in entry_axes(entry)}
+
+
 def _kept(entry: Any, keep: Any) -> Any:
-    """One spec entry (None, an axis or a tuple of axes) with only the axes in `keep`."""
-    axes = entry if isinstance(entry, tuple) else (entry,) if entry else ()
-    kept = tuple(a for a in axes if a in keep)
+    """One spec entry with only the axes in `keep`."""
+    kept = tuple(a for a in entry_axes(entry) if a in keep)
     return kept if len(kept) > 1 else kept[0] if kept else None
 
 
@@ -331,10 +337,7 @@ def bytes_per_device(abstract_tree: Any, specs: Any, mesh: Mesh) -> int:
     total = 0
     spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
     for leaf, spec in zip(jax.tree.leaves(abstract_tree), spec_leaves, strict=True):
-        split = 1
-        for entry in spec:
-            for a in entry if isinstance(entry, tuple) else (entry,) if entry else ():
-                split *= mesh.shape[a]
+        split = math.prod(mesh.shape[a] for entry in spec for a in entry_axes(entry))
         total += math.prod(leaf.shape) * leaf.dtype.itemsize // split
     return total
 

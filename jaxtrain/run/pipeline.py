@@ -107,7 +107,7 @@ def _on_stage(p: jax.Array, spec: P, logical: tuple[str | None, ...]) -> jax.Arr
     layers' slices from every peer: `pipeline` innermost of the manual axes there, so they join in
     order), sliced where every stage holds it whole. The transposes take the gradient back to the
     stored layout (summed over stages by `sum_over_stages` where it is whole) and drop the padding's."""
-    axes = [_axes(entry) for entry in spec]
+    axes = [mesh_lib.entry_axes(entry) for entry in spec]
     if axes and AXIS in axes[0]:
         return p
     stages = jax.lax.axis_size(AXIS)
@@ -132,11 +132,6 @@ def _stage_tree(name: str, stack: Any, specs: Any, one: Callable[..., Any]) -> A
         return one(p, spec, logical_axes((name, *path_names(path)), p.ndim))
 
     return jax.tree_util.tree_map_with_path(leaf, stack, specs)
-
-
-def _axes(entry: Any) -> tuple[str, ...]:
-    """The mesh axes of one spec entry."""
-    return entry if isinstance(entry, tuple) else (entry,) if entry else ()
 
 
 def _copies(model: GPT, name: str, stack: Any, specs: Any) -> Any:
@@ -290,8 +285,7 @@ def sum_over_stages(grads: Any, manual: Any) -> Any:
     """Gradients of params whole on every stage (not split over `pipeline`), summed over stages."""
 
     def one(g: jax.Array, spec: P) -> jax.Array:
-        split = {a for entry in spec for a in (entry if isinstance(entry, tuple) else (entry,))}
-        return g if AXIS in split else jax.lax.psum(g, AXIS)
+        return g if AXIS in mesh_lib.spec_axes(spec) else jax.lax.psum(g, AXIS)
 
     return jax.tree.map(one, grads, manual, is_leaf=lambda x: isinstance(x, P))
 

@@ -237,8 +237,10 @@ class _ParamLayout:
         stands in for the all-reduce: each data shard gets only its slice, half the bytes."""
 
         def one(path: tuple, g: jax.Array, spec: P, out: P) -> jax.Array:
-            split = _axes(spec)
-            scatter = [i for i, e in enumerate(out) if mesh_lib.DATA_AXIS in _axes(P(e)) - split]
+            split = mesh_lib.spec_axes(spec)
+            scatter = [
+                i for i, e in enumerate(out) if mesh_lib.DATA_AXIS in set(mesh_lib.entry_axes(e)) - split
+            ]
             if scatter:
                 g = mesh_lib.scatter_over_data(g, scatter[0], logical_axes(path, g.ndim))
                 split = split | {mesh_lib.DATA_AXIS}
@@ -246,11 +248,6 @@ class _ParamLayout:
             return g / math.prod(self.sizes[a] for a in mesh_lib.BATCH_AXES if a in split)
 
         return jax.tree_util.tree_map_with_path(one, grads, self.manual, out_specs)  # specs: up to grads
-
-
-def _axes(spec: P) -> set[str]:
-    """The mesh axes a spec splits over."""
-    return {a for entry in spec for a in (entry if isinstance(entry, tuple) else (entry,)) if a}
 
 
 def _local_grads(
