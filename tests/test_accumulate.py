@@ -46,7 +46,9 @@ def test_one_buffer_trains_as_the_plain_path_with_one_gradient_copy_fewer():
     np.testing.assert_allclose(l1, l2, rtol=1e-6)
     np.testing.assert_allclose(n1, n2, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)  # the sharding tests' tolerance
+        # the sharding tests' tolerance, atol twice theirs: losses and norms agree to the bit, but
+        # Adam scales the rounding of near-zero gradient entries (summed in other orders) up to 1.1e-5
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)
 
     stack_bytes = sum(
         4 * np.prod(s.shard_shape(p.shape))
@@ -57,7 +59,9 @@ def test_one_buffer_trains_as_the_plain_path_with_one_gradient_copy_fewer():
             strict=True,
         )
     )
-    # XLA:CPU's peak is not all in the backward: measured 0.51 of the stacks' gradient saved here;
-    # the plan of Mixtral-8x7B on 2 x 8 H100 saves 23 GB, both float32 copies' worth (docs/moe.md).
+    # XLA:CPU's peak is not all in the backward: measured 0.51 of the stacks' gradient saved here
+    # before the experts' exchange had a backward of its own (model/moe.py `_routed`), 3.2 since
+    # (the plain path's CPU peak rose 0.8 MB, this one's fell 0.5 MB); the plan of Mixtral-8x7B
+    # on 2 x 8 H100 saves 23 GB, both float32 copies' worth (docs/moe.md).
     saved = temp_plain - temp_one
-    assert 0.4 * stack_bytes <= saved <= 1.5 * stack_bytes, (saved, stack_bytes)
+    assert 0.4 * stack_bytes <= saved <= 4 * stack_bytes, (saved, stack_bytes)

@@ -22,6 +22,7 @@ _CHOICES = {
     "model.mlp": ("gelu", "swiglu"),
     "model.moe.grouped_matmul": ("auto", "ragged_dot", "blocks", "pallas"),
     "model.moe.router": ("softmax", "sigmoid"),
+    "model.moe.dispatch_dtype": ("", "float8_e4m3fn"),
     "model.rope_type": ("llama3", "yarn"),
     "mesh.reduce_dtype": ("float32", "compute"),
     "compat.backend": ("auto", "nccl", "gloo"),

@@ -55,6 +55,10 @@ class MoeConfig:
     capacity_factor: float = 0.0
     # auto | ragged_dot | blocks: the experts' grouped matmul (auto: blocks on CPUs, ragged_dot elsewhere)
     grouped_matmul: str = "auto"
+    # The copies sent to the experts (and, in the backward, their gradient): "" = in the compute
+    # dtype; float8_e4m3fn = DeepSeek-V3's FP8 dispatch (each 128 values scaled by their max): half
+    # the bytes, the experts' inputs rounded to 3 mantissa bits. Results come back in the compute dtype.
+    dispatch_dtype: str = ""
 
 
 @dataclass(frozen=True)

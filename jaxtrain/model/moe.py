@@ -17,9 +17,10 @@ planned: docs/moe.md and docs/scaling.md.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -225,27 +226,32 @@ def _kept(want: jax.Array, bound: int) -> jax.Array:
     return jnp.clip(bound - (jnp.cumsum(kept) - kept), 0, kept)  # float rounding never overfills it
 
 
-def _exchange(
-    rows: jax.Array,
-    experts: jax.Array,
-    axis: str,
-    ep: int,
-    w_in: jax.Array,
-    w_out: jax.Array,
-    impl: str,
-    capacity_factor: float,
-    ragged: bool,
-) -> tuple[jax.Array, jax.Array]:
-    """Rows [n, d] sorted by global expert id `experts` [n] -> (their experts' outputs, computed
-    on the devices along `axis` (ep of them) that hold those experts (w_in, w_out: this device's),
-    the share of rows dropped: past their receiver's bound (`receive_bound`, `_kept`), zero out).
+class _Plan(NamedTuple):
+    """Who sends what where in one exchange (from its two tiny all-to-alls; no gradient). Per peer:
+    `start` where our rows for it begin, `send_sizes` how many it keeps, `out_offsets` where they
+    land in its buffer; `kept` and `offset` the same of each source's rows in ours, `their_start`
+    where they came from. `order` sorts the received rows by local expert (`inverse` undoes it),
+    `sizes` the rows of each; `held`: which of our rows a receiver kept (the rest come back zero).
+    Without expert parallelism only `sizes`: the rows stay where they are."""
 
-    Each device sends each peer exactly the rows it keeps, by `ragged_all_to_all` (ragged) or its
-    padded stand-in (XLA:CPU); both land them in the same places, so the routing is the same.
-    Two tiny int32 all_to_alls settle the sizes first: each peer's copies per local expert (and
-    where they start in its rows), then what each receiver keeps and where it puts them."""
-    n, local = rows.shape[0], w_in.shape[0]
-    bound = receive_bound(n, ep, capacity_factor)
+    sizes: jax.Array
+    start: jax.Array | None = None
+    send_sizes: jax.Array | None = None
+    out_offsets: jax.Array | None = None
+    kept: jax.Array | None = None
+    offset: jax.Array | None = None
+    their_start: jax.Array | None = None
+    order: jax.Array | None = None
+    inverse: jax.Array | None = None
+    held: jax.Array | None = None
+
+
+def _plan(experts: jax.Array, axis: str, ep: int, local: int, bound: int) -> _Plan:
+    """The exchange of rows sorted by global expert id `experts` [n] between the ep devices along
+    `axis` (`local` experts each, `bound` rows received at most: `receive_bound`, `_kept`). Two
+    tiny int32 all_to_alls settle it: each peer's copies per local expert (and where they start in
+    its rows), then what each receiver keeps and where it puts them."""
+    n = experts.shape[0]
     counts = jnp.zeros(ep * local, jnp.int32).at[experts].add(1, mode="drop").reshape(ep, local)
     sent = counts.sum(axis=1)
     start = jnp.cumsum(sent) - sent  # rows are sorted by expert: peer j's run starts here
@@ -264,36 +270,150 @@ def _exchange(
     ends = jnp.cumsum(kept_by_expert, axis=1)[source]  # [bound, local]
     recv_expert = jnp.sum(r[:, None] - offset[source][:, None] >= ends, axis=1)
     recv_expert = jnp.where(r < kept.sum(), recv_expert, local)
-    a2a: Any = (
-        jax.lax.ragged_all_to_all
-        if ragged
-        else functools.partial(padded_ragged_all_to_all, width=min(n, bound))
+    order = jnp.argsort(recv_expert, stable=True)
+    peer = jnp.minimum(experts // local, ep - 1)
+    held = jnp.arange(n) - start[peer] < send_sizes[peer]
+    return _Plan(
+        kept_by_expert.sum(axis=0), start, send_sizes, out_offsets, kept, offset, their_start, order,
+        jnp.argsort(order), held,
+    )  # fmt: skip
+
+
+def _quantize(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """Rows x [n, d] -> (x in `dtype` [n, d], float32 scales [n, d / block]): each block of 128
+    values (fewer if d is not a multiple) scaled by its largest magnitude to dtype's largest."""
+    n, d = x.shape
+    blocks = x.reshape(n, d // math.gcd(d, 128), -1).astype(jnp.float32)
+    amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
+    scale = jnp.where(amax > 0, amax / float(jnp.finfo(dtype).max), 1.0)
+    return (blocks / scale).astype(dtype).reshape(n, d), scale[..., 0]
+
+
+def _dequantize(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+    n, d = q.shape
+    return (
+        (q.reshape(n, scale.shape[1], -1).astype(jnp.float32) * scale[..., None]).astype(dtype).reshape(n, d)
     )
-    recv = a2a(
-        rows,
-        jnp.zeros((bound, rows.shape[1]), rows.dtype),
-        start,
-        send_sizes,
-        out_offsets,
-        kept,
-        axis_name=axis,
-    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Wire:
+    """How rows travel between the devices along `axis` and what the experts run (static): by
+    `ragged_all_to_all`, or its padded stand-in of `width` rows a peer (XLA:CPU); with no axis
+    they stay. `dispatch`: the dtype the copies go to the experts in ("": as they are)."""
+
+    axis: str | None
+    impl: str
+    routed: int | None  # the rows an even load brings a device: what the pallas kernel's FLOPs count
+    ragged: bool = False
+    width: int = 0
+    bound: int = 0
+    dispatch: str = ""
+
+    def _a2a(self, *args: jax.Array) -> jax.Array:
+        if self.ragged:
+            return jax.lax.ragged_all_to_all(*args, axis_name=self.axis)
+        return padded_ragged_all_to_all(*args, axis_name=self.axis, width=self.width)
+
+    def _out(self, x: jax.Array, plan: _Plan) -> jax.Array:
+        if self.axis is None:
+            return x
+        buffer = jnp.zeros((self.bound, *x.shape[1:]), x.dtype)
+        got = self._a2a(x, buffer, plan.start, plan.send_sizes, plan.out_offsets, plan.kept)
+        return got[plan.order]
+
+    def out(self, x: jax.Array, plan: _Plan) -> jax.Array:
+        """Our rows x [n, ...] -> the rows we receive [bound, ...], sorted by local expert; copies
+        [n, d] in the `dispatch` dtype on the way (DeepSeek-V3's FP8: quantized with or without an
+        exchange, so the layout never changes the model)."""
+        if not self.dispatch or x.ndim != 2:
+            return self._out(x, plan)
+        q, scale = _quantize(x, jnp.dtype(self.dispatch))
+        return _dequantize(self._out(q, plan), self._out(scale, plan), x.dtype)
+
+    def back(self, y: jax.Array, buffer: jax.Array, plan: _Plan) -> jax.Array:
+        """Received rows y [bound, ...] (as `out` sorted them) -> each to its row of ours, landing
+        in `buffer` [n, ...] (dead after: no zeroed buffer written); rows a receiver dropped are 0."""
+        if self.axis is None:
+            return y
+        got = self._a2a(
+            y[plan.inverse],
+            buffer,
+            plan.offset,
+            plan.kept,
+            plan.their_start,
+            plan.send_sizes,
+        )
+        return jnp.where(plan.held.reshape(-1, *(1,) * (y.ndim - 1)), got, 0)
+
+    def experts(self, rows: jax.Array, plan: _Plan, w_in: jax.Array, w_out: jax.Array) -> jax.Array:
+        return _tensor_split(rows, plan.sizes, w_in, w_out, self.impl, self.routed)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _routed(
+    wire: _Wire, rows: jax.Array, gates: jax.Array, w_in: jax.Array, w_out: jax.Array, plan: _Plan
+) -> jax.Array:
+    """Our routed copies rows [n, d] (sorted by expert) -> gates [n] x their experts' outputs,
+    computed where the experts are (`wire`). Its backward sends the copies again with their
+    gradient and runs the experts there: what it keeps is the copies (ours) alone, so a step under
+    remat recomputes no exchange (jax's own backward kept the exchanged rows and results, and
+    remat re-sent both): 5 transfers of the copies a layer, not 6."""
+    return _routed_fwd(wire, rows, gates, w_in, w_out, plan)[0]
+
+
+def _routed_fwd(
+    wire: _Wire, rows: jax.Array, gates: jax.Array, w_in: jax.Array, w_out: jax.Array, plan: _Plan
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    recv = wire.out(rows, plan)
     # The groups are known from the tiny all-to-alls, before the rows arrive; left free, XLA starts
     # the grouped matmul's set-up (`blocks` gathers each block's expert weights) during the
     # exchange: 2.9 GB more a GPU on Qwen3-30B-A3B's 4 x 8 plan (55.1 against 52.2).
-    recv, recv_expert, sizes = jax.lax.optimization_barrier((recv, recv_expert, kept_by_expert.sum(axis=0)))
-    order = jnp.argsort(recv_expert, stable=True)
-    inverse = jnp.argsort(order)
-    # n: the rows an even load brings each device (what the pallas kernel's FLOPs are counted at)
-    out = permute(
-        _tensor_split(permute(recv, order, inverse), sizes, w_in, w_out, impl, routed=n), inverse, order
-    )
-    # The results land in the copies' own buffer (dead once they are sent), not in a zeroed one
-    # (a buffer written each time); the rows a receiver dropped keep their token: zeroed here.
-    back = a2a(out, jax.lax.stop_gradient(rows), offset, kept, their_start, send_sizes, axis_name=axis)
-    peer = jnp.minimum(experts // local, ep - 1)
-    back = jnp.where((jnp.arange(n) - start[peer] < send_sizes[peer])[:, None], back, 0)
-    return back, 1.0 - send_sizes.sum() / n
+    recv, plan = jax.lax.optimization_barrier((recv, plan))
+    # The results land in the copies' own buffer (dead once they are sent), not in a zeroed one.
+    back = wire.back(wire.experts(recv, plan, w_in, w_out), jax.lax.stop_gradient(rows), plan)
+    return back * gates[:, None], (rows, gates, w_in, w_out, plan)
+
+
+def _routed_bwd(wire: _Wire, saved: tuple[jax.Array, ...], dy: jax.Array) -> tuple[Any, ...]:
+    rows, gates, w_in, w_out, plan = saved
+    recv, recv_dy, recv_gates = wire.out(rows, plan), wire.out(dy, plan), wire.out(gates, plan)
+    recv, plan = jax.lax.optimization_barrier((recv, plan))
+    out, vjp = jax.vjp(lambda r, a, b: wire.experts(r, plan, a, b), recv, w_in, w_out)
+    dgates = jnp.sum(out.astype(jnp.float32) * recv_dy.astype(jnp.float32), axis=-1).astype(gates.dtype)
+    drecv, dw_in, dw_out = vjp((recv_gates[:, None] * recv_dy).astype(out.dtype))
+    drows = wire.back(drecv, dy, plan)  # dy is dead once sent: the gradient lands in it
+    return drows, wire.back(dgates, jnp.zeros_like(gates), plan), dw_in, dw_out, None
+
+
+_routed.defvjp(_routed_fwd, _routed_bwd)
+
+
+def _exchange(
+    rows: jax.Array,
+    gates: jax.Array,
+    experts: jax.Array,
+    axis: str,
+    ep: int,
+    w_in: jax.Array,
+    w_out: jax.Array,
+    impl: str,
+    capacity_factor: float,
+    ragged: bool,
+    dispatch: str = "",
+) -> tuple[jax.Array, jax.Array]:
+    """Rows [n, d] sorted by global expert id `experts` [n], and their `gates` [n] -> (gates x
+    their experts' outputs, computed on the devices along `axis` (ep of them) that hold those
+    experts (w_in, w_out: this device's), the share of rows dropped: past their receiver's bound
+    (`receive_bound`, `_kept`), zero out).
+
+    Each device sends each peer exactly the rows it keeps, by `ragged_all_to_all` (ragged) or its
+    padded stand-in (XLA:CPU); both land them in the same places, so the routing is the same."""
+    n = rows.shape[0]
+    bound = receive_bound(n, ep, capacity_factor)
+    plan = _plan(experts, axis, ep, w_in.shape[0], bound)
+    wire = _Wire(axis, impl, n, ragged, min(n, bound), bound, dispatch)
+    return _routed(wire, rows, gates, w_in, w_out, plan), 1.0 - plan.send_sizes.sum() / n
 
 
 def route(moe: MoeConfig, logits: jax.Array, bias: jax.Array | None) -> tuple[jax.Array, ...]:
@@ -380,17 +500,21 @@ class MoeMlp(nn.Module):
         order = jnp.argsort(flat, stable=True)
         inverse = jnp.argsort(order)
         rows = dispatch(tokens, order, inverse, k)
+        gates = permute(weights.astype(self.dtype).reshape(-1), order, inverse)
         dropped = jnp.zeros((), jnp.float32)
         if axis is None:
-            sizes = jnp.zeros(n_experts, jnp.int32).at[flat].add(1)
-            out = _tensor_split(rows, sizes, w_in, w_out, impl)
+            plan = _Plan(sizes=jnp.zeros(n_experts, jnp.int32).at[flat].add(1))
+            out = _routed(
+                _Wire(None, impl, None, dispatch=moe.dispatch_dtype), rows, gates, w_in, w_out, plan
+            )
         else:
             ragged = _platform() not in (None, "cpu")  # XLA:CPU has no ragged all-to-all
             out, dropped = _exchange(
-                rows, flat[order], axis, ep, w_in, w_out, impl, moe.capacity_factor, ragged
-            )
+                rows, gates, flat[order], axis, ep, w_in, w_out, impl, moe.capacity_factor, ragged,
+                moe.dispatch_dtype,
+            )  # fmt: skip
         out = permute(out, inverse, order).reshape(b * t, k, d)
-        y = jnp.einsum("nk,nkd->nd", weights.astype(self.dtype), out).reshape(b, t, d)
+        y = out.sum(axis=1, dtype=jnp.float32).astype(self.dtype).reshape(b, t, d)
         if moe.n_shared_experts:
             shared = mlp(cfg, self.dtype, x, moe.d_shared or moe.n_shared_experts * ff, prefix="shared_")
             if moe.shared_gate:
