@@ -177,7 +177,7 @@ def test_a_dropless_exchange_sends_the_routed_rows_not_its_receive_buffer(plans)
 def test_deepseek_layers_exchange_the_routed_rows(plans):
     """DeepSeek's stacks (a dense layer, then MoE ones under one gradient buffer: run/accumulate.py)
     exchange exactly what `_exchange` counts for its 2 MoE layers: the routed copies there and back
-    in the forward, again in the backward's recomputation, and the two transposed."""
+    in the forward, and three more transfers of them in the backward (none in its recomputation)."""
     p = plans[HEADS_192]
     tiny = {"d_model": 64, "n_layer": 2, "n_experts": 8, "k": 2, "d_expert": 32, "vocab": 256}
     moved = {(c["kind"], c["axis"]): c["bytes"] for c in p["collectives"]}
@@ -198,21 +198,22 @@ def _exchange(moe: dict[str, int], p: dict) -> dict[tuple[str, str], float]:
     device_batch x T x k routed token copies (bfloat16 rows) go to the devices holding their
     experts by a ragged all-to-all, and the results come back by another (the planner counts
     the rows routed, hlo.routed: all of them, as capacity_factor 1.25 bounds the receive buffer
-    above them); there and back in the forward, again under full remat, and the two transposed
-    in the backward. The sizes go first, in the forward, by two int32 all-to-alls (ep x (experts
-    a device + 1), then ep x 2); each backward ragged all-to-all sends its offsets by two more of
-    ep. Every param not an expert's is split over the expert axis (its d_model dim, as over fsdp):
-    gathered in bfloat16 each microbatch (a scanned layer's again under full remat, the two
-    untied embeddings once) and its gradient reduce-scattered in float32; the norms' scales (a few
-    KB, all-reduced) are left to the check that nothing else moves a weight-sized buffer."""
+    above them); in the backward (model/moe.py `_routed`) the copies go again with their
+    gradient and the gates (2 bytes a copy), and the copies' gradient and the gates' come back:
+    5 transfers of the copies, remat or not. The sizes go first by two int32 all-to-alls (ep x
+    (experts a device + 1), then ep x 2), again under full remat. Every param not an expert's is
+    split over the expert axis (its d_model dim, as over fsdp): gathered in bfloat16 each
+    microbatch (a scanned layer's again under full remat, the two untied embeddings once) and its
+    gradient reduce-scattered in float32; the norms' scales (a few KB, all-reduced) are left to
+    the check that nothing else moves a weight-sized buffer."""
     ep, d, layers = p["mesh"]["expert"], moe["d_model"], moe["n_layer"]
     passes = 2 if p["remat"] == "full" else 1
     copies = p["device_batch"] * p["seq_len"] * moe["k"]
-    sizes = passes * ep * (moe["n_experts"] // ep + 1 + 2) * 4 + 2 * 2 * ep * 4
+    sizes = passes * ep * (moe["n_experts"] // ep + 1 + 2) * 4
     experts = layers * moe["n_experts"] * 3 * d * moe["d_expert"]
     dense, embeddings = p["n_params"] - experts, 2 * moe["vocab"] * d
     return {
-        ("ragged-all-to-all", "expert"): p["accumulation"] * layers * (2 * passes + 2) * copies * d * 2,
+        ("ragged-all-to-all", "expert"): p["accumulation"] * layers * (5 * d + 2) * copies * 2,
         ("all-to-all", "expert"): p["accumulation"] * layers * sizes,
         ("all-gather", "expert"): p["accumulation"] * (passes * (dense - embeddings) + embeddings) * 2,
         ("reduce-scatter", "expert"): p["accumulation"] * dense * 4,

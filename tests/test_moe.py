@@ -361,8 +361,13 @@ def test_both_grouped_matmuls_agree_with_uneven_empty_and_padded_groups():
             ["--model.moe.experts_per_token", "9"],
             "model.moe.experts_per_token 9 exceeds model.moe.n_experts 8",
         ),
+        (
+            ["--model.moe.dispatch_dtype", "float8_e4m3fn"],
+            "model.moe.dispatch_dtype float8_e4m3fn rounds the copies in the experts' own backward, "
+            "which runs under remat; set model.remat full (or dots)",
+        ),
     ],
-    ids=["experts-not-dividing", "top-k-over-experts"],
+    ids=["experts-not-dividing", "top-k-over-experts", "fp8-dispatch-without-remat"],
 )
 def test_bad_moe_config_is_one_line_exit_2(argv, message, tmp_path, capfd):
     run_dir = tmp_path / "run"

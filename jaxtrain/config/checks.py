@@ -297,6 +297,11 @@ def _check_routing(m: ModelConfig) -> None:
             f"model.moe.topk_group {moe.topk_group} groups of {group} experts cannot hold "
             f"experts_per_token {moe.experts_per_token} (and at most n_group {moe.n_group}); raise topk_group"
         )
+    if moe.dispatch_dtype and m.remat == "none":
+        raise ConfigError(
+            f"model.moe.dispatch_dtype {moe.dispatch_dtype} rounds the copies in the experts' own backward, "
+            "which runs under remat; set model.remat full (or dots)"
+        )
     if moe.bias_update_rate and moe.router != "sigmoid":
         raise ConfigError(
             "model.moe.bias_update_rate (auxiliary-loss-free balancing) moves the sigmoid router's bias; "

@@ -320,7 +320,7 @@ class _Wire:
             return x
         buffer = jnp.zeros((self.bound, *x.shape[1:]), x.dtype)
         got = self._a2a(x, buffer, plan.start, plan.send_sizes, plan.out_offsets, plan.kept)
-        return got[plan.order]
+        return permute(got, plan.order, plan.inverse)
 
     def out(self, x: jax.Array, plan: _Plan) -> jax.Array:
         """Our rows x [n, ...] -> the rows we receive [bound, ...], sorted by local expert; copies
@@ -337,7 +337,7 @@ class _Wire:
         if self.axis is None:
             return y
         got = self._a2a(
-            y[plan.inverse],
+            permute(y, plan.inverse, plan.order),
             buffer,
             plan.offset,
             plan.kept,
@@ -401,6 +401,7 @@ def _exchange(
     capacity_factor: float,
     ragged: bool,
     dispatch: str = "",
+    recomputed: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """Rows [n, d] sorted by global expert id `experts` [n], and their `gates` [n] -> (gates x
     their experts' outputs, computed on the devices along `axis` (ep of them) that hold those
@@ -408,12 +409,21 @@ def _exchange(
     (`receive_bound`, `_kept`), zero out).
 
     Each device sends each peer exactly the rows it keeps, by `ragged_all_to_all` (ragged) or its
-    padded stand-in (XLA:CPU); both land them in the same places, so the routing is the same."""
+    padded stand-in (XLA:CPU); both land them in the same places, so the routing is the same.
+    `recomputed`: the block is recomputed in the backward (remat), where `_routed`'s own
+    backward saves a transfer; else jax's."""
     n = rows.shape[0]
     bound = receive_bound(n, ep, capacity_factor)
     plan = _plan(experts, axis, ep, w_in.shape[0], bound)
     wire = _Wire(axis, impl, n, ragged, min(n, bound), bound, dispatch)
-    return _routed(wire, rows, gates, w_in, w_out, plan), 1.0 - plan.send_sizes.sum() / n
+    return _experts(recomputed)(wire, rows, gates, w_in, w_out, plan), 1.0 - plan.send_sizes.sum() / n
+
+
+def _experts(recomputed: bool) -> Any:
+    """`_routed` for a block remat recomputes; without remat, where jax's backward keeps what the
+    forward made (4 transfers of the copies, the experts run once forward), its forward, as autodiff
+    sees it."""
+    return _routed if recomputed else lambda *args: _routed_fwd(*args)[0]
 
 
 def route(moe: MoeConfig, logits: jax.Array, bias: jax.Array | None) -> tuple[jax.Array, ...]:
@@ -504,14 +514,13 @@ class MoeMlp(nn.Module):
         dropped = jnp.zeros((), jnp.float32)
         if axis is None:
             plan = _Plan(sizes=jnp.zeros(n_experts, jnp.int32).at[flat].add(1))
-            out = _routed(
-                _Wire(None, impl, None, dispatch=moe.dispatch_dtype), rows, gates, w_in, w_out, plan
-            )
+            wire = _Wire(None, impl, None, dispatch=moe.dispatch_dtype)
+            out = _experts(cfg.remat != "none")(wire, rows, gates, w_in, w_out, plan)
         else:
             ragged = _platform() not in (None, "cpu")  # XLA:CPU has no ragged all-to-all
             out, dropped = _exchange(
                 rows, gates, flat[order], axis, ep, w_in, w_out, impl, moe.capacity_factor, ragged,
-                moe.dispatch_dtype,
+                moe.dispatch_dtype, cfg.remat != "none",
             )  # fmt: skip
         out = permute(out, inverse, order).reshape(b * t, k, d)
         y = out.sum(axis=1, dtype=jnp.float32).astype(self.dtype).reshape(b, t, d)

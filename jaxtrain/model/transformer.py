@@ -72,10 +72,12 @@ def _with_gather(
     )
 
 
-def block_class(cfg: ModelConfig, gather: Gather | None) -> Any:
-    """Block, its params gathered as it runs, wrapped in nn.remat as cfg.remat asks."""
+def block_class(cfg: ModelConfig, gather: Gather | None, checkpointed: bool = False) -> Any:
+    """Block, its params gathered as it runs, wrapped in nn.remat as cfg.remat asks; not when
+    `checkpointed`: the caller's checkpoint around it recomputes it (cfg.remat still says so to
+    the layers inside, the experts' exchange among them: model/moe.py `_routed`)."""
     block = _with_gather(Block, gather)
-    if cfg.remat == "none":
+    if cfg.remat == "none" or checkpointed:
         return block
     policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if cfg.remat == "dots" else None
     # Under scan the loop body already stops CSE across the recomputation; outside it,

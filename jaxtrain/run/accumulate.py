@@ -16,7 +16,6 @@ the plain path's, layer by layer: tests/test_accumulate.py checks the two agree.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -93,8 +92,8 @@ def _stack(layer: Callable[..., tuple[jax.Array, Any]]) -> Callable[..., tuple[j
 def _layer(model: GPT, moe: bool) -> Callable[..., tuple[jax.Array, Any]]:
     """layer(p, x, doc) -> (x, its "moe" collection): one block of `model` (params gathered as the
     step's layout asks), without remat of its own: the stack's backward recomputes it."""
-    cfg = dataclasses.replace(model.cfg, remat="none")
-    block = block_class(cfg, model.gather)(cfg, model.dtype, False, moe)
+    cfg = model.cfg
+    block = block_class(cfg, model.gather, checkpointed=True)(cfg, model.dtype, False, moe)
 
     def layer(p: Any, x: jax.Array, doc: Any) -> tuple[jax.Array, Any]:
         (y, _), sown = block.apply({"params": p}, x, doc, mutable=["moe"])

@@ -30,7 +30,6 @@ Planned for Llama 3 405B on 256 x 8 H100 (docs/scaling.md "Pipeline parallelism"
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -62,7 +61,7 @@ def _stage(model: GPT) -> Callable[[Any, jax.Array, Documents | None], jax.Array
     stack's params, or unrolled from one tree per layer (`_layers`)."""
     cfg = model.cfg
     # With remat full the tick is the checkpoint (`_tick`): the layers inside it need none.
-    block = block_class(dataclasses.replace(cfg, remat="none") if cfg.remat == "full" else cfg, model.gather)
+    block = block_class(cfg, model.gather, checkpointed=cfg.remat == "full")
 
     def run(params: Any, x: jax.Array, doc: Documents | None) -> jax.Array:
         if isinstance(params, list):
