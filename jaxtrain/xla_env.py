@@ -89,6 +89,18 @@ def set_flags(cfg: Config | None = None, launch: LaunchSpec | None = None) -> No
     os.environ["XLA_FLAGS"] = merged_flags(os.environ.get("XLA_FLAGS", ""), defaults)
 
 
+def compiler_options(cfg: Config, platform: str) -> dict[str, bool]:
+    """XLA options for one job's steps, on top of XLA_FLAGS (given to each compile: XLA reads
+    XLA_FLAGS once a process, and a plan or test compiles several jobs in one). A mixture of
+    experts exchanging its tokens in pieces (model.moe.chunks > 1) on GPUs: every collective starts
+    as soon as its operands exist, so a piece's exchange is in flight while another's experts run
+    (planned, schedule-aware: DeepSeek-V3 on 128 x 8 H100 in 2 pieces 28.8 -> 30.0%, 4 pieces 31.0%;
+    it costs a job in one piece, 28.6 -> 27.3%, and Llama-3-70B on 128 x 8, 58.2 -> 53.7%)."""
+    if platform == "cpu" or cfg.model.moe.chunks == 1:
+        return {}
+    return {"xla_gpu_experimental_collective_start_as_early_as_possible": True}
+
+
 def default_cache_dir() -> Path:
     """$XDG_CACHE_HOME/jaxtrain/xla, else ~/.cache/jaxtrain/xla."""
     return cache_root() / "xla"

@@ -166,8 +166,17 @@ def test_each_device_receives_its_experts_copies_up_to_its_bound(capacity_factor
     w_out = (rng.normal(size=(ep * local, ff, d)) * 0.5).astype(np.float32)
 
     def device(r, e, a, b):
-        out, dropped = _exchange(
-            r, jnp.ones(r.shape[0], r.dtype), e, "x", ep, a, b, "blocks", capacity_factor, ragged=False
+        (out,), dropped = _exchange(
+            (r,),
+            (jnp.ones(r.shape[0], r.dtype),),
+            (e,),
+            "x",
+            ep,
+            a,
+            b,
+            "blocks",
+            capacity_factor,
+            ragged=False,
         )
         return out, dropped[None]
 
@@ -183,13 +192,14 @@ def test_each_device_receives_its_experts_copies_up_to_its_bound(capacity_factor
     )
 
 
-@pytest.mark.parametrize("dispatch", ["", "float8_e4m3fn"])
-def test_the_exchanges_own_backward_is_the_routed_experts_gradient(dispatch):
+@pytest.mark.parametrize("dispatch, pieces", [("", 1), ("", 2), ("float8_e4m3fn", 1)])
+def test_the_exchanges_own_backward_is_the_routed_experts_gradient(dispatch, pieces):
     """`_exchange` has a backward of its own (model/moe.py `_routed`: it sends the copies again
     with their gradient and reruns the experts where they are, so remat re-sends nothing). On 4
     devices of 2 experts each, dropless, its forward and gradients (rows, gates, both expert
     matrices) equal jax's autodiff of the same routing computed in one place: each row through its
-    expert's MLP times its gate. FP8 dispatch: the forward equals that of the copies rounded to
+    expert's MLP times its gate; so in 2 pieces (each device's rows in halves, exchanged one after
+    the other). FP8 dispatch: the forward equals that of the copies rounded to
     FP8 (a layout never changes the model); the backward sends the rows' gradient in FP8 too
     (DeepSeek-V3's), so there the gradients agree to FP8's rounding."""
     rng = np.random.default_rng(3)
@@ -203,7 +213,9 @@ def test_the_exchanges_own_backward_is_the_routed_experts_gradient(dispatch):
 
     def device(r, g, e, a, b, c):
         def loss(r, g, a, b):
-            out = _exchange(r, g, e, "x", ep, a, b, "blocks", 0.0, ragged=False, dispatch=dispatch)[0]
+            cut = [jnp.split(v, pieces) for v in (r, g, e)]
+            out = _exchange(*cut, "x", ep, a, b, "blocks", 0.0, ragged=False, dispatch=dispatch)[0]
+            out = jnp.concatenate(out)
             return jnp.sum(out * c), out
 
         (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(r, g, a, b)

@@ -33,7 +33,7 @@ _POSITIVE = (
     "checkpoint_interval", "keep_checkpoints", "eval_batches", "prefetch",
     "model.vocab_size", "model.seq_len", "model.n_layer", "model.n_head", "model.d_model",
     "optim.matrix_lr", "max_new_tokens", "model.moe.experts_per_token", "model.moe.every",
-    "model.moe.n_group", "model.moe.topk_group", "model.moe.routed_scale",
+    "model.moe.n_group", "model.moe.topk_group", "model.moe.routed_scale", "model.moe.chunks",
     "optim.lr", "dist.init_timeout", "max_bad_steps", "preemption_check_interval", "lock_stale_s",
 )  # fmt: skip
 _NON_NEGATIVE = (
@@ -296,6 +296,11 @@ def _check_routing(m: ModelConfig) -> None:
         raise ConfigError(
             f"model.moe.topk_group {moe.topk_group} groups of {group} experts cannot hold "
             f"experts_per_token {moe.experts_per_token} (and at most n_group {moe.n_group}); raise topk_group"
+        )
+    if m.seq_len % moe.chunks:
+        raise ConfigError(
+            f"model.moe.chunks {moe.chunks} must divide model.seq_len {m.seq_len}: each MoE layer's "
+            "tokens go in that many equal pieces"
         )
     if moe.dispatch_dtype and m.remat == "none":
         raise ConfigError(

@@ -59,6 +59,10 @@ class MoeConfig:
     # dtype; float8_e4m3fn = DeepSeek-V3's FP8 dispatch (each 128 values scaled by their max): half
     # the bytes, the experts' inputs rounded to 3 mantissa bits. Results come back in the compute dtype.
     dispatch_dtype: str = ""
+    # Each MoE layer's tokens in this many pieces (a divisor of seq_len), each routed and exchanged
+    # by itself, one after another, so one piece's exchange runs beside another's experts; under
+    # capacity_factor each piece's receivers keep its share
+    chunks: int = 1
 
 
 @dataclass(frozen=True)

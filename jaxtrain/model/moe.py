@@ -346,53 +346,99 @@ class _Wire:
         )
         return jnp.where(plan.held.reshape(-1, *(1,) * (y.ndim - 1)), got, 0)
 
-    def experts(self, rows: jax.Array, plan: _Plan, w_in: jax.Array, w_out: jax.Array) -> jax.Array:
+    def experts(self, rows: jax.Array, w_in: jax.Array, w_out: jax.Array, *, plan: _Plan) -> jax.Array:
         return _tensor_split(rows, plan.sizes, w_in, w_out, self.impl, self.routed)
+
+
+Pieces = tuple[jax.Array, ...]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _routed(
-    wire: _Wire, rows: jax.Array, gates: jax.Array, w_in: jax.Array, w_out: jax.Array, plan: _Plan
-) -> jax.Array:
-    """Our routed copies rows [n, d] (sorted by expert) -> gates [n] x their experts' outputs,
-    computed where the experts are (`wire`). Its backward sends the copies again with their
-    gradient and runs the experts there: what it keeps is the copies (ours) alone, so a step under
-    remat recomputes no exchange (jax's own backward kept the exchanged rows and results, and
-    remat re-sent both): 5 transfers of the copies a layer, not 6."""
-    return _routed_fwd(wire, rows, gates, w_in, w_out, plan)[0]
+    wire: _Wire, rows: Pieces, gates: Pieces, w_in: jax.Array, w_out: jax.Array, plans: Any
+) -> Pieces:
+    """Our routed copies, in pieces (each rows [n, d] sorted by expert, its gates [n] and `plans`)
+    -> each piece's gates x its experts' outputs, computed where the experts are (`wire`).
+
+    Its backward sends the copies again with their gradient and runs the experts there: what it
+    keeps is the copies (ours) alone, so a step under remat recomputes no exchange (jax's own
+    backward kept the exchanged rows and results, and remat re-sent both): 5 transfers of the
+    copies a layer, not 6. Pieces go one after another (`_pipelined`), so one piece's exchange
+    runs beside another's experts."""
+    return _routed_fwd(wire, rows, gates, w_in, w_out, plans)[0]
+
+
+def _pipelined(pieces: Any, arrive: Any, compute: Any, finish: Any) -> list[Any]:
+    """finish(piece, compute(piece, arrive(piece))) for each piece: `arrive` sends it to the experts,
+    `compute` runs them, `finish` sends the results back. Each piece's results go back only once
+    the next piece's rows have arrived (an optimization barrier ties them), before its experts
+    run: the next piece's rows travel beside this one's experts, and this one's results beside the
+    next one's experts."""
+    done, pending = [], None
+    for piece in pieces:
+        got = arrive(piece)
+        if pending is not None:
+            got, ready = jax.lax.optimization_barrier((got, pending[1]))
+            done.append(finish(pending[0], ready))
+        pending = (piece, compute(piece, got))
+    return [*done, finish(*pending)]
 
 
 def _routed_fwd(
-    wire: _Wire, rows: jax.Array, gates: jax.Array, w_in: jax.Array, w_out: jax.Array, plan: _Plan
-) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    recv = wire.out(rows, plan)
-    # The groups are known from the tiny all-to-alls, before the rows arrive; left free, XLA starts
-    # the grouped matmul's set-up (`blocks` gathers each block's expert weights) during the
-    # exchange: 2.9 GB more a GPU on Qwen3-30B-A3B's 4 x 8 plan (55.1 against 52.2).
-    recv, plan = jax.lax.optimization_barrier((recv, plan))
-    # The results land in the copies' own buffer (dead once they are sent), not in a zeroed one.
-    back = wire.back(wire.experts(recv, plan, w_in, w_out), jax.lax.stop_gradient(rows), plan)
-    return back * gates[:, None], (rows, gates, w_in, w_out, plan)
+    wire: _Wire, rows: Pieces, gates: Pieces, w_in: jax.Array, w_out: jax.Array, plans: Any
+) -> tuple[Pieces, Any]:
+    def arrive(piece: Any) -> Any:
+        r, _, plan = piece
+        # The groups are known from the tiny all-to-alls, before the rows arrive; left free, XLA
+        # starts the grouped matmul's set-up (`blocks` gathers each block's expert weights) during
+        # the exchange: 2.9 GB more a GPU on Qwen3-30B-A3B's 4 x 8 plan (55.1 against 52.2).
+        return jax.lax.optimization_barrier((wire.out(r, plan), plan))
+
+    def compute(piece: Any, got: Any) -> jax.Array:
+        recv, plan = got
+        return wire.experts(recv, w_in, w_out, plan=plan)
+
+    def finish(piece: Any, out: jax.Array) -> jax.Array:
+        r, g, plan = piece
+        # The results land in the copies' own buffer (dead once they are sent), not in a zeroed one.
+        return wire.back(out, jax.lax.stop_gradient(r), plan) * g[:, None]
+
+    ys = _pipelined(zip(rows, gates, plans, strict=True), arrive, compute, finish)
+    return tuple(ys), (rows, gates, w_in, w_out, plans)
 
 
-def _routed_bwd(wire: _Wire, saved: tuple[jax.Array, ...], dy: jax.Array) -> tuple[Any, ...]:
-    rows, gates, w_in, w_out, plan = saved
-    recv, recv_dy, recv_gates = wire.out(rows, plan), wire.out(dy, plan), wire.out(gates, plan)
-    recv, plan = jax.lax.optimization_barrier((recv, plan))
-    out, vjp = jax.vjp(lambda r, a, b: wire.experts(r, plan, a, b), recv, w_in, w_out)
-    dgates = jnp.sum(out.astype(jnp.float32) * recv_dy.astype(jnp.float32), axis=-1).astype(gates.dtype)
-    drecv, dw_in, dw_out = vjp((recv_gates[:, None] * recv_dy).astype(out.dtype))
-    drows = wire.back(drecv, dy, plan)  # dy is dead once sent: the gradient lands in it
-    return drows, wire.back(dgates, jnp.zeros_like(gates), plan), dw_in, dw_out, None
+def _routed_bwd(wire: _Wire, saved: Any, dys: Pieces) -> tuple[Any, ...]:
+    rows, gates, w_in, w_out, plans = saved
+
+    def arrive(piece: Any) -> Any:
+        r, g, plan, dy = piece
+        recv, recv_dy, recv_gates = wire.out(r, plan), wire.out(dy, plan), wire.out(g, plan)
+        return jax.lax.optimization_barrier((recv, recv_dy, recv_gates, plan))
+
+    def compute(piece: Any, got: Any) -> tuple[jax.Array, ...]:
+        recv, recv_dy, recv_gates, plan = got
+        out, vjp = jax.vjp(functools.partial(wire.experts, plan=plan), recv, w_in, w_out)
+        dg = jnp.sum(out.astype(jnp.float32) * recv_dy.astype(jnp.float32), axis=-1).astype(piece[1].dtype)
+        return *vjp((recv_gates[:, None] * recv_dy).astype(out.dtype)), dg
+
+    def finish(piece: Any, grads: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        _, g, plan, dy = piece
+        drecv, dw_in, dw_out, dg = grads
+        # dy is dead once sent: the rows' gradient lands in it
+        return wire.back(drecv, dy, plan), wire.back(dg, jnp.zeros_like(g), plan), dw_in, dw_out
+
+    done = _pipelined(zip(rows, gates, plans, dys, strict=True), arrive, compute, finish)
+    drows, dgates, dw_in, dw_out = zip(*done, strict=True)
+    return drows, dgates, sum(dw_in), sum(dw_out), None
 
 
 _routed.defvjp(_routed_fwd, _routed_bwd)
 
 
 def _exchange(
-    rows: jax.Array,
-    gates: jax.Array,
-    experts: jax.Array,
+    rows: Pieces,
+    gates: Pieces,
+    experts: Pieces,
     axis: str,
     ep: int,
     w_in: jax.Array,
@@ -402,21 +448,23 @@ def _exchange(
     ragged: bool,
     dispatch: str = "",
     recomputed: bool = True,
-) -> tuple[jax.Array, jax.Array]:
-    """Rows [n, d] sorted by global expert id `experts` [n], and their `gates` [n] -> (gates x
-    their experts' outputs, computed on the devices along `axis` (ep of them) that hold those
-    experts (w_in, w_out: this device's), the share of rows dropped: past their receiver's bound
-    (`receive_bound`, `_kept`), zero out).
+) -> tuple[Pieces, jax.Array]:
+    """Rows [n, d] sorted by global expert id `experts` [n], and their `gates` [n], in pieces ->
+    (each piece's gates x its experts' outputs, computed on the devices along `axis` (ep of them)
+    that hold those experts (w_in, w_out: this device's), the share of rows dropped: past their
+    receiver's bound (`receive_bound`, `_kept`: each piece's), zero out).
 
     Each device sends each peer exactly the rows it keeps, by `ragged_all_to_all` (ragged) or its
     padded stand-in (XLA:CPU); both land them in the same places, so the routing is the same.
     `recomputed`: the block is recomputed in the backward (remat), where `_routed`'s own
     backward saves a transfer; else jax's."""
-    n = rows.shape[0]
+    n = rows[0].shape[0]
     bound = receive_bound(n, ep, capacity_factor)
-    plan = _plan(experts, axis, ep, w_in.shape[0], bound)
+    plans = tuple(_plan(e, axis, ep, w_in.shape[0], bound) for e in experts)
     wire = _Wire(axis, impl, n, ragged, min(n, bound), bound, dispatch)
-    return _experts(recomputed)(wire, rows, gates, w_in, w_out, plan), 1.0 - plan.send_sizes.sum() / n
+    kept = sum(plan.send_sizes.sum() for plan in plans)
+    outs = _experts(recomputed)(wire, tuple(rows), tuple(gates), w_in, w_out, plans)
+    return outs, 1.0 - kept / (n * len(rows))
 
 
 def _experts(recomputed: bool) -> Any:
@@ -479,6 +527,17 @@ class _Stack(nn.Module):
         return self.param("kernel", nn.initializers.normal(self.std), self.shape, jnp.float32)
 
 
+def _copies(tokens: jax.Array, weights: jax.Array, experts: jax.Array, dtype: Any) -> tuple[jax.Array, ...]:
+    """Tokens [n, d] routed to `experts` with `weights` [n, k] -> (the order that sorts their
+    copies by expert, its inverse, the copies [n * k, d] and their gates [n * k] in that order,
+    and their experts). Token i's copies are i*k .. i*k + k-1 before the sort."""
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    inverse = jnp.argsort(order)
+    rows = dispatch(tokens, order, inverse, experts.shape[1])
+    return order, inverse, rows, permute(weights.astype(dtype).reshape(-1), order, inverse), flat[order]
+
+
 class MoeMlp(nn.Module):
     """Routed experts (plus optional shared ones) in place of a block's MLP: [B, T, d] -> [B, T, d]."""
 
@@ -507,23 +566,34 @@ class MoeMlp(nn.Module):
         w_in, w_out = w_in.astype(self.dtype), w_out.astype(self.dtype)
 
         flat = experts.reshape(-1)  # [N * k]: token i's copies at i*k .. i*k + k-1
-        order = jnp.argsort(flat, stable=True)
-        inverse = jnp.argsort(order)
-        rows = dispatch(tokens, order, inverse, k)
-        gates = permute(weights.astype(self.dtype).reshape(-1), order, inverse)
+        # In pieces, each routed and exchanged by itself: one piece's exchange runs beside another's
+        # experts (`_routed`).
+        order, inverse, rows, gates, piece_experts = zip(
+            *(
+                _copies(*piece, self.dtype)
+                for piece in zip(*(jnp.split(a, moe.chunks) for a in (tokens, weights, experts)), strict=True)
+            ),
+            strict=True,
+        )
         dropped = jnp.zeros((), jnp.float32)
         if axis is None:
-            plan = _Plan(sizes=jnp.zeros(n_experts, jnp.int32).at[flat].add(1))
+            plans = tuple(_Plan(sizes=jnp.zeros(n_experts, jnp.int32).at[e].add(1)) for e in piece_experts)
             wire = _Wire(None, impl, None, dispatch=moe.dispatch_dtype)
-            out = _experts(cfg.remat != "none")(wire, rows, gates, w_in, w_out, plan)
+            outs = _experts(cfg.remat != "none")(wire, rows, gates, w_in, w_out, plans)
         else:
             ragged = _platform() not in (None, "cpu")  # XLA:CPU has no ragged all-to-all
-            out, dropped = _exchange(
-                rows, gates, flat[order], axis, ep, w_in, w_out, impl, moe.capacity_factor, ragged,
+            outs, dropped = _exchange(
+                rows, gates, piece_experts, axis, ep, w_in, w_out, impl, moe.capacity_factor, ragged,
                 moe.dispatch_dtype, cfg.remat != "none",
             )  # fmt: skip
-        out = permute(out, inverse, order).reshape(b * t, k, d)
-        y = out.sum(axis=1, dtype=jnp.float32).astype(self.dtype).reshape(b, t, d)
+        # Each token's copies summed (in float32, as the einsum with the weights did)
+        y = jnp.concatenate(
+            [
+                permute(out, inv, o).reshape(-1, k, d).sum(axis=1, dtype=jnp.float32)
+                for out, inv, o in zip(outs, inverse, order, strict=True)
+            ]
+        )
+        y = y.astype(self.dtype).reshape(b, t, d)
         if moe.n_shared_experts:
             shared = mlp(cfg, self.dtype, x, moe.d_shared or moe.n_shared_experts * ff, prefix="shared_")
             if moe.shared_gate:

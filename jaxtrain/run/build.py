@@ -20,6 +20,7 @@ import optax
 from jax.sharding import Mesh
 
 from jaxtrain import faults as faults_lib
+from jaxtrain import xla_env
 from jaxtrain.config import Config
 from jaxtrain.faults import FaultPlan, Faults
 from jaxtrain.model.attention import attention_kernel
@@ -93,14 +94,18 @@ class Run:
         try:
             if self.host_faults:
                 self.host_faults.out_of_memory("compile")
-            return self.train_step.lower(self.target, self.batch_shape).compile()
+            return self.train_step.lower(self.target, self.batch_shape).compile(self.compiler_options)
         except jax.errors.JaxRuntimeError as e:
             if not memory_lib.is_out_of_memory(e):
                 raise
             raise self.out_of_memory(e, "compiling the step", 0) from None
 
     def compile_eval(self) -> jax.stages.Compiled:
-        return self.eval_step.lower(self.target.params, self.batch_shape).compile()
+        return self.eval_step.lower(self.target.params, self.batch_shape).compile(self.compiler_options)
+
+    @property
+    def compiler_options(self) -> dict[str, bool]:
+        return xla_env.compiler_options(self.cfg, self.mesh.devices.flat[0].platform)
 
     def out_of_memory(self, error: BaseException, where: str, peak_bytes: int) -> memory_lib.OutOfMemory:
         """One line for a device out of memory at `where`, with the settings that lower the peak."""
