@@ -84,7 +84,8 @@ CASES = {
         8,
     ),
     # deepseek_tiny with DeepSeek-V3's head sizes (192 for queries and keys, 128 for values):
-    # cuDNN's attention on Hopper, and 2 microbatches summed in one gradient buffer (run/accumulate.py).
+    # cuDNN's attention on Hopper, 2 microbatches summed in one gradient buffer (run/accumulate.py),
+    # each MoE layer's tokens in 2 pieces (the job's compiles start collectives early: xla_env).
     "deepseek_tiny_heads192_h100x8": (
         [
             "--config",
@@ -104,6 +105,8 @@ CASES = {
             "--model.remat",
             "full",
             "--gradient_accumulation_steps",
+            "2",
+            "--model.moe.chunks",
             "2",
         ],
         "h100",

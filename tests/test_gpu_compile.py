@@ -177,9 +177,10 @@ def test_a_dropless_exchange_sends_the_routed_rows_not_its_receive_buffer(plans)
 def test_deepseek_layers_exchange_the_routed_rows(plans):
     """DeepSeek's stacks (a dense layer, then MoE ones under one gradient buffer: run/accumulate.py)
     exchange exactly what `_exchange` counts for its 2 MoE layers: the routed copies there and back
-    in the forward, and three more transfers of them in the backward (none in its recomputation)."""
+    in the forward, and three more transfers of them in the backward (none in its recomputation),
+    in 2 pieces (each its own sizes first)."""
     p = plans[HEADS_192]
-    tiny = {"d_model": 64, "n_layer": 2, "n_experts": 8, "k": 2, "d_expert": 32, "vocab": 256}
+    tiny = {"d_model": 64, "n_layer": 2, "n_experts": 8, "k": 2, "d_expert": 32, "vocab": 256, "pieces": 2}
     moved = {(c["kind"], c["axis"]): c["bytes"] for c in p["collectives"]}
     want = _exchange(tiny, p)
     for key in (("ragged-all-to-all", "expert"), ("all-to-all", "expert")):
@@ -196,7 +197,7 @@ def _exchange(moe: dict[str, int], p: dict) -> dict[tuple[str, str], float]:
     """A mixture of experts under expert parallelism (experts whole on each device: no fsdp or
     tensor), bytes per device per step: in each MoE layer, per microbatch, each device's
     device_batch x T x k routed token copies (bfloat16 rows) go to the devices holding their
-    experts by a ragged all-to-all, and the results come back by another (the planner counts
+    experts by a ragged all-to-all, and the results come back by another, piece by piece (the planner counts
     the rows routed, hlo.routed: all of them, as capacity_factor 1.25 bounds the receive buffer
     above them); in the backward (model/moe.py `_routed`) the copies go again with their
     gradient and the gates (2 bytes a copy), and the copies' gradient and the gates' come back:
@@ -209,7 +210,7 @@ def _exchange(moe: dict[str, int], p: dict) -> dict[tuple[str, str], float]:
     ep, d, layers = p["mesh"]["expert"], moe["d_model"], moe["n_layer"]
     passes = 2 if p["remat"] == "full" else 1
     copies = p["device_batch"] * p["seq_len"] * moe["k"]
-    sizes = passes * ep * (moe["n_experts"] // ep + 1 + 2) * 4
+    sizes = moe.get("pieces", 1) * passes * ep * (moe["n_experts"] // ep + 1 + 2) * 4
     experts = layers * moe["n_experts"] * 3 * d * moe["d_expert"]
     dense, embeddings = p["n_params"] - experts, 2 * moe["vocab"] * d
     return {

@@ -366,8 +366,13 @@ def test_both_grouped_matmuls_agree_with_uneven_empty_and_padded_groups():
             "model.moe.dispatch_dtype float8_e4m3fn rounds the copies in the experts' own backward, "
             "which runs under remat; set model.remat full (or dots)",
         ),
+        (
+            ["--model.moe.chunks", "3"],
+            "model.moe.chunks 3 must divide model.seq_len 32: each MoE layer's tokens go in that many "
+            "equal pieces",
+        ),
     ],
-    ids=["experts-not-dividing", "top-k-over-experts", "fp8-dispatch-without-remat"],
+    ids=["experts-not-dividing", "top-k-over-experts", "fp8-dispatch-without-remat", "pieces-not-dividing"],
 )
 def test_bad_moe_config_is_one_line_exit_2(argv, message, tmp_path, capfd):
     run_dir = tmp_path / "run"
