@@ -199,10 +199,12 @@ def _exchange(moe: dict[str, int], p: dict) -> dict[tuple[str, str], float]:
     device_batch x T x k routed token copies (bfloat16 rows) go to the devices holding their
     experts by a ragged all-to-all, and the results come back by another, piece by piece (the planner counts
     the rows routed, hlo.routed: all of them, as capacity_factor 1.25 bounds the receive buffer
-    above them); in the backward (model/moe.py `_routed`) the copies go again with their
-    gradient and the gates (2 bytes a copy), and the copies' gradient and the gates' come back:
-    5 transfers of the copies, remat or not. The sizes go first by two int32 all-to-alls (ep x
-    (experts a device + 1), then ep x 2), again under full remat. Every param not an expert's is
+    above them). Under full remat, in the backward (model/moe.py `_routed`) the copies go again
+    with their gradient and the gates (2 bytes a copy), and the copies' gradient and the gates'
+    come back: 5 transfers of the copies; without remat, jax's backward sends the two gradients:
+    4. The sizes go first by two int32 all-to-alls (ep x (experts a device + 1), then ep x 2),
+    again under full remat; without it each of jax's backward ragged all-to-alls sends its
+    offsets by two more of ep. Every param not an expert's is
     split over the expert axis (its d_model dim, as over fsdp): gathered in bfloat16 each
     microbatch (a scanned layer's again under full remat, the two untied embeddings once) and its
     gradient reduce-scattered in float32; the norms' scales (a few KB, all-reduced) are left to
@@ -211,10 +213,13 @@ def _exchange(moe: dict[str, int], p: dict) -> dict[tuple[str, str], float]:
     passes = 2 if p["remat"] == "full" else 1
     copies = p["device_batch"] * p["seq_len"] * moe["k"]
     sizes = moe.get("pieces", 1) * passes * ep * (moe["n_experts"] // ep + 1 + 2) * 4
+    rows = (5 * d + 2) * copies * 2  # the routed block's own backward, under remat
+    if p["remat"] != "full":
+        sizes, rows = sizes + 2 * 2 * ep * 4, 4 * copies * d * 2
     experts = layers * moe["n_experts"] * 3 * d * moe["d_expert"]
     dense, embeddings = p["n_params"] - experts, 2 * moe["vocab"] * d
     return {
-        ("ragged-all-to-all", "expert"): p["accumulation"] * layers * (5 * d + 2) * copies * 2,
+        ("ragged-all-to-all", "expert"): p["accumulation"] * layers * rows,
         ("all-to-all", "expert"): p["accumulation"] * layers * sizes,
         ("all-gather", "expert"): p["accumulation"] * (passes * (dense - embeddings) + embeddings) * 2,
         ("reduce-scatter", "expert"): p["accumulation"] * dense * 4,
