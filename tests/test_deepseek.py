@@ -55,14 +55,20 @@ def test_deepseek_trains_under_expert_parallelism_as_on_one_device(one_device, e
         np.testing.assert_allclose(run["metrics"][key], one_device["metrics"][key], rtol=2e-3, atol=2e-3)
 
 
-def test_fp8_dispatch_trains_as_the_compute_dtype_does(one_device):
+def test_fp8_dispatch_in_pieces_trains_as_the_compute_dtype_does(one_device):
     """DeepSeek-V3's FP8 dispatch (the copies and their gradient to the experts rounded to
-    float8_e4m3fn, each 128 values scaled) under expert 4 x data 2: the losses follow one device's
-    without it within FP8's rounding, and the rounding is there (model/moe.py `_Wire`; the exchange
-    against the same rounding in one place: tests/test_moe_exchange.py)."""
-    fp8 = _train(
-        [*MESHES["expert4xdata2"], "--model.moe.dispatch_dtype", "float8_e4m3fn"], 8, STEPS, base=DEEPSEEK
-    )
+    float8_e4m3fn, each 128 values scaled), each layer's tokens exchanged in 2 pieces, under expert
+    4 x data 2: the losses follow one device's (without either) within FP8's rounding, and the
+    rounding is there (model/moe.py `_Wire`; the exchange, in pieces and with the same rounding,
+    against the routing in one place: tests/test_moe_exchange.py)."""
+    argv = [
+        *MESHES["expert4xdata2"],
+        "--model.moe.dispatch_dtype",
+        "float8_e4m3fn",
+        "--model.moe.chunks",
+        "2",
+    ]
+    fp8 = _train(argv, 8, STEPS, base=DEEPSEEK)
     difference = np.abs(fp8["losses"] / one_device["losses"] - 1)
     print("FP8 dispatch: max relative loss difference", difference.max())
     assert 0 < difference.max() < 1e-2 and fp8["losses"][-1] < fp8["losses"][0] - 0.5, difference

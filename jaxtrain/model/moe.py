@@ -10,7 +10,10 @@ Expert parallelism: inside the train step each device sends each peer exactly th
 copies for its experts by one `ragged_all_to_all` and gets the results back by another (on
 XLA:CPU, which has none, a padded `all_to_all` stands in: same routing); a device's receive buffer
 holds every peer's copies (dropless), or `capacity_factor` x the copies an even router sends it
-(the rest dropped, the same share of each sender's, and counted). The router's statistics are sown into "moe"
+(the rest dropped, the same share of each sender's, and counted). Under remat the routed block
+has a backward of its own (`_routed`: the recomputation sends nothing); the copies may travel in
+FP8 (`dispatch_dtype`), and a layer's tokens in pieces (`chunks`: one piece's exchange beside
+another's experts). The router's statistics are sown into "moe"
 (`router_stats`) for the balancing loss (`balance_loss`). What each choice costs, measured and
 planned: docs/moe.md and docs/scaling.md.
 """
