@@ -89,7 +89,7 @@ def set_flags(cfg: Config | None = None, launch: LaunchSpec | None = None) -> No
     os.environ["XLA_FLAGS"] = merged_flags(os.environ.get("XLA_FLAGS", ""), defaults)
 
 
-def compiler_options(cfg: Config, platform: str) -> dict[str, bool]:
+def compiler_options(cfg: Config, platform: str) -> dict[str, str | bool] | None:
     """XLA options for one job's steps, on top of XLA_FLAGS (given to each compile: XLA reads
     XLA_FLAGS once a process, and a plan or test compiles several jobs in one). A mixture of
     experts exchanging its tokens in pieces (model.moe.chunks > 1) on GPUs: every collective starts
@@ -97,7 +97,7 @@ def compiler_options(cfg: Config, platform: str) -> dict[str, bool]:
     (planned, schedule-aware: DeepSeek-V3 on 128 x 8 H100 in 2 pieces 28.8 -> 30.0%, 4 pieces 31.0%;
     it costs a job in one piece, 28.6 -> 27.3%, and Llama-3-70B on 128 x 8, 58.2 -> 53.7%)."""
     if platform == "cpu" or cfg.model.moe.chunks == 1:
-        return {}
+        return None
     return {"xla_gpu_experimental_collective_start_as_early_as_possible": True}
 
 

@@ -238,15 +238,16 @@ class _Plan(NamedTuple):
     Without expert parallelism only `sizes`: the rows stay where they are."""
 
     sizes: jax.Array
-    start: jax.Array | None = None
-    send_sizes: jax.Array | None = None
-    out_offsets: jax.Array | None = None
-    kept: jax.Array | None = None
-    offset: jax.Array | None = None
-    their_start: jax.Array | None = None
-    order: jax.Array | None = None
-    inverse: jax.Array | None = None
-    held: jax.Array | None = None
+    # The rest: arrays, or None without expert parallelism
+    start: Any = None
+    send_sizes: Any = None
+    out_offsets: Any = None
+    kept: Any = None
+    offset: Any = None
+    their_start: Any = None
+    order: Any = None
+    inverse: Any = None
+    held: Any = None
 
 
 def _plan(experts: jax.Array, axis: str, ep: int, local: int, bound: int) -> _Plan:
@@ -314,6 +315,7 @@ class _Wire:
     dispatch: str = ""
 
     def _a2a(self, *args: jax.Array) -> jax.Array:
+        assert self.axis is not None  # only an exchange sends
         if self.ragged:
             return jax.lax.ragged_all_to_all(*args, axis_name=self.axis)
         return padded_ragged_all_to_all(*args, axis_name=self.axis, width=self.width)
@@ -377,14 +379,15 @@ def _pipelined(pieces: Any, arrive: Any, compute: Any, finish: Any) -> list[Any]
     the next piece's rows have arrived (an optimization barrier ties them), before its experts
     run: the next piece's rows travel beside this one's experts, and this one's results beside the
     next one's experts."""
-    done, pending = [], None
+    done: list[Any] = []
+    last: Any = None  # (the piece before, what its experts made)
     for piece in pieces:
         got = arrive(piece)
-        if pending is not None:
-            got, ready = jax.lax.optimization_barrier((got, pending[1]))
-            done.append(finish(pending[0], ready))
-        pending = (piece, compute(piece, got))
-    return [*done, finish(*pending)]
+        if last is not None:
+            got, ready = jax.lax.optimization_barrier((got, last[1]))
+            done.append(finish(last[0], ready))
+        last = (piece, compute(piece, got))
+    return [*done, finish(last[0], last[1])]
 
 
 def _routed_fwd(
@@ -422,7 +425,8 @@ def _routed_bwd(wire: _Wire, saved: Any, dys: Pieces) -> tuple[Any, ...]:
         recv, recv_dy, recv_gates, plan = got
         out, vjp = jax.vjp(functools.partial(wire.experts, plan=plan), recv, w_in, w_out)
         dg = jnp.sum(out.astype(jnp.float32) * recv_dy.astype(jnp.float32), axis=-1).astype(piece[1].dtype)
-        return *vjp((recv_gates[:, None] * recv_dy).astype(out.dtype)), dg
+        drecv, dw_in, dw_out = vjp((recv_gates[:, None] * recv_dy).astype(out.dtype))
+        return drecv, dw_in, dw_out, dg
 
     def finish(piece: Any, grads: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         _, g, plan, dy = piece
@@ -573,8 +577,10 @@ class MoeMlp(nn.Module):
         # experts (`_routed`).
         order, inverse, rows, gates, piece_experts = zip(
             *(
-                _copies(*piece, self.dtype)
-                for piece in zip(*(jnp.split(a, moe.chunks) for a in (tokens, weights, experts)), strict=True)
+                _copies(t_, w_, e_, self.dtype)
+                for t_, w_, e_ in zip(
+                    *(jnp.split(a, moe.chunks) for a in (tokens, weights, experts)), strict=True
+                )
             ),
             strict=True,
         )

@@ -104,7 +104,7 @@ class Run:
         return self.eval_step.lower(self.target.params, self.batch_shape).compile(self.compiler_options)
 
     @property
-    def compiler_options(self) -> dict[str, bool]:
+    def compiler_options(self) -> dict[str, str | bool] | None:
         return xla_env.compiler_options(self.cfg, self.mesh.devices.flat[0].platform)
 
     def out_of_memory(self, error: BaseException, where: str, peak_bytes: int) -> memory_lib.OutOfMemory:
