@@ -17,10 +17,9 @@ from jaxtrain.config import ConfigError, load_config
 from jaxtrain.model.moe import route, update_router_bias
 
 # 32-token rows so each of 8 devices gets 2 of the 16; warmup off, so the 20 steps move params.
-# Remat full: the experts' exchange takes its own backward (model/moe.py `_routed`).
 DEEPSEEK = [
     "--config", "configs/deepseek_tiny.yaml", "--optim.warmup_steps", "0", "--model.seq_len", "32",
-    "--batch_size", "16", "--model.remat", "full",
+    "--batch_size", "16",
 ]  # fmt: skip
 STEPS = 20
 
@@ -55,14 +54,17 @@ def test_deepseek_trains_under_expert_parallelism_as_on_one_device(one_device, e
         np.testing.assert_allclose(run["metrics"][key], one_device["metrics"][key], rtol=2e-3, atol=2e-3)
 
 
-def test_fp8_dispatch_in_pieces_trains_as_the_compute_dtype_does(one_device):
-    """DeepSeek-V3's FP8 dispatch (the copies and their gradient to the experts rounded to
-    float8_e4m3fn, each 128 values scaled), each layer's tokens exchanged in 2 pieces, under expert
-    4 x data 2: the losses follow one device's (without either) within FP8's rounding, and the
-    rounding is there (model/moe.py `_Wire`; the exchange, in pieces and with the same rounding,
-    against the routing in one place: tests/test_moe_exchange.py)."""
+def test_fp8_dispatch_in_pieces_under_remat_trains_as_one_device_does(one_device):
+    """Under remat full (the exchange's own backward: model/moe.py `_routed`), with DeepSeek-V3's
+    FP8 dispatch (the copies and their gradient to the experts rounded to float8_e4m3fn, each 128
+    values scaled) and each layer's tokens exchanged in 2 pieces, under expert 4 x data 2: the
+    losses follow one device's (plain) within FP8's rounding, and the rounding is there (the
+    exchange, in pieces, with the same rounding, against autodiff of the routing in one place:
+    tests/test_moe_exchange.py)."""
     argv = [
         *MESHES["expert4xdata2"],
+        "--model.remat",
+        "full",
         "--model.moe.dispatch_dtype",
         "float8_e4m3fn",
         "--model.moe.chunks",
