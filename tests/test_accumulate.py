@@ -1,5 +1,6 @@
 """Gradient accumulation into one float32 buffer (run/accumulate.py): the same training as the
-plain path's, with one gradient copy fewer, on DeepSeek's layer stacks (a dense one, then MoE)."""
+plain path's, with one gradient copy fewer, on DeepSeek's layer stacks (a dense one, then MoE,
+its tokens exchanged in 2 pieces a layer through the routed block's own backward)."""
 
 import jax
 import numpy as np
@@ -17,6 +18,7 @@ ARGV = [
     "--model.moe.d_expert", "256",  # the experts' gradient most of the temporaries
     "--gradient_accumulation_steps", "2", "--batch_size", "16",
     "--mesh.expert", "2", "--mesh.fsdp", "2", "--mesh.tensor", "2",
+    "--model.moe.chunks", "2",  # each layer's tokens exchanged in 2 pieces (model/moe.py `_routed`)
 ]  # fmt: skip
 
 

@@ -54,23 +54,15 @@ def test_deepseek_trains_under_expert_parallelism_as_on_one_device(one_device, e
         np.testing.assert_allclose(run["metrics"][key], one_device["metrics"][key], rtol=2e-3, atol=2e-3)
 
 
-def test_fp8_dispatch_in_pieces_under_remat_trains_as_one_device_does(one_device):
-    """Under remat full (the exchange's own backward: model/moe.py `_routed`), with DeepSeek-V3's
+def test_fp8_dispatch_under_remat_trains_as_the_compute_dtype_does(one_device):
+    """Under remat full (the routed block's own backward: model/moe.py `_routed`) with DeepSeek-V3's
     FP8 dispatch (the copies and their gradient to the experts rounded to float8_e4m3fn, each 128
-    values scaled) and each layer's tokens exchanged in 2 pieces, under expert 4 x data 2: the
-    losses follow one device's (plain) within FP8's rounding, and the rounding is there (the
-    exchange, in pieces, with the same rounding, against autodiff of the routing in one place:
-    tests/test_moe_exchange.py)."""
-    argv = [
-        *MESHES["expert4xdata2"],
-        "--model.remat",
-        "full",
-        "--model.moe.dispatch_dtype",
-        "float8_e4m3fn",
-        "--model.moe.chunks",
-        "2",
-    ]
-    fp8 = _train(argv, 8, STEPS, base=DEEPSEEK)
+    values scaled): the losses follow the plain run's within FP8's rounding, and the rounding is
+    there. The rounding happens without an exchange too, so this is one device; the exchange with
+    it, and in pieces, against autodiff of the routing in one place: tests/test_moe_exchange.py;
+    pieces under expert parallelism through the step: tests/test_accumulate.py."""
+    argv = ["--model.remat", "full", "--model.moe.dispatch_dtype", "float8_e4m3fn"]
+    fp8 = _train(argv, 1, STEPS, base=DEEPSEEK)
     difference = np.abs(fp8["losses"] / one_device["losses"] - 1)
     print("FP8 dispatch: max relative loss difference", difference.max())
     assert 0 < difference.max() < 1e-2 and fp8["losses"][-1] < fp8["losses"][0] - 0.5, difference
