@@ -204,6 +204,20 @@ def _dropped_by_hand(logits, moe, mesh):
     return int((want - kept).sum()), per_device.size
 
 
+def test_layers_in_pieces_decode_one_token_at_a_time_as_whole_ones(one_device):
+    """Sampling during training (one token a sequence a step) crashed a model in pieces: the
+    token count must take the pieces, else the layer goes whole; the tokens are the same."""
+    from jaxtrain.model.generate import generate
+
+    cfg = one_device["run"].cfg.model
+    pieces = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, chunks=2))
+    prompt = np.arange(3, 8, dtype=np.int32)  # 5 tokens: 2 pieces do not divide the prefill either
+    whole, cut = (
+        generate(one_device["params"], c, prompt, 6, jax.random.key(0), temperature=0) for c in (cfg, pieces)
+    )
+    np.testing.assert_array_equal(cut, whole)
+
+
 def test_capacity_factor_bounds_what_a_device_receives_and_counts_what_it_drops(one_device):
     """capacity_factor 1: each device receives at most as many copies as it sends (expert 4);
     copies past that are dropped, the same share of each sender's, counted exactly (the share
@@ -368,11 +382,21 @@ def test_both_grouped_matmuls_agree_with_uneven_empty_and_padded_groups():
         ),
         (
             ["--model.moe.chunks", "3"],
-            "model.moe.chunks 3 must divide model.seq_len 32: each MoE layer's tokens go in that many "
-            "equal pieces",
+            "model.moe.chunks 3 must divide model.seq_len 32: each MoE layer's tokens (a device's part "
+            "of each window) go in that many equal pieces",
+        ),
+        (  # 32 pieces of 32 tokens, but a device holds 16 of each window
+            ["--model.moe.chunks", "32", "--mesh.context", "2"],
+            "model.moe.chunks 32 must divide model.seq_len 32 / mesh.context 2",
         ),
     ],
-    ids=["experts-not-dividing", "top-k-over-experts", "fp8-dispatch-without-remat", "pieces-not-dividing"],
+    ids=[
+        "experts-not-dividing",
+        "top-k-over-experts",
+        "fp8-dispatch-without-remat",
+        "pieces-not-dividing",
+        "pieces-not-dividing-a-context-shard",
+    ],  # fmt: skip
 )
 def test_bad_moe_config_is_one_line_exit_2(argv, message, tmp_path, capfd):
     run_dir = tmp_path / "run"

@@ -169,7 +169,7 @@ def _check_mesh_values(cfg: Config) -> None:
     if list(sizes.values()).count(-1) > 1:
         raise ConfigError(f"at most one mesh axis may be -1, got {mesh_str(sizes)}")
     m, tp, cp = cfg.model, cfg.mesh.tensor, cfg.mesh.context
-    _check_moe(m, cfg.mesh.expert)
+    _check_moe(m, cfg.mesh.expert, max(cfg.mesh.context, 1))
     _check_pipeline(m, cfg.mesh.pipeline)
     if cp > 1 and m.seq_len % cp:
         raise ConfigError(
@@ -251,7 +251,7 @@ def _check_mla(m: ModelConfig) -> None:
         )
 
 
-def _check_moe(m: ModelConfig, ep: int) -> None:
+def _check_moe(m: ModelConfig, ep: int, cp: int) -> None:
     moe = m.moe
     if not moe.n_experts:
         if ep > 1:
@@ -275,6 +275,12 @@ def _check_moe(m: ModelConfig, ep: int) -> None:
             "model.moe.every or dense_layers mix MoE and dense layers, but model.scan_layers compiles one "
             "layer for each stack (the first_dense ones, then the rest); drop them or model.scan_layers"
         )
+    if m.seq_len % (cp * moe.chunks):
+        where = f"model.seq_len {m.seq_len}" + (f" / mesh.context {cp}" if cp > 1 else "")
+        raise ConfigError(
+            f"model.moe.chunks {moe.chunks} must divide {where}: each MoE layer's tokens (a device's "
+            "part of each window) go in that many equal pieces"
+        )
     _check_routing(m)
 
 
@@ -296,11 +302,6 @@ def _check_routing(m: ModelConfig) -> None:
         raise ConfigError(
             f"model.moe.topk_group {moe.topk_group} groups of {group} experts cannot hold "
             f"experts_per_token {moe.experts_per_token} (and at most n_group {moe.n_group}); raise topk_group"
-        )
-    if m.seq_len % moe.chunks:
-        raise ConfigError(
-            f"model.moe.chunks {moe.chunks} must divide model.seq_len {m.seq_len}: each MoE layer's "
-            "tokens go in that many equal pieces"
         )
     if moe.dispatch_dtype and m.remat == "none":
         raise ConfigError(

@@ -574,12 +574,14 @@ class MoeMlp(nn.Module):
 
         flat = experts.reshape(-1)  # [N * k]: token i's copies at i*k .. i*k + k-1
         # In pieces, each routed and exchanged by itself: one piece's exchange runs beside another's
-        # experts (`_routed`).
+        # experts (`_routed`). Pieces only schedule the exchange: where they do not divide the tokens
+        # (decoding's one token a sequence; the config holds training's count) the layer goes whole.
+        pieces = moe.chunks if tokens.shape[0] % moe.chunks == 0 else 1
         order, inverse, rows, gates, piece_experts = zip(
             *(
                 _copies(t_, w_, e_, self.dtype)
                 for t_, w_, e_ in zip(
-                    *(jnp.split(a, moe.chunks) for a in (tokens, weights, experts)), strict=True
+                    *(jnp.split(a, pieces) for a in (tokens, weights, experts)), strict=True
                 )
             ),
             strict=True,
