@@ -275,9 +275,8 @@ def _check_moe(m: ModelConfig, ep: int, cp: int) -> None:
             "model.moe.every or dense_layers mix MoE and dense layers, but model.scan_layers compiles one "
             "layer for each stack (the first_dense ones, then the rest); drop them or model.scan_layers"
         )
-    if (
-        m.seq_len % cp == 0 and (m.seq_len // cp) % moe.chunks
-    ):  # (a window mesh.context does not split: its own check)
+    # (a window mesh.context does not split is named by the context check)
+    if m.seq_len % cp == 0 and (m.seq_len // cp) % moe.chunks:
         where = f"model.seq_len {m.seq_len}" + (f" / mesh.context {cp}" if cp > 1 else "")
         raise ConfigError(
             f"model.moe.chunks {moe.chunks} must divide {where}: each MoE layer's tokens (a device's "
