@@ -63,7 +63,8 @@ def test_one_buffer_trains_as_the_plain_path_with_one_gradient_copy_fewer():
     )
     # XLA:CPU's peak is not all in the backward: measured 0.51 of the stacks' gradient saved here
     # before the experts' exchange had a backward of its own (model/moe.py `_routed`), 3.2 since
-    # (the plain path's CPU peak rose 0.8 MB, this one's fell 0.5 MB); the plan of Mixtral-8x7B
-    # on 2 x 8 H100 saves 23 GB, both float32 copies' worth (docs/moe.md).
+    # (the plain path's CPU peak rose 0.8 MB, this one's fell 0.5 MB), 4.3 since each layer's
+    # gradient is added into the sum by a scatter-add (this path's fell 0.5 MB more); the plan of
+    # Mixtral-8x7B on 2 x 8 H100 saves 23 GB, both float32 copies' worth (docs/moe.md).
     saved = temp_plain - temp_one
-    assert 0.4 * stack_bytes <= saved <= 4 * stack_bytes, (saved, stack_bytes)
+    assert 0.4 * stack_bytes <= saved <= 5 * stack_bytes, (saved, stack_bytes)

@@ -43,9 +43,11 @@ def applies(cfg: ModelConfig, accum: int) -> bool:
 
 
 def _add_at(total: jax.Array, i: jax.Array, g: jax.Array) -> jax.Array:
-    """total[i] += g, written as the in-place update XLA recognizes on a loop carry."""
-    row = jax.lax.dynamic_index_in_dim(total, i, keepdims=False)
-    return jax.lax.dynamic_update_index_in_dim(total, row + g.astype(total.dtype), i, 0)
+    """total[i] += g in place on a loop carry. A scatter-add, which XLA:GPU compiles to one
+    update that reads the row as it writes it: a dynamic slice and its update (the same sum) left
+    the slice its own fusion, the row read and written twice (Qwen3-30B-A3B on 4 x 8 H100, planned:
+    0.07 s a step, schedule-aware 27.5 -> 28.2%)."""
+    return total.at[i].add(g.astype(total.dtype), indices_are_sorted=True, unique_indices=True)
 
 
 def _stack(layer: Callable[..., tuple[jax.Array, Any]]) -> Callable[..., tuple[jax.Array, Any]]:
