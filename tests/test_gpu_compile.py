@@ -22,6 +22,9 @@ H100 = "gpt2_124m_h100x8_"
 MESHES = ["data8", "fsdp8", "fsdp4_tensor2_fp16", "zero1"]
 # Bytes of gpt2_124m's largest parameter (the 50304 x 768 float32 embedding), one fsdp-8 shard of it.
 LARGEST_PARAM = 50304 * 768 * 4
+# The weight matrices of the ZeRO-1 jobs, whose step gathers them in bfloat16: GPT-2 124M's 12
+# layers of 12 d^2 (attention 4 d^2, MLP 8 d^2).
+ZERO1_WEIGHTS = {"gpt2_124m_h100x8_zero1": 12 * 12 * 768**2}
 # tests/gpu_plans.py's mixture of experts: 8 layers of Qwen3-30B-A3B on one host of 8.
 MOE = "qwen3_30b_a3b_8l_h100x8"
 QWEN3_MOE = {"d_model": 2048, "n_layer": 8, "n_experts": 128, "k": 8, "d_expert": 768, "vocab": 151936}
@@ -231,8 +234,9 @@ def _analytic(p: dict, case: str) -> dict[tuple[str, str], float]:
     fsdp gathers params in the compute dtype (2 bytes), once per microbatch and again in the
     backward under full remat, each device its tensor shard; gradients reduce-scatter in float32
     once per microbatch; data parallelism all-reduces the float32 gradients (of its shard) once,
-    or under ZeRO-1 reduce-scatters them (the same buffer, half the bytes sent) into the moments'
-    split and all-gathers the float32 params once."""
+    or under ZeRO-1 reduce-scatters them (the same buffer, half the bytes sent) into the params'
+    and moments' split, and gathers the params once, their weight matrices (`ZERO1_WEIGHTS`) as
+    a bfloat16 copy, the rest (GPT-2's tied embedding, norms, biases) in float32."""
     n, mesh, accum = p["n_params"], p["mesh"], p["accumulation"]
     regathers = 2 if p["remat"] == "full" else 1
     out: dict[tuple[str, str], float] = {}
@@ -243,7 +247,7 @@ def _analytic(p: dict, case: str) -> dict[tuple[str, str], float]:
         reduce = "reduce-scatter" if p["zero1"] else "all-reduce"
         out[(reduce, "data")] = n / (mesh["fsdp"] * mesh["tensor"]) * 4
     if p["zero1"] and mesh["data"] > 1:
-        out[("all-gather", "data")] = n * 4
+        out[("all-gather", "data")] = n * 4 - ZERO1_WEIGHTS[case] * 2
     return out | (_exchange(MOE_SHAPES[case], p) if case in MOE_SHAPES else {})
 
 

@@ -438,11 +438,14 @@ def _records(run_dir):
 
 
 def test_checkpoint_restores_across_expert_parallel_sizes_and_reports_the_router(tmp_path):
-    """The real loop: 20 steps under expert 4 x data 2 (checkpoints at 10 and 20); its step-10
-    checkpoint resumed under expert 2 x fsdp 2 x tensor 2 gives the same losses to 20."""
+    """The real loop: 20 steps under expert 4 x data 2 with ZeRO-1 (Qwen3-30B-A3B's layout: params
+    and moments split over data; checkpoints at 10 and 20); its step-10 checkpoint resumed under
+    expert 2 x fsdp 2 x tensor 2 gives the same losses to 20."""
     ref = tmp_path / "ref"
     launch = detect(DistConfig(), {})
-    train(load_config([*MOE, "--run_dir", str(ref), *MESHES["expert4xdata2"]]), launch)
+    train(
+        load_config([*MOE, "--run_dir", str(ref), *MESHES["expert4xdata2"], "--mesh.zero1", "true"]), launch
+    )
     resumed = tmp_path / "resumed"
     shutil.copytree(ref, resumed)
     shutil.rmtree(resumed / "checkpoints" / "20")  # as if the job had stopped after step 10

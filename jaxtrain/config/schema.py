@@ -202,7 +202,7 @@ class MeshConfig:
     # all-gathered for attention; the batch is not split over it (like tensor)
     context: int = 1
     tensor: int = 1  # Megatron: heads, MLP hidden and vocab split; the batch is not
-    zero1: bool = False  # ZeRO-1: also shard the optimizer state over `data` (params replicated)
+    zero1: bool = False  # ZeRO-1: also split the params and optimizer state over `data`
     # fsdp gathers params in the compute dtype (dtype) and reduce-scatters their gradients in this
     # one: float32 (torchtitan's reduce_dtype default) or compute (half the bytes, bf16 sums)
     reduce_dtype: str = "float32"

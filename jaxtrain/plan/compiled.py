@@ -74,7 +74,7 @@ class _Tally:
     def most_of(branches: list[_Tally]) -> _Tally:
         """What the costliest branch of a conditional could cost, figure by figure: the step's
         update sits in one branch (the other skips a non-finite step) and may hold collectives
-        (ZeRO-1's all-gather of the updated params) while writing less than the other."""
+        while writing less than the other."""
         most = _Tally(
             written=max((b.written for b in branches), default=0.0),
             flops=max((b.flops for b in branches), default=0.0),

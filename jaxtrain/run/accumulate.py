@@ -141,7 +141,8 @@ def local_grads(
         return (jax.tree.map(jnp.add, rest_sum, g), totals, jax.tree.map(jnp.add, metrics_sum, metrics)), None
 
     with nn.logical_axis_rules(rules):  # the backward is traced inside too: its layers constrain
-        zeros = jax.tree.map(jnp.zeros_like, (rest, {name: params[name] for name in stacks}))
+        # float32 sums, a compute copy's gradients (step._ParamLayout.compute_copy) included
+        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), (rest, layers))
         shapes = jax.eval_shape(grad_fn, rest, zeros[1], micro[0])[1]
         start = (*zeros, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
         (rest_sum, totals, metrics), _ = jax.lax.scan(body, start, micro)

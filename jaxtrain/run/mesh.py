@@ -14,7 +14,8 @@ The mesh is pipeline x data x expert x fsdp x context x tensor (config `mesh`):
           attention takes whole sequences for a share of the heads (an all-to-all each way).
   tensor  Megatron: attention heads, the MLP hidden dim and the vocabulary split over it; the
           residual stream is whole, so a layer needs one collective in and one out.
-With `mesh.zero1` the optimizer state is also split over `data` (params stay replicated there).
+With `mesh.zero1` the params and the optimizer state are also split over `data`: each data shard
+updates its slice, and the step gathers the params once, their weights in the compute dtype.
 
 The model names the logical axes of its params and activations (model/params.py PARAM_AXES); the tables
 below map logical axes to mesh axes, in one place. Devices are ordered by process, so `data`
@@ -215,7 +216,9 @@ def state_specs(abstract_state: Any, param_axes: Any, mesh: Mesh, zero1: bool) -
     """PartitionSpec of every leaf of the train state.
 
     Params follow their logical axes. Each optimizer moment mirrors its param (optax keeps the
-    param tree inside its state), plus `data` under ZeRO-1. Counters and scalars are replicated.
+    param tree inside its state). Under ZeRO-1 both add `data`: no data shard holds more of the
+    float32 params than it updates (the step gathers a compute copy: run/step.py). Counters and
+    scalars are replicated.
     """
     param_specs = jax.tree.map(
         lambda ax, a: param_spec(ax, a.shape, mesh), param_axes, abstract_state.params, is_leaf=_is_axes
@@ -231,6 +234,10 @@ def state_specs(abstract_state: Any, param_axes: Any, mesh: Mesh, zero1: bool) -
         return zero1_spec(spec, leaf.shape, mesh) if zero1 else spec
 
     opt_specs = jax.tree_util.tree_map_with_path(opt_leaf, abstract_state.opt_state)
+    if zero1:
+        param_specs = jax.tree.map(
+            lambda s, a: zero1_spec(s, a.shape, mesh), param_specs, abstract_state.params
+        )
     return abstract_state.replace(
         params=param_specs,
         opt_state=opt_specs,
@@ -296,6 +303,11 @@ def _kept(entry: Any, keep: Any) -> Any:
 def entry_without(entry: Any, axis: str) -> Any:
     """One spec entry without `axis`."""
     return _kept(entry, set(MESH_AXES) - {axis})
+
+
+def without(spec: P, axis: str) -> P:
+    """`spec` without `axis` anywhere."""
+    return P(*(entry_without(e, axis) for e in spec))
 
 
 def manual_part(spec: P) -> P:

@@ -120,7 +120,12 @@ class _ParamLayout:
     """How params sit on the mesh, as the inside of the shard_map sees them."""
 
     def __init__(
-        self, mesh: Mesh, param_specs: Any, dtype: Any = jnp.float32, reduce_dtype: Any = None
+        self,
+        mesh: Mesh,
+        param_specs: Any,
+        dtype: Any = jnp.float32,
+        reduce_dtype: Any = None,
+        zero1: bool = False,
     ) -> None:
         is_spec = lambda x: isinstance(x, P)  # noqa: E731
         self.manual = jax.tree.map(mesh_lib.manual_part, param_specs, is_leaf=is_spec)
@@ -134,6 +139,30 @@ class _ParamLayout:
         self.capability = getattr(mesh.devices.flat[0], "compute_capability", "")  # GPUs: "9.0"...
         self.tensor = int(mesh.shape[mesh_lib.TENSOR_AXIS])
         self.dtype, self.reduce_dtype = dtype, dtype if reduce_dtype is None else reduce_dtype
+        # ZeRO-1 keeps the params split over data (mesh_lib.state_specs): the step gathers them
+        # once, its weights in the compute dtype (`compute_copy`); a pipeline casts its own.
+        self.copies = zero1 and self.sizes[mesh_lib.DATA_AXIS] > 1 and self.stages == 1
+
+    def compute_copy(self, params: Any, tied: bool) -> Any:
+        """The params as the step computes with them, before its shard_map gathers them over data:
+        the weights every use of which is in the compute dtype (kernels but the router's, an untied
+        embedding) cast first, so the gather moves half the bytes, once a step, and no microbatch
+        casts them again; their gradients come in the compute dtype, as the matmuls give them, and
+        are summed in float32 (the microbatch sums, `reduce_grads`): the values of casting at use.
+        Left as they are: what the layers gather (their gather casts, and its reduce-scatter keeps
+        the gradient float32) and a tied embedding (its two uses' gradients would add in bfloat16)."""
+        if not self.copies:
+            return params
+
+        def one(path: tuple, p: jax.Array) -> jax.Array:
+            names = path_names(path)
+            weight = names[-1] == "kernel" and "router" not in names
+            if not (weight or (names[-1] == "embedding" and not tied)):
+                return p
+            dim, axes = self._gathered(names, p.ndim)
+            return p if dim is not None and axes is not None else p.astype(self.dtype)
+
+        return jax.tree_util.tree_map_with_path(one, params)
 
     def gather(self, variables: Any, where: tuple[str, ...] = ()) -> Any:
         """Whole params of one layer (or embedding) from this device's fsdp shards, in the compute
@@ -237,6 +266,7 @@ class _ParamLayout:
         stands in for the all-reduce: each data shard gets only its slice, half the bytes."""
 
         def one(path: tuple, g: jax.Array, spec: P, out: P) -> jax.Array:
+            g = g.astype(jnp.float32)  # a compute copy's (`compute_copy`): reduced as every other
             split = mesh_lib.spec_axes(spec)
             scatter = [
                 i for i, e in enumerate(out) if mesh_lib.DATA_AXIS in set(mesh_lib.entry_axes(e)) - split
@@ -279,7 +309,9 @@ def _local_grads(
         return jax.tree.map(jnp.add, carry, (g, metrics)), None
 
     micro = rows.reshape(accum, rows.shape[0] // accum, rows.shape[1])
-    zeros = jax.tree.map(jnp.zeros_like, (params, jax.eval_shape(grad_fn, params, micro[0])[1]))
+    # float32 sums, a compute copy's gradients (_ParamLayout.compute_copy) included
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params)
+    zeros = (zeros, jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, params, micro[0])[1]))
     sums, _ = jax.lax.scan(body, zeros, micro)
     return jax.tree.map(lambda x: x / accum, sums)
 
@@ -339,7 +371,7 @@ def make_train_step(
     # reduce-scatter aborts the compiler (CHECK in AllReducePromotion, jax 0.10.2): float32 there.
     platform = mesh.devices.flat[0].platform
     reduce_dtype = model.dtype if cfg.mesh.reduce_dtype == "compute" and platform != "cpu" else jnp.float32
-    layout = _ParamLayout(mesh, param_specs, model.dtype, reduce_dtype)
+    layout = _ParamLayout(mesh, param_specs, model.dtype, reduce_dtype, cfg.mesh.zero1)
     accum, schedule, clip = cfg.gradient_accumulation_steps, lr_schedule(cfg), cfg.gradient_clip_val
     fp16 = cfg.dtype == "float16"
     masked = cfg.loss_mask  # unmasked data keeps the plain mean: its losses stay bit for bit
@@ -371,7 +403,8 @@ def make_train_step(
         return params, jax.tree.map(kept, opt_state, state.opt_state)
 
     def train_step(state: TrainState, batch: jax.Array) -> tuple[TrainState, Metrics]:
-        grads, loss_metrics = sharded_grads(state.params, batch, state.loss_scale, state.step)
+        compute = layout.compute_copy(state.params, cfg.model.tie_embeddings)
+        grads, loss_metrics = sharded_grads(compute, batch, state.loss_scale, state.step)
         loss = loss_metrics["loss"]
         if fp16:
             grads = jax.tree.map(lambda g: g / state.loss_scale, grads)
@@ -405,15 +438,16 @@ def make_train_step(
 
 
 def make_eval_step(
-    model: GPT, mesh: Mesh, param_specs: Any, accum: int = 1, masked: bool = False
+    model: GPT, mesh: Mesh, param_specs: Any, accum: int = 1, masked: bool = False, zero1: bool = False
 ) -> Callable:
     """eval_step(params, batch) -> metrics of the global batch: `loss` (its mean; a mixture of
     experts' router figures beside it, as the train step's), taken in `accum` microbatches
     of the train step's device batch, one after another: evaluation fits wherever training does
     (the whole batch at once needed 145 GB per device for llama3_8b on 8 H100s). masked: the
     batch carries a loss mask, the loss is the train step's (over kept targets), and the metrics
-    carry the kept count (`kept`), so evaluations over several batches weigh each by it."""
-    layout = _ParamLayout(mesh, param_specs, model.dtype)
+    carry the kept count (`kept`), so evaluations over several batches weigh each by it.
+    zero1: the params come split over data (the train step's `compute_copy`)."""
+    layout = _ParamLayout(mesh, param_specs, model.dtype, zero1=zero1)
 
     def device_metrics(params: Any, rows: jax.Array) -> Metrics:
         kept = layout.kept(rows) if masked else None
@@ -431,7 +465,7 @@ def make_eval_step(
             metrics = layout.mean(jax.tree.map(lambda x: x.mean(axis=0), per_micro))
         return metrics if kept is None else metrics | {"kept": kept}
 
-    return jax.shard_map(
+    metrics = jax.shard_map(
         device_metrics,
         mesh=mesh,
         in_specs=(layout.manual, mesh_lib.batch_spec()),
@@ -439,6 +473,7 @@ def make_eval_step(
         axis_names=mesh_lib.manual_axes(mesh),
         check_vma=False,
     )
+    return lambda params, rows: metrics(layout.compute_copy(params, model.cfg.tie_embeddings), rows)
 
 
 def jit_steps(
@@ -452,7 +487,8 @@ def jit_steps(
     """Jit both steps once with explicit shardings; the train step donates the old state."""
     replicated = mesh_lib.replicated(mesh)
     batch = mesh_lib.batch_sharding(mesh)
-    param_specs = jax.tree.map(lambda s: s.spec, state_shardings.params)
+    # How the step holds the params: whole over data, where ZeRO-1 stores them split.
+    param_specs = jax.tree.map(lambda s: mesh_lib.without(s.spec, mesh_lib.DATA_AXIS), state_shardings.params)
     train = jax.jit(
         make_train_step(cfg, model, tx, mesh, param_specs, faults),
         in_shardings=(state_shardings, batch),
@@ -460,7 +496,9 @@ def jit_steps(
         donate_argnums=0,
     )
     evaluate = jax.jit(
-        make_eval_step(model, mesh, param_specs, cfg.gradient_accumulation_steps, cfg.loss_mask),
+        make_eval_step(
+            model, mesh, param_specs, cfg.gradient_accumulation_steps, cfg.loss_mask, cfg.mesh.zero1
+        ),
         in_shardings=(state_shardings.params, batch),
         out_shardings=replicated,
     )
