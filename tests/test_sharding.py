@@ -77,9 +77,11 @@ def data_parallel():
             "2",
             "--model.remat",
             "full",
+            "--mesh.zero1",
+            "true",
         ],
     ],
-    ids=["fsdp8", "fsdp4xtp2", "dp2xfsdp2xtp2", "zero1", "dp2xfsdp4-accum-remat"],
+    ids=["fsdp8", "fsdp4xtp2", "dp2xfsdp2xtp2", "zero1", "dp2xfsdp4-accum-remat-zero1"],
 )
 def test_every_mesh_trains_like_data_parallelism(data_parallel, argv):
     dp_losses, dp_bytes, dp_params = data_parallel
