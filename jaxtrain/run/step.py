@@ -14,8 +14,9 @@ activation constraints:
 Why explicit collectives for data and fsdp: GSPMD alone all-reduced the whole fsdp gradient and
 then sliced it (XLA:CPU), and an explicit data reduction stays once per step, outside the
 microbatch loop (tests/test_step.py).
-The optimizer update runs outside the shard_map on the sharded state (ZeRO-1's data-split moments
-included); XLA places it.
+The optimizer update runs outside the shard_map on the sharded state (ZeRO-1's data-split params
+and moments included: the step gathers the params once, before its shard_map, `compute_copy`);
+XLA places it.
 
 A step with a non-finite loss or gradient leaves params and optimizer state unchanged; every
 process decides identically because it judges reduced values.
