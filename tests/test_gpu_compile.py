@@ -205,9 +205,10 @@ def _exchange(moe: dict[str, int], p: dict) -> dict[tuple[str, str], float]:
     above them). Under full remat, in the backward (model/moe.py `_routed`) the copies go again
     with their gradient and the gates (2 bytes a copy), and the copies' gradient and the gates'
     come back: 5 transfers of the copies; without remat, jax's backward sends the two gradients:
-    4. The sizes go first by two int32 all-to-alls (ep x (experts a device + 1), then ep x 2),
-    again under full remat; without it each of jax's backward ragged all-to-alls sends its
-    offsets by two more of ep. Every param not an expert's is
+    4. Each device sends each peer one slice per expert of the peer's (so the receiver's rows come
+    grouped by expert). The sizes go first by two int32 all-to-alls (ep x 2 x the experts a device,
+    each), again under full remat; without it each of jax's backward ragged all-to-alls sends its
+    offsets by two more of that length. Every param not an expert's is
     split over the expert axis (its d_model dim, as over fsdp): gathered in bfloat16 each
     microbatch (a scanned layer's again under full remat, the two untied embeddings once) and its
     gradient reduce-scattered in float32; the norms' scales (a few KB, all-reduced) are left to
@@ -215,10 +216,11 @@ def _exchange(moe: dict[str, int], p: dict) -> dict[tuple[str, str], float]:
     ep, d, layers = p["mesh"]["expert"], moe["d_model"], moe["n_layer"]
     passes = 2 if p["remat"] == "full" else 1
     copies = p["device_batch"] * p["seq_len"] * moe["k"]
-    sizes = moe.get("pieces", 1) * passes * ep * (moe["n_experts"] // ep + 1 + 2) * 4
+    local, pieces = moe["n_experts"] // ep, moe.get("pieces", 1)
+    sizes = pieces * passes * 2 * ep * 2 * local * 4
     rows = (5 * d + 2) * copies * 2  # the routed block's own backward, under remat
     if p["remat"] != "full":
-        sizes, rows = sizes + 2 * 2 * ep * 4, 4 * copies * d * 2
+        sizes, rows = sizes + pieces * 2 * 2 * ep * local * 4, 4 * copies * d * 2
     experts = layers * moe["n_experts"] * 3 * d * moe["d_expert"]
     dense, embeddings = p["n_params"] - experts, 2 * moe["vocab"] * d
     return {

@@ -26,37 +26,44 @@ def _shard_map(fn, n_devices, n_in):
 
 
 def _ragged_by_hand(operand, output, input_offsets, send_sizes, output_offsets):
-    """jax.lax.ragged_all_to_all's docstring, per device lists: device s's slice i goes to device i
-    at output_offsets[s][i] (recv_sizes are the transposed send_sizes: jax requires it)."""
+    """XLA's ragged-all-to-all (jax's docstring, with U slices a peer: arrays of peers x U), per
+    device lists: device s's slice u for device i goes to device i at output_offsets[s][i * U + u]
+    (recv_sizes hold the same sizes as the receiver sees them: jax requires it)."""
     result = [o.copy() for o in output]
-    for s in range(len(operand)):
-        for i in range(len(operand)):
-            piece = operand[s][input_offsets[s][i] : input_offsets[s][i] + send_sizes[s][i]]
-            result[i][output_offsets[s][i] : output_offsets[s][i] + len(piece)] = piece
+    peers = len(operand)
+    u = len(input_offsets[0]) // peers
+    for s in range(peers):
+        for k in range(peers * u):
+            piece = operand[s][input_offsets[s][k] : input_offsets[s][k] + send_sizes[s][k]]
+            result[k // u][output_offsets[s][k] : output_offsets[s][k] + len(piece)] = piece
     return result
 
 
-def _random_slices(rng, ep, n, m):
-    """Slices with gaps on both sides: each device sends each peer a run of its n rows, each
-    receiver gets them in an m-row buffer in a shuffled source order."""
-    send = np.zeros((ep, ep), np.int32)
+def _random_slices(rng, ep, n, m, u=1):
+    """U slices a peer with gaps on both sides: each device sends each peer u runs of its n rows
+    (peer-major), each receiver gets them in an m-row buffer in a shuffled order."""
+    send = np.zeros((ep, ep * u), np.int32)
     for s in range(ep):
-        send[s] = rng.multinomial(rng.integers(0, n + 1), np.ones(ep) / ep)
-    while send.sum(axis=0).max() > m - ep:  # room for a gap before each slice
-        send = np.maximum(send - (send.sum(axis=0) > m - ep), 0)
-    in_off = np.cumsum(send, axis=1) - send + rng.integers(0, 2, (ep, 1))
-    in_off = np.minimum(in_off, n - send)
-    out_off = np.zeros((ep, ep), np.int32)
+        send[s] = rng.multinomial(rng.integers(0, n + 1), np.ones(ep * u) / (ep * u))
+    into = lambda send: send.reshape(ep, ep, u).sum(axis=(0, 2))  # noqa: E731  rows each receiver gets
+    while into(send).max() > m - ep * u:  # room for a gap before each slice
+        send = np.maximum(send - np.repeat(into(send) > m - ep * u, u)[None], 0)
+    # Runs in order, shifted by one row where they leave room: no row is sent twice.
+    in_off = np.cumsum(send, axis=1) - send + (rng.integers(0, 2, (ep, 1)) * (send.sum(axis=1) < n)[:, None])
+    out_off = np.zeros((ep, ep * u), np.int32)
     for i in range(ep):
         at = 0
-        for s in rng.permutation(ep):
+        for slot in rng.permutation(ep * u):  # (source, slice)
+            s, k = divmod(int(slot), u)
             at += int(rng.integers(0, 2))
-            out_off[s, i], at = at, at + send[s, i]
-    return in_off.astype(np.int32), send, out_off, send.T.copy()
+            out_off[s, i * u + k], at = at, at + send[s, i * u + k]
+    recv = send.reshape(ep, ep, u).transpose(1, 0, 2).reshape(ep, ep * u)
+    return in_off.astype(np.int32), send, out_off, recv.copy()
 
 
 def test_the_padded_stand_in_lands_rows_where_ragged_all_to_all_does():
-    """jax's docstring example on 2 devices, then random slices (empty ones, gaps) on 8."""
+    """jax's docstring example on 2 devices, then random slices (empty ones, gaps) on 8, one and
+    three slices a peer (the expert exchange sends one a peer's expert)."""
     ex = {"operand": [[1, 2, 2], [3, 4, 0]], "in": [[0, 1], [0, 1]], "send": [[1, 2], [1, 1]]}
     ex |= {"out_off": [[0, 0], [1, 2]], "recv": [[1, 1], [2, 1]]}
     fn = _shard_map(
@@ -69,16 +76,18 @@ def test_the_padded_stand_in_lands_rows_where_ragged_all_to_all_does():
     got = fn(*(jnp.asarray(np.ravel(ex[k]), jnp.int32) for k in ("operand", "in", "send", "out_off", "recv")))
     assert np.asarray(got).tolist() == [1, 3, 0, 0, 2, 2, 4, 0]  # the docstring's result
     rng = np.random.default_rng(0)
-    ep, n, m, d = 8, 10, 14, 3
-    in_off, send, out_off, recv = _random_slices(rng, ep, n, m)
-    x = rng.normal(size=(ep, n, d)).astype(np.float32)
-    init = rng.normal(size=(ep, m, d)).astype(np.float32)  # rows nothing lands on keep their value
+    ep, n, m, d = 8, 10, 40, 3
     fn = _shard_map(
         lambda x, o, a, b, c, e: padded_ragged_all_to_all(x, o, a, b, c, e, axis_name="x", width=n), ep, 6
     )
-    got = fn(*(jnp.asarray(v.reshape(-1, *v.shape[2:])) for v in (x, init, in_off, send, out_off, recv)))
-    want = _ragged_by_hand(list(x), list(init), in_off, send, out_off)
-    np.testing.assert_array_equal(np.asarray(got).reshape(ep, m, d), np.stack(want))
+    for u in (1, 3):
+        in_off, send, out_off, recv = _random_slices(rng, ep, n, m, u)
+        assert (send.reshape(ep, ep, u) > 0).sum(axis=2).max() > 1 or u == 1  # several slices to a peer
+        x = rng.normal(size=(ep, n, d)).astype(np.float32)
+        init = rng.normal(size=(ep, m, d)).astype(np.float32)  # rows nothing lands on keep their value
+        got = fn(*(jnp.asarray(v.reshape(-1, *v.shape[2:])) for v in (x, init, in_off, send, out_off, recv)))
+        want = _ragged_by_hand(list(x), list(init), in_off, send, out_off)
+        np.testing.assert_array_equal(np.asarray(got).reshape(ep, m, d), np.stack(want))
 
 
 def _with_stand_in(closed, args, width):
@@ -101,10 +110,10 @@ def _with_stand_in(closed, args, width):
 def test_jax_backward_of_ragged_all_to_all_is_the_stand_ins_gradient():
     """jax's own VJP of ragged_all_to_all (its transpose rule: the cotangent sent back by another
     ragged_all_to_all), run with the stand-in for the primitive, equals the gradient of the
-    stand-in: the GPU step's backward needs no custom_vjp."""
+    stand-in, with two slices a peer: the GPU step's backward needs no custom_vjp."""
     rng = np.random.default_rng(1)
-    ep, n, m, d = 8, 10, 14, 3
-    in_off, send, out_off, recv = _random_slices(rng, ep, n, m)
+    ep, n, m, d = 8, 10, 30, 3
+    in_off, send, out_off, recv = _random_slices(rng, ep, n, m, 2)
     x, ct = rng.normal(size=(ep, n, d)).astype(np.float32), rng.normal(size=(ep, m, d)).astype(np.float32)
 
     def both(x, ct, a, b, c, e):

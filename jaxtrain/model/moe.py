@@ -7,8 +7,9 @@ groups; shared experts (model/mlp.py) see every token. Dropless: the copies are 
 (`grouped_matmul`: `jax.lax.ragged_dot`, `blocks` of BLOCK rows per expert, or `pallas`:
 model/grouped.py's Hopper kernels, computing only the routed rows).
 Expert parallelism: inside the train step each device sends each peer exactly the
-copies for its experts by one `ragged_all_to_all` and gets the results back by another (on
-XLA:CPU, which has none, a padded `all_to_all` stands in: same routing); a device's receive buffer
+copies for its experts by one `ragged_all_to_all`, a slice per expert of the peer's, so they land
+grouped by expert as the grouped matmul takes them (no sort), and gets the results back by another
+(on XLA:CPU, which has none, a padded `all_to_all` stands in: same routing); a device's receive buffer
 holds every peer's copies (dropless), or `capacity_factor` x the copies an even router sends it
 (the rest dropped, the same share of each sender's, and counted). Under remat the routed block
 has a backward of its own (`_routed`: the recomputation sends nothing); the copies may travel in
@@ -200,15 +201,28 @@ def padded_ragged_all_to_all(
     axis_name: str,
     width: int,
 ) -> jax.Array:
-    """`jax.lax.ragged_all_to_all` (one slice per peer) on a padded `all_to_all`, for XLA:CPU, which
-    has no ragged one: each slice travels in a buffer of `width` rows (at least the largest slice),
-    and lands where the ragged one would put it. Same arguments, same result, same gradient."""
-    peers, rows = input_offsets.shape[0], jnp.arange(width)
-    at = jnp.where(rows < send_sizes[:, None], input_offsets[:, None] + rows, operand.shape[0])
-    send = operand.at[at].get(mode="fill", fill_value=0)  # [peers, width, ...]
-    got = jax.lax.all_to_all(send, axis_name, 0, 0, tiled=True)
+    """`jax.lax.ragged_all_to_all` on a padded `all_to_all`, for XLA:CPU, which has no ragged one.
+    As XLA's, each peer may get several slices: the four index arrays hold peers x U entries,
+    peer-major (slice u to peer j at j * U + u). A peer's slices travel together in a buffer of
+    `width` rows (at least the most rows one device sends another) and land where the ragged one
+    puts them. Same arguments, same result, same gradient."""
+    peers = jax.lax.axis_size(axis_name)
+    rows = jnp.arange(width)
+
+    def at(sizes: jax.Array, offsets: jax.Array, past: int) -> jax.Array:
+        """Each peer's buffer row -> where it is in the rows its slices index (past: none)."""
+        sizes, offsets = sizes.reshape(peers, -1), offsets.reshape(peers, -1)
+        ends = jnp.cumsum(sizes, axis=1)
+        which = jax.vmap(lambda e: jnp.searchsorted(e, rows, side="right"))(ends)  # [peers, width]
+        inside = jnp.minimum(which, sizes.shape[1] - 1)
+        first = jnp.take_along_axis(ends - sizes, inside, axis=1)
+        where = jnp.take_along_axis(offsets, inside, axis=1) + rows - first
+        return jnp.where(which < sizes.shape[1], where, past)
+
+    send = operand.at[at(send_sizes, input_offsets, operand.shape[0])].get(mode="fill", fill_value=0)
+    got = jax.lax.all_to_all(send, axis_name, 0, 0, tiled=True)  # [peers, width, ...]
     landing = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # as the ragged one does
-    to = jnp.where(rows < recv_sizes[:, None], landing[:, None] + rows, output.shape[0])
+    to = at(recv_sizes, landing, output.shape[0])
     return output.at[to.reshape(-1)].set(got.reshape(peers * width, *got.shape[2:]), mode="drop")
 
 
@@ -230,56 +244,52 @@ def _kept(want: jax.Array, bound: int) -> jax.Array:
 
 
 class _Plan(NamedTuple):
-    """Who sends what where in one exchange (from its two tiny all-to-alls; no gradient). Per peer:
-    `start` where our rows for it begin, `send_sizes` how many it keeps, `out_offsets` where they
-    land in its buffer; `kept` and `offset` the same of each source's rows in ours, `their_start`
-    where they came from. `order` sorts the received rows by local expert (`inverse` undoes it),
-    `sizes` the rows of each; `held`: which of our rows a receiver kept (the rest come back zero).
-    Without expert parallelism only `sizes`: the rows stay where they are."""
+    """Who sends what where in one exchange (from its two tiny all-to-alls; no gradient), in
+    slices of one peer's one expert: [ep x local] arrays, peer-major (ragged_all_to_all's several
+    slices a peer). Ours to each peer's experts: `in_offsets` where they start in our rows,
+    `send_sizes` how many it keeps, `out_offsets` where they land in its buffer; each source's to
+    ours: `recv_offsets` where they land, `recv_sizes` how many we keep, `their_offsets` where they
+    start in its rows. A receiver's buffer is grouped by expert (source-major inside each): the
+    grouped matmul's order, no sort. `sizes` the rows of each local expert; `held`: which of our
+    rows a receiver kept (the rest come back zero). Without expert parallelism only `sizes`: the
+    rows stay where they are."""
 
     sizes: jax.Array
     # The rest: arrays, or None without expert parallelism
-    start: Any = None
+    in_offsets: Any = None
     send_sizes: Any = None
     out_offsets: Any = None
-    kept: Any = None
-    offset: Any = None
-    their_start: Any = None
-    order: Any = None
-    inverse: Any = None
+    recv_offsets: Any = None
+    recv_sizes: Any = None
+    their_offsets: Any = None
     held: Any = None
 
 
 def _plan(experts: jax.Array, axis: str, ep: int, local: int, bound: int) -> _Plan:
     """The exchange of rows sorted by global expert id `experts` [n] between the ep devices along
     `axis` (`local` experts each, `bound` rows received at most: `receive_bound`, `_kept`). Two
-    tiny int32 all_to_alls settle it: each peer's copies per local expert (and where they start in
-    its rows), then what each receiver keeps and where it puts them."""
+    tiny int32 all_to_alls settle it: each peer's copies per local expert and where they start in
+    its rows, then what each receiver keeps of them and where it puts them."""
     n = experts.shape[0]
     counts = jnp.zeros(ep * local, jnp.int32).at[experts].add(1, mode="drop").reshape(ep, local)
-    sent = counts.sum(axis=1)
-    start = jnp.cumsum(sent) - sent  # rows are sorted by expert: peer j's run starts here
-    table = jax.lax.all_to_all(jnp.concatenate([counts, start[:, None]], axis=1), axis, 0, 0, tiled=True)
-    per_expert, their_start = table[:, :local], table[:, local]  # from each source
+    in_offsets = jnp.cumsum(counts.reshape(-1)).reshape(ep, local) - counts  # rows sorted by expert
+    table = jax.lax.all_to_all(jnp.concatenate([counts, in_offsets], axis=1), axis, 0, 0, tiled=True)
+    per_expert, their_offsets = table[:, :local], table[:, local:]  # [source, local expert]
     kept = _kept(per_expert.sum(axis=1), bound)
-    offset = jnp.cumsum(kept) - kept  # source-major in this device's receive buffer
-    reply = jax.lax.all_to_all(jnp.stack([kept, offset], axis=1), axis, 0, 0, tiled=True)
-    send_sizes, out_offsets = reply[:, 0], reply[:, 1]  # per peer: rows of ours it keeps, and where
     # A source's kept rows are a prefix of its run, so of each expert's rows a prefix.
     before = jnp.cumsum(per_expert, axis=1) - per_expert
-    kept_by_expert = jnp.clip(kept[:, None] - before, 0, per_expert)  # [source, local expert]
-    # The expert of each received row (`local`, in no group, past the last).
-    r = jnp.arange(bound)
-    source = jnp.minimum(jnp.searchsorted(jnp.cumsum(kept), r, side="right"), ep - 1)
-    ends = jnp.cumsum(kept_by_expert, axis=1)[source]  # [bound, local]
-    recv_expert = jnp.sum(r[:, None] - offset[source][:, None] >= ends, axis=1)
-    recv_expert = jnp.where(r < kept.sum(), recv_expert, local)
-    order = jnp.argsort(recv_expert, stable=True)
-    peer = jnp.minimum(experts // local, ep - 1)
-    held = jnp.arange(n) - start[peer] < send_sizes[peer]
+    recv_sizes = jnp.clip(kept[:, None] - before, 0, per_expert)  # [source, local expert]
+    sizes = recv_sizes.sum(axis=0)
+    # Grouped by expert, each expert's rows source-major.
+    recv_offsets = (jnp.cumsum(sizes) - sizes)[None, :] + jnp.cumsum(recv_sizes, axis=0) - recv_sizes
+    reply = jax.lax.all_to_all(jnp.concatenate([recv_sizes, recv_offsets], axis=1), axis, 0, 0, tiled=True)
+    send_sizes, out_offsets = reply[:, :local], reply[:, local:]  # per peer's expert: kept, and where
+    slot = jnp.minimum(experts, ep * local - 1)
+    held = jnp.arange(n) - in_offsets.reshape(-1)[slot] < send_sizes.reshape(-1)[slot]
+    flat = lambda a: a.reshape(-1)  # noqa: E731
     return _Plan(
-        kept_by_expert.sum(axis=0), start, send_sizes, out_offsets, kept, offset, their_start, order,
-        jnp.argsort(order), held,
+        sizes, flat(in_offsets), flat(send_sizes), flat(out_offsets), flat(recv_offsets), flat(recv_sizes),
+        flat(their_offsets), held,
     )  # fmt: skip
 
 
@@ -320,36 +330,32 @@ class _Wire:
             return jax.lax.ragged_all_to_all(*args, axis_name=self.axis)
         return padded_ragged_all_to_all(*args, axis_name=self.axis, width=self.width)
 
-    def _out(self, x: jax.Array, plan: _Plan) -> jax.Array:
+    def _out(self, x: jax.Array, plan: _Plan, buffer: jax.Array | None) -> jax.Array:
         if self.axis is None:
             return x
-        buffer = jnp.zeros((self.bound, *x.shape[1:]), x.dtype)
-        got = self._a2a(x, buffer, plan.start, plan.send_sizes, plan.out_offsets, plan.kept)
-        return permute(got, plan.order, plan.inverse)
+        shape = (self.bound, *x.shape[1:])
+        if buffer is None or buffer.shape != shape or buffer.dtype != x.dtype:
+            buffer = jnp.zeros(shape, x.dtype)
+        return self._a2a(x, buffer, plan.in_offsets, plan.send_sizes, plan.out_offsets, plan.recv_sizes)
 
-    def out(self, x: jax.Array, plan: _Plan) -> jax.Array:
-        """Our rows x [n, ...] -> the rows we receive [bound, ...], sorted by local expert; copies
-        [n, d] in the `dispatch` dtype on the way (DeepSeek-V3's FP8: quantized with or without an
-        exchange, so the layout never changes the model)."""
+    def out(self, x: jax.Array, plan: _Plan, buffer: jax.Array | None = None) -> jax.Array:
+        """Our rows x [n, ...] -> the rows we receive [bound, ...], grouped by local expert, landing
+        in `buffer` (a dead array of finite values: its rows past the received ones stay; default
+        zeros); copies [n, d] in the `dispatch` dtype on the way (DeepSeek-V3's FP8: quantized with
+        or without an exchange, so the layout never changes the model)."""
         if not self.dispatch or x.ndim != 2:
-            return self._out(x, plan)
+            return self._out(x, plan, buffer)
         q, scale = _quantize(x, jnp.dtype(self.dispatch))
-        return _dequantize(self._out(q, plan), self._out(scale, plan), x.dtype)
+        return _dequantize(self._out(q, plan, None), self._out(scale, plan, None), x.dtype)
 
-    def back(self, y: jax.Array, buffer: jax.Array, plan: _Plan) -> jax.Array:
-        """Received rows y [bound, ...] (as `out` sorted them) -> each to its row of ours, landing
-        in `buffer` [n, ...] (dead after: no zeroed buffer written); rows a receiver dropped are 0."""
+    def back(self, y: jax.Array, buffer: jax.Array, plan: _Plan) -> tuple[jax.Array, jax.Array]:
+        """Received rows y [bound, ...] (as `out` grouped them) -> (each to its row of ours [n, ...],
+        rows a receiver dropped 0; the buffer they landed in), landing in `buffer` [n, ...] (dead
+        after: no zeroed buffer written)."""
         if self.axis is None:
-            return y
-        got = self._a2a(
-            permute(y, plan.inverse, plan.order),
-            buffer,
-            plan.offset,
-            plan.kept,
-            plan.their_start,
-            plan.send_sizes,
-        )
-        return jnp.where(plan.held.reshape(-1, *(1,) * (y.ndim - 1)), got, 0)
+            return y, y
+        got = self._a2a(y, buffer, plan.recv_offsets, plan.recv_sizes, plan.their_offsets, plan.send_sizes)
+        return jnp.where(plan.held.reshape(-1, *(1,) * (y.ndim - 1)), got, 0), got
 
     def experts(self, rows: jax.Array, w_in: jax.Array, w_out: jax.Array, *, plan: _Plan) -> jax.Array:
         return _tensor_split(rows, plan.sizes, w_in, w_out, self.impl, self.routed)
@@ -393,21 +399,34 @@ def _pipelined(pieces: Any, arrive: Any, compute: Any, finish: Any) -> list[Any]
 def _routed_fwd(
     wire: _Wire, rows: Pieces, gates: Pieces, w_in: jax.Array, w_out: jax.Array, plans: Any
 ) -> tuple[Pieces, Any]:
+    # Buffers of pieces before, dead by then, not zeroed ones (XLA writes a zeroed buffer for
+    # each, as it copies one still live): each piece's rows arrive in the receive buffer of the
+    # piece two before (`_pipelined` sends piece i + 2 after piece i's experts ran; the rows past
+    # the received ones are read by the experts' backward kernel: any finite values do), and its
+    # results land in the buffer the piece before's landed in. Zeroed buffers for the first ones.
+    spare: list[jax.Array] = []
+    landed: list[jax.Array] = []
+
     def arrive(piece: Any) -> Any:
         r, _, plan = piece
         # The groups are known from the tiny all-to-alls, before the rows arrive; left free, XLA
         # starts the grouped matmul's set-up (`blocks` gathers each block's expert weights) during
         # the exchange: 2.9 GB more a GPU on Qwen3-30B-A3B's 4 x 8 plan (55.1 against 52.2).
-        return jax.lax.optimization_barrier((wire.out(r, plan), plan))
+        return jax.lax.optimization_barrier((wire.out(r, plan, _spare(spare, wire.bound)), plan))
 
-    def compute(piece: Any, got: Any) -> jax.Array:
+    def compute(piece: Any, got: Any) -> tuple[jax.Array, jax.Array]:
         recv, plan = got
-        return wire.experts(recv, w_in, w_out, plan=plan)
+        return wire.experts(recv, w_in, w_out, plan=plan), recv
 
-    def finish(piece: Any, out: jax.Array) -> jax.Array:
+    def finish(piece: Any, made: tuple[jax.Array, jax.Array]) -> jax.Array:
         r, g, plan = piece
-        # The results land in the copies' own buffer (dead once they are sent), not in a zeroed one.
-        return wire.back(out, jax.lax.stop_gradient(r), plan) * g[:, None]
+        out, recv = made
+        # Not in the copies' own buffer: they are kept for the backward (XLA would copy them).
+        buffer = _spare(landed, r.shape[0])
+        ours, buffer = wire.back(out, jnp.zeros_like(r) if buffer is None else buffer, plan)
+        spare.append(recv)
+        landed.append(buffer)
+        return ours * g[:, None]
 
     ys = _pipelined(zip(rows, gates, plans, strict=True), arrive, compute, finish)
     return tuple(ys), (rows, gates, w_in, w_out, plans)
@@ -415,24 +434,26 @@ def _routed_fwd(
 
 def _routed_bwd(wire: _Wire, saved: Any, dys: Pieces) -> tuple[Any, ...]:
     rows, gates, w_in, w_out, plans = saved
+    spare: list[jax.Array] = []  # dead receive buffers, as in the forward (`_routed_fwd`)
 
     def arrive(piece: Any) -> Any:
         r, g, plan, dy = piece
-        recv, recv_dy, recv_gates = wire.out(r, plan), wire.out(dy, plan), wire.out(g, plan)
-        return jax.lax.optimization_barrier((recv, recv_dy, recv_gates, plan))
+        recv, recv_dy = (wire.out(a, plan, _spare(spare, wire.bound)) for a in (r, dy))
+        return jax.lax.optimization_barrier((recv, recv_dy, wire.out(g, plan), plan))
 
-    def compute(piece: Any, got: Any) -> tuple[jax.Array, ...]:
+    def compute(piece: Any, got: Any) -> tuple[Any, ...]:
         recv, recv_dy, recv_gates, plan = got
         out, vjp = jax.vjp(functools.partial(wire.experts, plan=plan), recv, w_in, w_out)
         dg = jnp.sum(out.astype(jnp.float32) * recv_dy.astype(jnp.float32), axis=-1).astype(piece[1].dtype)
         drecv, dw_in, dw_out = vjp((recv_gates[:, None] * recv_dy).astype(out.dtype))
-        return drecv, dw_in, dw_out, dg
+        return drecv, dw_in, dw_out, dg, (recv, recv_dy)
 
-    def finish(piece: Any, grads: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    def finish(piece: Any, grads: tuple[Any, ...]) -> tuple[jax.Array, ...]:
         _, g, plan, dy = piece
-        drecv, dw_in, dw_out, dg = grads
+        drecv, dw_in, dw_out, dg, received = grads
+        spare.extend(received)  # dead once the experts' backward ran: for the piece two after
         # dy is dead once sent: the rows' gradient lands in it
-        return wire.back(drecv, dy, plan), wire.back(dg, jnp.zeros_like(g), plan), dw_in, dw_out
+        return wire.back(drecv, dy, plan)[0], wire.back(dg, jnp.zeros_like(g), plan)[0], dw_in, dw_out
 
     done = _pipelined(zip(rows, gates, plans, dys, strict=True), arrive, compute, finish)
     drows, dgates, dw_in, dw_out = zip(*done, strict=True)
@@ -440,6 +461,12 @@ def _routed_bwd(wire: _Wire, saved: Any, dys: Pieces) -> tuple[Any, ...]:
 
 
 _routed.defvjp(_routed_fwd, _routed_bwd)
+
+
+def _spare(spare: list[jax.Array], rows: int) -> jax.Array | None:
+    """The oldest dead buffer of a piece before, of `rows` rows (None: there is none). Its values
+    are only overwritten: no gradient goes to them (jax's backward, without remat)."""
+    return jax.lax.stop_gradient(spare.pop(0)) if spare and spare[0].shape[0] == rows else None
 
 
 def _exchange(
