@@ -60,8 +60,9 @@ CASES = {
     # experts over expert 8 inside one host, tokens exchanged by all-to-all (scanned layers: the
     # compile takes as long as the whole model's, which does not fit one host).
     "qwen3_30b_a3b_8l_h100x8": (
-        # One sequence a microbatch in one piece (the config ships two in four): CI's compile stays
-        # as short as it was (pieces: deepseek_tiny_heads192_h100x8).
+        # One sequence a microbatch in one piece, its logits whole (the config ships eight in 8
+        # pieces, the head's in 8): CI's compile stays as short as it was (pieces:
+        # deepseek_tiny_heads192_h100x8).
         [
             "--config",
             "configs/qwen3_30b_a3b.yaml",
@@ -72,6 +73,8 @@ CASES = {
             "--device_batch_size",
             "1",
             "--model.moe.chunks",
+            "1",
+            "--model.token_chunks",
             "1",
         ],
         "h100",
