@@ -58,7 +58,8 @@ MOE_HEAD = (
 
 def _mesh(p: dict) -> str:
     axes = " x ".join(f"{a} {n}" for a, n in p["mesh"].items() if n > 1) or "1 GPU"
-    return axes + (" + zero1" if p["zero1"] and p["mesh"]["data"] > 1 else "")
+    inner = ", expert inside fsdp" if p.get("expert_inner") else ""
+    return axes + (" + zero1" if p["zero1"] and p["mesh"]["data"] > 1 else "") + inner
 
 
 def _moved(p: dict, kind: str, axis: str, key: str = "bytes") -> float:

@@ -19,7 +19,7 @@ import pytest
 
 from jaxtrain.cluster.detect import detect
 from jaxtrain.cluster.shutdown import exit_on_user_error
-from jaxtrain.config import ConfigError, DistConfig, load_config
+from jaxtrain.config import ConfigError, DistConfig, MeshConfig, load_config
 from jaxtrain.model.moe import (
     MoeMlp,
     active_params,
@@ -52,8 +52,10 @@ MOE = [
 STEPS = 20
 MESHES = {
     "expert4xdata2": ["--mesh.expert", "4", "--mesh.data", "2"],
-    "expert2xfsdp2xtensor2": [
+    # expert laid inside fsdp (tests/test_deepseek.py trains the same sizes laid out as usual)
+    "expert2_inside_fsdp2xtensor2": [
         "--mesh.expert", "2", "--mesh.fsdp", "2", "--mesh.tensor", "2", "--mesh.data", "1",
+        "--mesh.expert_inner", "true",
     ],
 }  # fmt: skip
 
@@ -410,20 +412,30 @@ def test_bad_moe_config_is_one_line_exit_2(argv, message, tmp_path, capfd):
 
 
 @pytest.mark.parametrize(
-    "sizes, crosses",
-    [((2, 4, 1, 1, 1), False), ((1, 4, 2, 1, 1), True), ((1, 8, 1, 1, 1), True), ((2, 2, 2, 1, 1), False)],
-    ids=["expert4xdata2", "expert4xfsdp2", "expert8", "expert2xfsdp2xdata2"],
+    "sizes, inner, crosses",
+    [
+        ((2, 4, 1, 1, 1), False, False),
+        ((1, 4, 2, 1, 1), False, True),
+        ((1, 8, 1, 1, 1), False, True),
+        ((2, 2, 2, 1, 1), False, False),
+        ((1, 4, 2, 1, 1), True, False),
+    ],
+    ids=["expert4xdata2", "expert4xfsdp2", "expert8", "expert2xfsdp2xdata2", "expert4_inside_fsdp2"],
 )
-def test_an_expert_axis_across_hosts_is_warned_of_once(sizes, crosses):
-    """2 hosts x 4 devices (fakes: only their host is read). Expert groups stride by fsdp, so
-    expert 4 x fsdp 2 puts each group's peers on both hosts though fsdp 2 stays inside one."""
-    hosts = [types.SimpleNamespace(process_index=i // 4) for i in range(8)]
+def test_an_expert_axis_across_hosts_is_warned_of_once(sizes, inner, crosses):
+    """2 hosts x 4 devices (fakes: only their host and id are read). Expert groups stride by fsdp,
+    so expert 4 x fsdp 2 puts each group's peers on both hosts though fsdp 2 stays inside one;
+    laid inside fsdp (`expert_inner`), each expert group is a host's and fsdp spans both as
+    asked: nothing to warn of."""
+    devices = [types.SimpleNamespace(process_index=i // 4, id=i) for i in range(8)]
     grid = (1, *sizes)  # pipeline 1 x data x expert x fsdp x context x tensor
+    shape = MeshConfig(**dict(zip(mesh_lib.MESH_AXES, grid, strict=True)), expert_inner=inner)
     mesh = types.SimpleNamespace(
-        devices=np.asarray(hosts, dtype=object).reshape(grid),
+        devices=mesh_lib.device_grid(devices, shape),
         shape=dict(zip(mesh_lib.MESH_AXES, grid, strict=True)),
         axis_names=mesh_lib.MESH_AXES,
     )
+    assert mesh_lib.expert_inner(mesh) == (inner and sizes[2] > 1)
     said = mesh_lib.host_warnings(mesh)
     expected = [
         f"mesh expert {sizes[1]} spans hosts (4 devices per process): each MoE layer's token "
@@ -440,7 +452,7 @@ def _records(run_dir):
 def test_checkpoint_restores_across_expert_parallel_sizes_and_reports_the_router(tmp_path):
     """The real loop: 20 steps under expert 4 x data 2 with ZeRO-1 (Qwen3-30B-A3B's layout: params
     and moments split over data; checkpoints at 10 and 20); its step-10 checkpoint resumed under
-    expert 2 x fsdp 2 x tensor 2 gives the same losses to 20."""
+    expert 2 x fsdp 2 x tensor 2, expert laid inside fsdp, gives the same losses to 20."""
     ref = tmp_path / "ref"
     launch = detect(DistConfig(), {})
     train(
@@ -449,7 +461,7 @@ def test_checkpoint_restores_across_expert_parallel_sizes_and_reports_the_router
     resumed = tmp_path / "resumed"
     shutil.copytree(ref, resumed)
     shutil.rmtree(resumed / "checkpoints" / "20")  # as if the job had stopped after step 10
-    train(load_config([*MOE, "--run_dir", str(resumed), *MESHES["expert2xfsdp2xtensor2"]]), launch)
+    train(load_config([*MOE, "--run_dir", str(resumed), *MESHES["expert2_inside_fsdp2xtensor2"]]), launch)
 
     def losses(records):
         return {r["step"]: r["loss"] for r in records if "loss" in r}

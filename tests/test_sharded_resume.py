@@ -91,14 +91,41 @@ def test_fsdp_across_processes_trains_and_says_what_it_costs(tmp_path):
     assert "mesh fsdp x tensor = 4 devices spans hosts (2 devices per process)" in out.stdout + out.stderr
 
 
-# tests/test_moe.py's experts (8, 2 per token) over expert 2 across the processes (each MoE layer's token
-# all-to-all crosses them), sequences split in two inside each (context 2 x fsdp 2): one launch
-# for both axes.
-EXPERT_CONTEXT = [
+# tests/test_moe.py's experts (8, 2 per token)
+MOE = [
     "--model.n_head", "4", "--model.mlp", "swiglu", "--model.moe.n_experts", "8",
     "--model.moe.d_expert", "32",
-    "--mesh.expert", "2", "--mesh.context", "2", "--mesh.fsdp", "2", "--mesh.data", "1",
 ]  # fmt: skip
+
+
+def test_experts_inside_each_process_and_fsdp_across_them_train_as_in_one_process(tmp_path):
+    """The same experts over expert 2 laid inside fsdp 2 (`mesh.expert_inner`, Qwen3-30B-A3B's
+    layout on 4 hosts): each process's 2 devices are an expert group and fsdp's gathers and
+    reduce-scatters cross the processes. The losses are those of the same mesh in one process."""
+    layout = [
+        *MOE,
+        "--mesh.expert",
+        "2",
+        "--mesh.fsdp",
+        "2",
+        "--mesh.data",
+        "1",
+        "--mesh.expert_inner",
+        "true",
+    ]
+    steps = ["--total_steps", "3", "--checkpoint_interval", "3"]
+    two = _ok(_run(tmp_path / "two", 2, 2, *layout, *steps))
+    _ok(_run(tmp_path / "one", 1, 4, *layout, *steps))
+    assert "spans hosts" not in two.stdout + two.stderr  # fsdp across processes is what was asked
+    assert "expert inside fsdp" in (tmp_path / "two" / "train.log").read_text()
+    a, b = _losses(tmp_path / "two"), _losses(tmp_path / "one")
+    assert sorted(a) == [1, 2, 3] and a == pytest.approx(b, rel=1e-5), (a, b)
+
+
+# The experts over expert 2 across the processes (each MoE layer's token
+# all-to-all crosses them), sequences split in two inside each (context 2 x fsdp 2): one launch
+# for both axes.
+EXPERT_CONTEXT = [*MOE, "--mesh.expert", "2", "--mesh.context", "2", "--mesh.fsdp", "2", "--mesh.data", "1"]
 # One stage per process (pipeline is the outer axis), its layer and 2 microbatches over data 2 x fsdp 2.
 PIPELINE = [
     "--model.scan_layers", "true", "--mesh.pipeline", "2", "--mesh.fsdp", "2",

@@ -203,6 +203,10 @@ class MeshConfig:
     context: int = 1
     tensor: int = 1  # Megatron: heads, MLP hidden and vocab split; the batch is not
     zero1: bool = False  # ZeRO-1: also split the params and optimizer state over `data`
+    # Lay the expert axis inside fsdp: each expert group on consecutive devices (one host, where it
+    # fits), each fsdp group across them (hosts). The token all-to-all of every MoE layer stays on
+    # NVLink and fsdp's per-layer gathers and reduce-scatters cross the network instead.
+    expert_inner: bool = False
     # fsdp gathers params in the compute dtype (dtype) and reduce-scatters their gradients in this
     # one: float32 (torchtitan's reduce_dtype default) or compute (half the bytes, bf16 sums)
     reduce_dtype: str = "float32"

@@ -35,6 +35,7 @@ def _facts(run: Run) -> dict[str, Any]:
         "cfg": cfg,
         "mesh": mesh_lib.mesh_shape(run.mesh),
         "device_hosts": [d.process_index for d in run.mesh.devices.flat],
+        "expert_inner": mesh_lib.expert_inner(run.mesh),
         "n_params": run.n_params,
         "model_flops_per_step": run.flops_per_token * cfg.batch_size * cfg.model.seq_len,
         "global_batch": cfg.batch_size,
@@ -50,6 +51,7 @@ def _head(f: dict[str, Any], target: targets.GpuTarget, hosts: int, gpus_per_hos
     return bubble | {
         "target": target.name, "device_kind": target.device_kind, "hosts": hosts,
         "gpus_per_host": gpus_per_host, "mesh": f["mesh"], "zero1": f["cfg"].mesh.zero1,
+        **({"expert_inner": True} if f["expert_inner"] else {}),
         "dtype": f["cfg"].dtype, "remat": f["cfg"].model.remat, "global_batch": f["global_batch"],
         "device_batch": f["device_batch"], "accumulation": f["accumulation"],
         "seq_len": f["cfg"].model.seq_len, "n_params": f["n_params"],
@@ -95,10 +97,10 @@ def gb(n: float) -> str:
 
 def print_plan(p: dict[str, Any]) -> None:
     """The plan as a table, its collectives and its bounds."""
-    mesh = " x ".join(f"{a} {n}" for a, n in p["mesh"].items())
+    mesh = " x ".join(f"{a} {n}" for a, n in p["mesh"].items()) + (" + zero1" if p["zero1"] else "")
     head = [
         ("target", f"{p['hosts']} x {p['gpus_per_host']} {p['device_kind']}"),
-        ("mesh", mesh + (" + zero1" if p["zero1"] else "")),
+        ("mesh", mesh + (", expert inside fsdp" if p.get("expert_inner") else "")),
         ("batch", f"global {p['global_batch']} x {p['seq_len']}, {p['accumulation']} microbatch(es) of "
                   f"{p['device_batch']} per device; {p['dtype']}, remat {p['remat']}"),
         ("params", f"{p['n_params']:,}"),

@@ -87,18 +87,40 @@ def activation_rules(mesh: Any) -> tuple[tuple[str, str], ...]:
 
 def make_mesh(devices: list[jax.Device] | None = None, shape: MeshConfig | None = None) -> Mesh:
     """A pipeline x data x expert x fsdp x context x tensor mesh over `devices` (default: every
-    device of every process).
+    device of every process), laid out by `device_grid`.
 
     `shape` must be resolved (config.with_topology); None means pure data parallelism.
     """
     devices = devices or jax.devices()
     if shape is None:
         shape = MeshConfig(data=len(devices))
-    sizes = tuple(getattr(shape, a) for a in MESH_AXES)
-    # Process-major order: consecutive devices share a host, so the inner axes stay on one.
+    return Mesh(device_grid(devices, shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def device_grid(devices: list[Any], shape: MeshConfig) -> np.ndarray:
+    """`devices` as an array of the mesh's axes (MESH_AXES order), process-major: consecutive
+    devices share a host, so the inner axes stay on one. With `expert_inner` the devices are laid
+    out with expert inside fsdp (each expert group on consecutive devices); the axes keep their
+    order."""
+    laid = list(MESH_AXES)
+    if shape.expert_inner:
+        e, f = laid.index(EXPERT_AXIS), laid.index(FSDP_AXIS)
+        laid[e], laid[f] = laid[f], laid[e]
     ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
-    grid = np.asarray(ordered, dtype=object).reshape(sizes)
-    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    grid = np.asarray(ordered, dtype=object).reshape([getattr(shape, a) for a in laid])
+    return grid.transpose([laid.index(a) for a in MESH_AXES])
+
+
+def expert_inner(mesh: Mesh) -> bool:
+    """Whether the devices are laid out with expert inside fsdp (make_mesh's `expert_inner`): the
+    next device along expert comes before the next along fsdp in process-major order."""
+    if mesh.shape[EXPERT_AXIS] == 1 or mesh.shape[FSDP_AXIS] == 1:
+        return False
+    order = sorted(mesh.devices.flat, key=lambda d: (d.process_index, d.id))
+    second = {
+        a: np.take(mesh.devices, 1, axis=mesh.axis_names.index(a)).flat[0] for a in (EXPERT_AXIS, FSDP_AXIS)
+    }
+    return order.index(second[EXPERT_AXIS]) < order.index(second[FSDP_AXIS])
 
 
 def host_warnings(mesh: Mesh) -> list[str]:
@@ -110,7 +132,7 @@ def host_warnings(mesh: Mesh) -> list[str]:
     said = []
     group = [a for a in (FSDP_AXIS, CONTEXT_AXIS, TENSOR_AXIS) if a != CONTEXT_AXIS or mesh.shape[a] > 1]
     inner, named = math.prod(mesh.shape[a] for a in group), " x ".join(group)
-    if inner > per_process:
+    if inner > per_process and not expert_inner(mesh):  # there fsdp spans hosts as asked
         said.append(
             f"mesh {named} = {inner} devices spans hosts ({per_process} devices per process): its "
             "all-gathers and reduce-scatters of params and gradients (and tensor parallelism's per-layer "
@@ -143,7 +165,8 @@ def mesh_shape(mesh: Mesh) -> dict[str, int]:
 
 
 def describe(mesh: Mesh) -> str:
-    return " x ".join(f"{a} {n}" for a, n in mesh_shape(mesh).items())
+    inner = " (expert inside fsdp)" if expert_inner(mesh) else ""
+    return " x ".join(f"{a} {n}" for a, n in mesh_shape(mesh).items()) + inner
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
