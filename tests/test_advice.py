@@ -108,6 +108,12 @@ def test_the_search_varies_the_expert_and_pipeline_axes():
     assert {pipe for _, _, _, pipe, _ in grid} == {1}  # no pipeline for a mixture of experts
     for tensor, context, expert, pipe, fsdps in grid:
         assert fsdps[-1] * tensor * context * expert * pipe == 16 and fsdps[0] == 1
+    # Expert laid inside fsdp is tried where it moves the exchange into a host: expert 8 x fsdp 2
+    # on 2 x 8 (not expert 8 x fsdp 1, nor expert 4 x fsdp 2 in one host, nor expert 16).
+    assert advice.inner_choice(8, 2, 1, 8) and advice.inner_choice(4, 4, 2, 8)
+    assert not any(
+        advice.inner_choice(*a, 8) for a in [(8, 1, 1), (4, 2, 1), (16, 2, 1), (1, 8, 1), (8, 2, 2)]
+    )
     # A dense model: expert 1 only; tensor inside the host, largest first; context in what the host
     # leaves, where it divides the window and the heads (32 heads: context x tensor <= 32); no
     # pipeline, then the pipelines that divide its 32 layers in what is left, deepest first.

@@ -191,6 +191,13 @@ def layouts(cfg: Config, devices: int, gpus_per_host: int) -> list[tuple[int, in
     return out
 
 
+def inner_choice(expert: int, fsdp: int, inner: int, gpus_per_host: int) -> bool:
+    """Whether laying expert inside fsdp (`mesh.expert_inner`) changes which collectives cross
+    hosts: the expert group (with the `inner` tensor x context devices) fits a host and the fsdp
+    groups do not all fit beside it."""
+    return expert > 1 and fsdp > 1 and expert * inner <= gpus_per_host < expert * fsdp * inner
+
+
 def pipelines(cfg: Config, devices: int) -> list[int]:
     """1, then the pipeline sizes (powers of two, at most `devices` and the layers of a dense
     scanned model) whose stages pad the layers by at most 1/16 of them, deepest first: a stage's
@@ -255,7 +262,8 @@ def search(
     (`layouts`), the device batch from the largest (no accumulation: the fewest gathers per step)
     down, skipping without a compile any whose saved layer inputs alone exceed a device
     (`activation_floor`) and any at which the widest fsdp does not fit; at the first that fits,
-    the narrowest fsdp that does (data fills the rest), then less remat where it still fits. At
+    the narrowest fsdp that does (data fills the rest), with expert laid inside fsdp too where
+    that keeps the token exchange inside a host (`inner_choice`), then less remat where it still fits. At
     most `budget` compiles. Prints a line per setting as it goes."""
     devices = hosts * gpus_per_host
     rows = cfg.total_batch_size // cfg.model.seq_len if cfg.total_batch_size else cfg.batch_size
@@ -293,6 +301,8 @@ def search(
             )
             found = s.narrowest(mesh, {**batch, **FULL}, fsdps)
             if isinstance(found, dict):
+                if inner_choice(expert, found["mesh.fsdp"], tensor * context, gpus_per_host):
+                    s.attempt({**found, "mesh.expert_inner": True})  # the token exchange on NVLink
                 for remat in ("dots", "none"):  # less recomputation, where memory allows
                     if s.compiles >= budget or s.attempt({**found, "model.remat": remat}) != "fits":
                         break
