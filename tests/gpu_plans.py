@@ -190,9 +190,17 @@ CASES = {
         4,
         8,
     ),
-    # The layout shipped before the expert axis split the dense params: experts spread over 4 hosts.
-    "qwen3_30b_a3b_h100_4x8_expert8_fsdp4": ([*QWEN3_MOE, "--mesh.fsdp", "4"], "h100", 4, 8),
-    "qwen3_30b_a3b_h100x8": (QWEN3_MOE, "h100", 1, 8),
+    # The layout shipped before the expert axis split the dense params: experts spread over 4 hosts
+    # (expert 8 x fsdp 4 laid as usual, fsdp inside).
+    "qwen3_30b_a3b_h100_4x8_expert8_fsdp4": ([*QWEN3_MOE, "--mesh.expert_inner", "false"], "h100", 4, 8),
+    # The layout shipped before expert was laid inside fsdp: data 4 across the hosts, ZeRO-1.
+    "qwen3_30b_a3b_h100_4x8_data4_zero1": (
+        [*QWEN3_MOE, "--mesh.fsdp", "1", "--mesh.zero1", "true"],
+        "h100",
+        4,
+        8,
+    ),
+    "qwen3_30b_a3b_h100x8": ([*QWEN3_MOE, "--mesh.fsdp", "1"], "h100", 1, 8),
     "mixtral_8x7b_h100_2x8": (["--config", "configs/mixtral_8x7b.yaml", "--mesh.fsdp", "2"], "h100", 2, 8),
     "deepseek_v3_671b_h100_128x8": (["--config", "configs/deepseek_v3_671b.yaml"], "h100", 128, 8),
     "llama3_8b_h100_8x8_reduce_compute": (

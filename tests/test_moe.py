@@ -50,12 +50,14 @@ MOE = [
     "--model.moe.n_shared_experts", "1", "--model.moe.z_loss_coef", "0.001",
 ]  # fmt: skip
 STEPS = 20
+DOTS = ["--model.remat", "dots"]
 MESHES = {
     "expert4xdata2": ["--mesh.expert", "4", "--mesh.data", "2"],
-    # expert laid inside fsdp (tests/test_deepseek.py trains the same sizes laid out as usual)
+    # expert laid inside fsdp (tests/test_deepseek.py trains the same sizes laid out as usual),
+    # under remat dots (the exchange's own backward, `_routed`): Qwen3-30B-A3B's settings
     "expert2_inside_fsdp2xtensor2": [
         "--mesh.expert", "2", "--mesh.fsdp", "2", "--mesh.tensor", "2", "--mesh.data", "1",
-        "--mesh.expert_inner", "true",
+        "--mesh.expert_inner", "true", *DOTS,
     ],
 }  # fmt: skip
 
@@ -450,13 +452,14 @@ def _records(run_dir):
 
 
 def test_checkpoint_restores_across_expert_parallel_sizes_and_reports_the_router(tmp_path):
-    """The real loop: 20 steps under expert 4 x data 2 with ZeRO-1 (Qwen3-30B-A3B's layout: params
-    and moments split over data; checkpoints at 10 and 20); its step-10 checkpoint resumed under
-    expert 2 x fsdp 2 x tensor 2, expert laid inside fsdp, gives the same losses to 20."""
+    """The real loop: 20 steps under expert 4 x data 2 with ZeRO-1 (params and moments split over
+    data; checkpoints at 10 and 20), remat dots; its step-10 checkpoint resumed under expert 2 x
+    fsdp 2 x tensor 2, expert laid inside fsdp (Qwen3-30B-A3B's layout), gives the same losses to 20."""
     ref = tmp_path / "ref"
     launch = detect(DistConfig(), {})
     train(
-        load_config([*MOE, "--run_dir", str(ref), *MESHES["expert4xdata2"], "--mesh.zero1", "true"]), launch
+        load_config([*MOE, "--run_dir", str(ref), *MESHES["expert4xdata2"], "--mesh.zero1", "true", *DOTS]),
+        launch,
     )
     resumed = tmp_path / "resumed"
     shutil.copytree(ref, resumed)
