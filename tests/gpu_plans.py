@@ -32,6 +32,7 @@ GPT_70B = [*GPT2, "--model.n_layer", "80", "--model.d_model", "8192", "--model.n
 GPT_1P5B = [*GPT2, "--model.n_layer", "48", "--model.d_model", "1600", "--model.n_head", "25",
             "--model.scan_layers", "true", "--model.remat", "full", "--device_batch_size", "8"]  # fmt: skip
 QWEN3_MOE = ["--config", "configs/qwen3_30b_a3b.yaml"]
+FULL = ["--model.remat", "full"]
 LAYERS_128 = ["--model.n_layer", "128", "--mesh.zero1", "true"]
 # case -> (flags, target, hosts, gpus per host)
 CASES = {
@@ -76,6 +77,8 @@ CASES = {
             "1",
             "--model.token_chunks",
             "1",
+            "--model.remat",
+            "full",
         ],
         "h100",
         1,
@@ -190,17 +193,22 @@ CASES = {
         4,
         8,
     ),
-    # The layout shipped before the expert axis split the dense params: experts spread over 4 hosts
-    # (expert 8 x fsdp 4 laid as usual, fsdp inside).
-    "qwen3_30b_a3b_h100_4x8_expert8_fsdp4": ([*QWEN3_MOE, "--mesh.expert_inner", "false"], "h100", 4, 8),
-    # The layout shipped before expert was laid inside fsdp: data 4 across the hosts, ZeRO-1.
-    "qwen3_30b_a3b_h100_4x8_data4_zero1": (
-        [*QWEN3_MOE, "--mesh.fsdp", "1", "--mesh.zero1", "true"],
+    # The layouts shipped before (full remat): experts spread over 4 hosts (expert 8 x fsdp 4 laid
+    # as usual, fsdp inside), before the expert axis split the dense params; data 4 across the
+    # hosts with ZeRO-1, before expert was laid inside fsdp. One host, full remat.
+    "qwen3_30b_a3b_h100_4x8_expert8_fsdp4": (
+        [*QWEN3_MOE, *FULL, "--mesh.expert_inner", "false"],
         "h100",
         4,
         8,
     ),
-    "qwen3_30b_a3b_h100x8": ([*QWEN3_MOE, "--mesh.fsdp", "1"], "h100", 1, 8),
+    "qwen3_30b_a3b_h100_4x8_data4_zero1": (
+        [*QWEN3_MOE, *FULL, "--mesh.fsdp", "1", "--mesh.zero1", "true"],
+        "h100",
+        4,
+        8,
+    ),
+    "qwen3_30b_a3b_h100x8": ([*QWEN3_MOE, *FULL, "--mesh.fsdp", "1"], "h100", 1, 8),
     "mixtral_8x7b_h100_2x8": (["--config", "configs/mixtral_8x7b.yaml", "--mesh.fsdp", "2"], "h100", 2, 8),
     "deepseek_v3_671b_h100_128x8": (["--config", "configs/deepseek_v3_671b.yaml"], "h100", 128, 8),
     "llama3_8b_h100_8x8_reduce_compute": (
