@@ -104,7 +104,7 @@ def compiler_options(cfg: Config, platform: str) -> dict[str, str | bool] | None
         return None
     return {
         "xla_gpu_experimental_collective_start_as_early_as_possible": True,
-        "xla_gpu_experimental_parallel_collective_overlap_limit": 4,
+        "xla_gpu_experimental_parallel_collective_overlap_limit": "4",  # an int option, as XLA parses it
     }
 
 
