@@ -14,9 +14,14 @@ def test_the_users_flag_wins_and_ours_fill_in_the_rest():
 
 
 def test_only_a_mixture_of_experts_in_pieces_on_gpus_starts_collectives_early():
-    """The option goes to that job's compiles alone (xla_env.compiler_options): it slows a dense
-    job's plan (Llama-3-70B on 128 x 8 H100, 58.2 -> 53.7%), and XLA:CPU has no use for it."""
-    early = {"xla_gpu_experimental_collective_start_as_early_as_possible": True}
+    """The options go to that job's compiles alone (xla_env.compiler_options): starting early slows
+    a dense job's plan (Llama-3-70B on 128 x 8 H100, 58.2 -> 53.7%), and XLA:CPU has no use for
+    them. Four collectives in flight, not GPU_FLAGS' two: the pieces' exchanges leave room."""
+    early = {
+        "xla_gpu_experimental_collective_start_as_early_as_possible": True,
+        "xla_gpu_experimental_parallel_collective_overlap_limit": "4",
+    }
+    assert "--xla_gpu_experimental_parallel_collective_overlap_limit=2" in GPU_FLAGS
     pieces = load_config(["--config", "configs/deepseek_v3_671b.yaml"])
     assert pieces.model.moe.chunks > 1
     assert compiler_options(pieces, "gpu") == early
