@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_moe import MESHES, _train
+from test_moe import MESHES as MOE_MESHES
+from test_moe import _train
 
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.model.moe import route, update_router_bias
@@ -22,6 +23,13 @@ DEEPSEEK = [
     "--batch_size", "16",
 ]  # fmt: skip
 STEPS = 20
+# test_moe's meshes, its expert 2 x fsdp 2 x tensor 2 laid out as usual here (fsdp inside expert)
+MESHES = {
+    "expert4xdata2": MOE_MESHES["expert4xdata2"],
+    "expert2xfsdp2xtensor2": [
+        "--mesh.expert", "2", "--mesh.fsdp", "2", "--mesh.tensor", "2", "--mesh.data", "1",
+    ],
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
