@@ -41,7 +41,8 @@ def _init_watchdog(spec: LaunchSpec) -> Watchdog:
             f"timed out after {seconds:.0f} s waiting for all processes to join; start every "
             "process, check they agree on the coordinator, or raise --dist.init_timeout",
         )
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"error: {err}\n")  # one write: the line stays whole (cluster/shutdown.py)
+        sys.stderr.flush()
 
     return Watchdog(on_expiry=expired, exit_code=EXIT_USAGE)
 

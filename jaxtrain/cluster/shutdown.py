@@ -69,7 +69,10 @@ def exit_on_user_error(main: Callable[..., Any]) -> Callable[..., Any]:
             _end(EXIT_INTERRUPTED)
         except StopError as e:
             said = f"error: {e}" if isinstance(e, UserError | NonFiniteError | StorageError) else str(e)
-            print(said, file=sys.stderr)
+            # One write of the whole line: print() writes the text and its newline apart, and
+            # unbuffered (PYTHONUNBUFFERED) another rank's line could land between them on the
+            # stream the ranks share (seen in CI: one rank's error ran into the next one's).
+            sys.stderr.write(said + "\n")
             sys.stdout.flush()
             sys.stderr.flush()
             if isinstance(e, StorageError):
