@@ -399,11 +399,12 @@ def _pipelined(pieces: Any, arrive: Any, compute: Any, finish: Any) -> list[Any]
 def _routed_fwd(
     wire: _Wire, rows: Pieces, gates: Pieces, w_in: jax.Array, w_out: jax.Array, plans: Any
 ) -> tuple[Pieces, Any]:
-    # Buffers of pieces before, dead by then, not zeroed ones (XLA writes a zeroed buffer for
-    # each, as it copies one still live): each piece's rows arrive in the receive buffer of the
-    # piece two before (`_pipelined` sends piece i + 2 after piece i's experts ran; the rows past
-    # the received ones are read by the experts' backward kernel: any finite values do), and its
-    # results land in the buffer the piece before's landed in. Zeroed buffers for the first ones.
+    # Buffers of pieces before, dead by then, in place of zeroed ones (each a full write): each
+    # piece's rows arrive in the receive buffer of the piece two before (`_pipelined` sends piece
+    # i + 2 after piece i's experts ran; the rows past the received ones are read by the experts'
+    # backward kernel: any finite values do), and its results land in the buffer the piece
+    # before's landed in. Zeroed buffers for the first ones. XLA still copies the landing buffers
+    # (measured on Qwen3's plan: 7 a layer, the bytes of the zeroed ones they replace).
     spare: list[jax.Array] = []
     landed: list[jax.Array] = []
 

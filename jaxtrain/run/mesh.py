@@ -19,7 +19,9 @@ updates its slice, and the step gathers the params once, their weights in the co
 
 The model names the logical axes of its params and activations (model/params.py PARAM_AXES); the tables
 below map logical axes to mesh axes, in one place. Devices are ordered by process, so `data`
-is the axis that crosses hosts and fsdp x context x tensor groups stay inside one (one NVLink domain).
+is the axis that crosses hosts and fsdp x context x tensor groups stay inside one (one NVLink domain);
+with `mesh.expert_inner` expert is laid inside fsdp instead (`device_grid`): expert groups stay
+inside a host and fsdp crosses hosts.
 """
 
 from __future__ import annotations
