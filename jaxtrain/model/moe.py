@@ -88,7 +88,8 @@ def expert_mlps(
     """Rows [m, d] sorted by expert, `sizes[e]` of them for expert e -> each through its expert's MLP.
 
     w_in is [E, d, 2, ff] (SwiGLU: gate and up) or [E, d, ff] (GELU); w_out [E, ff, d]. Rows past
-    sum(sizes) (exchange padding) belong to no expert: they come out zero. `routed`: how many rows
+    sum(sizes) (exchange padding) belong to no expert: they come out zero, or under `pallas` hold
+    any bits (NaN among them: the exchange sends only routed rows back). `routed`: how many rows
     are routed here under an even load (default m), the FLOPs the planner counts for `pallas`,
     which computes only the routed rows whatever the buffer.
     """
@@ -340,7 +341,7 @@ class _Wire:
 
     def out(self, x: jax.Array, plan: _Plan, buffer: jax.Array | None = None) -> jax.Array:
         """Our rows x [n, ...] -> the rows we receive [bound, ...], grouped by local expert, landing
-        in `buffer` (a dead array of finite values: its rows past the received ones stay; default
+        in `buffer` (a dead array: its rows past the received ones stay; default
         zeros); copies [n, d] in the `dispatch` dtype on the way (DeepSeek-V3's FP8: quantized with
         or without an exchange, so the layout never changes the model)."""
         if not self.dispatch or x.ndim != 2:
@@ -401,8 +402,8 @@ def _routed_fwd(
 ) -> tuple[Pieces, Any]:
     # Buffers of pieces before, dead by then, in place of zeroed ones (each a full write): each
     # piece's rows arrive in the receive buffer of the piece two before (`_pipelined` sends piece
-    # i + 2 after piece i's experts ran; the rows past the received ones are read by the experts'
-    # backward kernel: any finite values do), and its results land in the buffer the piece
+    # i + 2 after piece i's experts ran; the rows past the received ones belong to no expert: any
+    # values do), and its results land in the buffer the piece
     # before's landed in. Zeroed buffers for the first ones. XLA still copies the landing buffers
     # (measured on Qwen3's plan: 7 a layer, the bytes of the zeroed ones they replace).
     spare: list[jax.Array] = []
