@@ -1,0 +1,180 @@
+"""model/grouped.py's Pallas Mosaic-GPU kernels (jax/experimental/pallas/ops/gpu/ragged_dot_mgpu.py and
+transposed_ragged_dot_mgpu.py, Apache-2.0, changed as model/grouped.py says). A module apart:
+Pallas's Mosaic-GPU modules take 0.4 s of CPU to import, and only a job that runs the kernels
+(Hopper, or the tests' interpreter) imports this one.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+# jax 0.10 exports no GPU interpreter parameters (only TPU's); interpret=True is the generic
+# interpreter, which has no wgmma. Tests run the kernels on CPU with these.
+from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.pallas.ops.gpu.ragged_dot_mgpu import GroupInfo
+
+from jaxtrain.model.grouped import BLOCK_K, BLOCK_M, BLOCK_N, SMS, STAGES
+
+
+def _params() -> plgpu.CompilerParams:
+    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+
+
+def ragged_dot(
+    lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, transpose_rhs: bool, interpret: bool
+) -> jax.Array:
+    """lhs [m, k] (rows sorted by group) x rhs [g, k, n] ([g, n, k] if transpose_rhs) -> [m, n].
+    Rows past sum(sizes) are not written."""
+    m, k = lhs.shape
+    g = rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    grid_m, grid_n = pl.cdiv(m, BLOCK_M) + g - 1, pl.cdiv(n, BLOCK_N)
+
+    def body(sizes_gmem, lhs_gmem, rhs_gmem, o_gmem):  # type: ignore[no-untyped-def]
+        @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
+        def tile(info):  # type: ignore[no-untyped-def]
+            mi, ni = plgpu.planar_snake(info.index[0], (grid_m, grid_n), 1, 1)
+            group = GroupInfo.create(sizes_gmem, BLOCK_M, mi)
+
+            @pl.when(group.actual_size > 0)  # tiles past the routed rows: no matmul
+            def _():  # type: ignore[no-untyped-def]
+                def acc_scope(acc_ref):  # type: ignore[no-untyped-def]
+                    plgpu.emit_pipeline(
+                        lambda _, a, b: plgpu.wgmma(
+                            acc_ref, a, plgpu.transpose_ref(b, (1, 0)) if transpose_rhs else b
+                        ),
+                        grid=(k // BLOCK_K,),
+                        in_specs=[
+                            plgpu.BlockSpec((BLOCK_M, BLOCK_K), lambda i: (group.block, i), delay_release=1),
+                            plgpu.BlockSpec(
+                                (BLOCK_N, BLOCK_K) if transpose_rhs else (BLOCK_K, BLOCK_N),
+                                lambda i: (ni, i) if transpose_rhs else (i, ni),
+                                delay_release=1,
+                            ),
+                        ],
+                        max_concurrent_steps=STAGES,
+                    )(lhs_gmem, rhs_gmem.at[group.group_id])
+                    return acc_ref[...]
+
+                acc = pl.run_scoped(acc_scope, plgpu.ACC((BLOCK_M, BLOCK_N)))
+                _store(acc, o_gmem, group, ni, m)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((m, n), lhs.dtype),
+        grid=(SMS,),
+        grid_names=("sm",),
+        compiler_params=_params(),
+        interpret=InterpretGPUParams() if interpret else None,
+    )
+    return kernel(sizes, lhs, rhs)
+
+
+def _store(acc, o_gmem, group, ni, m):  # type: ignore[no-untyped-def]
+    """Write a tile's rows of its group: TMA copies of static sizes, one per set bit of the count."""
+
+    @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((BLOCK_M, BLOCK_N), dtype=o_gmem.dtype))
+    def _(o_smem):  # type: ignore[no-untyped-def]
+        o_smem[...] = acc.astype(o_smem.dtype)
+        plgpu.commit_smem()
+        start, remaining = group.start_within_block, min(BLOCK_M, m)
+        while remaining > 0:
+            rows = 1 << int(math.log2(remaining))
+            remaining //= 2
+
+            @pl.when(group.actual_size & rows != 0)
+            def _(start=start, rows=rows):  # type: ignore[no-untyped-def]  # traced now: bound now
+                out = o_gmem.at[pl.ds(group.block_start + start, rows), pl.ds(ni * BLOCK_N, BLOCK_N)]
+                plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(start, rows)], out)
+
+            start += group.actual_size & rows
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def transposed_ragged_dot(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, interpret: bool) -> jax.Array:
+    """lhs [r, m], rhs [r, n], rows sorted by group -> [g, m, n]: each group's lhs^T rhs over its
+    rows (zero for an empty group). Rows past sum(sizes) may hold anything (`_keep_group_rows`)."""
+    r, m = lhs.shape
+    n, g = rhs.shape[1], sizes.shape[0]
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    block_starts = starts // BLOCK_K * BLOCK_K
+    n_blocks = (-(ends // -BLOCK_K) * BLOCK_K - block_starts) // BLOCK_K
+    swizzle = plgpu.find_swizzle(BLOCK_K * jnp.dtype(lhs.dtype).itemsize * 8)
+    transforms = (
+        plgpu.TilingTransform((8, swizzle // jnp.dtype(lhs.dtype).itemsize)),
+        plgpu.SwizzleTransform(swizzle),
+    )
+    grid_m, grid_n = m // BLOCK_M, n // BLOCK_N
+
+    def body(sizes_g, starts_g, ends_g, n_blocks_g, block_starts_g, lhs_g, rhs_g, o_g):  # type: ignore[no-untyped-def]
+        @plgpu.nd_loop((g, grid_m * grid_n), collective_axes="sm")
+        def tile(info):  # type: ignore[no-untyped-def]
+            gi = info.index[0]
+            mi, ni = plgpu.planar_snake(info.index[1], (grid_m, grid_n), 1, 1)
+            rows = pl.ds(pl.multiple_of(block_starts_g[gi], BLOCK_K), r)  # never read past its blocks
+
+            def acc_scope(acc_ref):  # type: ignore[no-untyped-def]
+                def step(block, a, b):  # type: ignore[no-untyped-def]
+                    _keep_group_rows((a, b), block[0], n_blocks_g[gi], starts_g[gi], ends_g[gi])
+                    plgpu.wgmma(acc_ref, plgpu.transpose_ref(a, (1, 0)), b)
+
+                @pl.when(sizes_g[gi] > 0)
+                def _():  # type: ignore[no-untyped-def]
+                    spec = functools.partial(plgpu.BlockSpec, delay_release=1, transforms=transforms)
+                    plgpu.emit_pipeline(
+                        step,
+                        grid=(n_blocks_g[gi],),
+                        in_specs=[
+                            spec((BLOCK_K, BLOCK_M), lambda i: (i, mi)),
+                            spec((BLOCK_K, BLOCK_N), lambda i: (i, ni)),
+                        ],
+                        max_concurrent_steps=STAGES,
+                    )(lhs_g.at[rows, :], rhs_g.at[rows, :])
+
+                return acc_ref[...]
+
+            acc = pl.run_scoped(acc_scope, plgpu.ACC((BLOCK_M, BLOCK_N)))
+            out = o_g.at[gi, pl.ds(mi * BLOCK_M, BLOCK_M), pl.ds(ni * BLOCK_N, BLOCK_N)]
+            _store_whole(acc, out, transforms)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((g, m, n), lhs.dtype),
+        grid=(SMS,),
+        grid_names=("sm",),
+        compiler_params=_params(),
+        interpret=InterpretGPUParams() if interpret else None,
+    )
+    return kernel(sizes, starts, ends, n_blocks, block_starts, lhs, rhs)
+
+
+def _keep_group_rows(smems, block, n_blocks, start, end):  # type: ignore[no-untyped-def]
+    """A group's first and last blocks of rows hold its neighbours' rows too, and the last group's
+    last block rows past the routed ones (never written: any bits, NaN among them): zeroed in both
+    operands before the matmul, by a select (a product would keep a NaN)."""
+
+    def keep(rule):  # type: ignore[no-untyped-def]
+        for smem in smems:
+            iota = plgpu.layout_cast(jax.lax.broadcasted_iota(jnp.int32, smem.shape, 0), plgpu.Layout.WGMMA)
+            rows = smem[...]
+            smem[...] = jnp.where(rule(iota), rows, jnp.zeros_like(rows))
+        plgpu.commit_smem()
+
+    pl.when(block == 0)(lambda: keep(lambda i: i >= jax.lax.rem(start, BLOCK_K)))
+    pl.when(block == n_blocks - 1)(lambda: keep(lambda i: i <= jax.lax.rem(end - 1, BLOCK_K)))
+
+
+def _store_whole(acc, out, transforms):  # type: ignore[no-untyped-def]
+    @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((BLOCK_M, BLOCK_N), out.dtype, transforms=transforms))
+    def _(o_smem):  # type: ignore[no-untyped-def]
+        o_smem[...] = acc.astype(o_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, out)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
