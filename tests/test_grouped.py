@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtrain.model.grouped import ragged_matmul
+from jaxtrain.model.grouped_kernels import ragged_matmul
 from jaxtrain.model.moe import _tensor_split
 
 

@@ -97,8 +97,10 @@ def expert_mlps(
     w_in, swiglu = w_in.reshape(e, d, -1), w_in.ndim == 4
     if impl == "pallas":
         routed = rows.shape[0] if routed is None else routed
-        h = _activation(grouped.ragged_matmul(rows, w_in, sizes, routed), swiglu)
-        return grouped.ragged_matmul(h, w_out, sizes, routed)
+        from jaxtrain.model.grouped_kernels import ragged_matmul  # Pallas's modules: only where they run
+
+        h = _activation(ragged_matmul(rows, w_in, sizes, routed), swiglu)
+        return ragged_matmul(h, w_out, sizes, routed)
     if impl == "ragged_dot":
         h = _activation(jax.lax.ragged_dot(rows, w_in, sizes), swiglu)
         return jax.lax.ragged_dot(h, w_out, sizes)
