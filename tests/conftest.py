@@ -72,8 +72,8 @@ def pytest_collection_modifyitems(config, items):
 
 def _shares_a_module_fixture(item) -> bool:
     """A test using a module-scoped fixture (a reference run, a compiled model) runs on the worker
-    its file's other tests run on: split over two workers, each built the fixture (measured: 14 of
-    them, 140 s of set-up run twice in one suite)."""
+    its file's other tests run on: split over two workers, each built the fixture (measured: 10 of
+    them, about 130 s of set-up run twice in one suite)."""
     defs = getattr(item, "_fixtureinfo", None)
     return defs is not None and any(d.scope == "module" for ds in defs.name2fixturedefs.values() for d in ds)
 
