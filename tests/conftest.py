@@ -81,8 +81,7 @@ def _shares_a_module_fixture(item) -> bool:
 def _deal_order(item) -> tuple[int, int]:
     if item.path.name in SERIAL:
         return SERIAL.index(item.path.name), 0
-    grouped = any(m.name == "xdist_group" for m in item.iter_markers())
-    return len(SERIAL), 0 if grouped else 1
+    return len(SERIAL), 0 if item.get_closest_marker("xdist_group") is not None else 1
 
 
 def pytest_collection_finish(session):
