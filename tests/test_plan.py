@@ -334,3 +334,23 @@ def test_the_docs_plan_tables_are_made_from_the_committed_plans():
     assert {f"plan_{n}" for n in [*made.DENSE, *made.MOE]} == {p.stem for p in PLANS}
     doc = (ROOT / "docs/scaling.md").read_text()
     assert made.render(doc, made.tables()) == doc, "run: .venv/bin/python bench/scaling_tables.py"
+
+
+def test_an_async_start_counts_its_result_not_its_operand_again():
+    """An async start's result opens with its operand: a collective-permute moves its buffer
+    once (not twice), an all-gather over 8 its gathered buffer (not an eighth more)."""
+    ops = {"w": hlo.Op("w", "bf16[1024,8192]{1,0}", "parameter", [], "")}
+    layout = hlo.Placement(("pipeline", "fsdp"), (2, 8), [0] * 8 + [1] * 8)
+    gather = hlo.Op("g", "(bf16[1024,8192]{1,0}, bf16[8192,8192]{1,0})", "all-gather-start", ["w"],
+                    ", channel_id=1, replica_groups=[2,8]<=[16], dimensions={0}")  # fmt: skip
+    t = hlo.transfer(gather, ops, layout)
+    assert t.size == 8192 * 8192 * 2 and t.nvlink == 7 / 8 * 8192 * 8192 * 2 and t.network == 0
+    permute = hlo.Op("p", "(bf16[1024,8192]{1,0}, bf16[1024,8192]{1,0}, u32[]{:S(2)}, u32[]{:S(2)})",
+                     "collective-permute-start", ["w"],
+                     ", channel_id=2, source_target_pairs={{0,8},{8,0}}")  # fmt: skip
+    t = hlo.transfer(permute, ops, layout)
+    assert t.size == 1024 * 8192 * 2 + 2 * 4  # its buffer once, and the two u32 contexts
+    assert t.crosses_hosts and t.network == t.size and t.nvlink == 0
+    # An all-reduce-start's result is its result only: nothing to take off.
+    reduce = hlo.Op("r", "bf16[1024,8192]{1,0}", "all-reduce-start", ["w"], ", replica_groups=[2,8]<=[16]")
+    assert hlo.transfer(reduce, ops, layout).size == 1024 * 8192 * 2

@@ -167,8 +167,10 @@ def transfer(op: Op, ops: dict[str, Op], layout: Placement) -> Transfer:
     kind = op.opcode.removesuffix("-start")
     in_bytes = sum(nbytes(ops[n].shape) for n in op.operands if n in ops)
     out_bytes = nbytes(op.shape)
-    if op.opcode.endswith("-start") and out_bytes > in_bytes and op.shape.startswith("(("):
-        out_bytes -= in_bytes  # an async start's result holds its operands too
+    if op.opcode.endswith("-start") and len(ARRAY.findall(op.shape)) > len(op.operands):
+        # An async start's result holds its operands first (then its results, and a permute's
+        # u32 contexts), one operand or a tuple of them; an all-reduce-start's holds its results only.
+        out_bytes -= in_bytes
     size = routed(op, ops) if kind == "ragged-all-to-all" else max(in_bytes, out_bytes)
     all_groups = groups(op.attrs, len(layout.hosts))
     group = all_groups[0]
