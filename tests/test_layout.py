@@ -146,6 +146,7 @@ PREPARE_MAY_IMPORT = (
     "jaxtrain.tokenizer",
     "jaxtrain.disk.files",
     "jaxtrain.errors",
+    "jaxtrain.parser",  # prepare/cli.py: a bad flag is one line, as in every script
     "jaxtrain.cluster.lifeline",  # tokenizing workers die with their parent
 )
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from processes import clean_env
 
 from jaxtrain.data import sources
 from jaxtrain.errors import UserError
@@ -244,3 +245,56 @@ def test_train_on_a_mixture_of_manifests_then_refuse_a_changed_shard(tmp_path: P
         [*cmd[:-4], "--total_steps", "12"], capture_output=True, text=True, timeout=300, cwd=REPO, env=env
     )
     _one_line_exit_2(r, str(shard))
+
+
+def _one_line_documents(root: Path, sizes: list[int]) -> list[str]:
+    """A corpus as a new user's first one: a file a document, each one line of `size` words."""
+    root.mkdir()
+    words = "the of and a to in is that it was for on are as with his they at be this from".split()
+    docs = [" ".join(words[(i + j) % len(words)] for j in range(n)) + "\n" for i, n in enumerate(sizes)]
+    for i, doc in enumerate(docs):
+        (root / f"doc{i:02d}.txt").write_text(doc)
+    return docs
+
+
+def test_one_line_documents_split_whole_and_a_single_one_is_refused(tmp_path: Path) -> None:
+    # 40 documents of 400 words: 1% of the bytes fell inside the last line, moved to its end, and
+    # validation held nothing (with a BPE's end token: that token alone). Now: the last document whole.
+    docs = _one_line_documents(tmp_path / "c40", [400] * 40)
+    out = tmp_path / "o40"
+    result = prepare_corpus([tmp_path / "c40"], out, tokenizer="bpe", vocab_size=300, workers=1)
+    tok = tokenizer_for(find_tokenizer(out), result.vocab_size)
+    assert tok.decode(_read_split(out, "val", 300)) == docs[-1]
+    assert tok.decode(_read_split(out, "train", 300)) == "".join(docs[:-1])
+    _one_line_documents(tmp_path / "one", [50])
+    with pytest.raises(UserError, match="the input is one document .*--val_fraction 0"):
+        prepare_corpus([tmp_path / "one"], tmp_path / "o1")
+    assert not (tmp_path / "o1").exists()
+
+
+def test_prepare_knows_train_pys_default_window() -> None:
+    from jaxtrain.config.schema import ModelConfig
+    from jaxtrain.prepare.cli import TRAIN_SEQ_LEN
+
+    assert TRAIN_SEQ_LEN == ModelConfig().seq_len  # prepare/ may not import the config: a copy
+
+
+@pytest.mark.slow
+def test_the_printed_train_command_runs_on_a_small_corpus(tmp_path: Path) -> None:
+    # 60 documents of 20-300 words, the last of 20: validation (that document, 100 bytes) is shorter
+    # than one sequence of train.py's default window, so the printed command says a shorter one.
+    docs = _one_line_documents(tmp_path / "c60", [20 + (i * 37) % 281 for i in range(59)] + [20])
+    out = tmp_path / "o60"
+    r = _prepare(str(tmp_path / "c60"), "--out_dir", str(out))
+    assert r.returncode == 0, r.stderr
+    assert ByteTokenizer().decode(_read_split(out, "val")) == docs[-1]
+    assert f"note: val holds {len(docs[-1])} tokens" in r.stdout and "--model.seq_len 64" in r.stdout
+    printed = r.stdout.split("train with:\n")[1].split()
+    assert printed[:2] == ["python", "scripts/train.py"], r.stdout
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, *printed[1:], "--run_dir", str(run_dir), "--total_steps", "2",
+           "--eval_interval", "1", "--eval_batches", "1", "--progress_bar", "false"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=clean_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert any("val_loss" in m for m in metrics), metrics

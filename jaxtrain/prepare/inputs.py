@@ -6,9 +6,11 @@
 
 Units are ~8 MiB byte ranges of text and jsonl files (cut where a line starts) and row groups of
 parquet files, so workers read them independently and memory stays bounded by a unit, never the
-corpus. The validation split is the last val_fraction of the input bytes, cut at a line start (or a
-parquet row), so no unit straddles it. Documents of jsonl and parquet files end with a blank line,
-unless the tokenizer frames documents with its own tokens (then a text file is one document).
+corpus. The validation split is the last val_fraction of the input bytes, moved to the next line
+start (or parquet row), so no unit straddles it, and holds at least the input's last line (row): a
+corpus of one-line documents (files, jsonl lines, rows) is split between whole ones. Documents of
+jsonl and parquet files end with a blank line, unless the tokenizer frames documents with its own
+tokens (then a text file is one document).
 """
 
 from __future__ import annotations
@@ -124,29 +126,70 @@ def describe(paths: list[Path], text_column: str | None) -> list[InputFile]:
 
 
 def plan(files: list[InputFile], val_fraction: float, unit_bytes: int = UNIT_BYTES) -> list[Unit]:
-    """Work units in output order: the inputs' training part, then from `split` on, validation."""
+    """Work units in output order: the inputs' training part, then validation: from the first line
+    start (parquet: row) at or after the last val_fraction of the bytes, and at least the input's
+    last line or row, so a corpus of one-line documents is split between whole documents."""
     split_at = round(sum(f.size for f in files) * (1 - val_fraction)) if val_fraction else None
     units, offset = [], 0
     for i, f in enumerate(files):
         cut = None if split_at is None else min(max(split_at - offset, 0), f.size)
         offset += f.size
+        last = i == len(files) - 1
         if f.kind == "parquet":
-            val_row = sum(f.groups) if cut is None else round(cut / f.size * sum(f.groups))
-            row = 0
-            for g, n in enumerate(f.groups):
-                for lo, hi, is_val in (
-                    (row, min(row + n, val_row), False),
-                    (max(row, val_row), row + n, True),
-                ):
-                    if lo < hi:
-                        units.append(Unit(i, lo - row, hi - row, is_val, g))
-                row += n
+            units += _row_units(i, f, cut, last)
             continue
+        if cut is not None:
+            cut = _val_start(f, cut, last)
         parts = [(0, f.size, False)] if cut is None else [(0, cut, False), (cut, f.size, True)]
         for lo, hi, is_val in parts:
             for a in range(lo, hi, unit_bytes):
                 units.append(Unit(i, a, min(a + unit_bytes, hi), is_val))
+    if val_fraction and all(u.is_val for u in units):
+        raise UserError(
+            f"the input is one document (one line or row: {files[-1].path}), and validation takes whole "
+            "ones from the end, leaving none to train on; add documents or pass --val_fraction 0"
+        )
     return units
+
+
+def _row_units(i: int, f: InputFile, cut: int | None, last: bool) -> list[Unit]:
+    """A parquet file's units: its row groups, split at the row `cut` bytes in falls on."""
+    rows = sum(f.groups)
+    val_row = rows if cut is None else round(cut / f.size * rows)
+    if cut is not None and last:
+        val_row = min(val_row, rows - 1)  # the last row at least: validation is never empty
+    units, row = [], 0
+    for g, n in enumerate(f.groups):
+        for lo, hi, is_val in ((row, min(row + n, val_row), False), (max(row, val_row), row + n, True)):
+            if lo < hi:
+                units.append(Unit(i, lo - row, hi - row, is_val, g))
+        row += n
+    return units
+
+
+def _val_start(f: InputFile, cut: int, last: bool) -> int:
+    """Where validation starts in a text or jsonl file cut at byte `cut`: the line start read_unit
+    would move it to, but in the input's last file no later than its last line holding text (that
+    line start, read_unit leaves as it is)."""
+    with open(f.path, "rb") as fh:
+        start = _line_start(fh, cut, f.size, f.kind == "jsonl")
+        return min(start, _last_line_start(fh, f.size)) if last else start
+
+
+def _last_line_start(f: Any, size: int) -> int:
+    """The start of the file's last line holding more than whitespace (0: it holds one such line)."""
+    end, seen_text = size, False
+    while end > 0:
+        at = max(0, end - _SCAN)
+        f.seek(at)
+        block = f.read(end - at)
+        if not seen_text:
+            seen_text = bool(block.rstrip())
+            block = block.rstrip()
+        if seen_text and (i := block.rfind(b"\n")) >= 0:
+            return at + i + 1
+        end = at
+    return 0
 
 
 def _line_start(f: Any, pos: int, size: int, whole_lines: bool) -> int:

@@ -64,6 +64,7 @@ class PreparedData:
     val_paths: list[Path]
     train_tokens: int
     val_tokens: int
+    longest: dict[str, int]  # tokens of each split's longest file: windows of up to one less fit it
     vocab_size: int
     token_dtype: str
     tokenizer_path: Path | None
@@ -349,30 +350,18 @@ def prepare_files(
 ) -> PreparedData:
     """Tokenize the planned units into out_dir (the part of prepare_corpus the default dataset uses too)."""
     dtype = np.dtype(token_dtype_for(tok.vocab_size)).newbyteorder("<")
+    init = (
+        None if isinstance(tok, ByteTokenizer) else (tok.to_json(), tok.config),
+        text_key,
+        text_column,
+        dtype.str,
+        files,
+    )
+    workers = max(1, min(workers, len(units)))
     with staged(out_dir) as staging:
-        writers = {split: SplitWriter(staging, split, shard_tokens, dtype) for split in ("train", "val")}
-        per_file = [0] * len(files)
-        init = (
-            None if isinstance(tok, ByteTokenizer) else (tok.to_json(), tok.config),
-            text_key,
-            text_column,
-            dtype.str,
-            files,
-        )
-        workers = max(1, min(workers, len(units)))
-        t0 = time.perf_counter()
-        for unit, ids in zip(units, _in_order(units, _tokenize, workers, init), strict=True):
-            writers["val" if unit.is_val else "train"].write(ids)
-            per_file[unit.file] += len(ids)
-        seconds = time.perf_counter() - t0
-        for f, n in zip(files, per_file, strict=True):
-            if n == 0:
-                raise UserError(f"input {f.path} holds no text (no documents or only blank lines); remove it")
-        shards = {split: w.finish() for split, w in writers.items()}
-        counts = {split: w.tokens for split, w in writers.items()}
-        if not counts["train"] or (val_fraction and not counts["val"]):
-            which = "train" if not counts["train"] else "validation"
-            raise UserError(f"the {which} split came out empty; change --val_fraction {val_fraction}")
+        shards, counts, seconds = _write_splits(files, units, staging, shard_tokens, dtype, workers, init)
+        longest = {split: max((s["tokens"] for s in shards[split]), default=0) for split in shards}
+        _check_splits(longest, val_fraction, shard_tokens)
         if isinstance(tok, BPETokenizer):  # its special tokens and chat template: for training, predict, chat
             tok.save(staging)
         hashes = list(_in_order([f.path for f in files], sha256, min(workers, len(files)), init))
@@ -400,9 +389,49 @@ def prepare_files(
         val_paths=[out_dir / s["file"] for s in shards["val"]],
         train_tokens=counts["train"],
         val_tokens=counts["val"],
+        longest=longest,
         vocab_size=tok.vocab_size,
         token_dtype=str(np.dtype(dtype.str[1:])),
         tokenizer_path=out_dir / TOKENIZER_FILE if isinstance(tok, BPETokenizer) else None,
         tokenize_seconds=seconds,
         workers=workers,
     )
+
+
+def _write_splits(
+    files: list[inputs.InputFile],
+    units: list[inputs.Unit],
+    staging: Path,
+    shard_tokens: int,
+    dtype: np.dtype,
+    workers: int,
+    init: tuple[Any, ...],
+) -> tuple[dict[str, list[dict[str, Any]]], dict[str, int], float]:
+    """Each unit tokenized and written to its split, in order: each split's shards, its tokens, and
+    the seconds it took. An input that gave no tokens is refused."""
+    writers = {split: SplitWriter(staging, split, shard_tokens, dtype) for split in ("train", "val")}
+    per_file = [0] * len(files)
+    t0 = time.perf_counter()
+    for unit, ids in zip(units, _in_order(units, _tokenize, workers, init), strict=True):
+        writers["val" if unit.is_val else "train"].write(ids)
+        per_file[unit.file] += len(ids)
+    seconds = time.perf_counter() - t0
+    for f, n in zip(files, per_file, strict=True):
+        if n == 0:
+            raise UserError(f"input {f.path} holds no text (no documents or only blank lines); remove it")
+    shards = {split: w.finish() for split, w in writers.items()}
+    return shards, {split: w.tokens for split, w in writers.items()}, seconds
+
+
+def _check_splits(longest: dict[str, int], val_fraction: float, shard_tokens: int) -> None:
+    """Refuse, before anything lands, a split too short for one sequence (two tokens) of any model:
+    training on it fails whatever the flags."""
+    for split, name in (("train", "train"), ("val", "validation")):
+        if (n := longest[split]) < 2 and (split == "train" or val_fraction):
+            where, flags = f"{n} token(s)", f"--val_fraction {val_fraction}"
+            if shard_tokens:
+                where, flags = f"{where} in its longest file", f"{flags} or --shard_tokens {shard_tokens}"
+            raise UserError(
+                f"the {name} split came out with {where}, too few for one sequence; add text, or "
+                f"change {flags}"
+            )
