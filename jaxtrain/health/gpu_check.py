@@ -1,0 +1,318 @@
+"""The GPU check behind scripts/gpu_check.py: does jaxtrain run on this machine's GPU, kernel by
+kernel and step by step, within a time budget (its docstring is the usage; docs/gpu_check.md).
+
+Stages run in order of importance (device, kernels, train, bench), each in processes of its own
+(health/gpu_stages.py) with a time limit, so an abort or a hang in one costs only that part: the
+stage goes on from its next part in a new process. The JSON report is rewritten after every
+stage, so a run killed from outside still leaves what was measured; the summary table comes last
+on stdout. This process never starts a jax backend: the stages hold the devices one at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jaxtrain.errors import ArgumentError
+from jaxtrain.health.gpu_stages import ROOT, TRAIN_RUNS
+from jaxtrain.parser import Parser
+
+STAGES = ("device", "kernels", "train", "bench")
+STAGE_LIMIT_S = {"device": 120, "kernels": 240, "train": 330, "bench": 420}
+PART_LIMIT_S = {"device": 90, "kernels": 150, "train": 240, "bench": 420}  # then the part counts as hung
+MIN_START_S = 20  # a stage starts only with this much of the budget left
+LOSS_TOLERANCE = 0.01  # relative, at every step, against the reference kernel's run
+MEMORY_TOLERANCE = 0.10  # peak bytes in use against the compiled step's figure
+REPORT = "gpu_check.json"
+
+
+@dataclass(frozen=True)
+class Options:
+    out: Path
+    budget_s: float
+    stages: tuple[str, ...]
+    train_steps: int
+    train_runs: tuple[str, ...]
+    work: str
+
+
+def parse_args(argv: list[str], usage: str = "") -> tuple[Options, argparse.Namespace]:
+    """The flags: the options, and the child's (a stage's process: --child STAGE)."""
+    p = Parser(description=usage, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="folder for gpu_check.json and the stages' logs")
+    p.add_argument("--budget_s", type=float, default=540, help="no stage starts past this many seconds")
+    p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, of {','.join(STAGES)}")
+    p.add_argument("--train_steps", type=int, default=20)
+    p.add_argument(
+        "--train_runs", default="", help="comma-separated train runs (default: all of the platform's)"
+    )
+    p.add_argument("--work", default="", help="folder for run dirs and caches (default: a temp dir)")
+    p.add_argument("--child", default="", help=argparse.SUPPRESS)
+    p.add_argument("--skip", default="[]", help=argparse.SUPPRESS)  # JSON: parts done (names hold commas)
+    p.add_argument("--options", default="{}", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    stages = tuple(s for s in args.stages.split(",") if s)
+    wrong = sorted(set(stages) - set(STAGES))
+    if wrong or not stages:
+        raise ArgumentError(f"--stages {args.stages}: choose among {','.join(STAGES)}")
+    runs = tuple(r for r in args.train_runs.split(",") if r)
+    known = {name for platform in TRAIN_RUNS.values() for name in platform}
+    if set(runs) - known:
+        raise ArgumentError(f"--train_runs: no run {sorted(set(runs) - known)}; choose among {sorted(known)}")
+    if args.budget_s <= 0 or args.train_steps < 1:
+        raise ArgumentError("--budget_s and --train_steps must be positive")
+    opts = Options(Path(args.out), args.budget_s, tuple(s for s in STAGES if s in stages), args.train_steps,
+                   runs, args.work)  # fmt: skip
+    return opts, args
+
+
+def main(argv: list[str], usage: str = "") -> int:
+    """Exit code: 0 every stage asked for passed, 1 one did not; bad arguments raise ArgumentError."""
+    opts, args = parse_args(argv, usage)
+    if args.child:
+        from jaxtrain.health import gpu_stages
+
+        gpu_stages.run_stage(
+            args.child, Path(args.work), json.loads(args.options), set(json.loads(args.skip))
+        )
+        return 0
+    opts.out.mkdir(parents=True, exist_ok=True)
+    work = Path(opts.work or tempfile.mkdtemp(prefix="gpu_check-"))
+    work.mkdir(parents=True, exist_ok=True)
+    deadline = time.time() + opts.budget_s
+    report: dict[str, Any] = {"argv": argv, "budget_s": opts.budget_s, "work": str(work), "stages": {}}
+    platform = ""
+    for stage in opts.stages:
+        left = deadline - time.time()
+        if left < MIN_START_S:
+            report["stages"][stage] = {
+                "status": "skipped",
+                "seconds": 0,
+                "summary": f"{left:.0f} s of budget left",
+            }
+            continue
+        if stage in ("train", "bench") and not platform:
+            platform = _probe_platform(work)  # they start processes that hold the devices
+        options = {"platform": platform, "train_steps": opts.train_steps, "train_runs": opts.train_runs,
+                   "out": str(opts.out), "deadline": min(deadline, time.time() + STAGE_LIMIT_S[stage]),
+                   "run_timeout_s": PART_LIMIT_S["train"] - 10}  # fmt: skip
+        result = run_stage(stage, opts.out, work, options)
+        if stage == "device":
+            devices = result["parts"].get("versions", {}).get("devices") or [{}]
+            platform = devices[0].get("platform", "")
+        if stage == "train":
+            judge_train(result, TRAIN_RUNS["cpu" if platform == "cpu" else "gpu"])
+        result["summary"] = result.get("summary") or summary(stage, result)
+        report["stages"][stage] = result
+        _write(opts.out / REPORT, report)
+    report["passed"] = all(s["status"] == "pass" for s in report["stages"].values())
+    _write(opts.out / REPORT, report)
+    print(table(report), flush=True)
+    return 0 if report["passed"] else 1
+
+
+def _env(work: Path) -> dict[str, str]:
+    """The stages' environment: this repo first on the path, caches (datasets, compiled steps) in
+    `work`, so a cache from an earlier run hides no compile."""
+    path = os.environ.get("PYTHONPATH", "")
+    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{path}" if path else str(ROOT),
+            "XDG_CACHE_HOME": str(work / "cache"), "PYTHONUNBUFFERED": "1"}  # fmt: skip
+
+
+def _probe_platform(work: Path) -> str:
+    code = "import jax; print(jax.devices()[0].platform)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=_env(work), capture_output=True, text=True, timeout=120
+    )
+    return done.stdout.strip().splitlines()[-1] if done.returncode == 0 and done.stdout.strip() else "gpu"
+
+
+def run_stage(stage: str, out: Path, work: Path, options: dict[str, Any]) -> dict[str, Any]:
+    """Run a stage's parts in processes until each has a result or the stage's time is up. A part
+    that kills its process or outlives PART_LIMIT_S fails, naming how; the next process skips it."""
+    t0 = time.time()
+    progress = work / f"{stage}.jsonl"
+    progress.unlink(missing_ok=True)
+    parts: list[str] | None = None
+    results: dict[str, dict[str, Any]] = {}
+    error = ""
+    with (out / f"{stage}.log").open("a") as log:
+        while parts is None or len(results) < len(parts):
+            if time.time() > options["deadline"] - 5:
+                error = f"out of time after {time.time() - t0:.0f} s"
+                break
+            cmd = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--out", str(out),
+                   "--child", stage, "--work", str(work), "--skip", json.dumps(list(results)),
+                   "--options", json.dumps(options)]  # fmt: skip
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(work), stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)  # fmt: skip
+            ended = _watch(proc, progress, options["deadline"], PART_LIMIT_S[stage])
+            events = _events(progress)
+            parts = next((e["parts"] for e in reversed(events) if "parts" in e), parts)
+            results.update({e["part"]: e["result"] for e in events if "result" in e})
+            if ended == "exited" and proc.returncode == 0:
+                break
+            running, how = _running(events, results), _how(ended, proc.returncode)
+            if running is None:
+                error = f"its process {how} outside any part: {_tail(out / f'{stage}.log')}"
+                break
+            results[running] = {
+                "passed": False,
+                "failed": f"its process {how} in it: {_tail(out / f'{stage}.log')}",
+            }
+    parts = parts or []
+    missing = [p for p in parts if p not in results]
+    judged = [r for r in results.values() if not r.get("informational")]
+    passed = bool(parts) and not missing and not error and all(r.get("passed") for r in judged)
+    return {"status": "pass" if passed else "fail", "seconds": round(time.time() - t0, 1), "parts": results,
+            "not_run": missing, "error": error}  # fmt: skip
+
+
+def _watch(proc: subprocess.Popen, progress: Path, deadline: float, part_limit: float) -> str:
+    """Wait for the stage's process: 'exited', or 'hung' (a part past part_limit) or 'timed out'
+    (the stage's deadline), after killing its process group."""
+    while proc.poll() is None:
+        events = _events(progress)
+        started = next((e["start"] for e in reversed(events) if "start" in e), None)
+        running = _running(events, {e["part"]: e for e in events if "result" in e})
+        why = "timed out" if time.time() > deadline else ""
+        if running is not None and started is not None and time.time() - started > part_limit:
+            why = "hung"
+        if why:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return why
+        time.sleep(0.5)
+    return "exited"
+
+
+def _events(progress: Path) -> list[dict[str, Any]]:
+    if not progress.exists():
+        return []
+    lines = progress.read_text().splitlines()
+    return [json.loads(x) for x in lines if x.strip().endswith("}")]  # a line being written is left
+
+
+def _running(events: list[dict[str, Any]], results: dict[str, Any]) -> str | None:
+    """The part the process last started and gave no result for."""
+    last = next((e["part"] for e in reversed(events) if "start" in e), None)
+    return last if last is not None and last not in results else None
+
+
+def _how(ended: str, returncode: int | None) -> str:
+    if ended != "exited":
+        return ended
+    if returncode is not None and returncode < 0:
+        return f"died of {signal.Signals(-returncode).name}"
+    return f"exited {returncode}"
+
+
+def _tail(log: Path, lines: int = 3) -> str:
+    text = [x.strip() for x in log.read_text(errors="replace").splitlines() if x.strip()]
+    return " | ".join(text[-lines:])[-600:]
+
+
+def _write(path: Path, report: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    tmp.replace(path)
+
+
+# ---------------------------------------------------------------------------------- judges
+
+
+def judge_train(stage: dict[str, Any], runs: dict[str, tuple[str, list[str]]]) -> None:
+    """Each run against its reference run: losses within LOSS_TOLERANCE at every step, and every
+    run's peak bytes in use within MEMORY_TOLERANCE of its compiled step's (where the device says:
+    GPUs). Adds the figures and the verdict to each run's result, and to the stage's status."""
+    parts = stage["parts"]
+    for name, result in parts.items():
+        failed = [result["failed"]] if result.get("failed") else []
+        ratio = result.get("memory_ratio")
+        if ratio is not None and abs(ratio - 1) > MEMORY_TOLERANCE:
+            failed.append(f"peak memory {ratio:.2f} x the compiled step's")
+        reference = runs.get(name, ("", []))[0]
+        if reference and result.get("losses"):
+            want = parts.get(reference, {}).get("losses")
+            if not want:
+                failed.append(f"no losses of its reference {reference}")
+            else:
+                worst = max(abs(a / b - 1) for a, b in zip(result["losses"], want, strict=True) if a and b)
+                result["loss_vs_reference"] = worst
+                if not worst <= LOSS_TOLERANCE:
+                    failed.append(f"losses {worst:.2%} off {reference}'s")
+        result["passed"], result["failed"] = not failed, "; ".join(failed)
+    if any(not r["passed"] for r in parts.values()):
+        stage["status"] = "fail"
+
+
+def summary(stage: str, result: dict[str, Any]) -> str:
+    """The stage's one line of figures (or the first failure) for the table."""
+    parts = result["parts"]
+    if stage == "device" and "versions" in parts:
+        v = parts["versions"]
+        d = (v.get("devices") or [{}])[0]
+        rate, copy = (
+            parts.get("matmul", {}).get("tflops"),
+            parts.get("copy", {}).get("tb_per_s_read_and_written"),
+        )
+        figures = [f"{len(v.get('devices') or [])} x {d.get('kind')} cc {d.get('compute_capability') or '-'}",
+                   f"jax {v['versions'].get('jax')}"]  # fmt: skip
+        figures += [
+            f"bf16 matmul {rate:.0f} TFLOP/s" if rate else "",
+            f"copy {copy:.2f} TB/s" if copy else "",
+        ]
+        return ", ".join(f for f in figures if f)
+    bad = [
+        f"{name}: {r.get('failed')}"
+        for name, r in parts.items()
+        if not r.get("passed") and not r.get("informational")
+    ]
+    if result.get("error"):
+        bad.insert(0, result["error"])
+    counted = f"{sum(bool(r.get('passed')) for r in parts.values())}/{len(parts)} passed"
+    return f"{counted}; {bad[0]}" if bad else counted
+
+
+def table(report: dict[str, Any]) -> str:
+    """The summary for people: one row per stage, then each part's line."""
+    rows = [
+        "",
+        "gpu_check: " + ("PASSED" if report.get("passed") else "FAILED"),
+        f"{'stage':<9}{'status':<9}{'s':>6}  summary",
+    ]
+    for stage, r in report["stages"].items():
+        rows.append(f"{stage:<9}{r['status']:<9}{r['seconds']:>6.0f}  {r.get('summary', '')[:300]}")
+    for stage, r in report["stages"].items():
+        for name, part in r.get("parts", {}).items():
+            state = "pass" if part.get("passed") else ("info" if part.get("informational") else "FAIL")
+            rows.append(f"  {stage:<8}{state:<5} {name}  {_figures(part)}"[:400])
+        rows += [f"  {stage:<8}NOT RUN {name}" for name in r.get("not_run", [])]
+    return "\n".join(rows)
+
+
+def _figures(part: dict[str, Any]) -> str:
+    shown = []
+    if part.get("max_error") is not None:
+        shown.append(f"max error {part['max_error']:.1e}")
+    if part.get("loss_vs_reference") is not None:
+        shown.append(f"loss {part['loss_vs_reference']:.2%} off reference")
+    if part.get("memory_ratio") is not None:
+        shown.append(f"memory {part['memory_ratio']:.2f} x compiled")
+    if part.get("losses"):
+        shown.append(f"loss {part['losses'][0]:.3f} -> {part['losses'][-1]:.3f}")
+    if part.get("runs"):
+        shown += [f"{k} {v.get('tokens_per_sec') or 0:,.0f} tok/s" for k, v in part["runs"].items()]
+    if part.get("failed"):
+        shown.append(str(part["failed"])[:250])
+    shown.append(f"({part.get('seconds', 0):.1f} s)")
+    return "  ".join(shown)

@@ -1,0 +1,335 @@
+"""What each stage of the GPU check (health/gpu_check.py) runs, part by part, in its own process.
+
+    device   versions, devices, driver; a bf16 matmul's rate and a device-to-device copy's bandwidth
+    kernels  each GPU-only kernel against its reference (run/preflight.py), at the shipped widths
+    train    short trains through scripts/train.py, one per kernel choice (judged in gpu_check.py)
+    bench    bench/bench_gpu.py, a short run list
+
+A stage's process announces its parts, then each part's start and result, as JSON lines in a
+progress file: a part that kills its process (a Mosaic or ptxas abort) or hangs is then named, and
+the stage goes on in a new process from the next part. The device and kernels stages hold the
+devices themselves; train and bench start processes that do, and so never start a backend here.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform as platform_lib
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = (
+    "jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda13-pjrt", "jax-cuda12-plugin", "jax-cuda12-pjrt", "flax",
+    "optax", "orbax-checkpoint", "grain", "wandb", "numpy", "ml_dtypes", "torch",
+)  # fmt: skip
+# The shipped MoE widths (d_model, each expert's hidden size): the Pallas kernels' tiles at each.
+WIDTHS = {"qwen3_30b_a3b": (2048, 768), "mixtral_8x7b": (4096, 14336), "deepseek_v3": (7168, 2048)}
+# Attention heads: query heads, key/value heads, head dim, value dim; with documents or not.
+HEADS = {
+    "gpt2": ((12, 12, 64, 64), False),
+    "gpt2_documents": ((12, 12, 64, 64), True),
+    "llama3_8b_documents": ((32, 8, 128, 128), True),
+    "deepseek_mla": ((16, 16, 192, 128), False),
+    "deepseek_mla_documents": ((16, 16, 192, 128), True),
+}
+# Train runs: name -> (reference run, train.py flags). GPU widths are multiples of 128 (the Pallas
+# tiles) and big enough that the step's memory, not the compiler's scratch, sets the peak.
+GPT_GPU = ["--model.n_layer", "2", "--model.d_model", "512", "--model.n_head", "8", "--model.seq_len", "1024",
+           "--batch_size", "32", "--dtype", "bfloat16"]  # fmt: skip
+MOE_GPU = ["--config", "configs/moe_tiny.yaml", "--model.n_layer", "2", "--model.d_model", "256",
+           "--model.d_ff", "512", "--model.moe.d_expert", "256", "--model.seq_len", "512",
+           "--batch_size", "32", "--dtype", "bfloat16"]  # fmt: skip
+MOE_CPU = [
+    "--config",
+    "configs/moe_tiny.yaml",
+    "--model.n_layer",
+    "2",
+    "--model.seq_len",
+    "32",
+    "--batch_size",
+    "16",
+]
+TRAIN_RUNS = {
+    "gpu": {
+        "gpt_xla": ("", ["--config", "configs/tiny.yaml", *GPT_GPU, "--model.attention_impl", "xla"]),
+        "gpt_cudnn": (
+            "gpt_xla",
+            ["--config", "configs/tiny.yaml", *GPT_GPU, "--model.attention_impl", "cudnn"],
+        ),
+        "moe_ragged_dot": ("", [*MOE_GPU, "--model.moe.grouped_matmul", "ragged_dot"]),
+        "moe_pallas": ("moe_ragged_dot", [*MOE_GPU, "--model.moe.grouped_matmul", "pallas"]),
+        "moe_blocks": ("moe_ragged_dot", [*MOE_GPU, "--model.moe.grouped_matmul", "blocks"]),
+    },
+    "cpu": {
+        "gpt_xla": ("", ["--config", "configs/tiny.yaml", "--model.attention_impl", "xla"]),
+        "moe_ragged_dot": ("", [*MOE_CPU, "--model.moe.grouped_matmul", "ragged_dot"]),
+        "moe_blocks": ("moe_ragged_dot", [*MOE_CPU, "--model.moe.grouped_matmul", "blocks"]),
+    },
+}
+BENCH = {  # bench/bench_gpu.py's flags: a short run list; on CPU its documented smoke
+    "gpu": ["--runs", "124m/auto/none,torch/124m", "--steps", "4", "--warmup", "2",
+            "--data_tokens", "8388608"],
+    "cpu": ["--runs", "124m/auto/none", "--steps", "2", "--warmup", "1", "--data_tokens", "65536",
+            "--model.n_layer", "1", "--model.d_model", "64", "--model.n_head", "2", "--model.seq_len", "64",
+            "--total_batch_size", "512", "--device_batch_size", "1"],
+}  # fmt: skip
+
+Part = tuple[str, Callable[[], dict[str, Any]]]  # name, what it measures (its result has "passed")
+
+
+def run_stage(stage: str, work: Path, options: dict[str, Any], skip: set[str]) -> None:
+    """Run `stage`'s parts not in `skip`, each announced in work/<stage>.jsonl before and after."""
+    parts = {"device": _device_parts, "kernels": _kernel_parts, "train": _train_parts, "bench": _bench_parts}
+    found = parts[stage](work, options)
+    progress = work / f"{stage}.jsonl"
+    _append(progress, {"parts": [name for name, _ in found]})
+    for name, measure in found:
+        if name in skip:
+            continue
+        _append(progress, {"part": name, "start": time.time()})
+        t0 = time.perf_counter()
+        try:
+            result = measure()
+        except Exception as e:  # noqa: BLE001  the part failed; the stage goes on with the next
+            result = {"passed": False, "failed": f"{type(e).__name__}: {str(e)[:500]}"}
+        result["seconds"] = round(time.perf_counter() - t0, 2)
+        print(f"{name}: {json.dumps(result)[:2000]}", flush=True)
+        _append(progress, {"part": name, "result": result})
+
+
+def _append(path: Path, record: dict[str, Any]) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+# --------------------------------------------------------------------------------- device
+
+
+def _device_parts(work: Path, options: dict[str, Any]) -> list[Part]:
+    return [("versions", _versions), ("matmul", _matmul_rate), ("copy", _copy_bandwidth)]
+
+
+def _versions() -> dict[str, Any]:
+    import jax
+
+    from jaxtrain.observe.memory import limit_bytes
+
+    versions = {"python": platform_lib.python_version()}
+    for name in PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "missing"
+    devices = [
+        {
+            "id": d.id, "platform": d.platform, "kind": d.device_kind,
+            "compute_capability": str(getattr(d, "compute_capability", "")),
+            "bytes_limit": limit_bytes(d),
+        }
+        for d in jax.devices()
+    ]  # fmt: skip
+    smi = ""
+    if shutil.which("nvidia-smi"):
+        query = "--query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit"
+        done = subprocess.run(["nvidia-smi", query, "--format=csv,noheader"], capture_output=True, text=True)
+        smi = (done.stdout or done.stderr).strip()
+    return {"passed": True, "versions": versions, "devices": devices, "nvidia_smi": smi,
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}  # fmt: skip
+
+
+def _timed(fn: Callable[[], Any], warmup: int = 3, runs: int = 10) -> float:
+    """The median seconds of `runs` calls of fn (each waited for), after `warmup`."""
+    for _ in range(warmup):
+        fn().block_until_ready()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn().block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _matmul_rate() -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+
+    n = 8192 if jax.devices()[0].platform == "gpu" else 512  # a CPU takes minutes at 8192
+    keys = jax.random.split(jax.random.key(0), 2)
+    a, b = (jax.random.normal(k, (n, n), jnp.float32).astype(jnp.bfloat16) for k in keys)
+    matmul = jax.jit(jnp.matmul)
+    seconds = _timed(lambda: matmul(a, b))
+    return {"passed": True, "n": n, "median_s": seconds, "tflops": 2 * n**3 / seconds / 1e12}
+
+
+def _copy_bandwidth() -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+
+    nbytes = 2**30 if jax.devices()[0].platform == "gpu" else 2**24
+    x = jnp.ones(nbytes // 2, jnp.bfloat16)
+    double = jax.jit(lambda x: x * 2)  # reads and writes every byte once
+    seconds = _timed(lambda: double(x))
+    return {
+        "passed": True,
+        "bytes": nbytes,
+        "median_s": seconds,
+        "tb_per_s_read_and_written": 2 * nbytes / seconds / 1e12,
+    }
+
+
+# -------------------------------------------------------------------------------- kernels
+
+
+def kernel_checks(platform: str, capability: str) -> list[Any]:
+    """run/preflight.py's checks the GPU check runs: on GPUs the GPU-only kernels at the shipped
+    widths, float32 tiles last (informational: they may not fit shared memory); on CPUs the
+    references and the Pallas forward in its interpreter, small."""
+    from jaxtrain.run import preflight as pf
+
+    if platform == "cpu":
+        small = {"sizes": (100, 0, 37, 91), "buffer": 300}
+        return [
+            pf.attention_check("xla", 4, 2, 32, 32, True, "bfloat16", length=32, batch=2),
+            pf.grouped_check(128, 128, "bfloat16", interpret=True, backward=False, **small),  # type: ignore[arg-type]
+            pf.expert_check("blocks", 128, 128, "bfloat16", **small),  # type: ignore[arg-type]
+            pf.exchange_check("padded", d=32, rows=64),
+        ]
+    found = []
+    for d, ff in WIDTHS.values():
+        why = pf.grouped.refusal(platform, capability, d, ff)
+        found.append(
+            pf.refused(f"ragged_matmul pallas d{d} ff{ff}", why)
+            if why
+            else pf.grouped_check(d, ff, "bfloat16")
+        )
+    d, ff = WIDTHS["qwen3_30b_a3b"]
+    found += [pf.expert_check(impl, d, ff, "bfloat16") for impl in ("pallas", "blocks", "ragged_dot")]
+    found += [
+        pf.attention_check("cudnn", *heads, docs, "bfloat16", length=1024) for heads, docs in HEADS.values()
+    ]
+    found += [pf.exchange_check("ragged"), pf.grouped_check(d, ff, "float32")]
+    return found
+
+
+def _kernel_parts(work: Path, options: dict[str, Any]) -> list[Part]:
+    import jax
+
+    from jaxtrain.run import preflight as pf
+
+    devices = jax.devices()
+    capability = str(getattr(devices[0], "compute_capability", ""))
+
+    def measure(check: Any) -> Callable[[], dict[str, Any]]:
+        def run() -> dict[str, Any]:
+            verdict = pf.run_check(check, devices)
+            if verdict.detail:
+                print(f"{check.name}: {verdict.detail}", file=sys.stderr, flush=True)
+            return {**asdict(verdict), "max_error": verdict.max_error, "detail": verdict.detail[-600:]}
+
+        return run
+
+    return [(c.name, measure(c)) for c in kernel_checks(devices[0].platform, capability)]
+
+
+# ---------------------------------------------------------------------------------- train
+
+
+def train_runs(platform: str, only: Sequence[str] = ()) -> dict[str, tuple[str, list[str]]]:
+    """The train runs on `platform` ("gpu" or "cpu"), or those of `only`, with their references."""
+    runs = TRAIN_RUNS["cpu" if platform == "cpu" else "gpu"]
+    unknown = sorted(set(only) - set(runs))
+    if unknown:
+        raise ValueError(f"no train run {unknown} on {platform}; choose among {sorted(runs)}")
+    return {k: v for k, v in runs.items() if not only or k in only}
+
+
+def _train_parts(work: Path, options: dict[str, Any]) -> list[Part]:
+    runs = train_runs(options["platform"], options["train_runs"])
+    return [(name, _trainer(name, flags, work, options)) for name, (_, flags) in runs.items()]
+
+
+def _trainer(
+    name: str, flags: list[str], work: Path, options: dict[str, Any]
+) -> Callable[[], dict[str, Any]]:
+    def run() -> dict[str, Any]:
+        run_dir = work / "runs" / name
+        steps = options["train_steps"]
+        cmd = [sys.executable, "scripts/train.py", *flags, "--run_dir", str(run_dir), "--overwrite", "true",
+               "--total_steps", str(steps), "--log_interval", "1", "--eval_interval", "0",
+               "--checkpoint_interval", "1000000", "--sample_tokens", "0", "--progress_bar", "false",
+               "--use_wandb", "false"]  # fmt: skip
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=options["run_timeout_s"])
+        print(f"--- {name}: {' '.join(cmd)}\n{done.stdout[-3000:]}{done.stderr[-6000:]}", flush=True)
+        if done.returncode != 0:
+            return {
+                "passed": False,
+                "failed": f"train.py exited {done.returncode}: {_last_line(done.stderr)}",
+            }
+        return train_figures(run_dir / "metrics.jsonl", steps)
+
+    return run
+
+
+def train_figures(metrics: Path, steps: int) -> dict[str, Any]:
+    """A run's losses (one per step), its devices' peak bytes in use and the compiled step's bytes."""
+    records = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    start: dict[str, Any] = next((r for r in records if r.get("event") == "start"), {})
+    losses = {r["step"]: r["loss"] for r in records if "loss" in r}
+    peaks = [r["mem_peak_gb"] * 1e9 for r in records if "mem_peak_gb" in r]
+    compiled = start.get("peak_bytes_per_device")
+    result = {
+        "passed": len(losses) == steps and all(_finite(x) for x in losses.values()),
+        "losses": [losses.get(s) for s in range(1, steps + 1)],
+        "peak_bytes_in_use": max(peaks) if peaks else None,
+        "compiled_bytes": compiled,
+        "memory_ratio": max(peaks) / compiled if peaks and compiled else None,
+        "attention": start.get("attention"),
+    }
+    if not result["passed"]:
+        result["failed"] = f"{len(losses)} of {steps} steps logged, or a loss is not finite"
+    return result
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, int | float) and x == x and abs(x) != float("inf")
+
+
+def _last_line(text: str) -> str:
+    lines = [x for x in text.strip().splitlines() if x.strip()]
+    return lines[-1][:400] if lines else ""
+
+
+# ---------------------------------------------------------------------------------- bench
+
+
+def _bench_parts(work: Path, options: dict[str, Any]) -> list[Part]:
+    def run() -> dict[str, Any]:
+        out = Path(options["out"]) / "bench.json"
+        # A run starts only before --budget_s and lasts --run_timeout_s at most: both end by the deadline.
+        half = max(30, int((options["deadline"] - time.time()) / 2 - 10))
+        cmd = [sys.executable, "bench/bench_gpu.py", *BENCH["cpu" if options["platform"] == "cpu" else "gpu"],
+               "--out", str(out), "--work", str(work / "bench"), "--budget_s", str(half),
+               "--run_timeout_s", str(half)]  # fmt: skip
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        print(f"--- {' '.join(cmd)}\n{done.stdout[-6000:]}{done.stderr[-6000:]}", flush=True)
+        report = json.loads(out.read_text()) if out.exists() else {"runs": {}}
+        runs = {
+            name: {k: r.get(k) for k in ("tokens_per_sec", "mfu", "mem_peak_gb", "step_time_s", "error")}
+            for name, r in report["runs"].items()
+        }
+        failed = [f"{name}: {_last_line(str(r['error']))}" for name, r in runs.items() if r["error"]]
+        if done.returncode != 0 or not runs:
+            failed.append(f"bench_gpu.py exited {done.returncode}: {_last_line(done.stderr)}")
+        return {"passed": not failed, "runs": runs, "failed": "; ".join(failed)}
+
+    return [("bench_gpu", run)]

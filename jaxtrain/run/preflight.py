@@ -1,0 +1,391 @@
+"""Preflight: each GPU-only kernel a job chose, run on a small problem, forward and backward, against
+the path already proven on CPU, before the job compiles its step.
+
+    verdicts = preflight(Choices(attention="cudnn", grouped_matmul="pallas", exchange="ragged",
+                                 d_model=2048, expert_dim=768), job.devices)
+    [v for v in verdicts if not v.passed]        # each says what failed in one line
+
+The GPU-only paths are cuDNN's fused attention (model/attention.py), the Pallas Mosaic-GPU grouped
+matmul with its dX and dW kernels (model/grouped_kernels.py) and XLA's ragged all-to-all; on CPU
+their references stand in for them (XLA's attention, `jax.lax.ragged_dot`, the padded exchange of
+model/moe.py), so the same checks run in CI. A check compares the kernel in the job's dtype with
+its reference in float32 on the same (rounded) inputs, by the relative norm of the difference,
+and plants what a kernel must ignore: NaN in the rows past the routed ones (in the rows and in
+the gradient), an empty expert, a slice that sends nothing, a document boundary. NaN never passes.
+Pure: nothing printed, no device asked for; the caller hands in the devices.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxtrain.model import grouped
+
+# The kernels and references checked, by module attribute in this one place: model/ is refactored
+# often, and a rename is then a one-line fix here (meanwhile only the checks using it fail, saying
+# so). Each is looked up where it lives now, then where it lived before the refactor of model/ and
+# parallel/ in flight (drop the old places once it has landed).
+KERNELS = {
+    # (q, k, v, impl, segments) -> causal attention by impl: cudnn or xla
+    "attention": ("jaxtrain.model.attention:causal_attention", "jaxtrain.model.attention:_causal_attention"),
+    # (rows, w, sizes, routed, interpret): the Pallas kernels' custom_vjp
+    "ragged_matmul": ("jaxtrain.model.grouped_kernels:ragged_matmul",),
+    # (rows, sizes, w_in, w_out, impl): the experts' MLPs by pallas, ragged_dot or blocks
+    "expert_mlps": ("jaxtrain.model.moe:expert_mlps",),
+    # ragged_all_to_all's arguments + width: XLA:CPU's stand-in for it
+    "padded_exchange": (
+        "jaxtrain.parallel.expert:padded_ragged_all_to_all",
+        "jaxtrain.model.moe:padded_ragged_all_to_all",
+    ),  # fmt: skip
+}
+# Relative-norm error allowed against the float32 reference. bfloat16 rounds each output to 2^-9,
+# about 4e-3 as a norm; the attention gradients pass through bfloat16 probabilities too.
+TOLERANCE = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-4}
+EXPERT_SIZES = (300, 0, 137, 291)  # rows per expert: tiles straddle experts; one empty
+BUFFER_ROWS = 1024  # the grouped matmul's buffer: 296 rows past the routed 728 hold NaN
+
+Compared = dict[str, tuple[jax.Array, jax.Array]]  # output -> (the kernel's, the reference's)
+
+
+def kernel(name: str) -> Callable[..., Any]:
+    """The function KERNELS names (Pallas's modules are imported only when their kernel is asked for)."""
+    for place in KERNELS[name]:
+        module, _, attr = place.partition(":")
+        try:
+            found = getattr(importlib.import_module(module), attr, None)
+        except ModuleNotFoundError:
+            found = None
+        if found is not None:
+            return found
+    raise LookupError(
+        f"{' or '.join(KERNELS[name])} is gone (renamed?): update jaxtrain/run/preflight.py KERNELS"
+    )
+
+
+@dataclass(frozen=True)
+class Choices:
+    """A job's resolved kernels ("" = not used) and the widths it runs them at."""
+
+    attention: str = ""  # cudnn | xla
+    grouped_matmul: str = ""  # pallas | ragged_dot | blocks
+    exchange: str = ""  # ragged | padded
+    dtype: str = "bfloat16"
+    heads: tuple[int, int, int, int] = (12, 12, 64, 64)  # query heads, key/value heads, head dim, value dim
+    documents: bool = False
+    d_model: int = 0
+    expert_dim: int = 0  # per tensor shard
+
+
+@dataclass(frozen=True)
+class Check:
+    """One kernel on one problem: `compute(devices)` gives each output's (kernel, reference)."""
+
+    name: str
+    compute: Callable[[Sequence[Any]], Compared]
+    tolerance: float
+    informational: bool = False  # recorded, not judged (a kernel run outside what it supports)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    name: str
+    passed: bool
+    errors: dict[str, float]  # output -> relative-norm error against the reference
+    failed: str  # what failed, one line; "" if it passed
+    detail: str  # the error's text, for a log
+    seconds: float
+    informational: bool = False
+
+    @property
+    def max_error(self) -> float | None:
+        return max(self.errors.values()) if self.errors else None
+
+    def line(self) -> str:
+        """'pass  name  max error 3.1e-03  (1.2 s)', or FAIL and what failed."""
+        state = "pass" if self.passed else ("fail (informational)" if self.informational else "FAIL")
+        err = f"max error {self.max_error:.1e}" if self.max_error is not None else "no error measured"
+        why = f": {self.failed}" if self.failed else ""
+        return f"{state:<5} {self.name}  {err}  ({self.seconds:.1f} s){why}"
+
+
+def run_check(check: Check, devices: Sequence[Any]) -> Verdict:
+    """Run one check; any exception (a refused or failed compile, a kernel's error) is its failure."""
+    t0 = time.perf_counter()
+    errors: dict[str, float] = {}
+    failed: list[str] = []
+    detail = ""
+    try:
+        for what, (got, want) in check.compute(devices).items():
+            got, want = got.astype(jnp.float32), want.astype(jnp.float32)
+            if not bool(jnp.isfinite(got).all()):
+                failed.append(f"{what} holds NaN or inf")
+                continue
+            scale = float(jnp.linalg.norm(want))
+            errors[what] = float(jnp.linalg.norm(got - want)) / (scale if scale > 0 else 1.0)
+            if not errors[what] <= check.tolerance:
+                failed.append(f"{what} off by {errors[what]:.1e} (tolerance {check.tolerance:.0e})")
+    except Exception as e:  # noqa: BLE001  a kernel that does not run is the verdict, not a crash
+        detail = f"{type(e).__name__}: {e}"[-4000:]
+        failed.append(_first_line(e))
+    return Verdict(
+        check.name,
+        not failed,
+        errors,
+        "; ".join(failed),
+        detail,
+        time.perf_counter() - t0,
+        check.informational,
+    )
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def preflight(choices: Choices, devices: Sequence[Any]) -> list[Verdict]:
+    """Every check of `choices` on `devices` (the job's, or one of them: each check uses the first,
+    the exchange all of them)."""
+    capability = str(getattr(devices[0], "compute_capability", ""))
+    return [run_check(c, devices) for c in checks(choices, devices[0].platform, capability)]
+
+
+def checks(choices: Choices, platform: str, capability: str) -> list[Check]:
+    """The checks of a job's choices on devices of `platform` ("gpu", "cpu") and compute capability."""
+    found: list[Check] = []
+    n, kv, h, hv = choices.heads
+    if choices.attention:
+        found.append(attention_check(choices.attention, n, kv, h, hv, choices.documents, choices.dtype))
+    if choices.grouped_matmul:
+        d, ff = choices.d_model, choices.expert_dim
+        why = grouped.refusal(platform, capability, d, ff) if choices.grouped_matmul == "pallas" else None
+        if why:
+            found.append(refused(f"grouped_matmul pallas d{d} ff{ff}", why))
+        else:
+            found.append(expert_check(choices.grouped_matmul, d, ff, choices.dtype))
+            if choices.grouped_matmul == "pallas":
+                found.append(grouped_check(d, ff, choices.dtype))
+    if choices.exchange:
+        found.append(exchange_check(choices.exchange))
+    return found
+
+
+def refused(name: str, why: str) -> Check:
+    """A check that fails with the refusal's line: the kernel cannot run here."""
+
+    def compute(devices: Sequence[Any]) -> Compared:
+        raise ValueError(f"refused: {why}")
+
+    return Check(name, compute, 0.0)
+
+
+# --------------------------------------------------------------------------------- problems
+
+
+def _normal(key: jax.Array, shape: tuple[int, ...], dtype: Any, scale: float = 1.0) -> jax.Array:
+    return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)
+
+
+def _reference(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn traced in float32 at full precision (a GPU would otherwise multiply float32 in TF32)."""
+    with jax.default_matmul_precision("highest"):
+        return jax.jit(fn)(*(jax.tree.map(lambda a: a.astype(jnp.float32), args)))
+
+
+def _with_grads(fn: Callable[..., jax.Array], args: tuple[jax.Array, ...], cot: jax.Array) -> tuple[Any, ...]:
+    """fn(*args) and its gradient with respect to every arg, for the output cotangent `cot`."""
+    out, vjp = jax.vjp(fn, *args)
+    return out, *vjp(cot.astype(out.dtype))
+
+
+def _routed_rows(m: int, routed: int, *arrays: jax.Array) -> tuple[jax.Array, ...]:
+    """Each array with its rows past `routed` set to NaN (what a kernel must never read or write into
+    a routed row), and the same with zeros (what the reference gets)."""
+    past = (jnp.arange(m) >= routed)[:, None]
+    return tuple(jnp.where(past, jnp.nan, a).astype(a.dtype) for a in arrays) + tuple(
+        jnp.where(past, 0, a).astype(a.dtype) for a in arrays
+    )
+
+
+def grouped_check(
+    d: int, ff: int, dtype: str, *, interpret: bool = False, backward: bool = True,
+    sizes: tuple[int, ...] = EXPERT_SIZES, buffer: int = BUFFER_ROWS,
+) -> Check:  # fmt: skip
+    """The Pallas grouped matmul alone, rows [m, d] x w [E, d, ff]: its forward, dX and dW kernels
+    against `jax.lax.ragged_dot`'s. `interpret`: Pallas's GPU interpreter (on CPU), which runs the
+    forward only (it has no transposed shared-memory operands). `sizes`: each expert's rows, in a
+    buffer of `buffer` rows (the rest NaN)."""
+
+    def compute(devices: Sequence[Any]) -> Compared:
+        matmul = kernel("ragged_matmul")
+        routed, m, e = sum(sizes), buffer, len(sizes)
+        group_sizes = jnp.array(sizes, jnp.int32)
+        with jax.default_device(devices[0]):
+            k = jax.random.split(jax.random.key(0), 3)
+            rows, w = _normal(k[0], (m, d), dtype), _normal(k[1], (e, d, ff), dtype, 1 / math.sqrt(d))
+            cot = _normal(k[2], (m, ff), dtype)
+            rows_nan, cot_nan, rows0, cot0 = _routed_rows(m, routed, rows, cot)
+
+            def ours(r: jax.Array, w: jax.Array) -> jax.Array:
+                return matmul(r, w, group_sizes, m, interpret)
+
+            def ref(r: jax.Array, w: jax.Array) -> jax.Array:
+                return jax.lax.ragged_dot(r, w, group_sizes)
+
+            if not backward:
+                out, want = jax.jit(ours)(rows_nan, w), _reference(ref, rows0, w)
+                return {"out": (out[:routed], want[:routed])}
+            got = jax.jit(lambda r, w, c: _with_grads(ours, (r, w), c))(rows_nan, w, cot_nan)
+            want = _reference(lambda r, w, c: _with_grads(ref, (r, w), c), rows0, w, cot0)
+        return {
+            "out": (got[0][:routed], want[0][:routed]),
+            "d_rows": (got[1][:routed], want[1][:routed]),
+            "d_w": (got[2], want[2]),  # the empty expert's too: zero, never NaN
+        }
+
+    name = f"ragged_matmul pallas d{d} ff{ff} {dtype}{' interpreted' if interpret else ''}"
+    return Check(name + ("" if backward else " forward"), compute, TOLERANCE[dtype], dtype == "float32")
+
+
+def expert_check(
+    impl: str,
+    d: int,
+    ff: int,
+    dtype: str,
+    *,
+    sizes: tuple[int, ...] = EXPERT_SIZES,
+    buffer: int = BUFFER_ROWS,
+) -> Check:
+    """The experts' SwiGLU MLPs (moe.expert_mlps: two grouped matmuls) by `impl` against ragged_dot
+    in float32: outputs and gradients of rows, w_in and w_out, with NaN in the rows past the routed
+    ones (the exchange's recycled buffers hold any bits there) and in their gradient."""
+
+    def compute(devices: Sequence[Any]) -> Compared:
+        mlps = kernel("expert_mlps")
+        routed, m, e = sum(sizes), buffer, len(sizes)
+        group_sizes = jnp.array(sizes, jnp.int32)
+        with jax.default_device(devices[0]):
+            k = jax.random.split(jax.random.key(1), 4)
+            rows = _normal(k[0], (m, d), dtype)
+            w_in = _normal(k[1], (e, d, 2, ff), dtype, 1 / math.sqrt(d))
+            w_out = _normal(k[2], (e, ff, d), dtype, 1 / math.sqrt(ff))
+            rows_nan, cot_nan, rows0, cot0 = _routed_rows(m, routed, rows, _normal(k[3], (m, d), dtype))
+
+            def run(impl: str) -> Callable[..., tuple[Any, ...]]:
+                return lambda r, a, b, c: _with_grads(
+                    lambda *x: mlps(x[0], group_sizes, x[1], x[2], impl), (r, a, b), c
+                )
+
+            got = jax.jit(run(impl))(rows_nan, w_in, w_out, cot_nan)
+            want = _reference(run("ragged_dot"), rows0, w_in, w_out, cot0)
+        return {
+            "out": (got[0][:routed], want[0][:routed]),
+            "d_rows": (got[1][:routed], want[1][:routed]),
+            "d_w_in": (got[2], want[2]),
+            "d_w_out": (got[3], want[3]),
+        }
+
+    return Check(f"expert_mlps {impl} d{d} ff{ff} {dtype}", compute, TOLERANCE[dtype], dtype == "float32")
+
+
+def attention_check(
+    impl: str, n: int, kv: int, h: int, hv: int, documents: bool, dtype: str, *, length: int = 512,
+    batch: int = 2, reference: str = "xla",
+) -> Check:  # fmt: skip
+    """Causal attention by `impl` (model/attention.py's kernels) against `reference` (XLA's) in
+    float32: output and gradients of q, k, v. n query heads of h, kv key/value heads, values hv wide
+    (DeepSeek's 192 and 128: cuDNN gets the values padded); `documents`: each row holds three
+    documents, their boundaries inside the sequence and unlike between rows."""
+
+    def compute(devices: Sequence[Any]) -> Compared:
+        attend = kernel("attention")
+        segments = None
+        if documents:
+            t = np.arange(length)
+            ends = [(length // 3 + 7 * b, 2 * length // 3 + 11 * b) for b in range(batch)]
+            segments = jnp.array(np.stack([(t >= a).astype(np.int32) + (t >= c) for a, c in ends]))
+        with jax.default_device(devices[0]):
+            k = jax.random.split(jax.random.key(2), 4)
+            q = _normal(k[0], (batch, length, n, h), dtype)
+            key, v = (
+                _normal(k[1], (batch, length, kv, h), dtype),
+                _normal(k[2], (batch, length, kv, hv), dtype),
+            )
+            cot = _normal(k[3], (batch, length, n, hv), dtype)
+
+            def run(impl: str) -> Callable[..., tuple[Any, ...]]:
+                return lambda q, k, v, c: _with_grads(lambda *x: attend(*x, impl, segments), (q, k, v), c)
+
+            got = jax.jit(run(impl))(q, key, v, cot)
+            want = _reference(run(reference), q, key, v, cot)
+        return dict(zip(("out", "d_q", "d_k", "d_v"), zip(got, want, strict=True), strict=True))
+
+    name = f"attention {impl} {n}x{h} kv{kv}{f' v{hv}' if hv != h else ''} T{length}"
+    return Check(f"{name}{' documents' if documents else ''} {dtype}", compute, TOLERANCE[dtype])
+
+
+def exchange_check(impl: str, slices: int = 3, d: int = 256, rows: int = 512, seed: int = 3) -> Check:
+    """The experts' token exchange over every device given, `slices` slices to each peer (one per
+    expert of the peer's, one of them empty), by `impl` (ragged: XLA's ragged_all_to_all; padded:
+    model/moe.py's stand-in, the reference): the rows that land, the buffer rows nothing lands in
+    left as they were, and the gradients of the rows sent and of the buffer. Rows no slice sends
+    hold NaN: they must go nowhere. bfloat16 copies: exact."""
+
+    def compute(devices: Sequence[Any]) -> Compared:
+        padded = kernel("padded_exchange")
+        p = len(devices)
+        rng = np.random.default_rng(seed)
+        sizes = rng.integers(1, rows // (p * slices), (p, p, slices))  # [source, destination, slice]
+        sizes[:, :, 1 % slices] = 0
+        exclusive = lambda a: np.cumsum(a) - a  # noqa: E731
+        in_offsets = np.stack([exclusive(sizes[s].reshape(-1)).reshape(p, slices) for s in range(p)])
+        # Each destination's buffer grouped by slice, sources in order inside each (moe's layout).
+        out_offsets = np.stack(
+            [exclusive(sizes[:, t].T.reshape(-1)).reshape(slices, p).T for t in range(p)], 1
+        )
+        bound = int(sizes.sum(axis=(0, 2)).max()) + 64  # rows past the landed ones: left alone
+        width = int(sizes.sum(axis=2).max())
+        index = [
+            in_offsets.reshape(p, -1), sizes.reshape(p, -1), out_offsets.reshape(p, -1),
+            sizes.transpose(1, 0, 2).reshape(p, -1),
+        ]  # fmt: skip
+        sent = sizes.sum(axis=(1, 2))
+        operand = rng.standard_normal((p, rows, d)).astype(np.float32)
+        operand[np.arange(rows)[None, :] >= sent[:, None]] = np.nan
+        mesh = jax.sharding.Mesh(np.array(devices), ("x",))
+        place = lambda a: jax.device_put(a, NamedSharding(mesh, P("x")))  # noqa: E731
+        args = [
+            place(operand.reshape(p * rows, d).astype(jnp.bfloat16)),
+            place(np.full((p * bound, d), 0.5, jnp.bfloat16)),
+            *(place(a.astype(np.int32)) for a in index),
+        ]
+        cot = place(rng.standard_normal((p * bound, d)).astype(jnp.bfloat16))
+
+        def local(impl: str) -> Callable[..., jax.Array]:
+            def one(x: jax.Array, buffer: jax.Array, *index: jax.Array) -> jax.Array:
+                flat = [i.reshape(-1) for i in index]
+                if impl == "ragged":
+                    return jax.lax.ragged_all_to_all(x, buffer, *flat, axis_name="x")
+                return padded(x, buffer, *flat, axis_name="x", width=width)
+
+            return jax.shard_map(one, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False)
+
+        def run(impl: str) -> Callable[..., tuple[Any, ...]]:
+            return lambda x, b, c, *i: _with_grads(lambda x, b: local(impl)(x, b, *i), (x, b), c)
+
+        got = jax.jit(run(impl))(args[0], args[1], cot, *args[2:])
+        want = jax.jit(run("padded"))(jnp.nan_to_num(args[0]), args[1], cot, *args[2:])
+        return dict(zip(("out", "d_rows", "d_buffer"), zip(got, want, strict=True), strict=True))
+
+    return Check(f"exchange {impl} {slices} slices a peer", compute, 0.0)

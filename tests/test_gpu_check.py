@@ -1,0 +1,109 @@
+"""scripts/gpu_check.py on CPU, where its stages run the reference paths small (the GPU-only kernels
+run on a lent GPU: docs/gpu_check.md), and run/preflight.py's verdicts on kernels made to differ.
+
+    pytest tests/test_gpu_check.py      # about 30 s on 2 cores
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+from processes import clean_env
+
+from jaxtrain.errors import ArgumentError
+from jaxtrain.health.gpu_check import judge_train, parse_args
+from jaxtrain.run import preflight as pf
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_the_check_runs_end_to_end_on_cpu_and_reports_every_stage(tmp_path):
+    """device, kernels and a 2-step train of the tiny GPT, as the GPU machine runs them (2 devices:
+    the exchange crosses them)."""
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, "scripts/gpu_check.py", "--out", str(out), "--stages", "device,kernels,train",
+         "--train_runs", "gpt_xla", "--train_steps", "2", "--budget_s", "240",
+         "--work", str(tmp_path / "work")],
+        cwd=ROOT, env=clean_env(devices=2), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["passed"] and list(report["stages"]) == ["device", "kernels", "train"]
+    assert {s["status"] for s in report["stages"].values()} == {"pass"}
+    device = report["stages"]["device"]["parts"]
+    assert device["versions"]["devices"][0]["platform"] == "cpu" and device["matmul"]["tflops"] > 0
+    kernels = report["stages"]["kernels"]["parts"]
+    assert len(kernels) == 4 and all(k["passed"] and k["max_error"] < 2e-2 for k in kernels.values())
+    assert any("interpreted" in name for name in kernels)  # the Pallas forward, in its interpreter
+    run = report["stages"]["train"]["parts"]["gpt_xla"]
+    assert len(run["losses"]) == 2 and run["memory_ratio"] is None  # a CPU reports no memory
+    assert sorted(p.name for p in out.iterdir()) == [
+        "device.log",
+        "gpu_check.json",
+        "kernels.log",
+        "train.log",
+    ]
+    lines = done.stdout.splitlines()  # the table comes last: a stage a row, then a part a row
+    table = lines[lines.index("gpu_check: PASSED") + 1 :]
+    assert table[0].startswith("stage") and [x.split()[0] for x in table[1:4]] == [
+        "device",
+        "kernels",
+        "train",
+    ]
+    assert len(table) == 4 + 3 + 4 + 1 and all(x.startswith("  ") for x in table[4:])
+
+
+def test_a_kernel_that_differs_fails_with_what_differs():
+    """A real kernel against a wrong reference (XLA's causal attention against a non-causal one),
+    NaN where a kernel must not write, a refused kernel and a renamed one: each a failed verdict
+    with its one line, never an exception."""
+    q, k, v = (jax.random.normal(jax.random.key(i), (1, 16, 2, 8), jnp.float32) for i in range(3))
+    attend = pf.kernel("attention")
+
+    def wrong(devices):
+        return {"out": (attend(q, k, v, "xla", None), jax.nn.dot_product_attention(q, k, v, is_causal=False))}
+
+    verdict = pf.run_check(pf.Check("xla against non-causal", wrong, 1e-2), jax.devices())
+    assert not verdict.passed and verdict.failed.startswith("out off by") and verdict.max_error > 1e-2
+    nan = pf.run_check(pf.Check("nan", lambda d: {"d_w": (q * jnp.nan, q)}, 1e-2), jax.devices())
+    assert not nan.passed and nan.failed == "d_w holds NaN or inf"
+    choices = pf.Choices(grouped_matmul="pallas", d_model=100, expert_dim=256)
+    [refused] = pf.preflight(choices, jax.devices()[:1])
+    assert not refused.passed and "needs Hopper GPUs" in refused.failed
+
+
+def test_a_renamed_kernel_fails_only_its_checks(monkeypatch):
+    monkeypatch.setitem(pf.KERNELS, "attention", ("jaxtrain.model.attention:no_such_kernel",))
+    verdict = pf.run_check(
+        pf.attention_check("xla", 2, 2, 8, 8, False, "float32", length=8, batch=1), jax.devices()
+    )
+    assert not verdict.passed and "is gone (renamed?)" in verdict.failed
+
+
+def test_train_runs_are_judged_against_their_reference():
+    runs = {"ref": ("", []), "ok": ("ref", []), "off": ("ref", []), "fat": ("ref", [])}
+    stage = {"status": "pass", "parts": {
+        "ref": {"passed": True, "losses": [5.0, 4.0], "memory_ratio": 1.02},
+        "ok": {"passed": True, "losses": [5.01, 4.02], "memory_ratio": 0.97},
+        "off": {"passed": True, "losses": [5.0, 4.1], "memory_ratio": None},
+        "fat": {"passed": True, "losses": [5.0, 4.0], "memory_ratio": 1.3},
+    }}  # fmt: skip
+    judge_train(stage, runs)
+    parts = stage["parts"]
+    assert parts["ref"]["passed"] and parts["ok"]["passed"] and stage["status"] == "fail"
+    assert parts["off"]["failed"] == "losses 2.50% off ref's"
+    assert parts["fat"]["failed"] == "peak memory 1.30 x the compiled step's"
+
+
+@pytest.mark.parametrize(
+    "argv", [["--out", "o", "--stages", "kernels,nope"], ["--out", "o", "--train_runs", "x"]]
+)
+def test_bad_flags_are_one_line(argv):
+    with pytest.raises(ArgumentError):
+        parse_args(argv)
