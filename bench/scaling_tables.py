@@ -15,6 +15,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+import calibration  # noqa: E402  (bench/ is no package: the published runs beside the forecast)
+
 DOC = ROOT / "docs" / "scaling.md"
 RESULTS = ROOT / "bench" / "results"
 
@@ -24,7 +27,8 @@ DENSE = [
     "gpt2_124m_h100x8_fsdp4_tensor2", "gpt2_124m_h100x8_fsdp4_tensor2_fp16", "gpt2_124m_h100_2x8_data16",
     "gpt_1p5b_h100x8_fsdp8", "gpt_1p5b_h100_8x8_data8_fsdp8", "gpt_7b_h100x8_fsdp8",
     "gpt_7b_h100_8x8_data8_fsdp8", "llama3_8b_h100x8", "llama3_8b_h100_8x8", "llama3_8b_h100_8x8_fsdp16",
-    "llama3_8b_h100_8x8_reduce_compute", "llama3_70b_h100_16x8_maxtext", "llama3_70b_h100_128x8",
+    "llama3_8b_h100_8x8_reduce_compute", "llama2_7b_h100x8_maxtext", "llama3_70b_h100_16x8_maxtext",
+    "llama3_70b_h100_128x8",
     "gpt_70b_h100_128x8_data2_fsdp64_tensor8", "gpt_19b_h100x1", "llama3_8b_128k_h100_8x8",
     "llama3_70b_128k_h100_32x8", "llama3_8b_1m_h100_16x8", "llama3_405b_h100_256x8",
     "llama3_405b_h100_256x8_fsdp64", "llama3_405b_128l_h100_256x8_pipeline32",
@@ -121,6 +125,7 @@ def tables(results: Path = RESULTS) -> dict[str, str]:
     return {
         "dense": "\n".join([DENSE_HEAD, *(dense_row(n, plan(n)) for n in DENSE)]),
         "moe": "\n".join([MOE_HEAD, *(moe_row(n, label, plan(n)) for n, label in MOE.items())]),
+        "calibration": calibration.table(),
     }
 
 

@@ -172,6 +172,35 @@ CASES = {
         16,
         8,
     ),  # fmt: skip
+    # NVIDIA's MaxText Llama 2 7B on 1 x 8 H100 (bench/calibration.py): fsdp 8, global batch 16 x 4096;
+    # Llama 2's shape from llama3_8b's config (its remat, dots), no ZeRO-1 (one host).
+    "llama2_7b_h100x8_maxtext": (
+        [
+            "--config",
+            "configs/llama3_8b.yaml",
+            "--model.vocab_size",
+            "32000",
+            "--model.seq_len",
+            "4096",
+            "--model.n_kv_head",
+            "32",
+            "--model.d_ff",
+            "11008",
+            "--model.rope_theta",
+            "10000",
+            "--total_batch_size",
+            "65536",
+            "--device_batch_size",
+            "2",
+            "--mesh.fsdp",
+            "8",
+            "--mesh.zero1",
+            "false",
+        ],
+        "h100",
+        1,
+        8,
+    ),  # fmt: skip
     "llama3_8b_h100x8": (["--config", "configs/llama3_8b.yaml"], "h100", 1, 8),
     "llama3_8b_h100_8x8": (["--config", "configs/llama3_8b.yaml"], "h100", 8, 8),
     "llama3_8b_h100_8x8_fsdp16": (["--config", "configs/llama3_8b.yaml", "--mesh.fsdp", "16"], "h100", 8, 8),

@@ -304,6 +304,10 @@ def test_every_committed_plans_figures_by_hand(path):
         sum(c["network_bytes"] for c in p["collectives"]) / target.network_bytes_per_s
     )
     assert terms["hbm"] == pytest.approx(p["hbm_bytes_floor"] / target.hbm_bytes_per_s)
+    if "program" in terms:  # the program's own matmuls: remat, a pipeline's bubble and padding in them
+        assert terms["program"] == pytest.approx(
+            p["compiled_flops_per_device"] / targets.peak_flops(target, p["dtype"])
+        )
     assert p["step_time_lower_bound_s"] == max(terms.values()) == terms[p["bound_limited_by"]]
     assert p["mfu_ceiling"] == pytest.approx(terms["compute"] / p["step_time_lower_bound_s"])
     assert p["schedule_bound_s"] >= p["step_time_lower_bound_s"]

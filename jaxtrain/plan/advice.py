@@ -24,7 +24,7 @@ from jaxtrain.plan.planner import gb, plan_one
 # What a search keeps of each plan that fits.
 SEARCH_KEYS = (
     "total_bytes_per_device", "step_time_lower_bound_s", "mfu_ceiling", "bound_limited_by",
-    "schedule_bound_s", "schedule_mfu_ceiling",
+    "schedule_bound_s", "schedule_mfu_ceiling", "forecast",
 )  # fmt: skip
 FULL = {"model.remat": "full"}
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -290,7 +290,7 @@ def search(
                 continue
             if s.compiles >= budget:
                 print(f"  (search stopped after {budget} compiles: --search_budget)")
-                return sorted(s.results, key=lambda r: r["schedule_bound_s"])
+                return sorted(s.results, key=_forecast_s)
             batch = {"device_batch_size": b} if cfg.total_batch_size else {
                 "gradient_accumulation_steps": rows // shards // b}  # fmt: skip
             mesh = (
@@ -309,15 +309,23 @@ def search(
                 break  # the largest device batch that fits: the fewest gathers per step
             if found != "does not fit":  # its state alone (at any batch), or rejected by the
                 break  # config (heads not divisible by tensor, ...): the next layout
-    return sorted(s.results, key=lambda r: r["schedule_bound_s"])
+    return sorted(s.results, key=_forecast_s)
+
+
+def _forecast_s(r: dict[str, Any]) -> float:
+    """What a search ranks by: the forecast step time (forecast.py), the bound's for a plan without one."""
+    return r["forecast"]["step_time_s"] if "forecast" in r else r["schedule_bound_s"]
 
 
 def print_search(found: list[dict[str, Any]]) -> None:
-    """A search's layouts that fit, fastest schedule-aware bound first."""
+    """A search's layouts that fit, fastest forecast first."""
     if found:
-        print("layouts that fit, fastest first:")
+        print("layouts that fit, fastest forecast first (forecast: at speeds measured on H100s; "
+              "schedule-aware: a bound, every op at peak):")  # fmt: skip
     for r in found:
         sched, floor = r["schedule_bound_s"] * 1e3, r["step_time_lower_bound_s"] * 1e3
         ceiling, floor_ceiling = 100 * r["schedule_mfu_ceiling"], 100 * r["mfu_ceiling"]
-        print(f"  {flags(r['overrides'])}: schedule-aware {sched:.1f} ms (MFU ceiling {ceiling:.1f}%), "
+        f = r.get("forecast")
+        likely = f"forecast {f['step_time_s'] * 1e3:.1f} ms (MFU {100 * f['mfu']:.1f}%), " if f else ""
+        print(f"  {flags(r['overrides'])}: {likely}schedule-aware {sched:.1f} ms (ceiling {ceiling:.1f}%), "
               f"floor {floor:.1f} ms ({floor_ceiling:.1f}%), {gb(r['total_bytes_per_device'])}")  # fmt: skip

@@ -3,18 +3,21 @@
 Pure analysis of `jax.stages.Compiled` programs (compiled for any target, scripts/plan.py compiles
 them for GPUs we do not have); nothing here builds or runs a step.
 
-The step-time LOWER BOUND (never a prediction) is the largest of four times, each a floor no real
+The step-time LOWER BOUND (never a prediction) is the largest of five times, each a floor no real
 step beats, assuming perfect overlap of everything:
   compute  model FLOPs per device (6N + 6*L*d*T per token, model.flops_per_token: causal
            attention at half, as the schedule replay counts cuDNN's causal kernel) at the
-           target's dense peak: remat's recomputation and every non-matmul op are left out;
+           target's dense peak (the MFU's numerator: every non-matmul op left out);
   hbm      a floor on HBM traffic at the HBM bandwidth: every buffer a top-level kernel of the
            compiled program writes is written once and read once (program outputs: written only;
            in-place updates: the update only), plus one read of every argument. Collectives are
            left out of it, and so are reads by several kernels of one buffer;
   nvlink   per device, the bytes an ideal ring sends inside a host for each collective;
   network  per device, the bytes that must leave its host for each collective whose group spans
-           hosts, with every GPU's NIC in use (a host's share pooled over its GPUs in the group).
+           hosts, with every GPU's NIC in use (a host's share pooled over its GPUs in the group);
+  program  the compiled program's own matmul FLOPs per device (hlo.flops) at the dense peak: what
+           `compute` leaves out and the program runs anyway, remat's recomputation, a pipeline's
+           bubble ticks (run on zeros) and padding layers.
 mfu_ceiling = compute / bound: no step of this program on this target can reach a higher MFU.
 Loop bodies count once per trip (microbatches, scanned layers), so every figure is per optimizer step.
 """
@@ -27,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaxtrain.observe.memory import compiled_bytes, fits
-from jaxtrain.plan import hlo, schedule
+from jaxtrain.plan import forecast, hlo, schedule
 from jaxtrain.plan.targets import GpuTarget, peak_flops
 
 # jax's GPU client preallocates this fraction of device memory for XLA's allocator by default
@@ -149,6 +152,8 @@ class Facts:
     n_params: int
     model_flops_per_step: float
     dtype: str
+    tokens_per_step: int = 0  # global batch x window: the tokens per second per GPU
+    expert_load: float = 1.0  # the most loaded expert's rows over an even share (forecast.expert_load)
 
 
 def compiled_flops(text: str, layout: hlo.Placement) -> float:
@@ -176,12 +181,16 @@ def analyze(train: Any, evaluate: Any | None, facts: Facts, compile_s: float) ->
     ]  # fmt: skip
     times = {
         "compute": facts.model_flops_per_step / n_devices / peak_flops(t, facts.dtype),
+        "program": tally.flops / peak_flops(t, facts.dtype),
         "hbm": hbm_bytes / t.hbm_bytes_per_s,
         "nvlink": sum(c["nvlink_bytes"] for c in collectives) / t.nvlink_bytes_per_s,
         "network": sum(c["network_bytes"] for c in collectives) / t.network_bytes_per_s,
     }
     bound = max(times.values())
-    replay = schedule.Replay(text, layout, t, peak_flops(t, facts.dtype)).run()
+    peak = peak_flops(t, facts.dtype)
+    events = schedule.trace(text, layout)
+    replay = schedule.replay(events, schedule.Roofline(t, peak))
+    likely = forecast.forecast(events, t, peak, facts.expert_load)
     return {
         "state_bytes_per_device": mem["argument_bytes"],
         "temp_bytes_per_device": mem["temp_bytes"],
@@ -208,5 +217,13 @@ def analyze(train: Any, evaluate: Any | None, facts: Facts, compile_s: float) ->
         # Never clamped: both bounds count causal attention at half (model.flops_per_token), so
         # the replay is at least the compute floor (tests/test_plan.py checks every plan).
         "schedule_mfu_ceiling": times["compute"] / replay.now,
+        # forecast.py: the same replay at the speeds measured on real GPUs, a forecast, not a bound.
+        "forecast": forecast.figures(
+            likely.now, facts.tokens_per_step, n_devices, facts.model_flops_per_step, peak
+        )
+        | {"busy_s": likely.busy, "exposed_comm_s": likely.exposed, "expert_load": facts.expert_load},
+        "schedule_tokens_per_s_per_gpu": facts.tokens_per_step / replay.now / n_devices,
         "compile_s": round(compile_s, 2),
+        # The replay's events (schedule.trace): the plan costed again without a compile.
+        "schedule_trace": events,
     }

@@ -18,7 +18,7 @@ from typing import Any
 from jaxtrain.config import Config
 from jaxtrain.observe.memory import fits
 from jaxtrain.plan import compiled as plan
-from jaxtrain.plan import targets
+from jaxtrain.plan import forecast, targets
 from jaxtrain.run import mesh as mesh_lib
 from jaxtrain.run import pipeline
 from jaxtrain.run.build import Run, build
@@ -87,6 +87,8 @@ def plan_one(cfg: Config, target: targets.GpuTarget, hosts: int, gpus_per_host: 
         target=target, mesh=f["mesh"], hosts=hosts, gpus_per_host=gpus_per_host,
         device_hosts=f["device_hosts"], n_params=f["n_params"],
         model_flops_per_step=f["model_flops_per_step"], dtype=f["cfg"].dtype,
+        tokens_per_step=f["global_batch"] * f["cfg"].model.seq_len,
+        expert_load=forecast.expert_load(f["cfg"].model.moe.capacity_factor, f["cfg"].model.moe.n_experts),
     )  # fmt: skip
     return head | {"compiled": True} | plan.analyze(train, evaluate, facts, time.perf_counter() - t0)
 
@@ -133,7 +135,8 @@ def print_plan(p: dict[str, Any]) -> None:
         sent = gb(c["network_bytes"] if c["crosses_hosts"] else c["nvlink_bytes"])
         size = gb(c["bytes"])
         print(f"  {c['kind']:<19} over {c['axis']:<12} x{c['count']:<5} {size:>10}  sent {sent:>10}  {where}")
-    name = {"nvlink": link}  # the JSON keys the in-host link "nvlink" on every target
+    # The JSON keys the in-host link "nvlink" on every target.
+    name = {"nvlink": link, "program": "the program's matmuls"}
     terms = ", ".join(f"{name.get(k, k)} {v * 1e3:.1f} ms" for k, v in p["bound_terms_s"].items())
     bound, limit = p["step_time_lower_bound_s"] * 1e3, name.get(p["bound_limited_by"], p["bound_limited_by"])
     print(f"step time lower bound     {bound:.1f} ms ({limit}-bound, all overlapped; {terms})")
@@ -142,3 +145,21 @@ def print_plan(p: dict[str, Any]) -> None:
           f"ops {ops:.1f} ms, communication left exposed {exposed:.1f} ms)")  # fmt: skip
     print(f"MFU ceiling               {100 * p['mfu_ceiling']:.1f}% from the floor, "
           f"{100 * p['schedule_mfu_ceiling']:.1f}% from the schedule (ceilings, no predictions)")  # fmt: skip
+    if "forecast" in p:
+        print_forecast(p)
+
+
+def print_forecast(p: dict[str, Any]) -> None:
+    """The forecast beside the schedule-aware bound, and which is which."""
+    f, load = p["forecast"], p["forecast"]["expert_load"]
+    rows = [
+        ("bound (no run is faster)", p["schedule_bound_s"], p["schedule_tokens_per_s_per_gpu"],
+         p["schedule_mfu_ceiling"], ""),
+        ("FORECAST (most likely)", f["step_time_s"], f["tokens_per_s_per_gpu"], f["mfu"],
+         f"  (most loaded expert {load:g}x an even share)" if load != 1 else ""),
+    ]  # fmt: skip
+    print(f"{'':<26}{'step':>10} {'tokens/s/GPU':>13} {'MFU':>6}")
+    for name, step, tokens, mfu, note in rows:
+        print(f"{name:<26}{step:>9.3f}s {tokens:>13,.0f} {100 * mfu:>5.1f}%{note}")
+    print(f"{'':<26}the bound: every op at peak, every link at line rate; the forecast: the same "
+          "schedule at speeds measured on H100s (jaxtrain/plan/forecast.py), not measured here")  # fmt: skip

@@ -21,7 +21,9 @@ cannot hide a transfer the schedule does not put beside it.
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from jaxtrain.plan import hlo
 from jaxtrain.plan.targets import GpuTarget
@@ -52,63 +54,157 @@ class Clock:
             self.now = until
 
 
-class Replay:
-    """One compiled program replayed on a target (see the module docstring)."""
+# The replay's events, JSON as the plan stores them (`schedule_trace`), so a plan is costed again
+# without its compile (jaxtrain/plan/forecast.py, tests/test_plan_forecast.py):
+#   ["op", kind, flops, bytes, keys, causal, n]  n ops in a row alike: kind "gemm" (cuBLAS, a dot),
+#                           "attention" / "attention_bwd" (cuDNN; keys: the keys' length), "grouped"
+#                           (the experts' kernel), "memory" (no matmul: its bytes only)
+#   ["start", name, xfer] / ["done", [names]] / ["sync", xfer]   xfer: [kind, size, nvlink, network]
+#   ["loop", trips, [events]] / ["cond", [[events], ...]]
 
-    def __init__(self, text: str, layout: hlo.Placement, target: GpuTarget, peak_flops: float) -> None:
-        self.program = hlo.Program(text)
-        self.layout = layout
-        self.target = target
-        self.peak = peak_flops
 
-    def run(self) -> Clock:
-        clock = Clock()
-        self._run(self.program.entry, clock)
-        clock.wait(max(clock.in_flight.values(), default=0.0))
-        return clock
+def _kind(op: hlo.Op, flops: float) -> tuple[str, int, bool]:
+    """What runs an op (see the events above), the keys its attention reads, whether causal."""
+    target = re.search(r'custom_call_target="([^"]+)"', op.attrs) if op.opcode == "custom-call" else None
+    name = target.group(1) if target else ""
+    if name.startswith("__cudnn$fmha"):
+        layouts = op.attrs.split("operand_layout_constraints=")[-1]
+        shapes = [[int(d) for d in dims.split(",") if d] for _, dims in hlo.ARRAY.findall(layouts)[:2]]
+        keys = shapes[1][1] if len(shapes) > 1 and len(shapes[1]) > 1 else 0
+        causal = bool(re.search(r'"mask_type":\s*"CAUSAL"', op.attrs))
+        return ("attention_bwd" if "Backward" in name else "attention"), keys, causal
+    if name == "mosaic_gpu_v2" and flops:
+        return "grouped", 0, False
+    return ("gemm" if flops else "memory"), 0, False
 
-    def _seconds(self, op: hlo.Op, ops: dict[str, hlo.Op]) -> dict[str, float]:
-        t = hlo.transfer(op, ops, self.layout)
-        return {
-            "nvlink": t.nvlink / self.target.nvlink_bytes_per_s,
-            "network": t.network / self.target.network_bytes_per_s,
-        }
 
-    def _run(self, comp: str, clock: Clock) -> None:
-        program = self.program
+def trace(text: str, layout: hlo.Placement) -> list:
+    """The compiled program's schedule as events (above): each op's FLOPs and bytes, each
+    collective's transfer, loops with their trip counts, conditionals with their branches."""
+    program = hlo.Program(text)
+
+    def xfer(op: hlo.Op, ops: dict[str, hlo.Op]) -> list:
+        t = hlo.transfer(op, ops, layout)
+        return [t.kind, t.size, t.nvlink, t.network]
+
+    def walk(comp: str) -> list:
+        events: list = []
         ops = program.comps[comp]
         for op in ops.values():
             code, body, callee = op.opcode, program.body(op), program.callee(op)
             if code == "while" and body:
-                for _ in range(program.trip_count(op, ops)):
-                    self._run(body, clock)
+                events.append(["loop", program.trip_count(op, ops), walk(body)])
             elif code == "conditional":
-                runs = []
-                for branch in program.branches(op):
-                    runs.append(copy.deepcopy(clock))
-                    self._run(branch, runs[-1])
-                if runs:
-                    slowest = max(runs, key=lambda c: c.now)
-                    clock.__dict__.update(slowest.__dict__)
+                events.append(["cond", [walk(branch) for branch in program.branches(op)]])
             elif code == "async-start" and callee:
                 inner = program.comps[callee][program.roots[callee]]
                 if inner.opcode in hlo.COLLECTIVES:
-                    clock.in_flight[op.name] = clock.send(self._seconds(inner, program.comps[callee]))
+                    events.append(["start", op.name, xfer(inner, program.comps[callee])])
                 else:  # async compute: counted on the one stream, a bound that stays a bound
-                    self._run(callee, clock)
+                    events += walk(callee)
             elif code == "call" and callee:
-                self._run(callee, clock)
+                events += walk(callee)
             elif code.endswith("-start") and code.removesuffix("-start") in hlo.COLLECTIVES:
-                clock.in_flight[op.name] = clock.send(self._seconds(op, ops))
+                events.append(["start", op.name, xfer(op, ops)])
             elif code.endswith("-done"):
-                for name in op.operands:
-                    clock.wait(clock.in_flight.pop(name, 0.0))
+                events.append(["done", op.operands])
             elif code in hlo.COLLECTIVES:
-                clock.wait(clock.send(self._seconds(op, ops)))
+                events.append(["sync", xfer(op, ops)])
             else:
-                seconds = max(
-                    hlo.flops(op, program.comps, ops) / self.peak,
-                    2 * program.written(op) / self.target.hbm_bytes_per_s,
-                )
-                clock.now += seconds
-                clock.busy += seconds
+                flops, written = hlo.flops(op, program.comps, ops), 2 * program.written(op)
+                if flops or written:  # written once, read once (the floor in compiled.py counts so)
+                    kind, keys, causal = _kind(op, flops)
+                    events.append(["op", kind, int(flops), written, keys, causal, 1])
+        return _merged(events)
+
+    return walk(program.entry)
+
+
+def _merged(events: list) -> list:
+    """Ops alike in one run between other events counted once, n times: the stream runs a run's
+    ops one after another, so their order inside it changes no time."""
+    out: list = []
+    run: dict[tuple, int] = {}
+    for event in [*events, None]:
+        if event is not None and event[0] == "op":
+            run[tuple(event[:-1])] = run.get(tuple(event[:-1]), 0) + event[-1]
+            continue
+        out += [[*op, n] for op, n in run.items()]
+        run = {}
+        if event is not None:
+            out.append(event)
+    return out
+
+
+class Costs(Protocol):
+    """Seconds an op takes, and seconds a transfer holds each link it uses."""
+
+    def op(self, kind: str, flops: float, written: float, keys: int, causal: bool) -> float: ...
+
+    def legs(self, xfer: list) -> dict[str, float]: ...
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """The bound's costs: each op at its roofline (its matmul FLOPs at the dense peak or its bytes
+    at HBM bandwidth), each transfer's ideal ring bytes at the links' full bandwidth."""
+
+    target: GpuTarget
+    peak: float
+
+    def op(self, kind: str, flops: float, written: float, keys: int, causal: bool) -> float:
+        return max(flops / self.peak, written / self.target.hbm_bytes_per_s)
+
+    def legs(self, xfer: list) -> dict[str, float]:
+        _, _, nvlink, network = xfer
+        return {
+            "nvlink": nvlink / self.target.nvlink_bytes_per_s,
+            "network": network / self.target.network_bytes_per_s,
+        }
+
+
+def replay(events: list, costs: Costs) -> Clock:
+    """The stream and the links through `events` (a trace), each op and transfer at `costs`."""
+    clock = Clock()
+    _replay(events, costs, clock)
+    clock.wait(max(clock.in_flight.values(), default=0.0))
+    return clock
+
+
+def _replay(events: list, costs: Costs, clock: Clock) -> None:
+    for event in events:
+        what = event[0]
+        if what == "loop":
+            for _ in range(event[1]):
+                _replay(event[2], costs, clock)
+        elif what == "cond":
+            runs = []
+            for branch in event[1]:
+                runs.append(copy.deepcopy(clock))
+                _replay(branch, costs, runs[-1])
+            if runs:
+                slowest = max(runs, key=lambda c: c.now)
+                clock.__dict__.update(slowest.__dict__)
+        elif what == "start":
+            clock.in_flight[event[1]] = clock.send(costs.legs(event[2]))
+        elif what == "done":
+            for name in event[1]:
+                clock.wait(clock.in_flight.pop(name, 0.0))
+        elif what == "sync":
+            clock.wait(clock.send(costs.legs(event[1])))
+        else:
+            _, kind, flops, written, keys, causal, n = event
+            seconds = n * costs.op(kind, flops, written, keys, causal)
+            clock.now += seconds
+            clock.busy += seconds
+
+
+class Replay:
+    """One compiled program replayed on a target at its roofline (see the module docstring)."""
+
+    def __init__(self, text: str, layout: hlo.Placement, target: GpuTarget, peak_flops: float) -> None:
+        self.events = trace(text, layout)
+        self.costs = Roofline(target, peak_flops)
+
+    def run(self) -> Clock:
+        return replay(self.events, self.costs)

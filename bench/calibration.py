@@ -1,0 +1,63 @@
+"""The forecast (jaxtrain/plan/forecast.py) beside published, measured step times of XLA-compiled
+training on H100s: each run planned with jaxtrain's own program for the same model, batch and
+layout (tests/gpu_plans.py writes bench/results/plan_<case>.json). The forecast's constants come
+from kernel and link measurements, never from these rows; tests/test_plan_forecast.py re-costs
+each committed plan's schedule and keeps the forecast within TOLERANCE of every row.
+
+    .venv/bin/python bench/calibration.py      # prints the table (docs/scaling.md holds it too)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+TOLERANCE = 0.15
+
+# NVIDIA JAX-Toolbox's MaxText guide (performance table of its DGX H100 runs, bf16):
+#   https://docs.nvidia.com/jax-toolbox/frameworks/max-text/overview (was rosetta/docs/... in
+#   github.com/NVIDIA/JAX-Toolbox); Llama 3 70B as in NVIDIA's DGX Cloud benchmarking recipe for MaxText.
+MAXTEXT = "NVIDIA JAX-Toolbox MaxText, DGX H100"
+RUNS = [
+    {"case": "llama2_7b_h100x8_maxtext", "job": "Llama 2 7B, 1 x 8 H100, fsdp 8, global batch 16 x 4096",
+     "measured_step_s": 0.721, "source": MAXTEXT},
+    {"case": "llama3_70b_h100_16x8_maxtext",
+     "job": "Llama 3 70B, 16 x 8 H100, fsdp 128, global batch 256 x 8192",
+     "measured_step_s": 15.57, "source": MAXTEXT + " (DGX Cloud recipe)"},
+]  # fmt: skip
+
+
+def plan(case: str) -> dict:
+    return json.loads((RESULTS / f"plan_{case}.json").read_text())
+
+
+def rows() -> list[dict]:
+    """Each run with its plan's bound and forecast, and the forecast's error against the measurement."""
+    out = []
+    for run in RUNS:
+        p = plan(run["case"])
+        forecast = p["forecast"]["step_time_s"]
+        out.append(run | {
+            "bound_s": p["schedule_bound_s"], "forecast_s": forecast,
+            "error": forecast / run["measured_step_s"] - 1,
+        })  # fmt: skip
+    return out
+
+
+def table() -> str:
+    head = (
+        "| published run (measured on H100s by its authors) | measured s / step | jaxtrain bound s | "
+        "jaxtrain forecast s | forecast error | plan |\n" + "| --- " * 6 + "|"
+    )
+    lines = [
+        f"| {r['job']} ({r['source']}) | {r['measured_step_s']:.3f} | {r['bound_s']:.3f} | "
+        f"{r['forecast_s']:.3f} | {100 * r['error']:+.1f}% | `plan_{r['case']}.json` |"
+        for r in rows()
+    ]
+    return "\n".join([head, *lines])
+
+
+if __name__ == "__main__":
+    print(table())
