@@ -140,7 +140,7 @@ def test_llama3_70b_as_shipped_fits_1024_h100_at_full_speed(plans):
     assert p["fits"], p
     assert any(c["crosses_hosts"] and c["axis"] == "fsdp" for c in p["collectives"])
     # Issue 25's targets: the floor is bound by the program's matmuls (full remat recomputes the
-    # forward: its ceiling 6N / 8N = 75% at most, ~79.5% as compiled), and the compiled order
+    # forward, about 6N / 8N: 79.5% as compiled, the head not recomputed), and the compiled order
     # replayed leaves the step compute-bound enough for a 60% ceiling, counting attention in full
     # as then: 56% with causal attention at half (6N + 6LdT over 6N + 12LdT is 0.933 here).
     assert p["mfu_ceiling"] >= 0.75, p["bound_terms_s"]
