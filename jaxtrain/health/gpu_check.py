@@ -169,6 +169,7 @@ def run_stage(stage: str, out: Path, work: Path, options: dict[str, Any]) -> dic
                 "passed": False,
                 "failed": f"its process {how} in it: {_tail(out / f'{stage}.log')}",
             }
+    _cap(out / f"{stage}.log")
     parts = parts or []
     missing = [p for p in parts if p not in results]
     judged = [r for r in results.values() if not r.get("informational")]
@@ -221,6 +222,16 @@ def _tail(log: Path, lines: int = 3) -> str:
     return " | ".join(text[-lines:])[-600:]
 
 
+def _cap(log: Path, keep: int = 4 * 2**20) -> None:
+    """Keep a log's last `keep` bytes: a GPU machine sends back files of at most 16 MiB (a failed
+    Mosaic compile can print its whole module)."""
+    if log.exists() and log.stat().st_size > keep:
+        with log.open("rb") as f:
+            f.seek(-keep, os.SEEK_END)
+            tail = f.read()
+        log.write_bytes(b"[... cut ...]\n" + tail)
+
+
 def _write(path: Path, report: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(report, indent=1, default=str) + "\n")
@@ -268,8 +279,8 @@ def summary(stage: str, result: dict[str, Any]) -> str:
         figures = [f"{len(v.get('devices') or [])} x {d.get('kind')} cc {d.get('compute_capability') or '-'}",
                    f"jax {v['versions'].get('jax')}"]  # fmt: skip
         figures += [
-            f"bf16 matmul {rate:.0f} TFLOP/s" if rate else "",
-            f"copy {copy:.2f} TB/s" if copy else "",
+            f"bf16 matmul {rate:.3g} TFLOP/s" if rate else "",
+            f"copy {copy:.3g} TB/s" if copy else "",
         ]
         return ", ".join(f for f in figures if f)
     bad = [
