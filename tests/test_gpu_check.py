@@ -107,3 +107,25 @@ def test_train_runs_are_judged_against_their_reference():
 def test_bad_flags_are_one_line(argv):
     with pytest.raises(ArgumentError):
         parse_args(argv)
+
+
+def test_a_part_that_kills_its_process_fails_alone_and_the_stage_goes_on(tmp_path):
+    """A kernel that aborts (as a Mosaic or ptxas failure does) costs only its own verdict: the
+    stage starts a new process from the next part."""
+    out = tmp_path / "out"
+    env = clean_env(JAXTRAIN_GPU_CHECK_FAULT="abort")
+    done = subprocess.run(
+        [sys.executable, "scripts/gpu_check.py", "--out", str(out), "--stages", "device", "--budget_s", "60"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    stage = json.loads((out / "gpu_check.json").read_text())["stages"]["device"]
+    assert stage["status"] == "fail" and list(stage["parts"]) == [
+        "versions",
+        "planted abort",
+        "matmul",
+        "copy",
+    ]
+    assert stage["parts"]["planted abort"]["failed"].startswith("its process died of SIGABRT in it")
+    assert all(stage["parts"][p]["passed"] for p in ("versions", "matmul", "copy"))
+    assert "  device  FAIL  planted abort  its process died of SIGABRT in it" in done.stdout

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxtrain.errors import ArgumentError
-from jaxtrain.health.gpu_stages import ROOT, TRAIN_RUNS
+from jaxtrain.health.gpu_stages import PART_MARK, ROOT, TRAIN_RUNS
 from jaxtrain.parser import Parser
 
 STAGES = ("device", "kernels", "train", "bench")
@@ -122,10 +123,12 @@ def main(argv: list[str], usage: str = "") -> int:
 
 def _env(work: Path) -> dict[str, str]:
     """The stages' environment: this repo first on the path, caches (datasets, compiled steps) in
-    `work`, so a cache from an earlier run hides no compile."""
+    `work`, so a cache from an earlier run hides no compile; a process killed by a signal prints
+    its Python stack (which kernel) to its log."""
     path = os.environ.get("PYTHONPATH", "")
     return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{path}" if path else str(ROOT),
-            "XDG_CACHE_HOME": str(work / "cache"), "PYTHONUNBUFFERED": "1"}  # fmt: skip
+            "XDG_CACHE_HOME": str(work / "cache"), "PYTHONUNBUFFERED": "1",
+            "PYTHONFAULTHANDLER": "1"}  # fmt: skip
 
 
 def _probe_platform(work: Path) -> str:
@@ -140,8 +143,7 @@ def run_stage(stage: str, out: Path, work: Path, options: dict[str, Any]) -> dic
     """Run a stage's parts in processes until each has a result or the stage's time is up. A part
     that kills its process or outlives PART_LIMIT_S fails, naming how; the next process skips it."""
     t0 = time.time()
-    progress = work / f"{stage}.jsonl"
-    progress.unlink(missing_ok=True)
+    progress = work / f"{stage}.jsonl"  # each process's own: it announces the parts again
     parts: list[str] | None = None
     results: dict[str, dict[str, Any]] = {}
     error = ""
@@ -153,6 +155,8 @@ def run_stage(stage: str, out: Path, work: Path, options: dict[str, Any]) -> dic
             cmd = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--out", str(out),
                    "--child", stage, "--work", str(work), "--skip", json.dumps(list(results)),
                    "--options", json.dumps(options)]  # fmt: skip
+            progress.unlink(missing_ok=True)
+            start = (out / f"{stage}.log").stat().st_size
             proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(work), stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)  # fmt: skip
             ended = _watch(proc, progress, options["deadline"], PART_LIMIT_S[stage])
@@ -162,13 +166,15 @@ def run_stage(stage: str, out: Path, work: Path, options: dict[str, Any]) -> dic
             if ended == "exited" and proc.returncode == 0:
                 break
             running, how = _running(events, results), _how(ended, proc.returncode)
+            note = _note(out / f"{stage}.log", start)
             if running is None:
-                error = f"its process {how} outside any part: {_tail(out / f'{stage}.log')}"
+                error = f"its process {how} outside any part: {note}"
                 break
-            results[running] = {
-                "passed": False,
-                "failed": f"its process {how} in it: {_tail(out / f'{stage}.log')}",
-            }
+            began = next(
+                (e["start"] for e in events if e.get("part") == running and "start" in e), time.time()
+            )
+            results[running] = {"passed": False, "failed": f"its process {how} in it: {note}",
+                                "seconds": round(time.time() - began, 1)}  # fmt: skip
     _cap(out / f"{stage}.log")
     parts = parts or []
     missing = [p for p in parts if p not in results]
@@ -217,9 +223,17 @@ def _how(ended: str, returncode: int | None) -> str:
     return f"exited {returncode}"
 
 
-def _tail(log: Path, lines: int = 3) -> str:
-    text = [x.strip() for x in log.read_text(errors="replace").splitlines() if x.strip()]
-    return " | ".join(text[-lines:])[-600:]
+def _note(log: Path, start: int) -> str:
+    """What a process that died or hung printed in its last part (the log from byte `start`): its
+    last lines before a signal handler's dump, and the innermost Python frame of that dump."""
+    with log.open("rb") as f:
+        f.seek(start)
+        text = f.read().decode(errors="replace").rsplit(PART_MARK, 1)[-1]
+    said, *dump = re.split(r"\*\*\* SIG|Fatal Python error", text, maxsplit=1)
+    lines = [x.strip() for x in said.splitlines()[1:] if x.strip()]
+    frame = re.search(r'File "([^"]+)", line (\d+) in (\S+)', "".join(dump))
+    where = [f"at {Path(frame[1]).name}:{frame[2]} in {frame[3]}"] if frame else []
+    return " | ".join(lines[-3:] + where)[-600:] or "nothing printed"
 
 
 def _cap(log: Path, keep: int = 4 * 2**20) -> None:

@@ -84,6 +84,8 @@ BENCH = {  # bench/bench_gpu.py's flags: a short run list; on CPU its documented
             "--total_batch_size", "512", "--device_batch_size", "1"],
 }  # fmt: skip
 
+PART_MARK = "=== part: "
+FAULT_ENV = "JAXTRAIN_GPU_CHECK_FAULT"  # tests only: "abort" adds a part that aborts its process
 Part = tuple[str, Callable[[], dict[str, Any]]]  # name, what it measures (its result has "passed")
 
 
@@ -91,11 +93,14 @@ def run_stage(stage: str, work: Path, options: dict[str, Any], skip: set[str]) -
     """Run `stage`'s parts not in `skip`, each announced in work/<stage>.jsonl before and after."""
     parts = {"device": _device_parts, "kernels": _kernel_parts, "train": _train_parts, "bench": _bench_parts}
     found = parts[stage](work, options)
+    if os.environ.get(FAULT_ENV) == "abort":  # tests: a part that kills its process, second
+        found.insert(1, ("planted abort", os.abort))
     progress = work / f"{stage}.jsonl"
     _append(progress, {"parts": [name for name, _ in found]})
     for name, measure in found:
         if name in skip:
             continue
+        print(f"{PART_MARK}{name}", flush=True)  # where the log of a part that dies starts
         _append(progress, {"part": name, "start": time.time()})
         t0 = time.perf_counter()
         try:
