@@ -37,7 +37,7 @@ import numpy as np  # noqa: E402
 from jaxtrain.config import load_config  # noqa: E402
 from jaxtrain.model.transformer import flops_per_token  # noqa: E402
 from jaxtrain.observe.memory import compiled_bytes  # noqa: E402
-from jaxtrain.run import mesh as mesh_lib  # noqa: E402
+from jaxtrain.parallel import mesh as mesh_lib  # noqa: E402
 from jaxtrain.run.build import build  # noqa: E402
 from jaxtrain.run.job import Job  # noqa: E402
 

@@ -273,7 +273,7 @@ CASES = {
     ),  # fmt: skip
     # Llama 3 405B on 2,048 H100 (issue 35): as shipped (pipeline 32 x tensor 8 x data 8 + ZeRO-1,
     # its 126 layers padded to 4 a stage); and at 128 layers (before padding was built, the two
-    # layers more stood for it), run/pipeline.py's GPipe ticks. Issue 35's start: the last case.
+    # layers more stood for it), parallel/pipeline.py's GPipe ticks. Issue 35's start: the last case.
     "llama3_405b_h100_256x8": (["--config", "configs/llama3_405b.yaml"], "h100", 256, 8),
     "llama3_405b_128l_h100_256x8_pipeline32": (
         ["--config", "configs/llama3_405b.yaml", *LAYERS_128, "--mesh.pipeline", "32", "--mesh.fsdp", "1"],

@@ -8,6 +8,7 @@ the active FLOPs are the router's (float32, 6 x tokens x d x E) and the routed c
 experts' (18 x tokens x k x d x ff). IMPL: a model.moe.grouped_matmul (default: H100's default).
 """
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -25,8 +26,11 @@ from jax.sharding import Mesh  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxtrain.config.schema import ModelConfig, MoeConfig  # noqa: E402
-from jaxtrain.model.moe import MoeMlp, grouped_matmul  # noqa: E402
+from jaxtrain.model.moe import MoeMlp  # noqa: E402
+from jaxtrain.model.placement import Placement  # noqa: E402
+from jaxtrain.parallel import expert  # noqa: E402
 from jaxtrain.plan import compiled, hlo  # noqa: E402
+from jaxtrain.run import kernels  # noqa: E402
 
 TOKENS = 4096  # per device
 # case -> (experts, per token, d_model, d_expert, mesh.expert): Mixtral-8x7B's experts one and two
@@ -40,7 +44,9 @@ CASES = {
 
 def flops(impl: str, n_experts: int, k: int, d: int, ff: int, ep: int) -> dict[str, float]:
     moe = MoeConfig(n_experts=n_experts, experts_per_token=k, d_expert=ff, grouped_matmul=impl)
-    model = MoeMlp(ModelConfig(d_model=d, mlp="swiglu", moe=moe), jnp.bfloat16)
+    # The step's placement of the experts: exchanged over `expert` (parallel/expert.py).
+    placement = Placement(experts=functools.partial(expert.experts, ep=ep), expert_split=ep)
+    model = MoeMlp(ModelConfig(d_model=d, mlp="swiglu", moe=moe), jnp.bfloat16, placement)
     mesh = Mesh(np.array(targets.target_devices(targets.get("h100"), 1, 8)[:ep]), ("expert",))
     rules = [("expert", "expert")]
 
@@ -73,5 +79,12 @@ def flops(impl: str, n_experts: int, k: int, d: int, ff: int, ep: int) -> dict[s
 
 if __name__ == "__main__":
     device = targets.target_devices(targets.get("h100"), 1, 8)[0]  # as the step picks: by its devices
-    impl = sys.argv[1] if len(sys.argv) > 1 else grouped_matmul(device.platform, device.compute_capability)
+    mixtral = ModelConfig(
+        d_model=4096, mlp="swiglu", moe=MoeConfig(n_experts=8, d_expert=14336)
+    )  # as every case
+    impl = (
+        sys.argv[1]
+        if len(sys.argv) > 1
+        else kernels.grouped_matmul(mixtral, device.platform, device.compute_capability)
+    )
     print(json.dumps({case: flops(impl, *shape) for case, shape in CASES.items()}))

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from jaxtrain.config import load_config
+from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.run import accumulate
-from jaxtrain.run import mesh as mesh_lib
 from jaxtrain.run.build import build
 from jaxtrain.run.job import Job
 

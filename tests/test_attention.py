@@ -2,16 +2,20 @@
 every mesh. The GPU program itself (cuDNN calls present, temporaries per device) is compiled for
 H100s in tests/test_gpu_compile.py."""
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain.config import MeshConfig, ModelConfig
-from jaxtrain.model import attention
-from jaxtrain.model.attention import attention_kernel
-from jaxtrain.run import mesh as mesh_lib
+from jaxtrain.config import ConfigError, MeshConfig, ModelConfig, MoeConfig
+from jaxtrain.parallel import context
+from jaxtrain.parallel import mesh as mesh_lib
+from jaxtrain.run import kernels
+from jaxtrain.run.kernels import attention as attention_kernel
 
 
 def test_auto_picks_cudnn_on_gpus_where_it_runs_and_xla_elsewhere():
@@ -27,7 +31,33 @@ def test_auto_picks_cudnn_on_gpus_where_it_runs_and_xla_elsewhere():
     assert attention_kernel(ModelConfig(d_model=1024, n_head=4), "gpu", "bfloat16", "8.0") == "xla"
     assert attention_kernel(ModelConfig(d_model=1024, n_head=2), "gpu", "bfloat16", "10.0") == "xla"  # 512
     assert attention_kernel(ModelConfig(attention_impl="xla"), "gpu", "bfloat16") == "xla"
-    assert attention_kernel(ModelConfig(attention_impl="cudnn"), "cpu", "float32") == "cudnn"  # as asked
+    assert attention_kernel(ModelConfig(attention_impl="cudnn"), "gpu", "float32") == "cudnn"  # as asked
+
+
+def test_an_explicit_cudnn_the_devices_cannot_run_is_refused_in_one_line():
+    """One rule, settled where the job meets its devices (run/kernels.py), never while tracing."""
+    wide = ModelConfig(d_model=1024, n_head=4, attention_impl="cudnn")  # head dim 256
+    assert attention_kernel(wide, "gpu", "bfloat16", "9.0") == "cudnn"
+    with pytest.raises(
+        ConfigError, match="cudnn takes heads of at most 128 on GPUs of compute capability 8.0"
+    ):
+        attention_kernel(wide, "gpu", "bfloat16", "8.0")
+    with pytest.raises(ConfigError, match="cudnn needs NVIDIA GPUs, and this job runs on cpu"):
+        attention_kernel(wide, "cpu", "bfloat16")
+
+
+def test_auto_grouped_matmul_is_blocks_on_cpu_pallas_on_hopper_where_its_tiles_fit():
+    moe = MoeConfig(n_experts=8, d_expert=768)
+    qwen3 = ModelConfig(d_model=2048, n_head=16, moe=moe)
+    assert kernels.grouped_matmul(qwen3, "cpu") == "blocks"
+    assert kernels.grouped_matmul(qwen3, "gpu", "9.0") == "pallas"
+    assert kernels.grouped_matmul(qwen3, "gpu", "8.0") == "ragged_dot"
+    assert kernels.grouped_matmul(qwen3, "gpu", "9.0", tensor=8) == "ragged_dot"  # 96 a shard: not a tile
+    pallas = dataclasses.replace(qwen3, moe=dataclasses.replace(moe, grouped_matmul="pallas"))
+    with pytest.raises(ConfigError, match="is not a multiple of 128 for grouped_matmul pallas"):
+        kernels.grouped_matmul(pallas, "gpu", "9.0", tensor=8)
+    settled = kernels.settle(qwen3, "gpu", "bfloat16", "9.0")
+    assert (settled.attention_impl, settled.moe.grouped_matmul) == ("cudnn", "pallas")
 
 
 def test_kernel_runs_on_each_devices_rows_and_heads_inside_the_steps_shard_map():
@@ -41,11 +71,11 @@ def test_kernel_runs_on_each_devices_rows_and_heads_inside_the_steps_shard_map()
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
 
     def loss(q, k, v):
-        return jnp.sum(attention._per_device(kernel, q, k, v, None) ** 2)
+        return jnp.sum(context.per_device(kernel, q, k, v, None) ** 2)
 
     def local(q, k, v):  # as the step runs the model: manual over the batch axes, tensor automatic
         with nn.logical_axis_rules(mesh_lib.ACTIVATION_RULES):
-            out = attention._per_device(kernel, q, k, v, None)
+            out = context.per_device(kernel, q, k, v, None)
             return out, *jax.grad(loss, (0, 1, 2))(q, k, v)  # differentiated inside, as the step does
 
     batch = P(mesh_lib.BATCH_AXES)

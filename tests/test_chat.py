@@ -21,8 +21,8 @@ from jaxtrain.config import load_config
 from jaxtrain.data import sources
 from jaxtrain.data.framing import with_framing
 from jaxtrain.model.transformer import GPT
+from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.prepare.chat import prepare_chat
-from jaxtrain.run import mesh as mesh_lib
 from jaxtrain.run.build import build
 from jaxtrain.run.job import Job
 from jaxtrain.text.chat_template import ChatFormat, stop_tokens

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxtrain.config import ConfigError, load_config
-from jaxtrain.run import mesh as mesh_lib
+from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.run.build import build
 from jaxtrain.run.job import Job
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtrain.model.grouped_kernels import ragged_matmul
-from jaxtrain.model.moe import _tensor_split
+from jaxtrain.parallel.tensor import split_experts
 
 
 def test_pallas_forward_is_ragged_dot_over_the_routed_rows_whatever_the_rows_past_them_hold():
@@ -34,16 +34,16 @@ def test_pallas_forward_is_ragged_dot_over_the_routed_rows_whatever_the_rows_pas
 
 
 def test_tensor_split_experts_differentiate_through_the_kernel():
-    """Experts split over `tensor` (moe._tensor_split) run the kernel inside a shard_map; its
+    """Experts split over `tensor` (parallel/tensor.py split_experts) run the kernel inside a shard_map; its
     gradients must type as that shard_map's inputs (jax refused the program when the planner tried
     DeepSeek-V3 with tensor 8). Traced only: the backward kernels do not run in the interpreter."""
-    auto = (jax.sharding.AxisType.Auto,)  # as the step's mesh (run/mesh.py)
+    auto = (jax.sharding.AxisType.Auto,)  # as the step's mesh (parallel/mesh.py)
     mesh = jax.make_mesh((2,), ("tensor",), axis_types=auto, devices=jax.devices()[:2])
     rows, sizes = jnp.zeros((256, 128), jnp.bfloat16), jnp.array([200, 56], jnp.int32)
     w_in, w_out = jnp.zeros((2, 128, 2, 256), jnp.bfloat16), jnp.zeros((2, 256, 128), jnp.bfloat16)
 
     def loss(rows, w_in, w_out):
-        return _tensor_split(rows, sizes, w_in, w_out, "pallas").astype(jnp.float32).sum()
+        return split_experts(rows, sizes, w_in, w_out, "pallas").astype(jnp.float32).sum()
 
     with jax.set_mesh(mesh), nn.logical_axis_rules([("mlp", "tensor")]):
         grads = jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), rows, w_in, w_out)

@@ -103,7 +103,7 @@ TOPOLOGY_CALLS = {
     "devices", "local_devices", "device_count", "local_device_count", "process_index", "process_count",
     "default_backend",
 }  # fmt: skip
-TOPOLOGY_OWNERS = ("jaxtrain.run.job", "jaxtrain.run.mesh")
+TOPOLOGY_OWNERS = ("jaxtrain.run.job", "jaxtrain.parallel.mesh")
 CORE = [
     p for p in sorted(PACKAGE.rglob("*.py")) if not _is_in(_module_name(p), (*ON_TOP, "jaxtrain.cluster"))
 ]
@@ -255,7 +255,7 @@ def test_the_cycle_rule_finds_a_cycle_hidden_in_a_function(tmp_path):
 # package reads upwards from errors to the scripts' entry points and no change can close a loop.
 ROOMS = (
     "errors", "parser", "faults", "tokenizer", "text", "config", "cluster", "model", "disk", "prepare",
-    "data", "hf", "observe", "xla_env", "run", "plan", "health", "launch",
+    "data", "hf", "observe", "xla_env", "parallel", "run", "plan", "health", "launch",
 )  # fmt: skip
 
 
@@ -309,3 +309,63 @@ def test_the_command_lines_import_no_jax_before_they_set_it_up():
         check=True,
     )
     assert out.stdout.strip() == "[]", out.stdout
+
+
+# The model apart from how it is split (model/placement.py): what splits it lives in parallel/.
+COLLECTIVES = {
+    "psum", "pmean", "pmax", "psum_scatter", "all_gather", "all_to_all", "ragged_all_to_all", "ppermute",
+    "axis_index", "axis_size", "shard_map", "get_abstract_mesh", "logical_to_mesh_axes", "set_mesh",
+}  # fmt: skip
+# Mesh axis names the model must not say (`expert` is also the logical axis of experts' params).
+MESH_ONLY_AXES = {"pipeline", "data", "fsdp", "context", "tensor"}
+
+
+def _mesh_knowledge(path: Path, root: Path = REPO) -> list[str]:
+    """What in a file splits a model over a mesh, as 'line: what': a collective or shard_map, a read
+    of the mesh, a mesh axis named, or an import of parallel/."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and node.attr in COLLECTIVES:
+            found.append(f"{node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.Constant) and node.value in MESH_ONLY_AXES:
+            found.append(f"{node.lineno}: {node.value!r}")
+    imported = sorted(imported_modules(path, root))
+    return found + [f"imports {m}" for m in imported if _is_in(m, ("jaxtrain.parallel",))]
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "model").glob("*.py")), ids=lambda p: p.name)
+def test_the_model_knows_no_mesh(path):
+    found = _mesh_knowledge(path)
+    assert not found, f"{path.relative_to(REPO)}: {found}; splitting a model belongs in jaxtrain/parallel/"
+
+
+def test_the_mesh_rule_finds_a_collective_a_mesh_axis_and_parallel(tmp_path):
+    source = tmp_path / "jaxtrain" / "m.py"
+    source.parent.mkdir()
+    source.write_text(
+        "import jax\nfrom jaxtrain.parallel import mesh\n\ndef f(x):\n    return jax.lax.psum(x, 'tensor')\n"
+    )
+    assert _mesh_knowledge(source, root=tmp_path) == [
+        "5: .psum",
+        "5: 'tensor'",
+        "imports jaxtrain.parallel",
+        "imports jaxtrain.parallel.mesh",
+    ]
+
+
+def _layout_bullets() -> list[str]:
+    """docs/layout.md's bullets, one string each (its continuation lines joined)."""
+    text = (REPO / "docs" / "layout.md").read_text()
+    return [" ".join(b.split()) for b in text.split("\n- ")[1:]]
+
+
+@pytest.mark.parametrize(
+    "path",
+    [p for p in sorted(PACKAGE.rglob("*.py")) if p.name != "__init__.py"],
+    ids=lambda p: str(p.relative_to(PACKAGE)),
+)
+def test_docs_layout_names_every_module_in_its_room(path):
+    room = path.parent.name
+    where = "Flat:" if path.parent == PACKAGE else f"`{room}/`"
+    bullet = next((b for b in _layout_bullets() if where in b), "")
+    assert f"`{path.stem}`" in bullet, f"docs/layout.md: name `{path.stem}` in the bullet of {where}"

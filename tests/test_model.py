@@ -14,6 +14,7 @@ from jaxtrain.model import generate as generate_lib
 from jaxtrain.model.generate import generate
 from jaxtrain.model.params import param_count
 from jaxtrain.model.transformer import GPT, flops_per_token
+from jaxtrain.run import kernels
 
 TINY = ModelConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
 
@@ -170,13 +171,13 @@ def test_flops_per_token_counts_causal_attention_at_half():
 def test_own_attention_matches_jax_xla_attention(dtype):
     # The xla path (and auto on CPU) is our two-einsum attention: the same function as jax's.
     q, k, v = (jax.random.normal(jax.random.key(i), (2, 24, 3, 16), dtype) for i in range(3))
-    ours = attention._causal_attention(q, k, v, "xla")
+    ours = attention.causal_attention(q, k, v, "xla")
     theirs = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
     assert ours.dtype == theirs.dtype == dtype
     tol = 1e-6 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(np.float32(ours), np.float32(theirs), rtol=tol, atol=tol)
-    assert jnp.array_equal(attention._causal_attention(q, k, v, "auto"), ours)  # outside the steps
-    assert attention.attention_kernel(ModelConfig(attention_impl="auto"), "cpu", dtype) == "xla"  # on CPU
+    assert jnp.array_equal(attention.causal_attention(q, k, v, "auto"), ours)  # outside the steps
+    assert kernels.attention(ModelConfig(attention_impl="auto"), "cpu", dtype) == "xla"  # on CPU
 
 
 def test_generate():
@@ -251,4 +252,4 @@ def test_grouped_query_attention_matches_jax():
     q = jax.random.normal(jax.random.key(0), (2, 24, 6, 16))
     k, v = (jax.random.normal(jax.random.key(i), (2, 24, 2, 16)) for i in (1, 2))
     theirs = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
-    np.testing.assert_allclose(attention._causal_attention(q, k, v, "xla"), theirs, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(attention.causal_attention(q, k, v, "xla"), theirs, rtol=1e-5, atol=1e-6)

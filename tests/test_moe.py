@@ -26,16 +26,15 @@ from jaxtrain.model.moe import (
     balance_loss,
     dispatch,
     expert_mlps,
-    grouped_matmul,
     permute,
-    receive_bound,
     router_stats,
 )
 from jaxtrain.model.params import param_count
 from jaxtrain.model.transformer import GPT
+from jaxtrain.parallel import mesh as mesh_lib
+from jaxtrain.parallel.expert import receive_bound
+from jaxtrain.parallel.placement import Layout
 from jaxtrain.run import cli
-from jaxtrain.run import mesh as mesh_lib
-from jaxtrain.run import step as step_lib
 from jaxtrain.run.build import build
 from jaxtrain.run.job import Job
 from jaxtrain.run.loop import train
@@ -154,13 +153,10 @@ def _router_logits(run):
     """(params, rows) -> every MoE layer's router logits [layers, tokens, experts], tokens in the
     batch's order, in the step's own forward: each device's rows, its copies exchanged over the
     expert axis with the step's drops (a layer's drops change the next layer's input)."""
-    cfg = run.cfg.model
-    moe = dataclasses.replace(cfg.moe, grouped_matmul=grouped_matmul(run.job.platform))
-    # The step's own per-layer gathers: dense params are split over the expert axis too.
-    layout = step_lib._ParamLayout(run.mesh, jax.tree.map(lambda s: s.spec, run.shardings.params))
-    model = run.model.clone(
-        cfg=dataclasses.replace(cfg, attention_impl=run.attention, moe=moe), gather=layout.gather
-    )
+    # The step's own placement: per-layer gathers (dense params are split over the expert axis
+    # too), the experts' exchange.
+    layout = Layout(run.mesh, jax.tree.map(lambda s: s.spec, run.shardings.params))
+    model = layout.place(run.model)
 
     def device_logits(p, tokens):
         with nn.logical_axis_rules(mesh_lib.EXPERT_RULES):

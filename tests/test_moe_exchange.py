@@ -1,4 +1,4 @@
-"""The expert-parallel exchange (model/moe.py `_exchange`) on 8 fake CPU devices: the padded stand-in
+"""The expert-parallel exchange (parallel/expert.py `exchange`) on 8 fake CPU devices: the padded stand-in
 for `ragged_all_to_all` XLA:CPU runs lands every row where the ragged one (GPUs) does, forward and
 through jax's own backward of it, and the exchange routes as specified: each device receives
 exactly its experts' copies, up to its receive bound, the same share of each sender's dropped.
@@ -17,7 +17,8 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain.model.moe import _dequantize, _exchange, _quantize, padded_ragged_all_to_all, receive_bound
+from jaxtrain.model.moe import _dequantize, _quantize
+from jaxtrain.parallel.expert import exchange, padded_ragged_all_to_all, receive_bound
 
 
 def _shard_map(fn, n_devices, n_in):
@@ -175,7 +176,7 @@ def test_each_device_receives_its_experts_copies_up_to_its_bound(capacity_factor
     w_out = (rng.normal(size=(ep * local, ff, d)) * 0.5).astype(np.float32)
 
     def device(r, e, a, b):
-        (out,), dropped = _exchange(
+        (out,), dropped = exchange(
             (r,),
             (jnp.ones(r.shape[0], r.dtype),),
             (e,),
@@ -223,7 +224,7 @@ def test_the_exchanges_own_backward_is_the_routed_experts_gradient(dispatch, pie
     def device(r, g, e, a, b, c):
         def loss(r, g, a, b):
             cut = [jnp.split(v, pieces) for v in (r, g, e)]
-            out = _exchange(*cut, "x", ep, a, b, "blocks", 0.0, ragged=False, dispatch=dispatch)[0]
+            out = exchange(*cut, "x", ep, a, b, "blocks", 0.0, ragged=False, dispatch=dispatch)[0]
             out = jnp.concatenate(out)
             return jnp.sum(out * c), out
 

@@ -1,5 +1,5 @@
 """Pipeline parallelism: a tiny Llama of 8 layers split into stages over the `pipeline` mesh axis
-trains as on one device (jaxtrain/run/pipeline.py), composed with data, fsdp and tensor, under
+trains as on one device (jaxtrain/parallel/pipeline.py), composed with data, fsdp and tensor, under
 gradient accumulation (the microbatches the pipeline runs), with remat and documents masked, and
 so do 5 layers over 2 stages (padded to 6); its checkpoints restore on other pipeline sizes and
 on none, and so do those of 6 layers over 4 stages; more stages than layers is one line.
@@ -15,10 +15,10 @@ import pytest
 
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.disk.checkpoint import Checkpointer
-from jaxtrain.run import mesh as mesh_lib
+from jaxtrain.parallel import mesh as mesh_lib
+from jaxtrain.parallel.pipeline import bubble
 from jaxtrain.run.build import build
 from jaxtrain.run.job import Job
-from jaxtrain.run.pipeline import bubble
 
 # 8 scanned layers, an untied head (its gradient only on the last stage, the embedding's only on
 # the first), 4 microbatches of one row per device, clipping on (the global norm over the stages).

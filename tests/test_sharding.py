@@ -18,7 +18,7 @@ from jaxtrain.errors import UserError
 from jaxtrain.faults import FaultPlan
 from jaxtrain.observe import memory
 from jaxtrain.observe.memory import check_compiled
-from jaxtrain.run import mesh as mesh_lib
+from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.run.build import build
 from jaxtrain.run.job import Job, with_topology
 from jaxtrain.run.loop import train

@@ -10,7 +10,7 @@ from jaxtrain.config import load_config
 from jaxtrain.errors import UserError
 from jaxtrain.faults import FaultPlan
 from jaxtrain.model.transformer import GPT
-from jaxtrain.run import mesh as mesh_lib
+from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.run.build import build
 from jaxtrain.run.job import Job, with_topology
 from jaxtrain.run.optim import decay_mask

@@ -204,7 +204,7 @@ def _check_mesh_values(cfg: Config) -> None:
 
 
 def _check_pipeline(m: ModelConfig, pp: int) -> None:
-    """Stages of consecutive layers of the scanned stack (run/pipeline.py), dense models only."""
+    """Stages of consecutive layers of the scanned stack (parallel/pipeline.py), dense models only."""
     if pp == 1:
         return
     if not m.scan_layers:
@@ -240,14 +240,6 @@ def _check_mla(m: ModelConfig) -> None:
         raise ConfigError(
             "multi-head latent attention (model.kv_lora_rank) has one latent for every head and sizes its "
             "heads by rope/nope/v_head_dim: drop model.n_kv_head, head_dim, qk_norm and qkv_bias"
-        )
-    query = m.rope_head_dim + m.nope_head_dim
-    if m.attention_impl == "cudnn" and query > 256:
-        # jax's cuDNN attention (0.10.2) takes head sizes up to 256 on Hopper, 128 before (the
-        # step refuses those where it knows the GPUs: run/step.py).
-        raise ConfigError(
-            f"model.attention_impl cudnn takes heads of at most 256, and model.rope_head_dim + "
-            f"nope_head_dim is {query}; use model.attention_impl auto (XLA's kernel)"
         )
 
 

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtrain.cluster import detect
 from jaxtrain.disk.files import write_text
 from jaxtrain.observe.memory import limit_bytes
-from jaxtrain.run.mesh import DATA_AXIS
+from jaxtrain.parallel.mesh import DATA_AXIS
 
 _PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain")
 _PLUGIN = re.compile(r"jax-(cuda\d+|rocm\d*)-(plugin|pjrt)|libtpu(-nightly)?")

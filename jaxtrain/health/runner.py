@@ -44,7 +44,7 @@ from jaxtrain.config import DistConfig
 from jaxtrain.errors import UserError
 from jaxtrain.health import checks as hc
 from jaxtrain.health.exchange import STORAGE_GRACE_S, Exchange, storage_probe
-from jaxtrain.run.mesh import make_mesh
+from jaxtrain.parallel.mesh import make_mesh
 
 EXIT_HEALTHY, EXIT_FAILED = 0, 1
 # jax.distributed gets this much longer than our init deadline, so our verdict comes first.

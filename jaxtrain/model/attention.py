@@ -1,16 +1,15 @@
-"""Causal self-attention: the layer, and the kernel it runs (cuDNN's fused kernel per device, or XLA's)."""
+"""Causal self-attention: the layer, and the kernels it runs (cuDNN's fused kernel or XLA's; which one:
+run/kernels.py, where on the devices: the placement, parallel/context.py)."""
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from jaxtrain.config import ModelConfig
 from jaxtrain.model.documents import Documents
@@ -25,58 +24,38 @@ from jaxtrain.model.layers import (
     rope_scale,
 )
 from jaxtrain.model.mla import latent_qkv
-
-# cuDNN's fused (flash) attention: half or bfloat16 inputs, head dim a multiple of 8 up to 128, or
-# 256 on Hopper and later (compute capability 9.0: DeepSeek-V3's 192). jax's own checks, in
-# jax/_src/cudnn/fused_attention_stablehlo.py (check_layout, check_is_flash_attention).
-_CUDNN_DTYPES = ("bfloat16", "float16")
+from jaxtrain.model.placement import LOCAL, Placement
 
 
-def cudnn_max_head_dim(capability: str) -> int:
-    """The largest head cuDNN's fused attention takes on GPUs of this compute capability ("9.0")."""
-    major = int(capability.split(".")[0]) if capability else 0
-    return 256 if major >= 9 else 128
-
-
-def attention_kernel(cfg: ModelConfig, platform: str, dtype: Any, capability: str = "") -> str:
-    """The causal attention kernel a run compiles to, "cudnn" or "xla" (resolves attention_impl auto).
-
-    `platform` is the devices' ("gpu", "cpu", ...: jax's Device.platform), `dtype` the compute
-    dtype, `capability` a GPU's compute capability ("9.0"). auto picks cuDNN on GPUs wherever it
-    supports the dtype and head dim, XLA elsewhere (jax's own `implementation=None` always takes
-    XLA's path, which materialises T x T scores: 25 GB of DeepSeek-V3's temporaries, planned).
-    """
-    if cfg.attention_impl != "auto":
-        return cfg.attention_impl
-    head_dim = cfg.head_size
-    fits = jnp.dtype(dtype).name in _CUDNN_DTYPES and head_dim % 8 == 0
-    return "cudnn" if platform == "gpu" and fits and head_dim <= cudnn_max_head_dim(capability) else "xla"
-
-
-def _causal_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, impl: str, segments: jax.Array | None = None
+def causal_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    impl: str,
+    segments: jax.Array | None = None,
+    placement: Placement = LOCAL,
 ) -> jax.Array:
     """Causal attention, q [B, T, N, H], k [B, T, K, H], v [B, T, K, Hv] (K divides N) -> [B, T, N, Hv],
     softmax in float32. With K < N each key/value head serves N / K consecutive query heads.
     segments [B, T]: a query sees only keys of its own document (every query sees itself: no
     row is all masked).
 
-    auto is resolved by `attention_kernel` (the train and eval steps resolve it for their mesh's
-    devices; a model applied outside them, as in tests, runs XLA's attention for auto). cudnn: cuDNN's
-    fused kernel, run per device (`_per_device`). xla: the same math as jax's XLA path in two einsums,
-    without its grouped-query vmap, whose layout changes cost XLA:CPU transposes and copies: +3.5%
-    tok/s on the issue shape (bench_torch.py, 2 cores). Sequences split over a context axis: both
-    kernels run per device on whole sequences of a share of the heads (`_per_device`).
+    `impl` is settled where the job meets its devices (run/kernels.py); a model applied outside a
+    job, as in tests, runs XLA's attention for auto. cudnn: cuDNN's fused kernel. xla: the same math
+    as jax's XLA path in two einsums, without its grouped-query vmap, whose layout changes cost
+    XLA:CPU transposes and copies: +3.5% tok/s on the issue shape (bench_torch.py, 2 cores). Inside
+    a step the kernel runs where the placement puts it (parallel/context.py: per device, whole
+    sequences of a share of the heads where context splits them).
     """
-    kernel = _cudnn_kernel if impl == "cudnn" else _xla_kernel
-    if impl == "cudnn" or _context_axis() is not None:
-        return _per_device(kernel, q, k, v, segments)
-    return kernel(q, k, v, segments)
+    kernel = cudnn_kernel if impl == "cudnn" else xla_kernel
+    if placement.attend is None:
+        return kernel(q, k, v, segments)
+    return placement.attend(kernel, q, k, v, segments, impl)
 
 
-def _cudnn_kernel(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None) -> jax.Array:
+def cudnn_kernel(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None) -> jax.Array:
     if v.shape[-1] != q.shape[-1]:  # value heads unlike the query's (MLA): `_pad_value`
-        return _cudnn_kernel(q, k, _pad_value(v, q.shape[-1]), segments)[..., : v.shape[-1]]
+        return cudnn_kernel(q, k, _pad_value(v, q.shape[-1]), segments)[..., : v.shape[-1]]
     attend = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
     if segments is None:
         return attend(q, k, v)
@@ -85,7 +64,7 @@ def _cudnn_kernel(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array 
     return attend(q, k, v, mask=(segments[:, :, None] == segments[:, None, :])[:, None])
 
 
-def _xla_kernel(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None) -> jax.Array:
+def xla_kernel(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None) -> jax.Array:
     b, t, n, h = q.shape
     q = q * jnp.asarray(1.0 / math.sqrt(h), q.dtype)
     causal = jnp.tril(jnp.ones((t, t), bool))
@@ -118,65 +97,13 @@ def _masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array)
     return y[..., : v.shape[-1]]
 
 
-def _context_axis() -> str | None:
-    """The mesh axis the step splits sequences over (the logical `length`), None if whole."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return None
-    axis = (nn.logical_to_mesh_axes(("length",)) or P(None))[0]
-    return axis if isinstance(axis, str) and mesh.shape[axis] > 1 else None
-
-
-def _per_device(
-    kernel: Callable[..., jax.Array], q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None
-) -> jax.Array:
-    """kernel(q, k, v, segments) on each device's own rows and heads, manual over the mesh axes
-    still automatic.
-
-    cuDNN attention's custom partitioner cannot place a call inside a partly manual shard_map (the
-    train step is manual over data and fsdp, automatic over tensor): XLA's GPU compiler stops on an
-    AssertionError in it. With every mesh axis manual, jax lowers the kernel as is, so the
-    automatic axes (tensor, context) become manual here, splitting heads as the model's logical
-    activation axes place them. Outside any mesh the kernel runs as is.
-
-    Sequences split over context are made whole for the kernel by an all-to-all that splits the
-    device's heads instead (Ulysses: each device attends over whole sequences for 1/context of its
-    heads, the causal work alike on every device), and back after it; key/value heads are repeated
-    first where fewer than context x tensor. (Left to the compiler, the same re-split failed XLA's
-    SPMD partitioner beside a tensor axis, jax 0.10.2.)
-    """
-    mesh = jax.sharding.get_abstract_mesh()
-    auto = set(mesh.axis_names) - set(mesh.manual_axes)
-    if mesh.empty or not auto:
-        return kernel(q, k, v, segments)
-    placed = nn.logical_to_mesh_axes(("batch", "length", "heads", None)) or P()
-    spec = P(*(axis if axis in auto else None for axis in placed))
-    context = _context_axis()
-    if context is not None:
-        split = math.prod(int(mesh.shape[a]) for a in (spec[1], spec[2]) if a is not None)
-        if k.shape[2] % split:  # each device's share of heads needs its own key/value heads
-            repeat = split // math.gcd(k.shape[2], split)
-            k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
-
-    def local(q: jax.Array, k: jax.Array, v: jax.Array, *segments: jax.Array) -> jax.Array:
-        if context is None:
-            return kernel(q, k, v, *segments, *(() if segments else (None,)))
-        q, k, v = (jax.lax.all_to_all(x, context, 2, 1, tiled=True) for x in (q, k, v))
-        whole = [jax.lax.all_gather(s, context, axis=1, tiled=True) for s in segments]
-        y = kernel(q, k, v, whole[0] if whole else None)
-        return jax.lax.all_to_all(y, context, 1, 2, tiled=True)
-
-    operands = (q, k, v) if segments is None else (q, k, v, segments)
-    in_specs = (spec,) * 3 + ((P(spec[0], spec[1]),) if segments is not None else ())
-    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=spec, axis_names=auto)(*operands)
-
-
 class Attention(nn.Module):
     """Causal multi-head (or grouped-query, or DeepSeek's latent: model/mla.py) self-attention."""
 
     cfg: ModelConfig
     dtype: Any
     decode: bool = False
+    placement: Placement = LOCAL
 
     @nn.compact
     def __call__(self, x: jax.Array, doc: Documents | None = None) -> jax.Array:
@@ -198,7 +125,8 @@ class Attention(nn.Module):
             mask = jnp.arange(cfg.seq_len)[None, :] <= (start + jnp.arange(t))[:, None]  # [T, S]
             y = _masked_attention(q, cached_k.value, cached_v.value, mask[None, None])
         else:
-            y = _causal_attention(q, k, v, cfg.attention_impl, None if doc is None else doc.segments)
+            segments = None if doc is None else doc.segments
+            y = causal_attention(q, k, v, cfg.attention_impl, segments, self.placement)
         y = constrain(y, "batch", "length", "heads", None)
         out = dense(d, residual_std(cfg), self.dtype, "out", axis=(-2, -1))(y)
         return constrain(out, "batch", "length", "embed")

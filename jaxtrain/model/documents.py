@@ -16,10 +16,18 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxtrain.config import ModelConfig
+
 
 class Documents(NamedTuple):
     segments: jax.Array  # int32 [B, T]: the document each token belongs to (rising along T)
     positions: jax.Array  # int32 [B, T]: the token's position inside its document
+
+
+def packed(cfg: ModelConfig, tokens: jax.Array) -> Documents | None:
+    """The documents packed in windows of `tokens` [B, T], where the model's config masks them
+    (model.doc_bos or doc_eos; None where it does not): the one rule every forward takes."""
+    return documents(tokens, cfg.doc_bos, cfg.doc_eos) if cfg.doc_bos >= 0 or cfg.doc_eos >= 0 else None
 
 
 def documents(tokens: jax.Array, bos: int, eos: int) -> Documents:

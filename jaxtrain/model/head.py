@@ -19,6 +19,14 @@ import jax.numpy as jnp
 import optax
 
 from jaxtrain.model.layers import constrain, from_pieces, to_pieces
+from jaxtrain.text.format import NO_LOSS
+
+
+def mean_loss(losses: jax.Array, rows: jax.Array, share: jax.Array | None = None) -> jax.Array:
+    """The loss of rows [b, T+1] from each token's cross-entropy `losses` [b, T]: their mean, or with a
+    loss mask (`share`: parallel/data.py `kept_share`) the sum over the targets that take loss (no
+    NO_LOSS bit) over `share`. The one rule the plain step, accumulation and the pipeline take."""
+    return losses.mean() if share is None else jnp.where(rows[:, 1:] & NO_LOSS, 0.0, losses).sum() / share
 
 
 class Embedding(nn.Embed):
@@ -27,7 +35,7 @@ class Embedding(nn.Embed):
 
     # The rows first, then the cast (nn.Embed casts the whole table first): the same values, and
     # the gradient is a scatter of the rows straight into the float32 table's, which XLA adds in
-    # place where a loop accumulates it (a pipeline's ticks, run/pipeline.py: its `embed` span)
+    # place where a loop accumulates it (a pipeline's ticks, parallel/pipeline.py: its `embed` span)
     # instead of a table of zeros cast and added whole per tick.
     rows_first: bool = False
 
@@ -47,23 +55,25 @@ def logits(x: jax.Array, table: jax.Array, dtype: Any) -> jax.Array:
     return constrain(y, "batch", "length", "vocab").astype(jnp.float32)
 
 
-def token_losses(x: jax.Array, table: jax.Array, targets: jax.Array, chunks: int, dtype: Any) -> jax.Array:
+def token_losses(
+    x: jax.Array, table: jax.Array, targets: jax.Array, chunks: int, dtype: Any, parts: int = 1
+) -> jax.Array:
     """Next-token cross-entropy [B, T] (float32) of final-normed x [B, T, d] against `targets` [B, T],
     `chunks` (> 1) pieces of each device's tokens at a time (the module docstring).
 
-    The sequence may be split over devices (the logical `length` axis): each piece takes the same
-    slice of every device's part, so a piece is as split as the whole and no token moves.
+    The sequence may be split over `parts` devices (the logical `length` axis): each piece takes the
+    same slice of every device's part, so a piece is as split as the whole and no token moves.
     """
 
     def piece(xc: jax.Array, yc: jax.Array) -> jax.Array:
         return optax.softmax_cross_entropy_with_integer_labels(logits(xc, table, dtype), yc)
 
-    xs = constrain(to_pieces(x, chunks), None, "batch", "length", "embed")
-    ys = constrain(to_pieces(targets, chunks), None, "batch", "length")
+    xs = constrain(to_pieces(x, chunks, parts), None, "batch", "length", "embed")
+    ys = constrain(to_pieces(targets, chunks, parts), None, "batch", "length")
 
     def step(carry: None, xy: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
         xc = constrain(xy[0], "batch", "length", "embed")
         return carry, constrain(jax.checkpoint(piece)(xc, xy[1]), "batch", "length")
 
     _, losses = jax.lax.scan(step, None, (xs, ys))  # [chunks, B, T / chunks]
-    return constrain(from_pieces(losses), "batch", "length")
+    return constrain(from_pieces(losses, parts), "batch", "length")

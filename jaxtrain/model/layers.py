@@ -18,28 +18,18 @@ def constrain(x: jax.Array, *logical: str | None) -> jax.Array:
     return nn.with_logical_constraint(x, logical)
 
 
-def split_size(logical: str) -> int:
-    """How many devices the step's mesh splits a logical activation axis over (1 outside a mesh)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    axes = None if mesh.empty else (nn.logical_to_mesh_axes((logical,)) or (None,))[0]
-    names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-    return math.prod(int(mesh.shape[a]) for a in names)
-
-
-def to_pieces(a: jax.Array, chunks: int) -> jax.Array:
+def to_pieces(a: jax.Array, chunks: int, parts: int = 1) -> jax.Array:
     """[B, T, ...] -> [chunks, B, T / chunks, ...]: piece i holds the i-th of `chunks` equal slices of
-    each device's part of the sequence (`length` split over split_size devices), so a piece is split
-    as the whole is and no token moves; `from_pieces` undoes it."""
+    each device's part of the sequence (`length` split over `parts` devices: Placement.length_split),
+    so a piece is split as the whole is and no token moves; `from_pieces` undoes it."""
     b, t = a.shape[:2]
-    parts = split_size("length")
     a = a.reshape(b, parts, chunks, t // (parts * chunks), *a.shape[2:])
     return jnp.moveaxis(a, 2, 0).reshape(chunks, b, t // chunks, *a.shape[4:])
 
 
-def from_pieces(a: jax.Array) -> jax.Array:
+def from_pieces(a: jax.Array, parts: int = 1) -> jax.Array:
     """[chunks, B, T / chunks, ...] from `to_pieces` -> [B, T, ...]."""
     chunks, b, size = a.shape[:3]
-    parts = split_size("length")
     a = a.reshape(chunks, b, parts, size // parts, *a.shape[3:])
     return jnp.moveaxis(a, 0, 2).reshape(b, chunks * size, *a.shape[4:])
 

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.config import ModelConfig
-from jaxtrain.model.layers import constrain, dense, from_pieces, residual_std, split_size, to_pieces
+from jaxtrain.model.layers import constrain, dense, from_pieces, residual_std, to_pieces
+from jaxtrain.model.placement import LOCAL, Placement
 
 
 def mlp(cfg: ModelConfig, dtype: Any, x: jax.Array, hidden: int, prefix: str = "") -> jax.Array:
@@ -37,11 +38,12 @@ class Mlp(nn.Module):
 
     cfg: ModelConfig
     dtype: Any
+    placement: Placement = LOCAL
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        chunks, hidden = self.cfg.token_chunks, self.cfg.ff_dim
-        if chunks == 1 or x.shape[1] % (split_size("length") * chunks):
+        chunks, hidden, parts = self.cfg.token_chunks, self.cfg.ff_dim, self.placement.length_split
+        if chunks == 1 or x.shape[1] % (parts * chunks):
             return mlp(self.cfg, self.dtype, x, hidden)
 
         def piece(module: nn.Module, carry: None, xc: jax.Array) -> tuple[None, jax.Array]:
@@ -55,5 +57,5 @@ class Mlp(nn.Module):
             split_rngs={"params": False},
             length=chunks,
         )
-        _, ys = scan(self, None, constrain(to_pieces(x, chunks), None, "batch", "length", "embed"))
-        return constrain(from_pieces(ys), "batch", "length", "embed")
+        _, ys = scan(self, None, constrain(to_pieces(x, chunks, parts), None, "batch", "length", "embed"))
+        return constrain(from_pieces(ys, parts), "batch", "length", "embed")

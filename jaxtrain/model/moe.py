@@ -4,14 +4,10 @@ Routing (`route`): softmax top-k (Mixtral, Qwen3-MoE), or DeepSeek-V3's sigmoid 
 a per-expert bias (selection only; moved after each step by `update_router_bias`) from the best
 groups; shared experts (model/mlp.py) see every token. Dropless: the copies are sorted by expert
 (`dispatch`, `permute`: gathers, and so are their gradients) and run as one grouped matmul
-(`grouped_matmul`: `jax.lax.ragged_dot`, `blocks` of BLOCK rows per expert, or `pallas`:
-model/grouped.py's Hopper kernels, computing only the routed rows).
-Expert parallelism: inside the train step each device sends each peer exactly the
-copies for its experts by one `ragged_all_to_all`, a slice per expert of the peer's, so they land
-grouped by expert as the grouped matmul takes them (no sort), and gets the results back by another
-(on XLA:CPU, which has none, a padded `all_to_all` stands in: same routing); a device's receive buffer
-holds every peer's copies (dropless), or `capacity_factor` x the copies an even router sends it
-(the rest dropped, the same share of each sender's, and counted). Under remat the routed block
+(`moe.grouped_matmul`: `jax.lax.ragged_dot`, `blocks` of BLOCK rows per expert, or `pallas`:
+model/grouped.py's Hopper kernels, computing only the routed rows). The routed rows reach their
+experts through a `Wire`: here they stay; under expert parallelism the step's placement sends
+them to the devices that hold their experts (parallel/expert.py). Under remat the routed block
 has a backward of its own (`_routed`: the recomputation sends nothing); the copies may travel in
 FP8 (`dispatch_dtype`), and a layer's tokens in pieces (`chunks`: one piece's exchange beside
 another's experts). The router's statistics are sown into "moe"
@@ -31,9 +27,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.config import ModelConfig, MoeConfig
-from jaxtrain.model import grouped
 from jaxtrain.model.layers import constrain, dense, residual_std
 from jaxtrain.model.mlp import mlp
+from jaxtrain.model.placement import LOCAL, Placement
 
 
 def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
@@ -49,30 +45,7 @@ def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
     )
 
 
-def _mesh_axis(logical: str) -> str | None:
-    """The mesh axis the step's logical rules map `logical` to (None outside a step, or unmapped)."""
-    axes = nn.logical_to_mesh_axes((logical,))
-    return axes[0] if axes else None
-
-
-def _expert_parallelism() -> tuple[str | None, int]:
-    """(mesh axis, size) the experts are split over: the step's manual `expert` axis, else (None, 1)."""
-    axis = _mesh_axis("expert")
-    mesh = jax.sharding.get_abstract_mesh()
-    if axis is None or mesh.empty or axis not in mesh.manual_axes:
-        return None, 1
-    return axis, int(mesh.shape[axis])
-
-
 BLOCK = 128  # rows per block of the `blocks` grouped matmul
-
-
-def grouped_matmul(platform: str, compute_capability: str = "") -> str:
-    """The grouped matmul the experts compile to on `platform` ("cpu", "gpu", ...: jax's Device.platform)
-    and, on a GPU, its compute capability ("9.0": Hopper, where model/grouped.py's kernels run)."""
-    if platform == "cpu":
-        return "blocks"
-    return "pallas" if compute_capability == grouped.HOPPER else "ragged_dot"
 
 
 def _activation(h: jax.Array, swiglu: bool) -> jax.Array:
@@ -123,30 +96,6 @@ def expert_mlps(
     return out.at[pos].get(mode="fill", fill_value=0)
 
 
-def _tensor_split(
-    rows: jax.Array, sizes: jax.Array, w_in: jax.Array, w_out: jax.Array, impl: str, routed: int | None = None
-) -> jax.Array:
-    """expert_mlps with each expert's hidden dim split over the tensor axis, if the step has one:
-    each device runs its slice of every expert (Megatron's column then row split) and one psum adds
-    them. Written per device because XLA's partitioner does not split a ragged_dot."""
-    axis = _mesh_axis("mlp")
-    mesh = jax.sharding.get_abstract_mesh()
-    if axis is None or mesh.empty or axis in mesh.manual_axes or mesh.shape[axis] == 1:
-        return expert_mlps(rows, sizes, w_in, w_out, impl, routed)
-    spec_in = jax.sharding.PartitionSpec(*(None,) * (w_in.ndim - 1), axis)
-    spec_out = jax.sharding.PartitionSpec(None, axis, None)
-    return jax.shard_map(
-        lambda r, s, a, b: jax.lax.psum(expert_mlps(r, s, a, b, impl, routed), axis),
-        mesh=mesh,
-        in_specs=(jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec(), spec_in, spec_out),
-        out_specs=jax.sharding.PartitionSpec(),
-        axis_names={axis},
-        # Unchecked, as the step's: the Pallas kernel's gradients vary over no axis, and jax's
-        # check refused the weights' (varying over `tensor`) in the backward.
-        check_vma=False,
-    )(rows, sizes, w_in, w_out)
-
-
 @jax.custom_vjp
 def permute(x: jax.Array, perm: jax.Array, inverse: jax.Array) -> jax.Array:
     """x[perm] for a permutation `perm` of x's rows (`inverse` = argsort(perm)), whose gradient
@@ -187,115 +136,6 @@ def _dispatch_bwd(k: int, inverse: jax.Array, g: jax.Array) -> tuple[jax.Array, 
 dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
-def _platform() -> str | None:
-    """The platform the traced step compiles for ("cpu", "gpu", ...), None outside a mesh."""
-    device = jax.sharding.get_abstract_mesh().abstract_device
-    return device.platform if device is not None else None
-
-
-def padded_ragged_all_to_all(
-    operand: jax.Array,
-    output: jax.Array,
-    input_offsets: jax.Array,
-    send_sizes: jax.Array,
-    output_offsets: jax.Array,
-    recv_sizes: jax.Array,
-    *,
-    axis_name: str,
-    width: int,
-) -> jax.Array:
-    """`jax.lax.ragged_all_to_all` on a padded `all_to_all`, for XLA:CPU, which has no ragged one.
-    As XLA's, each peer may get several slices: the four index arrays hold peers x U entries,
-    peer-major (slice u to peer j at j * U + u). A peer's slices travel together in a buffer of
-    `width` rows (at least the most rows one device sends another) and land where the ragged one
-    puts them. Same arguments, same result, same gradient."""
-    peers = jax.lax.axis_size(axis_name)
-    rows = jnp.arange(width)
-
-    def at(sizes: jax.Array, offsets: jax.Array, past: int) -> jax.Array:
-        """Each peer's buffer row -> where it is in the rows its slices index (past: none)."""
-        sizes, offsets = sizes.reshape(peers, -1), offsets.reshape(peers, -1)
-        ends = jnp.cumsum(sizes, axis=1)
-        which = jax.vmap(lambda e: jnp.searchsorted(e, rows, side="right"))(ends)  # [peers, width]
-        inside = jnp.minimum(which, sizes.shape[1] - 1)
-        first = jnp.take_along_axis(ends - sizes, inside, axis=1)
-        where = jnp.take_along_axis(offsets, inside, axis=1) + rows - first
-        return jnp.where(which < sizes.shape[1], where, past)
-
-    send = operand.at[at(send_sizes, input_offsets, operand.shape[0])].get(mode="fill", fill_value=0)
-    got = jax.lax.all_to_all(send, axis_name, 0, 0, tiled=True)  # [peers, width, ...]
-    landing = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # as the ragged one does
-    to = at(recv_sizes, landing, output.shape[0])
-    return output.at[to.reshape(-1)].set(got.reshape(peers * width, *got.shape[2:]), mode="drop")
-
-
-def receive_bound(n: int, ep: int, capacity_factor: float) -> int:
-    """Rows a device's receive buffer holds when each of the ep devices routes n copies: every
-    copy of every peer (dropless: no routing overflows it), else capacity_factor x the n a device
-    receives when the router is even. The experts' grouped matmul computes over all of them
-    (`blocks`, `ragged_dot`), or only over the rows received (`pallas`)."""
-    return min(ep * n, math.ceil(capacity_factor * n)) if capacity_factor else ep * n
-
-
-def _kept(want: jax.Array, bound: int) -> jax.Array:
-    """Copies kept of what each peer wants to send this device [ep]: all of them if they fit in
-    `bound` rows, else the same share of each peer's (rounded down; the rest dropped)."""
-    total = want.sum()
-    share = jnp.floor(want.astype(jnp.float32) * (bound / jnp.maximum(total, 1).astype(jnp.float32)))
-    kept = jnp.where(total <= bound, want, jnp.minimum(share.astype(jnp.int32), want))
-    return jnp.clip(bound - (jnp.cumsum(kept) - kept), 0, kept)  # float rounding never overfills it
-
-
-class _Plan(NamedTuple):
-    """Who sends what where in one exchange (from its two tiny all-to-alls; no gradient), in
-    slices of one peer's one expert: [ep x local] arrays, peer-major (ragged_all_to_all's several
-    slices a peer). Ours to each peer's experts: `in_offsets` where they start in our rows,
-    `send_sizes` how many it keeps, `out_offsets` where they land in its buffer; each source's to
-    ours: `recv_offsets` where they land, `recv_sizes` how many we keep, `their_offsets` where they
-    start in its rows. A receiver's buffer is grouped by expert (source-major inside each): the
-    grouped matmul's order, no sort. `sizes` the rows of each local expert; `held`: which of our
-    rows a receiver kept (the rest come back zero). Without expert parallelism only `sizes`: the
-    rows stay where they are."""
-
-    sizes: jax.Array
-    # The rest: arrays, or None without expert parallelism
-    in_offsets: Any = None
-    send_sizes: Any = None
-    out_offsets: Any = None
-    recv_offsets: Any = None
-    recv_sizes: Any = None
-    their_offsets: Any = None
-    held: Any = None
-
-
-def _plan(experts: jax.Array, axis: str, ep: int, local: int, bound: int) -> _Plan:
-    """The exchange of rows sorted by global expert id `experts` [n] between the ep devices along
-    `axis` (`local` experts each, `bound` rows received at most: `receive_bound`, `_kept`). Two
-    tiny int32 all_to_alls settle it: each peer's copies per local expert and where they start in
-    its rows, then what each receiver keeps of them and where it puts them."""
-    n = experts.shape[0]
-    counts = jnp.zeros(ep * local, jnp.int32).at[experts].add(1, mode="drop").reshape(ep, local)
-    in_offsets = jnp.cumsum(counts.reshape(-1)).reshape(ep, local) - counts  # rows sorted by expert
-    table = jax.lax.all_to_all(jnp.concatenate([counts, in_offsets], axis=1), axis, 0, 0, tiled=True)
-    per_expert, their_offsets = table[:, :local], table[:, local:]  # [source, local expert]
-    kept = _kept(per_expert.sum(axis=1), bound)
-    # A source's kept rows are a prefix of its run, so of each expert's rows a prefix.
-    before = jnp.cumsum(per_expert, axis=1) - per_expert
-    recv_sizes = jnp.clip(kept[:, None] - before, 0, per_expert)  # [source, local expert]
-    sizes = recv_sizes.sum(axis=0)
-    # Grouped by expert, each expert's rows source-major.
-    recv_offsets = (jnp.cumsum(sizes) - sizes)[None, :] + jnp.cumsum(recv_sizes, axis=0) - recv_sizes
-    reply = jax.lax.all_to_all(jnp.concatenate([recv_sizes, recv_offsets], axis=1), axis, 0, 0, tiled=True)
-    send_sizes, out_offsets = reply[:, :local], reply[:, local:]  # per peer's expert: kept, and where
-    slot = jnp.minimum(experts, ep * local - 1)
-    held = jnp.arange(n) - in_offsets.reshape(-1)[slot] < send_sizes.reshape(-1)[slot]
-    flat = lambda a: a.reshape(-1)  # noqa: E731
-    return _Plan(
-        sizes, flat(in_offsets), flat(send_sizes), flat(out_offsets), flat(recv_offsets), flat(recv_sizes),
-        flat(their_offsets), held,
-    )  # fmt: skip
-
-
 def _quantize(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
     """Rows x [n, d] -> (x in `dtype` [n, d], float32 scales [n, d / block]): each block of 128
     values (fewer if d is not a multiple) scaled by its largest magnitude to dtype's largest."""
@@ -313,37 +153,32 @@ def _dequantize(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
     )
 
 
+class Groups(NamedTuple):
+    """The rows of each expert, in order (`sizes` [E]): how a piece's routed rows are grouped on this
+    device. An exchange's plan (parallel/expert.py `Plan`) holds the same, and where the rows go."""
+
+    sizes: jax.Array
+
+
 @dataclasses.dataclass(frozen=True)
-class _Wire:
-    """How rows travel between the devices along `axis` and what the experts run (static): by
-    `ragged_all_to_all`, or its padded stand-in of `width` rows a peer (XLA:CPU); with no axis
-    they stay. `dispatch`: the dtype the copies go to the experts in ("": as they are)."""
+class Wire:
+    """How routed rows reach their experts and come back, and what the experts run (static): here
+    the rows stay where they are (one device); parallel/expert.py's wires send them over the mesh.
+    `routed`: the rows an even load brings a device (what the pallas kernel's FLOPs count; default
+    all of them); `dispatch`: the dtype the copies go to the experts in ("": as they are); `bound`:
+    the rows a device receives at most (0: no exchange)."""
 
-    axis: str | None
     impl: str
-    routed: int | None  # the rows an even load brings a device: what the pallas kernel's FLOPs count
-    ragged: bool = False
-    width: int = 0
-    bound: int = 0
+    routed: int | None = None
     dispatch: str = ""
+    bound: int = 0
 
-    def _a2a(self, *args: jax.Array) -> jax.Array:
-        assert self.axis is not None  # only an exchange sends
-        if self.ragged:
-            return jax.lax.ragged_all_to_all(*args, axis_name=self.axis)
-        return padded_ragged_all_to_all(*args, axis_name=self.axis, width=self.width)
+    def _out(self, x: jax.Array, plan: Any, buffer: jax.Array | None) -> jax.Array:
+        return x
 
-    def _out(self, x: jax.Array, plan: _Plan, buffer: jax.Array | None) -> jax.Array:
-        if self.axis is None:
-            return x
-        shape = (self.bound, *x.shape[1:])
-        if buffer is None or buffer.shape != shape or buffer.dtype != x.dtype:
-            buffer = jnp.zeros(shape, x.dtype)
-        return self._a2a(x, buffer, plan.in_offsets, plan.send_sizes, plan.out_offsets, plan.recv_sizes)
-
-    def out(self, x: jax.Array, plan: _Plan, buffer: jax.Array | None = None) -> jax.Array:
-        """Our rows x [n, ...] -> the rows we receive [bound, ...], grouped by local expert, landing
-        in `buffer` (a dead array: its rows past the received ones stay; default
+    def out(self, x: jax.Array, plan: Any, buffer: jax.Array | None = None) -> jax.Array:
+        """Our rows x [n, ...] -> the rows the experts here take [bound, ...], grouped by local
+        expert, landing in `buffer` (a dead array: its rows past the received ones stay; default
         zeros); copies [n, d] in the `dispatch` dtype on the way (DeepSeek-V3's FP8: quantized with
         or without an exchange, so the layout never changes the model)."""
         if not self.dispatch or x.ndim != 2:
@@ -351,26 +186,21 @@ class _Wire:
         q, scale = _quantize(x, jnp.dtype(self.dispatch))
         return _dequantize(self._out(q, plan, None), self._out(scale, plan, None), x.dtype)
 
-    def back(self, y: jax.Array, buffer: jax.Array, plan: _Plan) -> tuple[jax.Array, jax.Array]:
-        """Received rows y [bound, ...] (as `out` grouped them) -> (each to its row of ours [n, ...],
-        rows a receiver dropped 0; the buffer they landed in), landing in `buffer` [n, ...] (dead
-        after: no zeroed buffer written)."""
-        if self.axis is None:
-            return y, y
-        got = self._a2a(y, buffer, plan.recv_offsets, plan.recv_sizes, plan.their_offsets, plan.send_sizes)
-        return jnp.where(plan.held.reshape(-1, *(1,) * (y.ndim - 1)), got, 0), got
+    def back(self, y: jax.Array, buffer: jax.Array, plan: Any) -> tuple[jax.Array, jax.Array]:
+        """The experts' rows y [bound, ...] (as `out` grouped them) -> (each to its row of ours
+        [n, ...], rows a receiver dropped 0; the buffer they landed in), landing in `buffer`
+        [n, ...] (dead after: no zeroed buffer written)."""
+        return y, y
 
-    def experts(self, rows: jax.Array, w_in: jax.Array, w_out: jax.Array, *, plan: _Plan) -> jax.Array:
-        return _tensor_split(rows, plan.sizes, w_in, w_out, self.impl, self.routed)
+    def experts(self, rows: jax.Array, w_in: jax.Array, w_out: jax.Array, *, plan: Any) -> jax.Array:
+        return expert_mlps(rows, plan.sizes, w_in, w_out, self.impl, self.routed)
 
 
 Pieces = tuple[jax.Array, ...]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _routed(
-    wire: _Wire, rows: Pieces, gates: Pieces, w_in: jax.Array, w_out: jax.Array, plans: Any
-) -> Pieces:
+def _routed(wire: Wire, rows: Pieces, gates: Pieces, w_in: jax.Array, w_out: jax.Array, plans: Any) -> Pieces:
     """Our routed copies, in pieces (each rows [n, d] sorted by expert, its gates [n] and `plans`)
     -> each piece's gates x its experts' outputs, computed where the experts are (`wire`).
 
@@ -400,7 +230,7 @@ def _pipelined(pieces: Any, arrive: Any, compute: Any, finish: Any) -> list[Any]
 
 
 def _routed_fwd(
-    wire: _Wire, rows: Pieces, gates: Pieces, w_in: jax.Array, w_out: jax.Array, plans: Any
+    wire: Wire, rows: Pieces, gates: Pieces, w_in: jax.Array, w_out: jax.Array, plans: Any
 ) -> tuple[Pieces, Any]:
     # Buffers of pieces before, dead by then, in place of zeroed ones (each a full write): each
     # piece's rows arrive in the receive buffer of the piece two before (`_pipelined` sends piece
@@ -436,7 +266,7 @@ def _routed_fwd(
     return tuple(ys), (rows, gates, w_in, w_out, plans)
 
 
-def _routed_bwd(wire: _Wire, saved: Any, dys: Pieces) -> tuple[Any, ...]:
+def _routed_bwd(wire: Wire, saved: Any, dys: Pieces) -> tuple[Any, ...]:
     rows, gates, w_in, w_out, plans = saved
     spare: list[jax.Array] = []  # dead receive buffers, as in the forward (`_routed_fwd`)
 
@@ -473,39 +303,7 @@ def _spare(spare: list[jax.Array], rows: int) -> jax.Array | None:
     return jax.lax.stop_gradient(spare.pop(0)) if spare and spare[0].shape[0] == rows else None
 
 
-def _exchange(
-    rows: Pieces,
-    gates: Pieces,
-    experts: Pieces,
-    axis: str,
-    ep: int,
-    w_in: jax.Array,
-    w_out: jax.Array,
-    impl: str,
-    capacity_factor: float,
-    ragged: bool,
-    dispatch: str = "",
-    recomputed: bool = True,
-) -> tuple[Pieces, jax.Array]:
-    """Rows [n, d] sorted by global expert id `experts` [n], and their `gates` [n], in pieces ->
-    (each piece's gates x its experts' outputs, computed on the devices along `axis` (ep of them)
-    that hold those experts (w_in, w_out: this device's), the share of rows dropped: past their
-    receiver's bound (`receive_bound`, `_kept`: each piece's), zero out).
-
-    Each device sends each peer exactly the rows it keeps, by `ragged_all_to_all` (ragged) or its
-    padded stand-in (XLA:CPU); both land them in the same places, so the routing is the same.
-    `recomputed`: the block is recomputed in the backward (remat), where `_routed`'s own
-    backward saves a transfer; else jax's."""
-    n = rows[0].shape[0]
-    bound = receive_bound(n, ep, capacity_factor)
-    plans = tuple(_plan(e, axis, ep, w_in.shape[0], bound) for e in experts)
-    wire = _Wire(axis, impl, n, ragged, min(n, bound), bound, dispatch)
-    kept = sum(plan.send_sizes.sum() for plan in plans)
-    outs = _experts(recomputed)(wire, tuple(rows), tuple(gates), w_in, w_out, plans)
-    return outs, 1.0 - kept / (n * len(rows))
-
-
-def _experts(recomputed: bool) -> Any:
+def routed(recomputed: bool) -> Any:
     """`_routed` for a block remat recomputes; without remat, where jax's backward keeps what the
     forward made (4 transfers of the copies, the experts run once forward), its forward, as autodiff
     sees it."""
@@ -581,6 +379,7 @@ class MoeMlp(nn.Module):
 
     cfg: ModelConfig
     dtype: Any
+    placement: Placement = LOCAL
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -595,8 +394,9 @@ class MoeMlp(nn.Module):
             bias = self.param("router_bias", nn.initializers.zeros, (n_experts,), jnp.float32)
         weights, experts, probs = route(moe, logits, bias)  # [N, k], [N, k], [N, E]
 
-        axis, ep = _expert_parallelism()
-        impl = "ragged_dot" if moe.grouped_matmul == "auto" else moe.grouped_matmul  # the step resolves auto
+        ep = self.placement.expert_split
+        # Settled where the job meets its devices (run/kernels.py); a model applied outside a job: XLA's
+        impl = "ragged_dot" if moe.grouped_matmul == "auto" else moe.grouped_matmul
         # Declared as this device's share: inside the step each device sees only its experts.
         shape_in = (n_experts // ep, d, 2, ff) if cfg.mlp == "swiglu" else (n_experts // ep, d, ff)
         w_in = _Stack(shape_in, cfg.init_std, name="gate_up" if cfg.mlp == "swiglu" else "fc")()
@@ -617,17 +417,17 @@ class MoeMlp(nn.Module):
             ),
             strict=True,
         )
-        dropped = jnp.zeros((), jnp.float32)
-        if axis is None:
-            plans = tuple(_Plan(sizes=jnp.zeros(n_experts, jnp.int32).at[e].add(1)) for e in piece_experts)
-            wire = _Wire(None, impl, None, dispatch=moe.dispatch_dtype)
-            outs = _experts(cfg.remat != "none")(wire, rows, gates, w_in, w_out, plans)
-        else:
-            ragged = _platform() not in (None, "cpu")  # XLA:CPU has no ragged all-to-all
-            outs, dropped = _exchange(
-                rows, gates, piece_experts, axis, ep, w_in, w_out, impl, moe.capacity_factor, ragged,
-                moe.dispatch_dtype, cfg.remat != "none",
-            )  # fmt: skip
+        wire, recomputed = Wire(impl, dispatch=moe.dispatch_dtype), cfg.remat != "none"
+        if self.placement.experts is None:
+            plans = tuple(Groups(jnp.zeros(n_experts, jnp.int32).at[e].add(1)) for e in piece_experts)
+            outs, dropped = (
+                routed(recomputed)(wire, rows, gates, w_in, w_out, plans),
+                jnp.zeros((), jnp.float32),
+            )
+        else:  # where the experts are on the step's devices (parallel/expert.py)
+            outs, dropped = self.placement.experts(
+                rows, gates, piece_experts, w_in, w_out, wire, moe.capacity_factor, recomputed
+            )
         # Each token's copies summed (in float32, as the einsum with the weights did)
         y = jnp.concatenate(
             [

@@ -7,7 +7,7 @@ from typing import Any
 
 import jax
 
-# Logical axes of every param, by the end of its path; jaxtrain/run/mesh.py maps them to mesh axes.
+# Logical axes of every param, by the end of its path; jaxtrain/parallel/mesh.py maps them to mesh axes.
 # Attention kernels keep (heads, head_dim) apart so tensor parallelism splits whole heads.
 # Grouped-query attention keeps q ([d, heads, head_dim]) apart from k and v ([d, 2, kv heads,
 # head_dim]); both head axes are `heads`, so tensor parallelism splits whole groups.
@@ -23,7 +23,7 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     ("attn", "kv", "bias"): (None, "heads", None),
     ("attn", "out", "kernel"): ("heads", None, "embed"),
     # Multi-head latent attention (model/mla.py): the latents whole, the heads from them split (and
-    # their latent dim over fsdp: run/mesh.py PARAM_RULES).
+    # their latent dim over fsdp: parallel/mesh.py PARAM_RULES).
     ("attn", "q_a", "kernel"): ("embed", None),
     ("attn", "q_b", "kernel"): ("latent", "heads", None),
     ("attn", "kv_a", "kernel"): ("embed", None),

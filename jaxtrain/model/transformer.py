@@ -21,7 +21,6 @@ positions per layer, and each call appends its tokens at the cache's index.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -31,14 +30,12 @@ import optax
 
 from jaxtrain.config import ModelConfig
 from jaxtrain.model.attention import Attention
-from jaxtrain.model.documents import Documents, documents
+from jaxtrain.model.documents import Documents, packed
 from jaxtrain.model.head import Embedding, token_losses
 from jaxtrain.model.layers import cache_index, constrain, norm
 from jaxtrain.model.mlp import Mlp
 from jaxtrain.model.moe import MoeMlp, is_moe_layer
-
-# gather(variables, where=module name) -> the variables a layer computes with (see GPT.gather)
-Gather = Callable[..., Any]
+from jaxtrain.model.placement import LOCAL, Gather, Placement
 
 
 class Block(nn.Module):
@@ -48,13 +45,20 @@ class Block(nn.Module):
     dtype: Any
     decode: bool = False
     moe: bool = False  # routed experts (model/moe.py) in place of the MLP
+    placement: Placement = LOCAL
 
     @nn.compact
     def __call__(self, x: jax.Array, doc: Documents | None = None) -> tuple[jax.Array, None]:
         # (carry, input broadcast to every layer) -> (carry, per-layer output): what nn.scan needs.
-        eps = self.cfg.norm_eps
-        x = x + Attention(self.cfg, self.dtype, self.decode, name="attn")(norm(x, eps, "ln_1"), doc)
-        mlp = MoeMlp(self.cfg, self.dtype, name="moe") if self.moe else Mlp(self.cfg, self.dtype, name="mlp")
+        eps, placement = self.cfg.norm_eps, self.placement
+        x = x + Attention(self.cfg, self.dtype, self.decode, placement, name="attn")(
+            norm(x, eps, "ln_1"), doc
+        )
+        mlp: nn.Module = (
+            MoeMlp(self.cfg, self.dtype, placement, name="moe")
+            if self.moe
+            else Mlp(self.cfg, self.dtype, placement, name="mlp")
+        )
         x = x + mlp(norm(x, eps, "ln_2"))
         return x, None
 
@@ -72,11 +76,12 @@ def _with_gather(
     )
 
 
-def block_class(cfg: ModelConfig, gather: Gather | None, checkpointed: bool = False) -> Any:
-    """Block, its params gathered as it runs, wrapped in nn.remat as cfg.remat asks; not when
-    `checkpointed`: the caller's checkpoint around it recomputes it (cfg.remat still says so to
-    the layers inside, the experts' exchange among them: model/moe.py `_routed`)."""
-    block = _with_gather(Block, gather)
+def block_class(cfg: ModelConfig, placement: Placement, checkpointed: bool = False) -> Any:
+    """Block, its params gathered as it runs (the placement's gather), wrapped in nn.remat as
+    cfg.remat asks; not when `checkpointed`: the caller's checkpoint around it recomputes it
+    (cfg.remat still says so to the layers inside, the experts' exchange among them: model/moe.py
+    `_routed`)."""
+    block = _with_gather(Block, placement.gather)
     if cfg.remat == "none" or checkpointed:
         return block
     policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if cfg.remat == "dots" else None
@@ -90,15 +95,11 @@ class GPT(nn.Module):
 
     cfg: ModelConfig
     dtype: Any = jnp.float32
-    # Applied to each layer's (and each embedding's) params right before they are used. The
-    # step passes FSDP's all-gather here, so whole params exist one layer at a time; the model
-    # itself never knows how params are laid out.
-    gather: Gather | None = None
-    # Applied to each scanned stack's params (`layers` dim leading) before its layers run: the
-    # step casts the experts' weights there, once for every layer (run/step.py whole_experts).
-    stack_in: Gather | None = None
+    # How the step runs it over its devices (model/placement.py): FSDP's per-layer gather, the
+    # attention kernel's place, the experts' exchange. The model never knows how it is laid out.
+    placement: Placement = LOCAL
     decode: bool = False  # keep a KV cache (collection "cache"): see `generate`
-    # What a call computes: "all" (tokens -> logits); a pipeline (run/pipeline.py) runs the layers
+    # What a call computes: "all" (tokens -> logits); a pipeline (parallel/pipeline.py) runs the layers
     # itself, between "embed" (tokens -> the residual stream) and "head" (the stream -> logits, or
     # with `targets` each token's loss, as "all" gives them).
     span: str = "all"
@@ -111,7 +112,7 @@ class GPT(nn.Module):
 
         def embed(num: int, name: str) -> nn.Embed:
             methods = ["__call__", "attend", "table"]
-            cls = _with_gather(Embedding, self.gather, (name,), methods=methods)
+            cls = _with_gather(Embedding, self.placement.gather, (name,), methods=methods)
             init = nn.initializers.normal(cfg.init_std)
             return cls(
                 num,
@@ -129,7 +130,9 @@ class GPT(nn.Module):
             x = norm(x, cfg.norm_eps, "ln_f")
             head = wte if cfg.tie_embeddings else embed(cfg.vocab_size, name="lm_head")
             if targets is not None and cfg.token_chunks > 1:
-                return token_losses(x, head.table(), targets, cfg.token_chunks, self.dtype)
+                return token_losses(
+                    x, head.table(), targets, cfg.token_chunks, self.dtype, self.placement.length_split
+                )
             logits = constrain(head.attend(x), "batch", "length", "vocab").astype(jnp.float32)
             return (
                 logits
@@ -141,26 +144,26 @@ class GPT(nn.Module):
             return output(tokens)
         x = wte(tokens)
         # Packed documents never see each other (decoding continues one text: no need).
-        masked = (cfg.doc_bos >= 0 or cfg.doc_eos >= 0) and not self.decode
-        doc = documents(tokens, cfg.doc_bos, cfg.doc_eos) if masked else None
+        doc = None if self.decode else packed(cfg, tokens)
         if cfg.pos_embedding == "learned":
             start = cache_index(self, tokens.shape[1]) if self.decode else 0
             wpe = embed(cfg.seq_len, name="wpe")
             x = x + (wpe(start + jnp.arange(tokens.shape[1]))[None] if doc is None else wpe(doc.positions))
         if self.span == "embed":
             return x
-        block = block_class(cfg, self.gather)
+        block = block_class(cfg, self.placement)
         if cfg.scan_layers:
             # One traced body for all layers: compile time stays flat in depth. DeepSeek's first
             # dense layers are a stack of their own, before the MoE layers' (`scanned_stacks`).
             for name, length, moe in scanned_stacks(cfg):
                 stack = layer_stack(block, length)
-                if self.stack_in is not None:
-                    stack = nn.map_variables(stack, "params", trans_in_fn=self.stack_in)
-                x, _ = stack(cfg, self.dtype, self.decode, moe, name=name)(x, doc)
+                if self.placement.stack_in is not None:
+                    stack = nn.map_variables(stack, "params", trans_in_fn=self.placement.stack_in)
+                x, _ = stack(cfg, self.dtype, self.decode, moe, self.placement, name=name)(x, doc)
         else:
             for i in range(cfg.n_layer):
-                x, _ = block(cfg, self.dtype, self.decode, is_moe_layer(cfg, i), name=f"block_{i}")(x, doc)
+                moe = is_moe_layer(cfg, i)
+                x, _ = block(cfg, self.dtype, self.decode, moe, self.placement, name=f"block_{i}")(x, doc)
         return output(x)
 
 

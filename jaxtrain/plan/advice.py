@@ -160,7 +160,7 @@ def activation_floor(
     """Bytes a device holds at least at this device batch, whatever the mesh and remat: the input
     of every layer, saved for the backward (tensor parallelism does not split it; context
     parallelism splits each sequence). Under a pipeline: its stage's input for each of its `rows`
-    (every microbatch's, run/pipeline.py), whatever the device batch."""
+    (every microbatch's, parallel/pipeline.py), whatever the device batch."""
     m = cfg.model
     per_row = m.seq_len * m.d_model * DTYPE_BYTES.get(cfg.dtype, 4) // context
     return rows * per_row if pipeline > 1 else m.n_layer * device_batch * per_row
@@ -201,7 +201,7 @@ def inner_choice(expert: int, fsdp: int, inner: int, gpus_per_host: int) -> bool
 def pipelines(cfg: Config, devices: int) -> list[int]:
     """1, then the pipeline sizes (powers of two, at most `devices` and the layers of a dense
     scanned model) whose stages pad the layers by at most 1/16 of them, deepest first: a stage's
-    tick runs its padding layers too (run/pipeline.py), so 126 layers over 32 stages cost 128,
+    tick runs its padding layers too (parallel/pipeline.py), so 126 layers over 32 stages cost 128,
     and 80 over 32, 96."""
     m = cfg.model
     if not m.scan_layers or m.moe.n_experts:

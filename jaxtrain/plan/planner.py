@@ -17,10 +17,10 @@ from typing import Any
 
 from jaxtrain.config import Config
 from jaxtrain.observe.memory import fits
+from jaxtrain.parallel import mesh as mesh_lib
+from jaxtrain.parallel import pipeline
 from jaxtrain.plan import compiled as plan
 from jaxtrain.plan import forecast, targets
-from jaxtrain.run import mesh as mesh_lib
-from jaxtrain.run import pipeline
 from jaxtrain.run.build import Run, build
 from jaxtrain.run.job import Job
 
@@ -46,7 +46,7 @@ def _facts(run: Run) -> dict[str, Any]:
 
 
 def _head(f: dict[str, Any], target: targets.GpuTarget, hosts: int, gpus_per_host: int) -> dict[str, Any]:
-    stages = f["cfg"].mesh.pipeline  # the share of a stage's ticks that run on zeros (run/pipeline.py)
+    stages = f["cfg"].mesh.pipeline  # the share of a stage's ticks that run on zeros (parallel/pipeline.py)
     bubble = {"pipeline_bubble": pipeline.bubble(stages, f["accumulation"])} if stages > 1 else {}
     return bubble | {
         "target": target.name, "device_kind": target.device_kind, "hosts": hosts,

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.config import ModelConfig
-from jaxtrain.model.documents import documents
+from jaxtrain.model.documents import packed
 from jaxtrain.model.transformer import GPT, block_class, scanned_stacks
 from jaxtrain.text.format import TOKEN_BITS
 
@@ -95,7 +95,9 @@ def _layer(model: GPT, moe: bool) -> Callable[..., tuple[jax.Array, Any]]:
     """layer(p, x, doc) -> (x, its "moe" collection): one block of `model` (params gathered as the
     step's layout asks), without remat of its own: the stack's backward recomputes it."""
     cfg = model.cfg
-    block = block_class(cfg, model.gather, checkpointed=True)(cfg, model.dtype, False, moe)
+    block = block_class(cfg, model.placement, checkpointed=True)(
+        cfg, model.dtype, False, moe, model.placement
+    )
 
     def layer(p: Any, x: jax.Array, doc: Any) -> tuple[jax.Array, Any]:
         (y, _), sown = block.apply({"params": p}, x, doc, mutable=["moe"])
@@ -112,18 +114,18 @@ def local_grads(
     cfg = model.cfg
     stacks = {name: _stack(_layer(model, moe)) for name, _, moe in scanned_stacks(cfg)}
     embed, head = model.clone(span="embed"), model.clone(span="head")
-    masked = cfg.doc_bos >= 0 or cfg.doc_eos >= 0
     rest = {k: v for k, v in params.items() if k not in stacks}
     # What the layers compute with, made once a step: the stacks take no gradient of their own.
     layers = {name: params[name] for name in stacks}
-    if model.stack_in is not None:  # the experts cast once (step._ParamLayout.whole_experts)
-        layers = {name: model.stack_in({"params": p})["params"] for name, p in layers.items()}
+    stack_in = model.placement.stack_in
+    if stack_in is not None:  # the experts cast once (parallel/fsdp.py whole_experts)
+        layers = {name: stack_in({"params": p})["params"] for name, p in layers.items()}
 
     def scaled_loss(rest: Any, totals: Any, mb: jax.Array) -> tuple[jax.Array, Metrics]:
         whole = rest | layers
         inputs = mb[:, :-1] & TOKEN_BITS
         x: jax.Array = embed.apply({"params": whole}, inputs)  # type: ignore[assignment]
-        doc = documents(inputs, cfg.doc_bos, cfg.doc_eos) if masked else None
+        doc = packed(cfg, inputs)
         sown = {}
         for name, stack in stacks.items():
             x, sown[name] = stack(layers[name], totals[name], x, doc)
@@ -141,7 +143,7 @@ def local_grads(
         return (jax.tree.map(jnp.add, rest_sum, g), totals, jax.tree.map(jnp.add, metrics_sum, metrics)), None
 
     with nn.logical_axis_rules(rules):  # the backward is traced inside too: its layers constrain
-        # float32 sums, a compute copy's gradients (step._ParamLayout.compute_copy) included
+        # float32 sums, a compute copy's gradients (parallel/fsdp.py compute_copy) included
         zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), (rest, layers))
         shapes = jax.eval_shape(grad_fn, rest, zeros[1], micro[0])[1]
         start = (*zeros, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))

@@ -23,12 +23,12 @@ from jaxtrain import faults as faults_lib
 from jaxtrain import xla_env
 from jaxtrain.config import Config
 from jaxtrain.faults import FaultPlan, Faults
-from jaxtrain.model.attention import attention_kernel
 from jaxtrain.model.moe import active_params
 from jaxtrain.model.params import param_count
 from jaxtrain.model.transformer import GPT, flops_per_token
 from jaxtrain.observe import memory as memory_lib
-from jaxtrain.run import mesh as mesh_lib
+from jaxtrain.parallel import mesh as mesh_lib
+from jaxtrain.run import kernels
 from jaxtrain.run.job import Job
 from jaxtrain.run.optim import make_optimizer
 from jaxtrain.run.state import TrainState, abstract_state, init_state, state_sharding
@@ -68,8 +68,7 @@ class Run:
     @property
     def attention(self) -> str:
         """The attention kernel the steps compile to on the job's devices: cudnn or xla."""
-        capability = getattr(self.job.devices[0], "compute_capability", "")
-        return attention_kernel(self.cfg.model, self.job.platform, compute_dtype(self.cfg), capability)
+        return self.model.cfg.attention_impl
 
     @property
     def n_params(self) -> int:
@@ -126,7 +125,11 @@ def build(job: Job, faults: FaultPlan | None = None) -> Run:
     cfg = job.cfg
     mesh = mesh_lib.make_mesh(list(job.devices), cfg.mesh)
     mesh_lib.check_mesh(mesh)
-    model, tx = GPT(cfg.model, dtype=compute_dtype(cfg)), make_optimizer(cfg)
+    # The kernels settled once, for the job's devices (run/kernels.py): the model runs what it names.
+    device, dtype = job.devices[0], compute_dtype(cfg)
+    capability = getattr(device, "compute_capability", "")  # GPUs: "9.0"...
+    settled = kernels.settle(cfg.model, device.platform, dtype, capability, cfg.mesh.tensor)
+    model, tx = GPT(settled, dtype=dtype), make_optimizer(cfg)
     abstract = abstract_state(cfg, model, tx)
     shardings = state_sharding(mesh, abstract, cfg.mesh.zero1)
     faults = faults_lib.planned() if faults is None else faults

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from jaxtrain.data.sources import Source
-from jaxtrain.run import mesh as mesh_lib
+from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.run.build import Run
 
 

@@ -38,8 +38,8 @@ from jaxtrain.observe import memory as memory_lib
 from jaxtrain.observe import metrics
 from jaxtrain.observe.goodput import Timeline, end_reason
 from jaxtrain.observe.profiling import Profiler
+from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.run import evaluate, start
-from jaxtrain.run import mesh as mesh_lib
 from jaxtrain.run.background import Background
 from jaxtrain.run.build import Run, build
 from jaxtrain.run.job import Job, check_launch

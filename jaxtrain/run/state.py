@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 from jaxtrain.config import Config
 from jaxtrain.model.params import param_axes
 from jaxtrain.model.transformer import GPT
-from jaxtrain.run import mesh as mesh_lib
+from jaxtrain.parallel import mesh as mesh_lib
 
 # float16 starts with a large loss scale and halves it on overflow (dynamic loss scaling).
 FP16_INITIAL_SCALE = 2.0**15

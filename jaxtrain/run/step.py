@@ -1,22 +1,13 @@
-"""Pure train and eval steps on a data x expert x fsdp x context x tensor mesh, with scanned gradient
-accumulation.
+"""Pure train and eval steps: loss, gradient and update, on a pipeline x data x expert x fsdp x
+context x tensor mesh.
 
-The step is one jitted function. Inside it a `shard_map` is manual over the batch axes
-(data, expert, fsdp) and leaves `tensor` to the compiler (GSPMD), guided by the model's logical
-activation constraints:
-  - each device computes the gradient of its own rows, all microbatches scanned;
-  - fsdp-split params are all-gathered one layer at a time as the model runs (`GPT.gather`),
-    so autodiff turns each gather into a reduce-scatter of that layer's gradient: no full
-    gradient is all-reduced on fsdp (tests/test_sharding.py checks the compiled HLO);
-  - one `pmean` over `data` per optimizer step, however many microbatches;
-  - MoE layers exchange tokens over `expert` by all-to-all (model/moe.py), so an expert's
-    gradient arrives summed over the expert axis, as an fsdp-split param's does over fsdp.
-Why explicit collectives for data and fsdp: GSPMD alone all-reduced the whole fsdp gradient and
-then sliced it (XLA:CPU), and an explicit data reduction stays once per step, outside the
-microbatch loop (tests/test_step.py).
-The optimizer update runs outside the shard_map on the sharded state (ZeRO-1's data-split params
-and moments included: the step gathers the params once, before its shard_map, `compute_copy`);
-XLA places it.
+The step is one jitted function. Inside it a `shard_map` is manual over the batch axes (data,
+expert, fsdp; pipeline too when it has stages) and leaves tensor and context to the compiler. How
+the model runs there is parallel/'s (parallel/placement.py places it: fsdp's per-layer gathers,
+attention per device, the experts' exchange; parallel/data.py reduces the gradient once a step,
+however many microbatches); the optimizer update runs outside the shard_map on the sharded state
+(ZeRO-1's data-split params and moments included), where XLA places it. Several microbatches are
+scanned, or accumulated into one buffer (run/accumulate.py), or run by the pipeline's schedule.
 
 A step with a non-finite loss or gradient leaves params and optimizer state unchanged; every
 process decides identically because it judges reduced values.
@@ -24,9 +15,7 @@ process decides identically because it judges reduced values.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -37,18 +26,18 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain.config import Config, ConfigError, ModelConfig
+from jaxtrain.config import Config, ModelConfig
 from jaxtrain.faults import NO_FAULTS, FaultPlan, poison_gradients
-from jaxtrain.model.attention import attention_kernel, cudnn_max_head_dim
-from jaxtrain.model.grouped import refusal
-from jaxtrain.model.moe import balance_loss, grouped_matmul, router_stats, update_router_bias
-from jaxtrain.model.params import logical_axes, path_names
+from jaxtrain.model.head import mean_loss
+from jaxtrain.model.moe import balance_loss, router_stats, update_router_bias
 from jaxtrain.model.transformer import GPT
-from jaxtrain.run import accumulate, pipeline
-from jaxtrain.run import mesh as mesh_lib
+from jaxtrain.parallel import mesh as mesh_lib
+from jaxtrain.parallel import pipeline
+from jaxtrain.parallel.placement import Layout
+from jaxtrain.run import accumulate
 from jaxtrain.run.optim import lr_schedule
 from jaxtrain.run.state import TrainState
-from jaxtrain.text.format import NO_LOSS, TOKEN_BITS
+from jaxtrain.text.format import TOKEN_BITS
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # Dynamic loss scaling (float16): double the scale after this many finite steps in a row.
@@ -82,9 +71,9 @@ def _objective(
     [b, T+1]: their mean in float32 (metrics' `loss`), plus a mixture of experts' router losses
     from its "moe" collection, averaged over its MoE layers.
     `mean`: the mean over the batch shards, for the whole batch's expert load. With a loss mask
-    (`share`, see `_ParamLayout.kept_share`): the sum over the targets that take loss (no NO_LOSS
+    (`share`, see parallel/data.py `kept_share`): the sum over the targets that take loss (no NO_LOSS
     bit) over `share`."""
-    loss = losses.mean() if share is None else jnp.where(rows[:, 1:] & NO_LOSS, 0.0, losses).sum() / share
+    loss = mean_loss(losses, rows, share)
     if moe_stats is None:
         return loss, {"loss": loss}
     stats, moe = router_stats(moe_stats), cfg.moe
@@ -96,194 +85,17 @@ def _objective(
     return total, metrics | {"moe_dropped": stats["dropped"].mean()}
 
 
-def _fsdp_gather(p: jax.Array, axes: Any, dim: int, dtype: Any, reduce_dtype: Any) -> jax.Array:
-    """The whole param from this device's shard on the manual `axes` (fsdp, and expert for a dense
-    param: mesh_lib.param_spec), gathered in `dtype` (every use of a weight
-    is in the compute dtype, and a cast commutes with a gather: the same values, a fraction of the
-    bytes); its gradient is reduce-scattered in `reduce_dtype`, then kept in the param's dtype."""
-
-    @jax.custom_vjp
-    def gather(x: jax.Array) -> jax.Array:
-        return jax.lax.all_gather(x.astype(dtype), axes, axis=dim, tiled=True)
-
-    def forward(x: jax.Array) -> tuple[jax.Array, None]:
-        return gather(x), None
-
-    def backward(_: None, g: jax.Array) -> tuple[jax.Array]:
-        shard = jax.lax.psum_scatter(g.astype(reduce_dtype), axes, scatter_dimension=dim, tiled=True)
-        return (shard.astype(p.dtype),)
-
-    gather.defvjp(forward, backward)
-    return gather(p)
-
-
-class _ParamLayout:
-    """How params sit on the mesh, as the inside of the shard_map sees them."""
-
-    def __init__(
-        self,
-        mesh: Mesh,
-        param_specs: Any,
-        dtype: Any = jnp.float32,
-        reduce_dtype: Any = None,
-        zero1: bool = False,
-    ) -> None:
-        is_spec = lambda x: isinstance(x, P)  # noqa: E731
-        self.manual = jax.tree.map(mesh_lib.manual_part, param_specs, is_leaf=is_spec)
-        self.manual_by_path = mesh_lib.manual_by_path(param_specs)
-        # Params split over fsdp, or dense ones over expert (mesh_lib.param_spec): layers gather them.
-        self.gathers = any(mesh.shape[a] > 1 for a in (mesh_lib.FSDP_AXIS, mesh_lib.EXPERT_AXIS))
-        self.sizes = {a: int(mesh.shape[a]) for a in mesh_lib.BATCH_AXES}
-        self.stages = int(mesh.shape[mesh_lib.PIPELINE_AXIS])  # > 1: run/pipeline.py's schedule
-        self.rules = mesh_lib.activation_rules(mesh)
-        self.platform = mesh.devices.flat[0].platform  # what the step compiles for, not jax's default
-        self.capability = getattr(mesh.devices.flat[0], "compute_capability", "")  # GPUs: "9.0"...
-        self.tensor = int(mesh.shape[mesh_lib.TENSOR_AXIS])
-        self.dtype, self.reduce_dtype = dtype, dtype if reduce_dtype is None else reduce_dtype
-        # ZeRO-1 keeps the params split over data (mesh_lib.state_specs): the step gathers them
-        # once, its weights in the compute dtype (`compute_copy`); a pipeline casts its own.
-        self.copies = zero1 and self.sizes[mesh_lib.DATA_AXIS] > 1 and self.stages == 1
-
-    def compute_copy(self, params: Any, tied: bool) -> Any:
-        """The params as the step computes with them, before its shard_map gathers them over data:
-        the weights every use of which is in the compute dtype (kernels but the router's, an untied
-        embedding) cast first, so the gather moves half the bytes, once a step, and no microbatch
-        casts them again; their gradients come in the compute dtype, as the matmuls give them, and
-        are summed in float32 (the microbatch sums, `reduce_grads`): the values of casting at use.
-        Left as they are: what the layers gather (their gather casts, and its reduce-scatter keeps
-        the gradient float32) and a tied embedding (its two uses' gradients would add in bfloat16)."""
-        if not self.copies:
-            return params
-
-        def one(path: tuple, p: jax.Array) -> jax.Array:
-            names = path_names(path)
-            weight = names[-1] == "kernel" and "router" not in names
-            if not (weight or (names[-1] == "embedding" and not tied)):
-                return p
-            dim, axes = self._gathered(names, p.ndim)
-            return p if dim is not None and axes is not None else p.astype(self.dtype)
-
-        return jax.tree_util.tree_map_with_path(one, params)
-
-    def gather(self, variables: Any, where: tuple[str, ...] = ()) -> Any:
-        """Whole params of one layer (or embedding) from this device's fsdp shards, in the compute
-        dtype; each gather's gradient is a reduce-scatter (`_fsdp_gather`)."""
-
-        def one(path: tuple, p: jax.Array) -> jax.Array:
-            names = (*where, *path_names(path)[1:])  # [0]: the collection
-            logical = logical_axes(names, p.ndim)
-            dim, axes = self._gathered(names, p.ndim)
-            if dim is None or axes is None:
-                return p
-            gather = functools.partial(
-                _fsdp_gather, axes=axes, dim=dim, dtype=self.dtype, reduce_dtype=self.reduce_dtype
-            )
-            # Manual over tensor too for the gather: left automatic, XLA first gathered the weight
-            # whole over tensor, then over fsdp (the whole float32 weight on every device).
-            return mesh_lib.over_tensor(gather, p, logical)
-
-        return jax.tree_util.tree_map_with_path(one, variables)
-
-    def _gathered(self, names: tuple[str, ...], ndim: int) -> tuple[int | None, Any]:
-        """(the dim `gather` gathers of the param at `names` with `ndim` dims, the mesh axes it
-        gathers over): (None, ...) or (..., None) for a param each layer uses as it is."""
-        dim = mesh_lib.fsdp_logical_dim(logical_axes(names, ndim))
-        # Not over `pipeline`: a stack split over it there is regrouped by stage before any layer runs.
-        entry = None if dim is None else mesh_lib.manual_of(names, ndim, self.manual_by_path)[dim]
-        return dim, mesh_lib.entry_without(entry, mesh_lib.PIPELINE_AXIS)
-
-    def whole_experts(self, variables: Any) -> Any:
-        """A scanned stack's params with its experts' weights that no layer gathers cast to the
-        compute dtype once for every layer, not in each: their gradients then stack over the
-        layers in it, not in float32 (half the bytes; the same values: the experts' matmuls give
-        their weight gradients in the compute dtype)."""
-
-        def one(path: tuple, p: jax.Array) -> jax.Array:
-            names = path_names(path)[1:]  # [0]: the collection
-            if names[-3:-1] not in (("moe", "gate_up"), ("moe", "fc"), ("moe", "out")):
-                return p
-            dim, axes = self._gathered(names, p.ndim - 1)
-            return p.astype(self.dtype) if dim is None or axes is None else p
-
-        return jax.tree_util.tree_map_with_path(one, variables)
-
-    def model(self, model: GPT) -> GPT:
-        """The model with its attention kernel chosen for the mesh's devices, and FSDP's per-layer gather."""
-        kernel = attention_kernel(model.cfg, self.platform, model.dtype, self.capability)
-        most = cudnn_max_head_dim(self.capability)
-        if kernel == "cudnn" and self.platform == "gpu" and model.cfg.head_size > most:
-            raise ConfigError(
-                f"model.attention_impl cudnn takes heads of at most {most} on GPUs of compute "
-                f"capability {self.capability}, and this model's are {model.cfg.head_size}; use "
-                "model.attention_impl auto (XLA's kernel)"
-            )
-        cfg = dataclasses.replace(model.cfg, attention_impl=kernel)
-        why = refusal(self.platform, self.capability, cfg.d_model, cfg.expert_dim // self.tensor)
-        if cfg.moe.grouped_matmul == "auto":
-            impl = grouped_matmul(self.platform, self.capability)
-            # Experts whose widths the Hopper kernel's tiles do not take: XLA's ragged_dot, as elsewhere.
-            impl = "ragged_dot" if impl == "pallas" and why else impl
-            cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, grouped_matmul=impl))
-        if cfg.moe.n_experts and cfg.moe.grouped_matmul == "pallas" and why:
-            raise ConfigError(why)
-        stack_in = self.whole_experts if cfg.moe.n_experts else None
-        return model.clone(cfg=cfg, gather=self.gather if self.gathers else None, stack_in=stack_in)
-
-    def loss(
-        self, model: GPT, params: Any, rows: jax.Array, share: jax.Array | None = None
-    ) -> tuple[jax.Array, Metrics]:
-        with nn.logical_axis_rules(self.rules):
-            return _token_loss(self.model(model), params, rows, self.mean, share)
-
-    def _pmean(self, tree: Any, axes: tuple[str, ...]) -> Any:
-        """Mean over those of `axes` with more than one device. A pmean over size-1 manual axes
-        beside an automatic tensor axis fails XLA's SPMD partitioner ("Cross-partition allreduce
-        must be in (partial) manual partitioning mode")."""
-        axes = tuple(a for a in axes if self.sizes[a] > 1)
-        return jax.lax.pmean(tree, axes) if axes else tree
-
-    def kept(self, rows: jax.Array) -> jax.Array:
-        """How many targets of the whole global batch take loss (a loss-masked batch)."""
-        kept = jnp.sum((rows[:, 1:] & NO_LOSS) == 0).astype(jnp.float32)
-        axes = tuple(a for a in mesh_lib.BATCH_AXES if self.sizes[a] > 1)  # as in _pmean
-        return jax.lax.psum(kept, axes) if axes else kept
-
-    def kept_share(self, kept: jax.Array, accum: int) -> jax.Array:
-        """The global batch's kept count per microbatch of each shard: each microbatch's loss is its
-        kept sum over this, so the mean over microbatches and shards (what the step takes) is the
-        global kept sum over the global kept count, however the batch is split. A batch keeping
-        nothing has loss 0, not NaN."""
-        return jnp.maximum(kept, 1.0) / (accum * math.prod(self.sizes.values()))
-
-    def mean(self, tree: Any) -> Any:
-        """Mean over the batch shards."""
-        return self._pmean(tree, mesh_lib.BATCH_AXES)
-
-    def reduce_grads(self, grads: Any, out_specs: Any) -> Any:
-        """Mean over every batch shard, each gradient left in its manual spec in `out_specs`. A
-        param split over a batch axis gets its gradient summed over that axis already (fsdp's
-        reduce-scatter, the experts' all-to-all back): divided there. Where `out_specs` adds
-        `data` (ZeRO-1: the moments' layout, mesh_lib.zero1_spec) a reduce-scatter over it
-        stands in for the all-reduce: each data shard gets only its slice, half the bytes."""
-
-        def one(path: tuple, g: jax.Array, spec: P, out: P) -> jax.Array:
-            g = g.astype(jnp.float32)  # a compute copy's (`compute_copy`): reduced as every other
-            split = mesh_lib.spec_axes(spec)
-            scatter = [
-                i for i, e in enumerate(out) if mesh_lib.DATA_AXIS in set(mesh_lib.entry_axes(e)) - split
-            ]
-            if scatter:
-                g = mesh_lib.scatter_over_data(g, scatter[0], logical_axes(path, g.ndim))
-                split = split | {mesh_lib.DATA_AXIS}
-            g = self._pmean(g, tuple(a for a in mesh_lib.BATCH_AXES if a not in split))
-            return g / math.prod(self.sizes[a] for a in mesh_lib.BATCH_AXES if a in split)
-
-        return jax.tree_util.tree_map_with_path(one, grads, self.manual, out_specs)  # specs: up to grads
+def _loss(
+    layout: Layout, model: GPT, params: Any, rows: jax.Array, share: jax.Array | None = None
+) -> tuple[jax.Array, Metrics]:
+    """(loss to differentiate, metrics) of this device's rows, the model placed by `layout`."""
+    with nn.logical_axis_rules(layout.rules):
+        return _token_loss(model, params, rows, layout.batch.mean, share)
 
 
 def _local_grads(
     model: GPT,
-    layout: _ParamLayout,
+    layout: Layout,
     accum: int,
     params: Any,
     rows: jax.Array,
@@ -293,14 +105,12 @@ def _local_grads(
     """Gradient and loss metrics of this device's rows, averaged over `accum` microbatches."""
 
     def scaled_loss(p: Any, mb: jax.Array) -> tuple[jax.Array, Metrics]:
-        loss, metrics = layout.loss(model, p, mb, share)
+        loss, metrics = _loss(layout, model, p, mb, share)
         return loss * scale, metrics
 
     if accumulate.applies(model.cfg, accum):
-        objective = functools.partial(_objective, model.cfg, layout.mean, share)
-        return accumulate.local_grads(
-            layout.model(model), layout.rules, objective, accum, params, rows, scale
-        )
+        objective = functools.partial(_objective, model.cfg, layout.batch.mean, share)
+        return accumulate.local_grads(model, layout.rules, objective, accum, params, rows, scale)
     grad_fn = jax.grad(scaled_loss, has_aux=True)
     if accum == 1:
         return grad_fn(params, rows)
@@ -310,7 +120,7 @@ def _local_grads(
         return jax.tree.map(jnp.add, carry, (g, metrics)), None
 
     micro = rows.reshape(accum, rows.shape[0] // accum, rows.shape[1])
-    # float32 sums, a compute copy's gradients (_ParamLayout.compute_copy) included
+    # float32 sums, a compute copy's gradients (parallel/fsdp.py compute_copy) included
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params)
     zeros = (zeros, jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, params, micro[0])[1]))
     sums, _ = jax.lax.scan(body, zeros, micro)
@@ -333,7 +143,7 @@ def _loss_scale(state: TrainState, finite: jax.Array, fp16: bool) -> tuple[jax.A
 
 
 def _grads_on_mesh(
-    device_grads: Callable, layout: _ParamLayout, mesh: Mesh, param_specs: Any, zero1: bool
+    device_grads: Callable, layout: Layout, mesh: Mesh, param_specs: Any, zero1: bool
 ) -> Callable:
     """device_grads(out_specs, params, rows, scale, step) run over the step's manual axes: the mean
     gradient, under ZeRO-1 already split over data as the moments are (mesh_lib.zero1_spec)."""
@@ -372,7 +182,8 @@ def make_train_step(
     # reduce-scatter aborts the compiler (CHECK in AllReducePromotion, jax 0.10.2): float32 there.
     platform = mesh.devices.flat[0].platform
     reduce_dtype = model.dtype if cfg.mesh.reduce_dtype == "compute" and platform != "cpu" else jnp.float32
-    layout = _ParamLayout(mesh, param_specs, model.dtype, reduce_dtype, cfg.mesh.zero1)
+    layout = Layout(mesh, param_specs, model.dtype, reduce_dtype, cfg.mesh.zero1)
+    model = layout.place(model)
     accum, schedule, clip = cfg.gradient_accumulation_steps, lr_schedule(cfg), cfg.gradient_clip_val
     fp16 = cfg.dtype == "float16"
     masked = cfg.loss_mask  # unmasked data keeps the plain mean: its losses stay bit for bit
@@ -383,10 +194,10 @@ def make_train_step(
     ) -> tuple[Any, Metrics]:
         if faults.nan_step > 0:  # test-only fault, traced only when asked for
             scale = poison_gradients(faults, scale, step, jax.lax.axis_index(mesh_lib.BATCH_AXES) == 0)
-        share = layout.kept_share(layout.kept(rows), accum) if masked else None
+        share = layout.batch.kept_share(layout.batch.kept(rows), accum) if masked else None
         local = pipeline.local_grads if layout.stages > 1 else _local_grads
         grads, metrics = local(model, layout, accum, params, rows, scale, share)
-        return layout.reduce_grads(grads, grad_specs), layout.mean(metrics)
+        return layout.batch.reduce_grads(grads, grad_specs), layout.batch.mean(metrics)
 
     sharded_grads = _grads_on_mesh(device_grads, layout, mesh, param_specs, cfg.mesh.zero1)
 
@@ -404,7 +215,7 @@ def make_train_step(
         return params, jax.tree.map(kept, opt_state, state.opt_state)
 
     def train_step(state: TrainState, batch: jax.Array) -> tuple[TrainState, Metrics]:
-        compute = layout.compute_copy(state.params, cfg.model.tie_embeddings)
+        compute = layout.fsdp.compute_copy(state.params, cfg.model.tie_embeddings)
         grads, loss_metrics = sharded_grads(compute, batch, state.loss_scale, state.step)
         loss = loss_metrics["loss"]
         if fp16:
@@ -448,22 +259,21 @@ def make_eval_step(
     batch carries a loss mask, the loss is the train step's (over kept targets), and the metrics
     carry the kept count (`kept`), so evaluations over several batches weigh each by it.
     zero1: the params come split over data (the train step's `compute_copy`)."""
-    layout = _ParamLayout(mesh, param_specs, model.dtype, zero1=zero1)
+    layout = Layout(mesh, param_specs, model.dtype, zero1=zero1)
+    model, mean = layout.place(model), layout.batch.mean
 
     def device_metrics(params: Any, rows: jax.Array) -> Metrics:
-        kept = layout.kept(rows) if masked else None
-        share = None if kept is None else layout.kept_share(kept, accum)
+        kept = layout.batch.kept(rows) if masked else None
+        share = None if kept is None else layout.batch.kept_share(kept, accum)
         if layout.stages > 1:
-            metrics = layout.mean(
-                pipeline.loss(layout.model(model), layout.rules, layout.manual, params, rows, accum, share)[1]
-            )
+            metrics = mean(pipeline.loss(model, layout.rules, layout.manual, params, rows, accum, share)[1])
         elif accum == 1:
-            metrics = layout.mean(layout.loss(model, params, rows, share)[1])
+            metrics = mean(_loss(layout, model, params, rows, share)[1])
         else:
             micro = rows.reshape(accum, rows.shape[0] // accum, rows.shape[1])
             # Equal microbatches: the mean of their means is the mean over every row.
-            per_micro = jax.lax.map(lambda mb: layout.loss(model, params, mb, share)[1], micro)
-            metrics = layout.mean(jax.tree.map(lambda x: x.mean(axis=0), per_micro))
+            per_micro = jax.lax.map(lambda mb: _loss(layout, model, params, mb, share)[1], micro)
+            metrics = mean(jax.tree.map(lambda x: x.mean(axis=0), per_micro))
         return metrics if kept is None else metrics | {"kept": kept}
 
     metrics = jax.shard_map(
@@ -474,7 +284,7 @@ def make_eval_step(
         axis_names=mesh_lib.manual_axes(mesh),
         check_vma=False,
     )
-    return lambda params, rows: metrics(layout.compute_copy(params, model.cfg.tie_embeddings), rows)
+    return lambda params, rows: metrics(layout.fsdp.compute_copy(params, model.cfg.tie_embeddings), rows)
 
 
 def jit_steps(

@@ -45,8 +45,8 @@ from jaxtrain.disk.files import require_writable, write_text
 from jaxtrain.errors import UserError
 from jaxtrain.model.generate import generate
 from jaxtrain.observe import metrics
+from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.run import evaluate
-from jaxtrain.run import mesh as mesh_lib
 from jaxtrain.run.build import Run, build
 from jaxtrain.run.job import Job
 from jaxtrain.run.loop import train

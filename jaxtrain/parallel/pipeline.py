@@ -39,11 +39,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain.model.documents import Documents, documents
+from jaxtrain.model.documents import Documents, packed
+from jaxtrain.model.head import mean_loss
 from jaxtrain.model.params import logical_axes, path_names
 from jaxtrain.model.transformer import GPT, block_class, layer_stack, scanned_stacks
-from jaxtrain.run import mesh as mesh_lib
-from jaxtrain.text.format import NO_LOSS, TOKEN_BITS
+from jaxtrain.parallel import mesh as mesh_lib
+from jaxtrain.parallel import tensor
+from jaxtrain.text.format import TOKEN_BITS
 
 AXIS = mesh_lib.PIPELINE_AXIS
 Metrics = dict[str, jax.Array]
@@ -61,16 +63,17 @@ def _stage(model: GPT) -> Callable[[Any, jax.Array, Documents | None], jax.Array
     stack's params, or unrolled from one tree per layer (`_layers`)."""
     cfg = model.cfg
     # With remat full the tick is the checkpoint (`_tick`): the layers inside it need none.
-    block = block_class(cfg, model.gather, checkpointed=cfg.remat == "full")
+    block = block_class(cfg, model.placement, checkpointed=cfg.remat == "full")
 
     def run(params: Any, x: jax.Array, doc: Documents | None) -> jax.Array:
         if isinstance(params, list):
-            layer = block(cfg, model.dtype, False, False)
+            layer = block(cfg, model.dtype, False, False, model.placement)
             for one in params:
                 x = layer.apply({"params": one}, x, doc)[0]
             return x
         length = jax.tree.leaves(params)[0].shape[0]
-        return layer_stack(block, length)(cfg, model.dtype, False, False).apply({"params": params}, x, doc)[0]
+        stack = layer_stack(block, length)(cfg, model.dtype, False, False, model.placement)
+        return stack.apply({"params": params}, x, doc)[0]
 
     return run
 
@@ -121,7 +124,7 @@ def _on_stage(p: jax.Array, spec: P, logical: tuple[str | None, ...]) -> jax.Arr
 
     # Manual over tensor too: left automatic, XLA moved the weights whole over tensor (the 405B's
     # all-to-alls 8 times the bytes).
-    return regroup(p) if split is None else mesh_lib.over_tensor(regroup, p, logical)
+    return regroup(p) if split is None else tensor.over_tensor(regroup, p, logical)
 
 
 def _stage_tree(name: str, stack: Any, specs: Any, one: Callable[..., Any]) -> Any:
@@ -139,7 +142,7 @@ def _copies(model: GPT, name: str, stack: Any, specs: Any) -> Any:
     scales, biases). Cast before any regrouping (`_on_stage`), which then moves half the bytes.
     None at all under FSDP, whose per-layer gather casts (and whose gathers overlap the layer
     before only in a layer loop: XLA's pipelined all-gather)."""
-    if model.gather is not None:
+    if model.placement.gather is not None:
         return None
 
     def one(p: jax.Array, spec: P, logical: tuple[str | None, ...]) -> tuple[jax.Array, ...] | None:
@@ -173,18 +176,17 @@ def _tick(model: GPT, share: jax.Array | None) -> tuple[Callable[..., jax.Array]
     backward, never kept."""
     cfg, run, stage = model.cfg, _stage(model), jax.lax.axis_index(AXIS)
     embed, head = model.clone(span="embed"), model.clone(span="head")
-    masked = cfg.doc_bos >= 0 or cfg.doc_eos >= 0
     name = scanned_stacks(cfg)[0][0]
 
     def loss(params: Any, out: jax.Array, rows: jax.Array) -> jax.Array:
         # Each token's loss, over model.token_chunks pieces as the pipeline-free step takes them.
         losses: jax.Array = head.apply({"params": params}, out, rows[:, 1:] & TOKEN_BITS)  # type: ignore[assignment]
-        return losses.mean() if share is None else jnp.where(rows[:, 1:] & NO_LOSS, 0.0, losses).sum() / share
+        return mean_loss(losses, rows, share)
 
     def work(params: Any, copies: Any, held: jax.Array, rows: jax.Array) -> jax.Array:
         inputs = rows[:, :-1] & TOKEN_BITS
         fresh: jax.Array = embed.apply({"params": params}, inputs)  # type: ignore[assignment]
-        doc = documents(inputs, cfg.doc_bos, cfg.doc_eos) if masked else None
+        doc = packed(cfg, inputs)
         return run(_layers(params[name], copies), jnp.where(stage == 0, fresh, held), doc)
 
     return (jax.checkpoint(work) if cfg.remat == "full" else work), jax.checkpoint(loss)
@@ -227,7 +229,7 @@ def loss(
     the mean of their mean next-token losses (a loss mask's kept sums over `share`, as
     step._token_loss), as gradient accumulation takes it. Each stage's loss is that of the
     microbatches whose head it ran (the sum over stages is the loss); metrics are the whole
-    loss on every stage. `manual`: the params' manual specs (step._ParamLayout.manual)."""
+    loss on every stage. `manual`: the params' manual specs (parallel/placement.py Layout.manual)."""
     stages, stage = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS)
     last = stages - 1
     split = rows.reshape(micro, rows.shape[0] // micro, rows.shape[1])
@@ -298,11 +300,11 @@ def local_grads(
     scale: jax.Array,
     share: jax.Array | None = None,
 ) -> tuple[Any, Metrics]:
-    """step._local_grads through the pipeline (`layout`: step._ParamLayout): the gradient of this
-    device's rows over `accum` microbatches, in one backward pass of the whole schedule."""
+    """step._local_grads through the pipeline (`model` placed by `layout`: parallel/placement.py): the
+    gradient of this device's rows over `accum` microbatches, in one backward pass of the schedule."""
 
     def scaled_loss(p: Any) -> tuple[jax.Array, Metrics]:
-        value, metrics = loss(layout.model(model), layout.rules, layout.manual, p, rows, accum, share)
+        value, metrics = loss(model, layout.rules, layout.manual, p, rows, accum, share)
         return value * scale, metrics
 
     grads, metrics = jax.grad(scaled_loss, has_aux=True)(params)

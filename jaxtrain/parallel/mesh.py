@@ -3,7 +3,7 @@
 The mesh is pipeline x data x expert x fsdp x context x tensor (config `mesh`):
   pipeline stages: each holds a run of consecutive layers of the scanned stack (its `layers` dim
           split, or where the stages do not divide the layers its d_model dim, regrouped in the
-          step), and activations pass from stage to stage (run/pipeline.py). Outermost: across hosts.
+          step), and activations pass from stage to stage (parallel/pipeline.py). Outermost: across hosts.
   data    replicas; the outer axis, spanning processes (hosts). Batch rows split over it.
   expert  MoE: each device holds its share of every MoE layer's experts and receives the tokens
           routed to them by all-to-all (model/moe.py). Batch rows split over it too, and every
@@ -26,7 +26,6 @@ inside a host and fsdp crosses hosts.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from typing import Any
@@ -195,7 +194,7 @@ def param_spec(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Me
     reduce-scattered over them, not all-reduced. A param with experts keeps `expert` on its
     expert dim. A scanned stack whose layers the pipeline does not divide (126 over 32) keeps
     them whole and is split over `pipeline` on that dim too, innermost of the manual axes (each
-    stage's layers are regrouped from it in the step: run/pipeline.py `_on_stage`)."""
+    stage's layers are regrouped from it in the step: parallel/pipeline.py `_on_stage`)."""
     uneven = "layers" in logical and shape[logical.index("layers")] % mesh.shape[PIPELINE_AXIS] != 0
     fsdp_axes = (
         FSDP_AXIS,
@@ -281,28 +280,6 @@ def _match_param(path: tuple, param_paths: dict[tuple[str, ...], P]) -> P | None
         if key[-n:] in param_paths:
             return param_paths[key[-n:]]
     return None
-
-
-def over_tensor(fn: Any, x: Any, logical: tuple[str | None, ...]) -> Any:
-    """fn(x) manual over `tensor` too, where x (a param of `logical` axes, or its gradient) is split
-    over it: left automatic, XLA moved such arrays whole over tensor around a collective over
-    another axis (all-gathers over tensor of 8 times the bytes)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    tensor = tensor_part(logical, x.shape, mesh)
-    if all(entry is None for entry in tensor):
-        return fn(x)
-    return jax.shard_map(
-        fn, mesh=mesh, in_specs=tensor, out_specs=tensor, axis_names={TENSOR_AXIS}, check_vma=False
-    )(x)
-
-
-def scatter_over_data(g: Any, dim: int, logical: tuple[str | None, ...]) -> Any:
-    """ZeRO-1's reduce-scatter over `data` of a gradient (`logical` axes) on `dim` (`zero1_spec`);
-    manual over tensor where that dim is not split over it. Left automatic beside a tensor axis,
-    XLA moved the gradient whole over tensor (Llama 3 405B on 256 x 8: 86.9 GB a GPU, planned)."""
-    scatter = functools.partial(jax.lax.psum_scatter, axis_name=DATA_AXIS, scatter_dimension=dim, tiled=True)
-    split = tensor_part(logical, g.shape, jax.sharding.get_abstract_mesh())
-    return scatter(g) if split[dim] is not None else over_tensor(scatter, g, logical)
 
 
 def shardings(mesh: Mesh, specs: Any) -> Any:

@@ -1,0 +1,224 @@
+"""Expert parallelism: a mixture of experts' routed rows sent to the devices that hold their experts.
+
+Each device holds `n_experts / expert` experts of every MoE layer (the `expert` mesh axis). Inside
+the train step each device sends each peer exactly the copies for its experts by one
+`ragged_all_to_all`, a slice per expert of the peer's, so they land grouped by expert as the
+grouped matmul takes them (no sort), and gets the results back by another (on XLA:CPU, which has
+none, a padded `all_to_all` stands in: same routing). A device's receive buffer holds every peer's
+copies (dropless), or `capacity_factor` x the copies an even router sends it (the rest dropped, the
+same share of each sender's, and counted). The model's routed block (model/moe.py `routed`)
+schedules the pieces and runs the experts; the `Exchange` wire here moves their rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxtrain.model.moe import Groups, Pieces, Wire, routed
+from jaxtrain.parallel import tensor
+from jaxtrain.parallel.mesh import EXPERT_AXIS
+
+
+def _platform() -> str | None:
+    """The platform the traced step compiles for ("cpu", "gpu", ...), None outside a mesh."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    return device.platform if device is not None else None
+
+
+def padded_ragged_all_to_all(
+    operand: jax.Array,
+    output: jax.Array,
+    input_offsets: jax.Array,
+    send_sizes: jax.Array,
+    output_offsets: jax.Array,
+    recv_sizes: jax.Array,
+    *,
+    axis_name: str,
+    width: int,
+) -> jax.Array:
+    """`jax.lax.ragged_all_to_all` on a padded `all_to_all`, for XLA:CPU, which has no ragged one.
+    As XLA's, each peer may get several slices: the four index arrays hold peers x U entries,
+    peer-major (slice u to peer j at j * U + u). A peer's slices travel together in a buffer of
+    `width` rows (at least the most rows one device sends another) and land where the ragged one
+    puts them. Same arguments, same result, same gradient."""
+    peers = jax.lax.axis_size(axis_name)
+    rows = jnp.arange(width)
+
+    def at(sizes: jax.Array, offsets: jax.Array, past: int) -> jax.Array:
+        """Each peer's buffer row -> where it is in the rows its slices index (past: none)."""
+        sizes, offsets = sizes.reshape(peers, -1), offsets.reshape(peers, -1)
+        ends = jnp.cumsum(sizes, axis=1)
+        which = jax.vmap(lambda e: jnp.searchsorted(e, rows, side="right"))(ends)  # [peers, width]
+        inside = jnp.minimum(which, sizes.shape[1] - 1)
+        first = jnp.take_along_axis(ends - sizes, inside, axis=1)
+        where = jnp.take_along_axis(offsets, inside, axis=1) + rows - first
+        return jnp.where(which < sizes.shape[1], where, past)
+
+    send = operand.at[at(send_sizes, input_offsets, operand.shape[0])].get(mode="fill", fill_value=0)
+    got = jax.lax.all_to_all(send, axis_name, 0, 0, tiled=True)  # [peers, width, ...]
+    landing = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # as the ragged one does
+    to = at(recv_sizes, landing, output.shape[0])
+    return output.at[to.reshape(-1)].set(got.reshape(peers * width, *got.shape[2:]), mode="drop")
+
+
+def receive_bound(n: int, ep: int, capacity_factor: float) -> int:
+    """Rows a device's receive buffer holds when each of the ep devices routes n copies: every
+    copy of every peer (dropless: no routing overflows it), else capacity_factor x the n a device
+    receives when the router is even. The experts' grouped matmul computes over all of them
+    (`blocks`, `ragged_dot`), or only over the rows received (`pallas`)."""
+    return min(ep * n, math.ceil(capacity_factor * n)) if capacity_factor else ep * n
+
+
+def _kept(want: jax.Array, bound: int) -> jax.Array:
+    """Copies kept of what each peer wants to send this device [ep]: all of them if they fit in
+    `bound` rows, else the same share of each peer's (rounded down; the rest dropped)."""
+    total = want.sum()
+    share = jnp.floor(want.astype(jnp.float32) * (bound / jnp.maximum(total, 1).astype(jnp.float32)))
+    kept = jnp.where(total <= bound, want, jnp.minimum(share.astype(jnp.int32), want))
+    return jnp.clip(bound - (jnp.cumsum(kept) - kept), 0, kept)  # float rounding never overfills it
+
+
+class Plan(NamedTuple):
+    """Who sends what where in one exchange (from its two tiny all-to-alls; no gradient), in
+    slices of one peer's one expert: [ep x local] arrays, peer-major (ragged_all_to_all's several
+    slices a peer). Ours to each peer's experts: `in_offsets` where they start in our rows,
+    `send_sizes` how many it keeps, `out_offsets` where they land in its buffer; each source's to
+    ours: `recv_offsets` where they land, `recv_sizes` how many we keep, `their_offsets` where they
+    start in its rows. A receiver's buffer is grouped by expert (source-major inside each): the
+    grouped matmul's order, no sort. `sizes` the rows of each local expert; `held`: which of our
+    rows a receiver kept (the rest come back zero). Without expert parallelism only `sizes`: the
+    rows stay where they are."""
+
+    sizes: jax.Array
+    # The rest: arrays, or None without expert parallelism
+    in_offsets: Any = None
+    send_sizes: Any = None
+    out_offsets: Any = None
+    recv_offsets: Any = None
+    recv_sizes: Any = None
+    their_offsets: Any = None
+    held: Any = None
+
+
+def _plan(experts: jax.Array, axis: str, ep: int, local: int, bound: int) -> Plan:
+    """The exchange of rows sorted by global expert id `experts` [n] between the ep devices along
+    `axis` (`local` experts each, `bound` rows received at most: `receive_bound`, `_kept`). Two
+    tiny int32 all_to_alls settle it: each peer's copies per local expert and where they start in
+    its rows, then what each receiver keeps of them and where it puts them."""
+    n = experts.shape[0]
+    counts = jnp.zeros(ep * local, jnp.int32).at[experts].add(1, mode="drop").reshape(ep, local)
+    in_offsets = jnp.cumsum(counts.reshape(-1)).reshape(ep, local) - counts  # rows sorted by expert
+    table = jax.lax.all_to_all(jnp.concatenate([counts, in_offsets], axis=1), axis, 0, 0, tiled=True)
+    per_expert, their_offsets = table[:, :local], table[:, local:]  # [source, local expert]
+    kept = _kept(per_expert.sum(axis=1), bound)
+    # A source's kept rows are a prefix of its run, so of each expert's rows a prefix.
+    before = jnp.cumsum(per_expert, axis=1) - per_expert
+    recv_sizes = jnp.clip(kept[:, None] - before, 0, per_expert)  # [source, local expert]
+    sizes = recv_sizes.sum(axis=0)
+    # Grouped by expert, each expert's rows source-major.
+    recv_offsets = (jnp.cumsum(sizes) - sizes)[None, :] + jnp.cumsum(recv_sizes, axis=0) - recv_sizes
+    reply = jax.lax.all_to_all(jnp.concatenate([recv_sizes, recv_offsets], axis=1), axis, 0, 0, tiled=True)
+    send_sizes, out_offsets = reply[:, :local], reply[:, local:]  # per peer's expert: kept, and where
+    slot = jnp.minimum(experts, ep * local - 1)
+    held = jnp.arange(n) - in_offsets.reshape(-1)[slot] < send_sizes.reshape(-1)[slot]
+    flat = lambda a: a.reshape(-1)  # noqa: E731
+    return Plan(
+        sizes, flat(in_offsets), flat(send_sizes), flat(out_offsets), flat(recv_offsets), flat(recv_sizes),
+        flat(their_offsets), held,
+    )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Placed(Wire):
+    """The experts on a step's devices without expert parallelism: the rows stay, each expert's
+    hidden dim split over `tensor` if the step has one (parallel/tensor.py `split_experts`)."""
+
+    def experts(self, rows: jax.Array, w_in: jax.Array, w_out: jax.Array, *, plan: Any) -> jax.Array:
+        return tensor.split_experts(rows, plan.sizes, w_in, w_out, self.impl, self.routed)
+
+
+@dataclasses.dataclass(frozen=True)
+class Exchange(Placed):
+    """Rows sent to their experts' devices along `axis` and back: by `ragged_all_to_all`, or its
+    padded stand-in of `width` rows a peer (XLA:CPU)."""
+
+    axis: str = ""
+    ragged: bool = False
+    width: int = 0
+
+    def _a2a(self, *args: jax.Array) -> jax.Array:
+        if self.ragged:
+            return jax.lax.ragged_all_to_all(*args, axis_name=self.axis)
+        return padded_ragged_all_to_all(*args, axis_name=self.axis, width=self.width)
+
+    def _out(self, x: jax.Array, plan: Any, buffer: jax.Array | None) -> jax.Array:
+        shape = (self.bound, *x.shape[1:])
+        if buffer is None or buffer.shape != shape or buffer.dtype != x.dtype:
+            buffer = jnp.zeros(shape, x.dtype)
+        return self._a2a(x, buffer, plan.in_offsets, plan.send_sizes, plan.out_offsets, plan.recv_sizes)
+
+    def back(self, y: jax.Array, buffer: jax.Array, plan: Any) -> tuple[jax.Array, jax.Array]:
+        got = self._a2a(y, buffer, plan.recv_offsets, plan.recv_sizes, plan.their_offsets, plan.send_sizes)
+        return jnp.where(plan.held.reshape(-1, *(1,) * (y.ndim - 1)), got, 0), got
+
+
+def experts(
+    rows: Pieces,
+    gates: Pieces,
+    experts: Pieces,
+    w_in: jax.Array,
+    w_out: jax.Array,
+    wire: Wire,
+    capacity_factor: float,
+    recomputed: bool,
+    *,
+    ep: int,
+) -> tuple[Pieces, jax.Array]:
+    """The Placement's `experts` hook (model/moe.py MoeMlp): each piece's routed rows through their
+    experts, exchanged over `expert` where it splits them over `ep` devices; (outputs, share dropped)."""
+    if ep == 1:
+        plans = tuple(Groups(jnp.zeros(w_in.shape[0], jnp.int32).at[e].add(1)) for e in experts)
+        placed = Placed(wire.impl, wire.routed, wire.dispatch)
+        return routed(recomputed)(placed, rows, gates, w_in, w_out, plans), jnp.zeros((), jnp.float32)
+    ragged = _platform() not in (None, "cpu")  # XLA:CPU has no ragged all-to-all
+    return exchange(
+        rows, gates, experts, EXPERT_AXIS, ep, w_in, w_out, wire.impl, capacity_factor, ragged,
+        wire.dispatch, recomputed,
+    )  # fmt: skip
+
+
+def exchange(
+    rows: Pieces,
+    gates: Pieces,
+    experts: Pieces,
+    axis: str,
+    ep: int,
+    w_in: jax.Array,
+    w_out: jax.Array,
+    impl: str,
+    capacity_factor: float,
+    ragged: bool,
+    dispatch: str = "",
+    recomputed: bool = True,
+) -> tuple[Pieces, jax.Array]:
+    """Rows [n, d] sorted by global expert id `experts` [n], and their `gates` [n], in pieces ->
+    (each piece's gates x its experts' outputs, computed on the devices along `axis` (ep of them)
+    that hold those experts (w_in, w_out: this device's), the share of rows dropped: past their
+    receiver's bound (`receive_bound`, `_kept`: each piece's), zero out).
+
+    Each device sends each peer exactly the rows it keeps, by `ragged_all_to_all` (ragged) or its
+    padded stand-in (XLA:CPU); both land them in the same places, so the routing is the same.
+    `recomputed`: the block is recomputed in the backward (remat), where model/moe.py `routed`'s own
+    backward saves a transfer; else jax's."""
+    n = rows[0].shape[0]
+    bound = receive_bound(n, ep, capacity_factor)
+    plans = tuple(_plan(e, axis, ep, w_in.shape[0], bound) for e in experts)
+    wire = Exchange(impl, n, dispatch, bound, axis, ragged, min(n, bound))
+    kept = sum(plan.send_sizes.sum() for plan in plans)
+    outs = routed(recomputed)(wire, tuple(rows), tuple(gates), w_in, w_out, plans)
+    return outs, 1.0 - kept / (n * len(rows))

@@ -1,0 +1,54 @@
+"""Tensor parallelism (Megatron): attention heads, the MLP hidden dim and the vocabulary split over
+the `tensor` axis, which the step leaves to the compiler (GSPMD), guided by the model's logical
+activation constraints (parallel/mesh.py's rules). Here: what the compiler does not place well
+alone, written per device: a collective over another axis kept manual over tensor (`over_tensor`),
+and the experts' hidden dim split (`split_experts`: XLA's partitioner does not split a ragged_dot).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+
+from jaxtrain.model.moe import expert_mlps
+from jaxtrain.parallel import mesh as mesh_lib
+
+
+def over_tensor(fn: Any, x: Any, logical: tuple[str | None, ...]) -> Any:
+    """fn(x) manual over `tensor` too, where x (a param of `logical` axes, or its gradient) is split
+    over it: left automatic, XLA moved such arrays whole over tensor around a collective over
+    another axis (all-gathers over tensor of 8 times the bytes)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    tensor = mesh_lib.tensor_part(logical, x.shape, mesh)
+    if all(entry is None for entry in tensor):
+        return fn(x)
+    return jax.shard_map(
+        fn, mesh=mesh, in_specs=tensor, out_specs=tensor, axis_names={mesh_lib.TENSOR_AXIS}, check_vma=False
+    )(x)
+
+
+def split_experts(
+    rows: jax.Array, sizes: jax.Array, w_in: jax.Array, w_out: jax.Array, impl: str, routed: int | None = None
+) -> jax.Array:
+    """expert_mlps with each expert's hidden dim split over the tensor axis, if the step has one:
+    each device runs its slice of every expert (Megatron's column then row split) and one psum adds
+    them. Written per device because XLA's partitioner does not split a ragged_dot."""
+    axes = nn.logical_to_mesh_axes(("mlp",))  # the step's rules: None outside a step
+    axis = axes[0] if axes else None
+    mesh = jax.sharding.get_abstract_mesh()
+    if axis is None or mesh.empty or axis in mesh.manual_axes or mesh.shape[axis] == 1:
+        return expert_mlps(rows, sizes, w_in, w_out, impl, routed)
+    spec_in = jax.sharding.PartitionSpec(*(None,) * (w_in.ndim - 1), axis)
+    spec_out = jax.sharding.PartitionSpec(None, axis, None)
+    return jax.shard_map(
+        lambda r, s, a, b: jax.lax.psum(expert_mlps(r, s, a, b, impl, routed), axis),
+        mesh=mesh,
+        in_specs=(jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec(), spec_in, spec_out),
+        out_specs=jax.sharding.PartitionSpec(),
+        axis_names={axis},
+        # Unchecked, as the step's: the Pallas kernel's gradients vary over no axis, and jax's
+        # check refused the weights' (varying over `tensor`) in the backward.
+        check_vma=False,
+    )(rows, sizes, w_in, w_out)

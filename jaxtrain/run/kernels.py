@@ -1,0 +1,81 @@
+"""The kernels a job runs, settled once where it meets its devices: attention (cuDNN's fused kernel
+or XLA's) and a mixture of experts' grouped matmul (model/grouped.py's Pallas kernels on Hopper,
+XLA's `ragged_dot`, or padded `blocks`), with the one rule for each limit that depends on the GPU.
+
+`settle` turns `auto` into a kernel and refuses an explicit choice the devices cannot run, in one
+line, before anything is traced; the model then runs what its config names (model/attention.py,
+model/moe.py). `build` settles the model it compiles (run/build.py), so training, the planner and
+the tasks run the same kernels for the same devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+from jaxtrain.config import ConfigError, ModelConfig
+from jaxtrain.model import grouped
+
+# cuDNN's fused (flash) attention: half or bfloat16 inputs, head dim a multiple of 8 up to 128, or
+# 256 on Hopper and later (compute capability 9.0: DeepSeek-V3's 192). jax's own checks, in
+# jax/_src/cudnn/fused_attention_stablehlo.py (check_layout, check_is_flash_attention).
+_CUDNN_DTYPES = ("bfloat16", "float16")
+
+
+def cudnn_max_head_dim(capability: str) -> int:
+    """The largest head cuDNN's fused attention takes on GPUs of this compute capability ("9.0")."""
+    major = int(capability.split(".")[0]) if capability else 0
+    return 256 if major >= 9 else 128
+
+
+def attention(cfg: ModelConfig, platform: str, dtype: Any, capability: str = "") -> str:
+    """The causal attention kernel a run compiles to, "cudnn" or "xla" (attention_impl settled).
+
+    `platform` is the devices' ("gpu", "cpu", ...: jax's Device.platform), `dtype` the compute
+    dtype, `capability` a GPU's compute capability ("9.0"). auto picks cuDNN on GPUs wherever it
+    supports the dtype and head dim, XLA elsewhere (jax's own `implementation=None` always takes
+    XLA's path, which materialises T x T scores: 25 GB of DeepSeek-V3's temporaries, planned).
+    An explicit cudnn the devices cannot run is refused in one line.
+    """
+    most = cudnn_max_head_dim(capability)
+    if cfg.attention_impl == "cudnn":
+        if platform != "gpu":
+            raise ConfigError(
+                f"model.attention_impl cudnn needs NVIDIA GPUs, and this job runs on {platform}; "
+                "use model.attention_impl auto"
+            )
+        if cfg.head_size > most:
+            raise ConfigError(
+                f"model.attention_impl cudnn takes heads of at most {most} on GPUs of compute "
+                f"capability {capability or 'unknown'}, and this model's are {cfg.head_size}; use "
+                "model.attention_impl auto (XLA's kernel)"
+            )
+    if cfg.attention_impl != "auto":
+        return cfg.attention_impl
+    fits = jnp.dtype(dtype).name in _CUDNN_DTYPES and cfg.head_size % 8 == 0 and cfg.head_size <= most
+    return "cudnn" if platform == "gpu" and fits else "xla"
+
+
+def grouped_matmul(cfg: ModelConfig, platform: str, capability: str = "", tensor: int = 1) -> str:
+    """The experts' grouped matmul on these devices (moe.grouped_matmul settled): `blocks` on CPUs,
+    the Pallas kernels on Hopper where their tiles take the widths (each expert's hidden dim split
+    over `tensor`), XLA's `ragged_dot` on other GPUs. An explicit pallas they cannot run is refused."""
+    why = grouped.refusal(platform, capability, cfg.d_model, cfg.expert_dim // tensor)
+    if cfg.moe.grouped_matmul == "pallas" and why:
+        raise ConfigError(why)
+    if cfg.moe.grouped_matmul != "auto":
+        return cfg.moe.grouped_matmul
+    if platform == "cpu":
+        return "blocks"
+    return "pallas" if capability == grouped.HOPPER and not why else "ragged_dot"
+
+
+def settle(cfg: ModelConfig, platform: str, dtype: Any, capability: str = "", tensor: int = 1) -> ModelConfig:
+    """`cfg` with its kernels settled for devices of `platform` and `capability`, compute `dtype` and
+    a tensor axis of `tensor` devices; ConfigError for a kernel they cannot run."""
+    moe = cfg.moe
+    if moe.n_experts:
+        moe = dataclasses.replace(moe, grouped_matmul=grouped_matmul(cfg, platform, capability, tensor))
+    return dataclasses.replace(cfg, attention_impl=attention(cfg, platform, dtype, capability), moe=moe)
