@@ -304,7 +304,10 @@ def summary(stage: str, result: dict[str, Any]) -> str:
     ]
     if result.get("error"):
         bad.insert(0, result["error"])
-    counted = f"{sum(bool(r.get('passed')) for r in parts.values())}/{len(parts)} passed"
+    judged = [r for r in parts.values() if not r.get("informational")]
+    counted = f"{sum(bool(r.get('passed')) for r in judged)}/{len(judged)} passed"
+    if len(judged) < len(parts):
+        counted += f" (+{len(parts) - len(judged)} informational)"
     return f"{counted}; {bad[0]}" if bad else counted
 
 

@@ -135,12 +135,19 @@ def _versions() -> dict[str, Any]:
         }
         for d in jax.devices()
     ]  # fmt: skip
-    smi = ""
+    smi, gpu_seen = "", False
     if shutil.which("nvidia-smi"):
         query = "--query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit"
         done = subprocess.run(["nvidia-smi", query, "--format=csv,noheader"], capture_output=True, text=True)
-        smi = (done.stdout or done.stderr).strip()
-    return {"passed": True, "versions": versions, "devices": devices, "nvidia_smi": smi,
+        smi, gpu_seen = (
+            (done.stdout or done.stderr).strip(),
+            done.returncode == 0 and bool(done.stdout.strip()),
+        )
+    # jax falls back to the CPU, with only a warning, when its CUDA plugin does not load: every later
+    # stage would then check the CPU paths, and pass.
+    lost = gpu_seen and devices[0]["platform"] == "cpu"
+    failed = "nvidia-smi sees a GPU but jax runs on the CPU: its CUDA plugin did not load" if lost else ""
+    return {"passed": not lost, "failed": failed, "versions": versions, "devices": devices, "nvidia_smi": smi,
             "xla_flags": os.environ.get("XLA_FLAGS", "")}  # fmt: skip
 
 
@@ -194,6 +201,7 @@ def kernel_checks(platform: str, capability: str) -> list[Any]:
     """run/preflight.py's checks the GPU check runs: on GPUs the GPU-only kernels at the shipped
     widths, float32 tiles last (informational: they may not fit shared memory); on CPUs the
     references and the Pallas forward in its interpreter, small."""
+    from jaxtrain.model import grouped
     from jaxtrain.run import preflight as pf
 
     if platform == "cpu":
@@ -206,7 +214,7 @@ def kernel_checks(platform: str, capability: str) -> list[Any]:
         ]
     found = []
     for d, ff in WIDTHS.values():
-        why = pf.grouped.refusal(platform, capability, d, ff)
+        why = grouped.refusal(platform, capability, d, ff)
         found.append(
             pf.refused(f"ragged_matmul pallas d{d} ff{ff}", why)
             if why
