@@ -335,7 +335,8 @@ def _figures(part: dict[str, Any]) -> str:
     if part.get("loss_vs_reference") is not None:
         shown.append(f"loss {part['loss_vs_reference']:.2%} off reference")
     if part.get("memory_ratio") is not None:
-        shown.append(f"memory {part['memory_ratio']:.2f} x compiled")
+        gb = f"{part['peak_bytes_in_use'] / 1e9:.2f} of {part['compiled_bytes'] / 1e9:.2f} GB"
+        shown.append(f"memory {part['memory_ratio']:.2f} x compiled ({gb})")
     if part.get("losses"):
         shown.append(f"loss {part['losses'][0]:.3f} -> {part['losses'][-1]:.3f}")
     if part.get("runs"):
