@@ -8,10 +8,11 @@ the path already proven on CPU, before the job compiles its step.
 The GPU-only paths are cuDNN's fused attention (model/attention.py), the Pallas Mosaic-GPU grouped
 matmul with its dX and dW kernels (model/grouped_kernels.py) and XLA's ragged all-to-all; on CPU
 their references stand in for them (XLA's attention, `jax.lax.ragged_dot`, the padded all-to-all
-that stands in for the ragged one on XLA:CPU), so the same checks run in CI. A check compares the kernel in the job's dtype with
-its reference in float32 on the same (rounded) inputs, by the relative norm of the difference,
-and plants what a kernel must ignore: NaN in the rows past the routed ones (in the rows and in
-the gradient), an empty expert, a slice that sends nothing, a document boundary. NaN never passes.
+that stands in for the ragged one on XLA:CPU), so the same checks run in CI. A check compares the
+kernel in the job's dtype with its reference in float32 on the same (rounded) inputs, by the
+relative norm of the difference, and plants what a kernel must ignore: NaN in the rows past the
+routed ones (in the rows and in the gradient), an empty expert, a slice that sends nothing, a
+document boundary. NaN never passes.
 Pure: nothing printed, no device asked for; the caller hands in the devices.
 """
 
