@@ -33,22 +33,18 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.model import grouped
 
-# The kernels and references checked, by module attribute in this one place: model/ is refactored
-# often, and a rename is then a one-line fix here (meanwhile only the checks using it fail, saying
-# so). Each is looked up where it lives now, then where it lived before the refactor of model/ and
-# parallel/ in flight (drop the old places once it has landed).
+# The kernels and references checked, by module attribute in this one place: model/ and parallel/
+# are refactored often, and a rename is then a one-line fix here (meanwhile only the checks using it
+# fail, saying so). Each entry lists the places to look, in order ("module:attribute").
 KERNELS = {
     # (q, k, v, impl, segments) -> causal attention by impl: cudnn or xla
-    "attention": ("jaxtrain.model.attention:causal_attention", "jaxtrain.model.attention:_causal_attention"),
+    "attention": ("jaxtrain.model.attention:causal_attention",),
     # (rows, w, sizes, routed, interpret): the Pallas kernels' custom_vjp
     "ragged_matmul": ("jaxtrain.model.grouped_kernels:ragged_matmul",),
     # (rows, sizes, w_in, w_out, impl): the experts' MLPs by pallas, ragged_dot or blocks
     "expert_mlps": ("jaxtrain.model.moe:expert_mlps",),
     # ragged_all_to_all's arguments + width: XLA:CPU's stand-in for it
-    "padded_exchange": (
-        "jaxtrain.parallel.expert:padded_ragged_all_to_all",
-        "jaxtrain.model.moe:padded_ragged_all_to_all",
-    ),  # fmt: skip
+    "padded_exchange": ("jaxtrain.parallel.expert:padded_ragged_all_to_all",),
 }
 # Relative-norm error allowed against the float32 reference. bfloat16 rounds each output to 2^-9,
 # about 4e-3 as a norm; the attention gradients pass through bfloat16 probabilities too.
