@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.struct
@@ -33,7 +34,7 @@ class TrainState:
 def init_state(cfg: Config, model: GPT, tx: optax.GradientTransformation, rng: jax.Array) -> TrainState:
     """A fresh state; pure, so it can be traced by eval_shape and jit."""
     tokens = jnp.zeros((1, cfg.model.seq_len), jnp.int32)
-    params = model.init(rng, tokens)["params"]
+    params = _unsettled(model).init(rng, tokens)["params"]
     scale = FP16_INITIAL_SCALE if cfg.dtype == "float16" else 1.0
     zero = jnp.zeros((), jnp.int32)
     return TrainState(
@@ -45,6 +46,15 @@ def init_state(cfg: Config, model: GPT, tx: optax.GradientTransformation, rng: j
         bad_steps=zero,
         skipped_steps=zero,
     )
+
+
+def _unsettled(model: GPT) -> GPT:
+    """`model` with its kernels back at auto, which a model outside a step runs as on one device
+    (XLA's attention, ragged_dot): its params, whatever kernels the step runs (run/kernels.py).
+    cuDNN's kernel traced outside the step's placement would check its head size against this
+    host's devices (a CPU, when the planner builds a GPU job)."""
+    moe = dataclasses.replace(model.cfg.moe, grouped_matmul="auto")
+    return model.clone(cfg=dataclasses.replace(model.cfg, attention_impl="auto", moe=moe))
 
 
 def abstract_state(cfg: Config, model: GPT, tx: optax.GradientTransformation) -> TrainState:
