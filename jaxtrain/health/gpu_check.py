@@ -31,7 +31,15 @@ STAGES = ("device", "kernels", "train", "bench")
 STAGE_LIMIT_S = {"device": 120, "kernels": 240, "train": 330, "bench": 420}
 PART_LIMIT_S = {"device": 90, "kernels": 150, "train": 240, "bench": 420}  # then the part counts as hung
 MIN_START_S = 20  # a stage starts only with this much of the budget left
-LOSS_TOLERANCE = 0.01  # relative, at every step, against the reference kernel's run
+# A run against its reference kernel's: the first step (the same params and batch: the kernels'
+# forward alone) within FIRST_STEP_TOLERANCE, the mean of the last LATE_STEPS within LOSS_TOLERANCE.
+# Not every step within 1%: a bf16 mixture of experts' losses drift apart by routing flips, and on
+# an H200 (2026-11-28) the two CPU-proven kernels, blocks and ragged_dot, were 0.85% apart at step
+# 20 and the Pallas kernels 1.17% at step 18, while their first steps agreed to 1e-7 and their
+# last five steps' means to 0.14% and 0.22%.
+FIRST_STEP_TOLERANCE = 1e-3
+LOSS_TOLERANCE = 0.01
+LATE_STEPS = 5
 MEMORY_TOLERANCE = 0.10  # peak bytes in use against the compiled step's figure
 REPORT = "gpu_check.json"
 
@@ -256,9 +264,10 @@ def _write(path: Path, report: dict[str, Any]) -> None:
 
 
 def judge_train(stage: dict[str, Any], runs: dict[str, tuple[str, list[str]]]) -> None:
-    """Each run against its reference run: losses within LOSS_TOLERANCE at every step, and every
-    run's peak bytes in use within MEMORY_TOLERANCE of its compiled step's (where the device says:
-    GPUs). Adds the figures and the verdict to each run's result, and to the stage's status."""
+    """Each run against its reference run: its first loss within FIRST_STEP_TOLERANCE and the mean
+    of its last LATE_STEPS within LOSS_TOLERANCE (the worst step's difference recorded beside), and
+    every run's peak bytes in use within MEMORY_TOLERANCE of its compiled step's (where the device
+    says: GPUs). Adds the figures and the verdict to each run's result, and to the stage's status."""
     parts = stage["parts"]
     for name, result in parts.items():
         failed = [result["failed"]] if result.get("failed") else []
@@ -271,13 +280,28 @@ def judge_train(stage: dict[str, Any], runs: dict[str, tuple[str, list[str]]]) -
             if not want:
                 failed.append(f"no losses of its reference {reference}")
             else:
-                worst = max(abs(a / b - 1) for a, b in zip(result["losses"], want, strict=True) if a and b)
-                result["loss_vs_reference"] = worst
-                if not worst <= LOSS_TOLERANCE:
-                    failed.append(f"losses {worst:.2%} off {reference}'s")
+                failed += _judge_losses(result, result["losses"], want, reference)
         result["passed"], result["failed"] = not failed, "; ".join(failed)
     if any(not r["passed"] for r in parts.values()):
         stage["status"] = "fail"
+
+
+def _judge_losses(result: dict[str, Any], got: list[float], want: list[float], reference: str) -> list[str]:
+    """What is wrong with a run's losses `got` against its reference's `want` (figures into `result`)."""
+    pairs = [(a, b) for a, b in zip(got, want, strict=True) if a and b]
+    if not pairs:
+        return [f"no losses to compare with {reference}'s"]
+    late = pairs[-LATE_STEPS:]
+    first = abs(pairs[0][0] / pairs[0][1] - 1)
+    mean = abs(sum(a for a, _ in late) / sum(b for _, b in late) - 1)
+    result["loss_vs_reference"] = max(abs(a / b - 1) for a, b in pairs)  # the worst step: a figure
+    result["first_loss_vs_reference"], result["late_mean_vs_reference"] = first, mean
+    failed = []
+    if not first <= FIRST_STEP_TOLERANCE:
+        failed.append(f"first loss {first:.2%} off {reference}'s")
+    if not mean <= LOSS_TOLERANCE:
+        failed.append(f"last {len(late)} losses' mean {mean:.2%} off {reference}'s")
+    return failed
 
 
 def summary(stage: str, result: dict[str, Any]) -> str:
