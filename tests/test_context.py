@@ -1,9 +1,11 @@
 """Context parallelism: sequences split over the `context` mesh axis train as on one device
-(attention re-splits them by heads: jaxtrain/model/attention.py `_per_device`), composed with data,
+(attention re-splits them by heads: jaxtrain/parallel/context.py `per_device`), composed with data,
 fsdp and tensor, with grouped-query heads fewer than the split, and with documents masked.
 
     pytest tests/test_context.py
 """
+
+import re
 
 import jax
 import numpy as np
@@ -22,7 +24,8 @@ LLAMA = [
 STEPS = 3
 
 
-def _train(argv: list[str], devices: list, docs: bool) -> tuple[np.ndarray, dict, int]:
+def _train(argv: list[str], devices: list, docs: bool) -> tuple[np.ndarray, dict, int, int]:
+    """(losses, params, state bytes a device, all-to-alls in the compiled step)."""
     run = build(Job.of_devices(load_config(LLAMA + argv), devices))
     state = run.init_state()
     rows = np.random.default_rng(0).integers(3, 256, (8, run.cfg.model.seq_len + 1), dtype=np.int32)
@@ -32,7 +35,9 @@ def _train(argv: list[str], devices: list, docs: bool) -> tuple[np.ndarray, dict
     for _ in range(STEPS):
         state, metrics = run.train_step(state, mesh_lib.global_batch(rows, run.mesh, 8))
         losses.append(float(metrics["loss"]))
-    return np.array(losses), jax.device_get(state.params), run.state_bytes_per_device
+    text = run.compile_train().as_text()  # the program just run (the compile cache has it)
+    exchanges = len(re.findall(r" all-to-all(?:-start)?\(", text))
+    return np.array(losses), jax.device_get(state.params), run.state_bytes_per_device, exchanges
 
 
 @pytest.mark.parametrize(
@@ -45,8 +50,11 @@ def _train(argv: list[str], devices: list, docs: bool) -> tuple[np.ndarray, dict
 )
 def test_sequences_split_over_context_train_as_on_one_device(mesh, docs):
     masked = ["--model.doc_bos", "1"] if docs else []
-    one_losses, one_params, one_bytes = _train(masked, jax.devices()[:1], docs)
-    losses, params, state_bytes = _train([*masked, *mesh], jax.devices(), docs)
+    one_losses, one_params, one_bytes, _ = _train(masked, jax.devices()[:1], docs)
+    losses, params, state_bytes, exchanges = _train([*masked, *mesh], jax.devices(), docs)
+    # Each sequence is split over context: attention makes it whole by heads and back, an
+    # all-to-all each for q, k, v and the output a layer, forward and backward (parallel/context.py).
+    assert exchanges >= 8 * 2, exchanges  # 2 layers
     # The state is split over fsdp x context (ZeRO over context), not held by each context peer:
     # 4 ways here, less the norm scales and the vectors too small to split.
     assert state_bytes < 0.3 * one_bytes, (state_bytes, one_bytes)

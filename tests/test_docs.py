@@ -14,6 +14,7 @@ import pytest
 
 from jaxtrain.config import load_config
 from jaxtrain.health import cli as health_cli
+from jaxtrain.health import gpu_check
 from jaxtrain.hf import cli as hf_cli
 from jaxtrain.launch import cli as launch_cli
 from jaxtrain.plan import cli as plan_cli
@@ -79,6 +80,7 @@ CHECKS: dict[str, Callable[[list[str]], None]] = {
     "scripts/test_distributed.py": health_cli.parse_args,
     "scripts/prepare_data.py": prepare_cli.parse_args,
     "scripts/export_hf.py": hf_cli.parse_args,
+    "scripts/gpu_check.py": gpu_check.parse_args,
     "scripts/chat_example.py": _chat_example,
 }
 
