@@ -4,14 +4,16 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 ARGS ?=
+# jax for CUDA where nvidia-smi lists GPUs (the cuda12 extra), for CPUs elsewhere.
+EXTRAS := dev$(shell nvidia-smi -L >/dev/null 2>&1 && echo ,cuda12)
 
 .PHONY: train test lint bench clean-runs gpu-plugin
 
-# Re-install only when pyproject.toml changes.
-$(STAMP): pyproject.toml
+# Re-install only when pyproject.toml or constraints.txt changes. constraints.txt: the versions CI tests.
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip  # measured: the install took 1.1 min after it, 3.2 min with the bundled pip 23
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[$(EXTRAS)]'
 	@# Bytecode for every installed module, once. Where PYTHONDONTWRITEBYTECODE is set (this machine
 	@# and CI set it) pip writes none, and every Python process compiled ~1,000 modules from source:
 	@# importing the trainer took 2.45 s of CPU, 0.97 s with the bytecode (measured), in each of the

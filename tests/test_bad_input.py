@@ -283,6 +283,14 @@ def _metrics(ctx: dict) -> None:
     ctx["watch"].append(ctx["tmp"] / "run")
 
 
+def _fake_nvidia_smi(ctx: dict) -> None:
+    """An nvidia-smi that lists two GPUs, first on PATH: a GPU machine whose jax is the CPU build."""
+    script = ctx["tmp"] / "bin" / "nvidia-smi"
+    script.parent.mkdir()
+    script.write_text("#!/bin/sh\nprintf '0\\n1\\n'\n")
+    script.chmod(0o755)
+
+
 def _text(ctx: dict) -> None:
     (ctx["tmp"] / "in.txt").write_text("hello world\n" * 200)
 
@@ -322,6 +330,8 @@ CASES = [
     Case("train-config-not-mapping", [*TRAIN, "--config", "{tmp}/list.yaml", "--run_dir", "{tmp}/run"], "must hold a mapping",
          _yaml_file("list.yaml", "- 1\n- 2\n")),
     Case("train-batch-vs-devices", [*TINY, "--batch_size", "3"], "microbatch 3 (batch_size 3 / gradient_accumulation_steps 1) is not divisible by 2 devices"),
+    Case("train-gpus-jax-cannot-see", [*TINY], "this machine has 2 NVIDIA GPU(s) (nvidia-smi) but jax sees only its CPU",
+         _fake_nvidia_smi, env={"JAX_PLATFORMS": "", "PATH": "{tmp}/bin:" + os.environ["PATH"]}),
     Case("train-float16-on-cpu", [*TINY, "--dtype", "float16"], "dtype float16 needs a GPU"),
     Case("train-pallas-on-cpu", [*TINY, "--model.moe.n_experts", "2", "--model.moe.grouped_matmul", "pallas"],
          "model.moe.grouped_matmul pallas needs Hopper GPUs (9.0), not cpu"),

@@ -19,7 +19,9 @@ from __future__ import annotations
 import errno
 import os
 import re
+import shutil
 import socket
+import subprocess
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -417,3 +419,13 @@ def describe(spec: LaunchSpec) -> str:
         f"local_devices={devices} coordinator={spec.coordinator_address or '-'}"
         + (f" [{raw}]" if raw else "")
     )
+
+
+def nvidia_gpus() -> list[str]:
+    """The indices of the NVIDIA GPUs nvidia-smi lists on this machine ([] without it: no GPU)."""
+    if not shutil.which("nvidia-smi"):
+        return []
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True
+    )
+    return out.stdout.split() if out.returncode == 0 else []

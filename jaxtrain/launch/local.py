@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import socket
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from jaxtrain.cluster.detect import split_address
+from jaxtrain.cluster.detect import nvidia_gpus, split_address
 from jaxtrain.errors import ArgumentError
 from jaxtrain.launch.supervise import Spec, supervise
 
@@ -41,12 +39,7 @@ def local_gpus(environ: dict[str, str]) -> list[str]:
         return []
     if "CUDA_VISIBLE_DEVICES" in environ:
         return [g.strip() for g in environ["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
-    if not shutil.which("nvidia-smi"):
-        return []
-    out = subprocess.run(
-        ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True
-    )
-    return out.stdout.split() if out.returncode == 0 else []
+    return nvidia_gpus()
 
 
 def plan_manual(args: argparse.Namespace, environ: dict[str, str]) -> LocalPlan:

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
-from jaxtrain.cluster import join
+from jaxtrain.cluster import detect, join
 from jaxtrain.cluster.detect import LaunchSpec
 from jaxtrain.config import MESH_AXES, Config, ConfigError, MeshConfig, global_rows, mesh_str
 from jaxtrain.config.batch import batch_plan, check_batch_split
@@ -38,6 +39,7 @@ class Job:
         import jax
 
         devices = tuple(jax.devices())
+        _check_gpus_seen(devices)
         if cfg.compat.world_size and launch.num_processes == 1:
             devices = _world_of_one_process(cfg.compat.world_size, devices)
         return cls._resolved(cfg, launch, devices, jax.process_index(), jax.process_count())
@@ -111,6 +113,20 @@ class Job:
         from jax.experimental import multihost_utils
 
         return [int(v) for v in np.ravel(multihost_utils.process_allgather(np.int32(value)))]
+
+
+def _check_gpus_seen(devices: tuple[Any, ...]) -> None:
+    """Refuse to train on the CPU of a machine whose NVIDIA GPUs jax cannot see (jax installed for
+    CPUs only): one line, the fix. JAX_PLATFORMS=cpu says the CPU is meant."""
+    if devices[0].platform != "cpu" or os.environ.get("JAX_PLATFORMS", "").strip() == "cpu":
+        return
+    gpus = detect.nvidia_gpus()
+    if gpus:
+        raise ConfigError(
+            f"this machine has {len(gpus)} NVIDIA GPU(s) (nvidia-smi) but jax sees only its CPU: install "
+            "jax for CUDA (pip install -c constraints.txt -e '.[cuda12]'), or set JAX_PLATFORMS=cpu "
+            "to train on the CPU"
+        )
 
 
 def _platform(devices: tuple[Any, ...]) -> str:

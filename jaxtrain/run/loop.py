@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from jaxtrain import config as config_lib
+from jaxtrain import versions
 from jaxtrain.cluster.detect import LaunchSpec
 from jaxtrain.cluster.watchdog import Watchdog
 from jaxtrain.config import Config
@@ -202,6 +203,9 @@ def _say_what_runs(run: Run, data: Resolved) -> None:
     chosen = "".join(f"\n  {k}: {v!r}" for k, v in config_lib.differences(cfg).items())
     log.info(f"config, where it differs from the defaults (all of it: {run_dir / 'config.yaml'}):{chosen}")
     log.info(f"compile cache: {compile_cache_dir() or 'off'}")
+    untested = versions.warning()
+    if untested:
+        log.warning(untested)
     notes = config_lib.compat_notes(
         cfg, loader.epoch_windows(data.train), job.process_count, len(job.devices)
     )
