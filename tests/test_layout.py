@@ -254,8 +254,8 @@ def test_the_cycle_rule_finds_a_cycle_hidden_in_a_function(tmp_path):
 # The rooms, bottom first: a module imports only from its own room or from rooms before it, so the
 # package reads upwards from errors to the scripts' entry points and no change can close a loop.
 ROOMS = (
-    "errors", "versions", "parser", "faults", "tokenizer", "text", "config", "cluster", "model", "disk", "prepare",
-    "data", "hf", "observe", "xla_env", "parallel", "run", "plan", "health", "launch",
+    "errors", "versions", "parser", "faults", "tokenizer", "text", "config", "cluster", "model", "disk",
+    "prepare", "data", "hf", "observe", "xla_env", "parallel", "run", "plan", "health", "launch",
 )  # fmt: skip
 
 
