@@ -1,10 +1,11 @@
-"""docs/scaling.md's plan tables, made from the committed plans (bench/results/plan_*.json, which
-`tests/gpu_plans.py bench/results all` writes), so no figure in them is copied by hand.
+"""The plan tables of docs/scaling.md and docs/moe.md, made from the committed plans
+(bench/results/plan_*.json, which `tests/gpu_plans.py bench/results all` writes), so no planned
+figure in them is copied by hand.
 
     .venv/bin/python bench/scaling_tables.py     # rewrites each block between its two markers
 
-A block is `<!-- plans:NAME -->` ... `<!-- /plans:NAME -->` in docs/scaling.md; tests/test_plan.py
-checks that the committed blocks are what this makes of the committed JSON.
+A block is `<!-- plans:NAME ... -->` ... `<!-- /plans:NAME -->`; BLOCKS names each page's blocks.
+tests/test_plan.py checks that the committed blocks are what this makes of the committed JSON.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import calibration  # noqa: E402  (bench/ is no package: the published runs beside the forecast)
 
 DOC = ROOT / "docs" / "scaling.md"
+MOE_DOC = ROOT / "docs" / "moe.md"
 RESULTS = ROOT / "bench" / "results"
 
 # The dense plans, in the table's order (the model column is the parameter count).
@@ -49,6 +51,36 @@ MOE = {
     "moe_tiny_dropless_h100x8": "moe_tiny, dropless (CI)",
     "deepseek_tiny_heads192_h100x8": "DeepSeek-style tiny, query heads of 192: cuDNN attention (CI)",
 }
+# The pipelined plans, with the no-pipeline layouts beside them.
+PIPELINE = {
+    "llama3_405b_h100_256x8": "Llama 3 405B as shipped: pipeline 32 x tensor 8 x data 8 + ZeRO-1, 126 layers "
+    "(4 a stage, the last stage's 2 padding)",
+    "llama3_405b_128l_h100_256x8_pipeline32": "the same at 128 layers",
+    "llama3_405b_128l_h100_256x8_pipeline16_fsdp2": "pipeline 16 x tensor 8 x fsdp 2 x data 8 + ZeRO-1, "
+    "128 layers",
+    "llama3_405b_h100_256x8_fsdp64": "tensor 8 x fsdp 64 x data 4, no pipeline (shipped before)",
+    "llama3_70b_h100_128x8_pipeline8": "Llama 3 70B on 128 x 8: pipeline 8 x tensor 8 x data 16 + ZeRO-1",
+    "llama3_70b_h100_128x8": "Llama 3 70B as shipped, no pipeline: tensor 2 x fsdp 16 x data 32",
+}
+# Runs published by their authors (measured on H100s, not by us): job, what they published, and
+# the plan of the same job with the words before its figures (None: not planned).
+PUBLISHED = [
+    ("Llama 3 70B, 16 x 8 H100, global batch 256 x 8192 (NVIDIA's MaxText DGX Cloud recipe)",
+     "15.57 s per step, 506.6 TFLOP/s per GPU, 51% MFU", "llama3_70b_h100_16x8_maxtext", "fsdp 128"),
+    ("Llama 2 70B, 8 x 8 H100, 128 x 4096 (same recipes)", "7.91 s, 460 TFLOP/s per GPU", None, ""),
+    ("Llama 3 405B, 8,192-16,384 H100 (tensor 8, pipeline 16, fsdp, context parallel)", "38-43% MFU",
+     "llama3_405b_h100_256x8",
+     "2,048 H100, 16M-token batches, as shipped (pipeline 32 x tensor 8 x data 8 + ZeRO-1)"),
+]  # fmt: skip
+# Which blocks each page holds.
+BLOCKS = {DOC: ["dense", "moe", "pipeline", "published", "calibration"], MOE_DOC: ["moe"]}
+PIPELINE_HEAD = (
+    "| layout | GB / GPU | microbatches, bubble | floor s (limit) | schedule-aware s (ops + exposed), "
+    "MFU ceiling | plan |\n" + "| --- " * 6 + "|"
+)
+PUBLISHED_HEAD = (
+    "| job | published, measured on H100 | ours, compiled bounds (no GPU) |\n" + "| --- " * 3 + "|"
+)
 DENSE_HEAD = (
     "| model | GPUs | mesh | batch / device x microbatches | total GB / GPU | fsdp GB gathered / "
     "reduce-scattered per GPU per step | sent GB NVLink / network | floor ms (limit), MFU ceiling | "
@@ -116,28 +148,58 @@ def moe_row(name: str, label: str, p: dict) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def pipeline_row(name: str, label: str, p: dict) -> str:
+    stages, micro = p["mesh"].get("pipeline", 1), p["accumulation"]
+    bubble = f"{100 * (stages - 1) / (micro + stages - 1):.1f}%" if stages > 1 else "-"
+    total = f"{p['total_bytes_per_device'] / 1e9:.1f}" + ("" if p["fits"] else ": does not fit")
+    sched = (
+        f"{p['schedule_bound_s']:.2f} ({p['schedule_busy_s']:.2f} + {p['exposed_comm_s']:.2f}), "
+        f"{100 * p['schedule_mfu_ceiling']:.1f}%"
+    )
+    floor = f"{p['step_time_lower_bound_s']:.2f} ({p['bound_limited_by']})"
+    return f"| {label} | {total} | {micro}, {bubble} | {floor} | {sched} | `plan_{name}.json` |"
+
+
+def published_row(job: str, published: str, name: str | None, words: str, p: dict | None) -> str:
+    if name is None or p is None:
+        return f"| {job} | {published} | not planned |"
+    fits = f"fits ({p['total_bytes_per_device'] / 1e9:.1f} GB)" if p["fits"] else "does not fit"
+    ours = (
+        f"{words}: {fits}; floor {p['step_time_lower_bound_s']:.2f} s ({p['bound_limited_by']}, "
+        f"{100 * p['mfu_ceiling']:.0f}%); schedule-aware {p['schedule_bound_s']:.2f} s: "
+        f"**{100 * p['schedule_mfu_ceiling']:.1f}%** (`plan_{name}.json`)"
+    )
+    return f"| {job} | {published} | {ours} |"
+
+
 def tables(results: Path = RESULTS) -> dict[str, str]:
     """Each block's table, from the plans in `results`."""
 
     def plan(name: str) -> dict:
         return json.loads((results / f"plan_{name}.json").read_text())
 
+    published = [published_row(job, pub, n, how, plan(n) if n else None) for job, pub, n, how in PUBLISHED]
     return {
         "dense": "\n".join([DENSE_HEAD, *(dense_row(n, plan(n)) for n in DENSE)]),
         "moe": "\n".join([MOE_HEAD, *(moe_row(n, label, plan(n)) for n, label in MOE.items())]),
+        "pipeline": "\n".join([PIPELINE_HEAD, *(pipeline_row(n, w, plan(n)) for n, w in PIPELINE.items())]),
+        "published": "\n".join([PUBLISHED_HEAD, *published]),
         "calibration": calibration.table(),
     }
 
 
-def render(doc: str, made: dict[str, str]) -> str:
-    """`doc` with each marked block replaced by its table; a marker missing is an error."""
-    for name, table in made.items():
+def render(doc: str, made: dict[str, str], names: list[str] | None = None, page: Path = DOC) -> str:
+    """`doc` with each named block (all of `made` unless named) replaced by its table; a marker
+    missing is an error."""
+    for name in names if names is not None else list(made):
         block = re.compile(rf"(<!-- plans:{name} [^\n]*-->\n).*?(\n<!-- /plans:{name} -->)", re.S)
         if not block.search(doc):
-            raise SystemExit(f"{DOC}: no block <!-- plans:{name} ... --> ... <!-- /plans:{name} -->")
-        doc = block.sub(lambda m, table=table: m.group(1) + table + m.group(2), doc)
+            raise SystemExit(f"{page}: no block <!-- plans:{name} ... --> ... <!-- /plans:{name} -->")
+        doc = block.sub(lambda m, table=made[name]: m.group(1) + table + m.group(2), doc)
     return doc
 
 
 if __name__ == "__main__":
-    DOC.write_text(render(DOC.read_text(), tables(Path(sys.argv[1]) if len(sys.argv) > 1 else RESULTS)))
+    made = tables(Path(sys.argv[1]) if len(sys.argv) > 1 else RESULTS)
+    for page, names in BLOCKS.items():
+        page.write_text(render(page.read_text(), made, names, page))

@@ -329,15 +329,18 @@ def test_model_flops_of_a_committed_plan_by_hand(case, matmul_params, layers, wi
 
 
 def test_the_docs_plan_tables_are_made_from_the_committed_plans():
-    """docs/scaling.md's plan tables are bench/scaling_tables.py's rendering of bench/results,
-    and every committed plan has its row: a figure cannot go stale by hand."""
+    """docs/scaling.md's and docs/moe.md's plan tables are bench/scaling_tables.py's rendering of
+    bench/results, and every committed plan has its row: a figure cannot go stale by hand."""
     spec = importlib.util.spec_from_file_location("scaling_tables", ROOT / "bench/scaling_tables.py")
     assert spec is not None and spec.loader is not None
     made = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(made)
     assert {f"plan_{n}" for n in [*made.DENSE, *made.MOE]} == {p.stem for p in PLANS}
-    doc = (ROOT / "docs/scaling.md").read_text()
-    assert made.render(doc, made.tables()) == doc, "run: .venv/bin/python bench/scaling_tables.py"
+    tables = made.tables()
+    assert {ROOT / "docs/scaling.md", ROOT / "docs/moe.md"} <= set(made.BLOCKS)
+    for page, names in made.BLOCKS.items():
+        doc = page.read_text()
+        assert made.render(doc, tables, names, page) == doc, "run: .venv/bin/python bench/scaling_tables.py"
 
 
 def test_an_async_start_counts_its_result_not_its_operand_again():
