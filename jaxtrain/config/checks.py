@@ -50,6 +50,25 @@ _NON_NEGATIVE = (
 
 def check(cfg: Config) -> None:
     """Value checks that need no devices."""
+    _check_keys(cfg)
+    _check_model(cfg)
+    _check_batch(cfg)
+    if cfg.eval_interval and not cfg.eval_batches:
+        raise ConfigError("eval_interval is set but eval_batches is 0")
+    if cfg.compat.local_rank < -1:
+        raise ConfigError(f"--local_rank must be >= 0, got {cfg.compat.local_rank}")
+    _check_task(cfg)
+    if not 0 <= cfg.optim.muon_momentum < 1:
+        raise ConfigError(f"optim.muon_momentum must be in [0, 1), got {cfg.optim.muon_momentum}")
+    if cfg.optim.min_lr_ratio > 1:
+        raise ConfigError(f"optim.min_lr_ratio must be <= 1, got {cfg.optim.min_lr_ratio}")
+    profile_range(cfg.profile_steps)
+    profile_processes(cfg.profile_processes)
+    _check_mesh_values(cfg)
+
+
+def _check_keys(cfg: Config) -> None:
+    """The rules of whole lists of keys: data sources, choices, positive and non-negative numbers."""
     for path in SOURCE_LISTS:
         parse_spec(get(cfg, path), path)
     for path, choices in _CHOICES.items():
@@ -63,6 +82,10 @@ def check(cfg: Config) -> None:
     for path in _NON_NEGATIVE:
         if get(cfg, path) < 0:
             raise ConfigError(f"config key '{path}' must be >= 0, got {get(cfg, path)}")
+
+
+def _check_model(cfg: Config) -> None:
+    """The model's shape: heads, document tokens, rotary positions, MLA."""
     m = cfg.model
     if cfg.depth and m.d_model % m.n_head:
         raise ConfigError(
@@ -91,6 +114,10 @@ def check(cfg: Config) -> None:
     if m.pos_embedding == "rope" and m.head_size % 2 and not m.mla:  # MLA's: _check_mla
         raise ConfigError(f"rotary positions need an even head size, got {m.head_size}")
     _check_mla(m)
+
+
+def _check_batch(cfg: Config) -> None:
+    """The batch: its split into microbatches, its size in tokens."""
     if cfg.batch_size % cfg.gradient_accumulation_steps:
         raise ConfigError(
             f"batch_size {cfg.batch_size} is not divisible by gradient_accumulation_steps "
@@ -98,22 +125,10 @@ def check(cfg: Config) -> None:
         )
     if cfg.total_batch_size and not cfg.device_batch_size:
         raise ConfigError("total_batch_size needs device_batch_size (sequences per device per microbatch)")
-    if cfg.total_batch_size and cfg.total_batch_size % m.seq_len:
+    if cfg.total_batch_size and cfg.total_batch_size % cfg.model.seq_len:
         raise ConfigError(
-            f"total_batch_size {cfg.total_batch_size} tokens is not a multiple of seq_len {m.seq_len}"
+            f"total_batch_size {cfg.total_batch_size} tokens is not a multiple of seq_len {cfg.model.seq_len}"
         )
-    if cfg.eval_interval and not cfg.eval_batches:
-        raise ConfigError("eval_interval is set but eval_batches is 0")
-    if cfg.compat.local_rank < -1:
-        raise ConfigError(f"--local_rank must be >= 0, got {cfg.compat.local_rank}")
-    _check_task(cfg)
-    if not 0 <= cfg.optim.muon_momentum < 1:
-        raise ConfigError(f"optim.muon_momentum must be in [0, 1), got {cfg.optim.muon_momentum}")
-    if cfg.optim.min_lr_ratio > 1:
-        raise ConfigError(f"optim.min_lr_ratio must be <= 1, got {cfg.optim.min_lr_ratio}")
-    profile_range(cfg.profile_steps)
-    profile_processes(cfg.profile_processes)
-    _check_mesh_values(cfg)
 
 
 def _check_task(cfg: Config) -> None:

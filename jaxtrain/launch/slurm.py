@@ -92,6 +92,19 @@ def sbatch_script(args: argparse.Namespace, script_args: list[str], invocation: 
     workdir = Path(args.workdir)
     script = _script_path(args, workdir)
     python = _relative_to(args.python, workdir)
+    lines = _preamble(args, invocation, script)
+    # No supervisor of ours here (jaxtrain/launch/supervise.py): srun --kill-on-bad-exit=1 applies
+    # the same rule itself, a task that fails ends every other. The shell below only passes USR1
+    # on and requeues; its loop re-enters a `wait` that a trapped signal ended early, it does not
+    # watch the tasks.
+    command = shlex.join(["srun", "--kill-on-bad-exit=1", python, script, *script_args])
+    if not args.signal_seconds:
+        return "\n".join(lines + [command, ""])
+    return "\n".join(lines + _requeued(args, command))
+
+
+def _preamble(args: argparse.Namespace, invocation: str, script: str) -> list[str]:
+    """The sbatch file's lines before the srun: its #SBATCH options, environment and checks."""
     sbatch = {"job-name": args.job_name, "nodes": "1", **_layout(args), "time": args.time}
     for key in ("partition", "account"):
         if getattr(args, key):
@@ -108,45 +121,39 @@ def sbatch_script(args: argparse.Namespace, script_args: list[str], invocation: 
         lines += [f"#SBATCH --signal=B:USR1@{args.signal_seconds}", "#SBATCH --requeue"]
     lines += ["set -euo pipefail", ""]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in _env_pairs(args)]
-    lines += [
+    return lines + [
         f'if [[ ! -f {shlex.quote(script)} ]]; then echo "error: {script} not found in $PWD" >&2; exit 2; fi',
         'echo "jaxtrain: job ${SLURM_JOB_ID} on ${SLURM_JOB_NODELIST}, $(date)"',
     ]
-    # No supervisor of ours here (jaxtrain/launch/supervise.py): srun --kill-on-bad-exit=1 applies
-    # the same rule itself, a task that fails ends every other. The shell below only passes USR1
-    # on and requeues; its loop re-enters a `wait` that a trapped signal ended early, it does not
-    # watch the tasks.
-    command = shlex.join(["srun", "--kill-on-bad-exit=1", python, script, *script_args])
-    if not args.signal_seconds:
-        return "\n".join(lines + [command, ""])
-    return "\n".join(
-        lines
-        + [
-            "",
-            f"# SLURM sends USR1 {args.signal_seconds} s before the time limit. Pass it to every task: they",
-            "# agree on a step, save a checkpoint there and exit 75; then the job requeues itself and the",
-            "# next start resumes. This gives the save the whole warning time. SLURM pre-emption and",
-            "# `scontrol requeue` send SIGTERM instead, which saves the same way but must finish within",
-            "# KillWait seconds (scontrol show config | grep KillWait; default 30) before SIGKILL.",
-            "asked=0",
-            'trap \'asked=1; echo "jaxtrain: time limit near, asking the tasks to save"; '
-            'scancel --signal=USR1 "${SLURM_JOB_ID}"\' USR1',
-            f"{command} &",
-            "srun_pid=$!",
-            "# A trapped signal ends `wait` early; keep waiting until srun itself has finished.",
-            "while true; do",
-            '    rc=0; wait "$srun_pid" || rc=$?',
-            '    kill -0 "$srun_pid" 2>/dev/null || break',
-            "done",
-            "# Requeue after a save (exit 75), or near the limit even if a task died on the way out.",
-            f"if [[ $rc -eq {EXIT_PREEMPTED} || $asked -eq 1 ]]; then",
-            '    echo "jaxtrain: pre-empted, requeueing job ${SLURM_JOB_ID}"',
-            '    scontrol requeue "${SLURM_JOB_ID}" || true  # already requeued when SLURM pre-empted it',
-            "fi",
-            'exit "$rc"',
-            "",
-        ]
-    )
+
+
+def _requeued(args: argparse.Namespace, command: str) -> list[str]:
+    """The srun `command` in the background, USR1 passed on to it, and the job requeued after a save."""
+    return [
+        "",
+        f"# SLURM sends USR1 {args.signal_seconds} s before the time limit. Pass it to every task: they",
+        "# agree on a step, save a checkpoint there and exit 75; then the job requeues itself and the",
+        "# next start resumes. This gives the save the whole warning time. SLURM pre-emption and",
+        "# `scontrol requeue` send SIGTERM instead, which saves the same way but must finish within",
+        "# KillWait seconds (scontrol show config | grep KillWait; default 30) before SIGKILL.",
+        "asked=0",
+        'trap \'asked=1; echo "jaxtrain: time limit near, asking the tasks to save"; '
+        'scancel --signal=USR1 "${SLURM_JOB_ID}"\' USR1',
+        f"{command} &",
+        "srun_pid=$!",
+        "# A trapped signal ends `wait` early; keep waiting until srun itself has finished.",
+        "while true; do",
+        '    rc=0; wait "$srun_pid" || rc=$?',
+        '    kill -0 "$srun_pid" 2>/dev/null || break',
+        "done",
+        "# Requeue after a save (exit 75), or near the limit even if a task died on the way out.",
+        f"if [[ $rc -eq {EXIT_PREEMPTED} || $asked -eq 1 ]]; then",
+        '    echo "jaxtrain: pre-empted, requeueing job ${SLURM_JOB_ID}"',
+        '    scontrol requeue "${SLURM_JOB_ID}" || true  # already requeued when SLURM pre-empted it',
+        "fi",
+        'exit "$rc"',
+        "",
+    ]
 
 
 def write_sbatch(args: argparse.Namespace, script_args: list[str], path: Path, invocation: str) -> Path:

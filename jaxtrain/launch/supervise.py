@@ -218,6 +218,78 @@ def _first_failure(children: list[_Child], ended: list[_Child]) -> int:
     return exit_status(code)
 
 
+def _output(
+    spec: Spec, first: bool, log_dir: Path | None, files: list[IO[bytes]]
+) -> tuple[IO[bytes] | int | None, int | None, Path | None]:
+    """Where a child's output goes, (stdout, stderr, log file): the first's is ours; the others'
+    go to their log file in `log_dir` (opened here, added to `files`), else to a pipe."""
+    if first:
+        return None, None, None
+    if not log_dir:
+        return subprocess.PIPE, subprocess.STDOUT, None
+    log = log_dir / f"{spec.tag.replace(' ', '_')}.log"
+    out = open(log, "wb")  # closed by supervise, once the child has ended
+    files.append(out)
+    return out, subprocess.STDOUT, log
+
+
+def _start(
+    spec: Spec,
+    out: IO[bytes] | int | None,
+    err: int | None,
+    log: Path | None,
+    children: list[_Child],
+    grace: float,
+) -> _Child:
+    """One child started; if it cannot start, those started before it are stopped."""
+    try:
+        return _Child(spec, _popen(spec, out, err), log)
+    except OSError as e:
+        _stop_all(children, grace)
+        raise UserError(f"cannot start {spec.tag}: {shlex.join(spec.command)}: {e.strerror}") from None
+
+
+def _watch(
+    children: list[_Child], pumps: dict[int, threading.Thread], ended: queue.Queue[_Child], grace: float
+) -> int:
+    """0 once every child has finished; at the first failure, `_after_failure`'s exit code."""
+    order: list[_Child] = []
+    while len(order) < len(children):
+        try:
+            order.append(ended.get(timeout=0.5))
+        except queue.Empty:
+            continue
+        if order[-1].proc.returncode != 0:
+            return _after_failure(children, order, pumps, ended, grace)
+    return 0
+
+
+def _after_failure(
+    children: list[_Child],
+    order: list[_Child],
+    pumps: dict[int, threading.Thread],
+    ended: queue.Queue[_Child],
+    grace: float,
+) -> int:
+    """The first failure's exit status, once the others have had _SETTLE_S to report theirs and
+    are stopped."""
+    deadline = time.monotonic() + _SETTLE_S  # let the others report theirs
+    while len(order) < len(children) and (left := deadline - time.monotonic()) > 0:
+        try:
+            order.append(ended.get(timeout=left))
+        except queue.Empty:
+            break
+    # Their last lines before our verdict, which ends the output. Only of those that exited: a
+    # killed one's pipe stays open while its orphans live, and waiting there delays this
+    # launcher's own exit behind another host's report.
+    for c in order:
+        if c.proc.pid in pumps and c.proc.returncode >= 0:
+            pumps[c.proc.pid].join(timeout=0.5)
+    code = _first_failure(children, order)
+    _stop_all(children, grace if code == EXIT_PREEMPTED else min(grace, _CRASH_GRACE_S))
+    return code
+
+
 def supervise(specs: list[Spec], grace: float, log_dir: Path | None = None, banner: str | None = None) -> int:
     """Start every spec, print `banner`, and watch them; returns the launcher's exit code.
 
@@ -236,24 +308,8 @@ def supervise(specs: list[Spec], grace: float, log_dir: Path | None = None, bann
     handlers = {s: signal.signal(s, _raise_stop) for s in _STOP_SIGNALS}
     try:
         for i, spec in enumerate(specs):
-            out: IO[bytes] | int | None = None
-            err: int | None = None
-            log = None
-            if i > 0:
-                err = subprocess.STDOUT
-                if log_dir:
-                    log = log_dir / f"{spec.tag.replace(' ', '_')}.log"
-                    out = open(log, "wb")  # closed below, once the child has ended
-                    files.append(out)
-                else:
-                    out = subprocess.PIPE
-            try:
-                child = _Child(spec, _popen(spec, out, err), log)
-            except OSError as e:
-                _stop_all(children, grace)
-                raise UserError(
-                    f"cannot start {spec.tag}: {shlex.join(spec.command)}: {e.strerror}"
-                ) from None
+            out, err, log = _output(spec, i == 0, log_dir, files)
+            child = _start(spec, out, err, log, children, grace)
             children.append(child)
             threading.Thread(target=_reap, args=(child, ended), daemon=True).start()
             if out is subprocess.PIPE:
@@ -264,29 +320,7 @@ def supervise(specs: list[Spec], grace: float, log_dir: Path | None = None, bann
                 pumps[child.proc.pid] = t
         if banner:
             print(banner, file=sys.stderr, flush=True)
-        order: list[_Child] = []
-        while len(order) < len(children):
-            try:
-                order.append(ended.get(timeout=0.5))
-            except queue.Empty:
-                continue
-            if order[-1].proc.returncode != 0:
-                deadline = time.monotonic() + _SETTLE_S  # let the others report theirs
-                while len(order) < len(children) and (left := deadline - time.monotonic()) > 0:
-                    try:
-                        order.append(ended.get(timeout=left))
-                    except queue.Empty:
-                        break
-                # Their last lines before our verdict, which ends the output. Only of those that
-                # exited: a killed one's pipe stays open while its orphans live, and waiting there
-                # delays this launcher's own exit behind another host's report.
-                for c in order:
-                    if c.proc.pid in pumps and c.proc.returncode >= 0:
-                        pumps[c.proc.pid].join(timeout=0.5)
-                code = _first_failure(children, order)
-                _stop_all(children, grace if code == EXIT_PREEMPTED else min(grace, _CRASH_GRACE_S))
-                return code
-        return 0
+        return _watch(children, pumps, ended, grace)
     except _Stop as stop:
         noun = specs[0].tag.split()[0]  # rank, node
         print(
