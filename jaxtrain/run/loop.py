@@ -110,21 +110,10 @@ def _train(
     # ------------------------------------------------------------------------------- start
     _make_run_dir(run)
     _say_what_runs(run, data)
-    ckpt = ckpt_lib.Checkpointer(run_dir / "checkpoints", cfg.keep_checkpoints, primary=job.is_main)
-    if job.is_main:
-        _warn_if_disk_short(cfg, ckpt, sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(run.abstract)))
-    watchdog.watch_beside(lambda: ckpt.in_flight)  # a background write hung on storage
-    t_restore = time.perf_counter()
-    with watchdog.phase("checkpoint restore"):
-        found = start.find_start(run, ckpt)  # a wrong checkpoint is refused before compiling
-    # The step compiles from shapes alone, so it compiles (or is read from the compile cache) in a
-    # thread while the state is restored or initialised: a relaunch waits for the longer of the two.
-    compiling = Background(run.compile_train)
-    with compiling.joined_on_error(), watchdog.phase("checkpoint restore"):
-        state, step = start.start_state(run, found)
-        _record_start(run, data, timeline, step, launch_time, time.perf_counter() - t_restore)
-    with watchdog.phase("compile"):
-        train_step, compile_s, waited_s = compiling.result()
+    ckpt = _checkpointer(run, watchdog)
+    state, step, train_step, compile_s, waited_s = _restore_and_compile(
+        run, data, watchdog, timeline, launch_time, ckpt
+    )
     reporter, peak_bytes = _reporter(run, step, train_step, compile_s, waited_s)
     batches = _Batches(run, data.train, step)
     evaluator = _Evaluator(run, data.val)
@@ -169,20 +158,72 @@ def _train(
             f"{e}; last good checkpoint: {saver.finish()}; lower the lr or check the data, then relaunch"
         ) from None
     # --------------------------------------------------------------------------------- end
-    if stopped:
-        log.warning(f"stop signal ({stop.signal_name or 'on another process'}): saving step {step}")
-    saver.save_last(step, state, faults)
-    reporter.close()
-    if stopped:
-        raise stop.error(run_dir / "checkpoints" / str(step))  # Preempted, or Interrupted by Ctrl-C
-    if cfg.sample_tokens:  # compiles generate: bounded as a phase, not as a step
-        with watchdog.phase("end-of-run sample"):
-            _sample(run, state.params)
+    _end(run, watchdog, stop, stopped, step, state, saver, reporter)
     log.info(f"done: step {step}, run dir {run_dir}")
     return RunResult(step, tracker.last_loss, val_loss, run_dir)
 
 
+def _end(
+    run: Run,
+    watchdog: Watchdog,
+    stop: StopRequest,
+    stopped: bool,
+    step: int,
+    state: Any,
+    saver: _Saver,
+    reporter: metrics.Reporter,
+) -> None:
+    """The last save, then the stop's error where a stop signal ended the run, else the
+    end-of-run sample."""
+    if stopped:
+        log.warning(f"stop signal ({stop.signal_name or 'on another process'}): saving step {step}")
+    saver.save_last(step, state, run.host_faults)
+    reporter.close()
+    if stopped:
+        # Preempted, or Interrupted by Ctrl-C
+        raise stop.error(run.cfg.resolved_run_dir / "checkpoints" / str(step))
+    if run.cfg.sample_tokens:  # compiles generate: bounded as a phase, not as a step
+        with watchdog.phase("end-of-run sample"):
+            _sample(run, state.params)
+
+
 # ----------------------------------------------------------------------------------- start
+
+
+def _checkpointer(run: Run, watchdog: Watchdog) -> ckpt_lib.Checkpointer:
+    """The run's checkpoints, their disk checked first and their background writes watched."""
+    cfg, job = run.cfg, run.job
+    ckpt = ckpt_lib.Checkpointer(
+        cfg.resolved_run_dir / "checkpoints", cfg.keep_checkpoints, primary=job.is_main
+    )
+    if job.is_main:
+        _warn_if_disk_short(cfg, ckpt, sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(run.abstract)))
+    watchdog.watch_beside(lambda: ckpt.in_flight)  # a background write hung on storage
+    return ckpt
+
+
+def _restore_and_compile(
+    run: Run,
+    data: Resolved,
+    watchdog: Watchdog,
+    timeline: Timeline,
+    launch_time: float,
+    ckpt: ckpt_lib.Checkpointer,
+) -> tuple[Any, int, Any, float, float]:
+    """(state, step, train step, compile seconds, seconds waited for the compile): the state
+    restored or initialised while the step compiles."""
+    t_restore = time.perf_counter()
+    with watchdog.phase("checkpoint restore"):
+        found = start.find_start(run, ckpt)  # a wrong checkpoint is refused before compiling
+    # The step compiles from shapes alone, so it compiles (or is read from the compile cache) in a
+    # thread while the state is restored or initialised: a relaunch waits for the longer of the two.
+    compiling = Background(run.compile_train)
+    with compiling.joined_on_error(), watchdog.phase("checkpoint restore"):
+        state, step = start.start_state(run, found)
+        _record_start(run, data, timeline, step, launch_time, time.perf_counter() - t_restore)
+    with watchdog.phase("compile"):
+        train_step, compile_s, waited_s = compiling.result()
+    return state, step, train_step, compile_s, waited_s
 
 
 def _make_run_dir(run: Run) -> None:
