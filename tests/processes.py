@@ -1,17 +1,25 @@
 """Environments and process lookup for tests that start real processes.
 
     from processes import clean_env, processes_marked, env_of, rank_pid, reaped, wait_for_training
+    from processes import run_train, start_train, ok, logged_losses, wait_for_step
+
+(No jax here: conftest.py imports this module before it sets the environment jax reads.)
 
 (pytest puts tests/ on sys.path, so the test files import this module by its bare name.)
 """
 
+import json
 import os
 import signal
 import subprocess
+import sys
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # The tests' programs are tiny: compiling them is most of their CPU, running them little. LLVM's
 # optimisation passes off (XLA's own HLO passes, sharding and collectives, unchanged): a cold
@@ -112,3 +120,73 @@ def reaped(proc: subprocess.Popen, marker: str) -> Iterator[subprocess.Popen]:
             proc.kill()
         for pid in processes_marked(marker):
             os.kill(pid, signal.SIGKILL)
+
+
+# scripts/train.py runs of the tiny model (tests/test_faults.py's, tests/test_sharded_resume.py's):
+# a step logged each, no evaluation.
+TINY = ["--config", "configs/tiny.yaml", "--log_interval", "1", "--eval_interval", "0"]
+
+
+def train_env(devices: int, marker: str = "", faults: str = "") -> dict[str, str]:
+    """clean_env with a marker (a fresh one unless given) and `faults`: $JAXTRAIN_FAULTS
+    (jaxtrain/faults.py), e.g. "stall_step=15,stall_process=1"."""
+    return clean_env(devices, JAXTRAIN_TEST_MARKER=marker or uuid.uuid4().hex, JAXTRAIN_FAULTS=faults)
+
+
+def train_cmd(run_dir: Path, procs: int, *extra: str) -> list[str]:
+    """TINY into `run_dir`: scripts/train.py for one process, else the local launcher's `procs`."""
+    args = [*TINY, "--run_dir", str(run_dir), *extra]
+    if procs == 1:
+        return [sys.executable, "scripts/train.py", *args]
+    return [
+        sys.executable,
+        "scripts/run_distributed.py",
+        "--mode",
+        "manual",
+        "--world-size",
+        str(procs),
+        "--",
+        *args,
+    ]
+
+
+def run_train(
+    run_dir: Path, procs: int, devices: int, *extra: str, faults: str = "", timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """train_cmd run to its end, `devices` CPU devices a process."""
+    cmd, env = train_cmd(run_dir, procs, *extra), train_env(devices, faults=faults)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def ok(out: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """`out`, failing with its output's tail unless it exited 0."""
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out
+
+
+def start_train(
+    run_dir: Path, procs: int, devices: int, marker: str, *extra: str, faults: str = ""
+) -> subprocess.Popen:
+    """train_cmd started (its own session, `marker` in its environment), not waited for."""
+    return subprocess.Popen(
+        train_cmd(run_dir, procs, *extra), cwd=ROOT, env=train_env(devices, marker, faults),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+
+
+def logged_losses(run_dir: Path) -> dict[int, float]:
+    """Each logged step's loss in run_dir/metrics.jsonl, by step."""
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Return once run_dir/metrics.jsonl logs `step` or later; fail if `proc` ends first or time
+    runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (run_dir / "metrics.jsonl").exists() and max(logged_losses(run_dir), default=0) >= step:
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} never logged")

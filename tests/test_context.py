@@ -5,39 +5,12 @@ fsdp and tensor, with grouped-query heads fewer than the split, and with documen
     pytest tests/test_context.py
 """
 
-import re
-
 import jax
 import numpy as np
 import pytest
+from shared import LLAMA, train_llama
 
 from jaxtrain.config import ConfigError, load_config
-from jaxtrain.parallel import mesh as mesh_lib
-from jaxtrain.run.build import build
-from jaxtrain.run.job import Job
-
-# A tiny Llama: 4 query heads over 2 key/value heads, so context 4 repeats each key/value head.
-LLAMA = [
-    "--config", "configs/tiny.yaml", "--optim.warmup_steps", "0", "--model.n_head", "4",
-    "--model.mlp", "swiglu", "--model.n_kv_head", "2", "--batch_size", "8",
-]  # fmt: skip
-STEPS = 3
-
-
-def _train(argv: list[str], devices: list, docs: bool) -> tuple[np.ndarray, dict, int, int]:
-    """(losses, params, state bytes a device, all-to-alls in the compiled step)."""
-    run = build(Job.of_devices(load_config(LLAMA + argv), devices))
-    state = run.init_state()
-    rows = np.random.default_rng(0).integers(3, 256, (8, run.cfg.model.seq_len + 1), dtype=np.int32)
-    if docs:
-        rows[:, ::7] = 1  # documents of 7 tokens, each starting with token 1 (--model.doc_bos 1)
-    losses = []
-    for _ in range(STEPS):
-        state, metrics = run.train_step(state, mesh_lib.global_batch(rows, run.mesh, 8))
-        losses.append(float(metrics["loss"]))
-    text = run.compile_train().as_text()  # the program just run (the compile cache has it)
-    exchanges = len(re.findall(r" all-to-all(?:-start)?\(", text))
-    return np.array(losses), jax.device_get(state.params), run.state_bytes_per_device, exchanges
 
 
 @pytest.mark.parametrize(
@@ -50,8 +23,8 @@ def _train(argv: list[str], devices: list, docs: bool) -> tuple[np.ndarray, dict
 )
 def test_sequences_split_over_context_train_as_on_one_device(mesh, docs):
     masked = ["--model.doc_bos", "1"] if docs else []
-    one_losses, one_params, one_bytes, _ = _train(masked, jax.devices()[:1], docs)
-    losses, params, state_bytes, exchanges = _train([*masked, *mesh], jax.devices(), docs)
+    one_losses, one_params, one_bytes, _ = train_llama(masked, jax.devices()[:1], docs)
+    losses, params, state_bytes, exchanges = train_llama([*masked, *mesh], jax.devices(), docs)
     # Each sequence is split over context: attention makes it whole by heads and back, an
     # all-to-all each for q, k, v and the output a layer, forward and backward (parallel/context.py).
     assert exchanges >= 8 * 2, exchanges  # 2 layers

@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_moe import MESHES as MOE_MESHES
-from test_moe import _train
+from shared import MESHES as MOE_MESHES
+from shared import train_run
 
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.model.moe import route, update_router_bias
@@ -34,12 +34,12 @@ MESHES = {
 
 @pytest.fixture(scope="module")
 def one_device():
-    return _train([], 1, STEPS, base=DEEPSEEK)
+    return train_run([], 1, STEPS, base=DEEPSEEK)
 
 
 @pytest.fixture(scope="module", params=list(MESHES), ids=list(MESHES))
 def expert_parallel(request):
-    return _train(MESHES[request.param], 8, STEPS, base=DEEPSEEK)
+    return train_run(MESHES[request.param], 8, STEPS, base=DEEPSEEK)
 
 
 def _biases(params):
@@ -70,7 +70,7 @@ def test_fp8_dispatch_under_remat_trains_as_the_compute_dtype_does(one_device):
     it, and in pieces, against autodiff of the routing in one place: tests/test_moe_exchange.py;
     pieces under expert parallelism through the step: tests/test_accumulate.py."""
     argv = ["--model.remat", "full", "--model.moe.dispatch_dtype", "float8_e4m3fn"]
-    fp8 = _train(argv, 1, STEPS, base=DEEPSEEK)
+    fp8 = train_run(argv, 1, STEPS, base=DEEPSEEK)
     difference = np.abs(fp8["losses"] / one_device["losses"] - 1)
     print("FP8 dispatch: max relative loss difference", difference.max())
     assert 0 < difference.max() < 1e-2 and fp8["losses"][-1] < fp8["losses"][0] - 0.5, difference

@@ -10,123 +10,40 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
-from processes import clean_env, processes_marked, rank_pid
+from processes import logged_losses, ok, processes_marked, rank_pid, run_train, start_train, wait_for_step
+from shared import bitwise_same_end
 
-from jaxtrain.config import load_config
 from jaxtrain.disk.checkpoint import Checkpointer
-from jaxtrain.model.transformer import GPT
-from jaxtrain.run.optim import make_optimizer
-from jaxtrain.run.state import abstract_state
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--config", "configs/tiny.yaml", "--log_interval", "1", "--eval_interval", "0"]
 
 pytestmark = pytest.mark.slow
-
-
-def _env(devices: int, marker: str = "", faults: str = "") -> dict[str, str]:
-    """`faults`: $JAXTRAIN_FAULTS (jaxtrain/faults.py), e.g. "stall_step=15,stall_process=1"."""
-    return clean_env(devices, JAXTRAIN_TEST_MARKER=marker or uuid.uuid4().hex, JAXTRAIN_FAULTS=faults)
-
-
-def _cmd(run_dir: Path, procs: int, *extra: str) -> list[str]:
-    args = [*TINY, "--run_dir", str(run_dir), *extra]
-    if procs == 1:
-        return [sys.executable, "scripts/train.py", *args]
-    return [
-        sys.executable,
-        "scripts/run_distributed.py",
-        "--mode",
-        "manual",
-        "--world-size",
-        str(procs),
-        "--",
-        *args,
-    ]
-
-
-def _run(
-    run_dir: Path, procs: int, devices: int, *extra: str, faults: str = "", timeout: float = 300
-) -> subprocess.CompletedProcess:
-    cmd, env = _cmd(run_dir, procs, *extra), _env(devices, faults=faults)
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def _ok(out: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    return out
-
-
-def _start(
-    run_dir: Path, procs: int, devices: int, marker: str, *extra: str, faults: str = ""
-) -> subprocess.Popen:
-    return subprocess.Popen(
-        _cmd(run_dir, procs, *extra), cwd=ROOT, env=_env(devices, marker, faults),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
-
-
-def _losses(run_dir: Path) -> dict[int, float]:
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if "loss" in r}
-
-
-def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if (run_dir / "metrics.jsonl").exists() and max(_losses(run_dir), default=0) >= step:
-            return
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.2)
-    raise AssertionError(f"step {step} never logged")
-
-
-def _final_state(run_dir: Path, step: int) -> list[np.ndarray]:
-    """The saved train state of `step`, restored onto this test process's first device."""
-    cfg = load_config(["--config", str(run_dir / "config.yaml")])
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = abstract_state(cfg, GPT(cfg.model), make_optimizer(cfg))
-    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one), abstract)
-    ckpt = Checkpointer(run_dir / "checkpoints", keep=2, read_only=True)
-    return jax.tree.leaves(jax.device_get(ckpt.restore(step, target)))
-
-
-def _bitwise_same_end(a: Path, b: Path, first: int, last: int) -> None:
-    la, lb = _losses(a), _losses(b)
-    assert all(la[s] == lb[s] for s in range(first, last + 1)), (la, lb)
-    fa, fb = _final_state(a, last), _final_state(b, last)
-    assert fa and all(np.array_equal(x, y) for x, y in zip(fa, fb, strict=True))
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     """An uninterrupted 2-process x 4-device run of 20 steps, checkpoints at 10 and 20."""
     run_dir = tmp_path_factory.mktemp("ref") / "run"
-    _ok(_run(run_dir, 2, 4))
+    ok(run_train(run_dir, 2, 4))
     return run_dir
 
 
 def test_kill_9_a_worker_then_relaunch_is_bitwise_identical(reference, tmp_path):
     run_dir, marker = tmp_path / "run", uuid.uuid4().hex
-    proc = _start(run_dir, 2, 4, marker, faults="stall_step=15,stall_process=1")
-    _wait_for_step(run_dir, 15, proc)
+    proc = start_train(run_dir, 2, 4, marker, faults="stall_step=15,stall_process=1")
+    wait_for_step(run_dir, 15, proc)
     os.kill(rank_pid(marker, 1), signal.SIGKILL)
     t0 = time.monotonic()
     proc.communicate(timeout=60)
     assert proc.returncode != 0 and time.monotonic() - t0 < 30
     assert not processes_marked(marker), "processes left behind"
-    out = _ok(_run(run_dir, 2, 4))
+    out = ok(run_train(run_dir, 2, 4))
     assert "checkpoints/10" in out.stdout + out.stderr
-    _bitwise_same_end(reference, run_dir, 11, 20)
+    bitwise_same_end(reference, run_dir, 11, 20)
 
 
 @pytest.mark.parametrize("procs, devices", [(1, 8), (4, 2), (1, 1)])
@@ -134,31 +51,31 @@ def test_resume_on_another_topology(reference, tmp_path, procs, devices):
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
     shutil.rmtree(run_dir / "checkpoints" / "20")  # as if the 2x4 job had stopped after step 10
-    out = _ok(_run(run_dir, procs, devices))
+    out = ok(run_train(run_dir, procs, devices))
     assert "checkpoints/10" in out.stdout + out.stderr
-    a, b = _losses(reference), _losses(run_dir)
+    a, b = logged_losses(reference), logged_losses(run_dir)
     # Same global batches; only the order of float additions differs with the device count.
     np.testing.assert_allclose([b[s] for s in range(11, 21)], [a[s] for s in range(11, 21)], rtol=2e-4)
 
 
 def test_kill_during_a_checkpoint_write_keeps_the_last_complete_one(tmp_path):
     whole, run_dir = tmp_path / "whole", tmp_path / "run"
-    _ok(_run(whole, 1, 2))
-    out = _run(run_dir, 1, 2, faults="kill_during_save=20")
+    ok(run_train(whole, 1, 2))
+    out = run_train(run_dir, 1, 2, faults="kill_during_save=20")
     assert out.returncode == -signal.SIGKILL
     ckpts = run_dir / "checkpoints"
     assert (ckpts / "10").is_dir() and not (ckpts / "20").exists()
     assert Checkpointer(ckpts, keep=2, read_only=True).latest_step() == 10
-    out = _ok(_run(run_dir, 1, 2))
+    out = ok(run_train(run_dir, 1, 2))
     assert f"resumed from {ckpts}/10" in out.stdout
-    _bitwise_same_end(whole, run_dir, 11, 20)
+    bitwise_same_end(whole, run_dir, 11, 20)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_stop_signal_saves_and_exits_75_then_resumes(tmp_path, sig):
     run_dir, marker = tmp_path / "run", uuid.uuid4().hex
-    proc = _start(run_dir, 1, 2, marker, "--total_steps", "100000", "--checkpoint_interval", "1000")
-    _wait_for_step(run_dir, 5, proc)
+    proc = start_train(run_dir, 1, 2, marker, "--total_steps", "100000", "--checkpoint_interval", "1000")
+    wait_for_step(run_dir, 5, proc)
     t0 = time.monotonic()
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
@@ -166,15 +83,15 @@ def test_stop_signal_saves_and_exits_75_then_resumes(tmp_path, sig):
     assert time.monotonic() - t0 < 30
     saved = Checkpointer(run_dir / "checkpoints", keep=2, read_only=True).latest_step()
     assert saved is not None and saved >= 5 and f"checkpoint {run_dir}/checkpoints/{saved} saved" in err
-    out = _ok(_run(run_dir, 1, 2, "--total_steps", str(saved + 3), "--checkpoint_interval", "1000"))
+    out = ok(run_train(run_dir, 1, 2, "--total_steps", str(saved + 3), "--checkpoint_interval", "1000"))
     assert f"resumed from {run_dir}/checkpoints/{saved}" in out.stdout
 
 
 def test_stop_signal_on_one_process_stops_all_at_the_same_step(tmp_path):
     run_dir, marker = tmp_path / "run", uuid.uuid4().hex
     extra = ["--total_steps", "100000", "--checkpoint_interval", "1000", "--preemption_check_interval", "2"]
-    proc = _start(run_dir, 2, 2, marker, *extra)
-    _wait_for_step(run_dir, 5, proc)
+    proc = start_train(run_dir, 2, 2, marker, *extra)
+    wait_for_step(run_dir, 5, proc)
     os.kill(rank_pid(marker, 1), signal.SIGUSR1)
     out, err = proc.communicate(timeout=90)
     assert proc.returncode == 75, err[-3000:]  # pre-empted: the launcher passes the ranks' code on
@@ -194,7 +111,7 @@ def test_stop_signal_on_one_process_stops_all_at_the_same_step(tmp_path):
 def test_a_stalled_process_is_found_and_the_job_ends(tmp_path):
     run_dir, marker = tmp_path / "run", uuid.uuid4().hex
     t0 = time.monotonic()
-    proc = _start(run_dir, 2, 2, marker, "--total_steps", "60", faults="stall_step=40,stall_process=1")
+    proc = start_train(run_dir, 2, 2, marker, "--total_steps", "60", faults="stall_step=40,stall_process=1")
     _, err = proc.communicate(timeout=180)
     assert proc.returncode != 0
     assert time.monotonic() - t0 < 120  # start-up + 40 steps + the 15 s minimum limit + teardown
@@ -210,7 +127,7 @@ def test_a_stalled_process_is_found_and_the_job_ends(tmp_path):
 def test_repeated_nan_steps_stop_the_run_naming_the_step(tmp_path):
     run_dir = tmp_path / "run"
     extra = ["--checkpoint_interval", "5", "--max_bad_steps", "3"]
-    out = _run(run_dir, 1, 2, *extra, faults="nan_step=12,nan_count=100")
+    out = run_train(run_dir, 1, 2, *extra, faults="nan_step=12,nan_count=100")
     assert out.returncode == 4, out.stderr[-2000:]
     line = out.stderr.strip().splitlines()[-1]
     assert "3 non-finite steps in a row (last at step 14" in line and "last good checkpoint: step 10" in line
@@ -219,8 +136,8 @@ def test_repeated_nan_steps_stop_the_run_naming_the_step(tmp_path):
 
 def test_one_nan_step_is_skipped_and_training_goes_on(tmp_path):
     run_dir = tmp_path / "run"
-    _ok(_run(run_dir, 1, 2, faults="nan_step=7"))
+    ok(run_train(run_dir, 1, 2, faults="nan_step=7"))
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     skipped = {r["step"]: r["skipped_steps"] for r in records if "loss" in r}
     assert skipped[6] == 0 and skipped[7] == 1 and skipped[20] == 1
-    assert np.isfinite(_losses(run_dir)[20])
+    assert np.isfinite(logged_losses(run_dir)[20])

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_context import _train
+from shared import train_llama
 
 from jaxtrain.config import ConfigError, ModelConfig, load_config
 from jaxtrain.model.transformer import GPT
@@ -71,9 +71,9 @@ def test_pieces_split_by_vocabulary_over_tensor_train_as_on_one_device():
     """Under tensor parallelism each piece's logits are split by vocabulary (context splits none):
     its softmax is reduced over tensor peers piece by piece. Measured: losses within 1e-7, params
     4.3e-5 after 3 AdamW steps (test_context.py says why that tolerance)."""
-    one_losses, one_params, _ = _train([], jax.devices()[:1], docs=False)
+    one_losses, one_params, _, _ = train_llama([], jax.devices()[:1], docs=False)
     mesh = ["--mesh.tensor", "2", "--mesh.fsdp", "4", "--mesh.data", "1", "--model.token_chunks", "4"]
-    losses, params, _ = _train(mesh, jax.devices(), docs=False)
+    losses, params, _, _ = train_llama(mesh, jax.devices(), docs=False)
     np.testing.assert_allclose(losses, one_losses, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(one_params), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)

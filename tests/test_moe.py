@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from shared import DOTS, MESHES, MOE, train_run
 
 from jaxtrain.cluster.detect import detect
 from jaxtrain.cluster.shutdown import exit_on_user_error
@@ -40,63 +41,15 @@ from jaxtrain.run.job import Job
 from jaxtrain.run.loop import train
 from jaxtrain.run.optim import decay_mask, muon_labels
 
-# tests/test_sharding.py's tiny model with SwiGLU experts: 8 of them, 2 per token, and a shared
-# one every token passes through (split over tensor and fsdp like a dense MLP, replicated over
-# expert); 4 heads so tensor 2 splits them. Clipping on: the global norm must agree across layouts.
-MOE = [
-    "--config", "configs/tiny.yaml", "--optim.warmup_steps", "0", "--model.n_head", "4",
-    "--model.mlp", "swiglu", "--model.moe.n_experts", "8", "--model.moe.d_expert", "32",
-    "--model.moe.n_shared_experts", "1", "--model.moe.z_loss_coef", "0.001",
-]  # fmt: skip
-STEPS = 20
-DOTS = ["--model.remat", "dots"]
-MESHES = {
-    "expert4xdata2": ["--mesh.expert", "4", "--mesh.data", "2"],
-    # expert laid inside fsdp (tests/test_deepseek.py trains the same sizes laid out as usual),
-    # under remat dots (the exchange's own backward, `_routed`): Qwen3-30B-A3B's settings
-    "expert2_inside_fsdp2xtensor2": [
-        "--mesh.expert", "2", "--mesh.fsdp", "2", "--mesh.tensor", "2", "--mesh.data", "1",
-        "--mesh.expert_inner", "true", *DOTS,
-    ],
-}  # fmt: skip
-
-
-def _train(argv, n_devices, steps=STEPS, keep_starts=False, base=MOE):
-    """The run built for `argv` on `n_devices` and `steps` steps of the `base` model (tests/
-    test_deepseek.py's too): losses, last metrics, final params and the compiled step's HLO; each
-    step's batch and metrics (and, keep_starts, its params)."""
-    run = build(Job.of_devices(load_config(base + argv), jax.devices()[:n_devices]))
-    cfg, mesh, state = run.cfg, run.mesh, run.init_state()
-    compiled = run.compile_train()
-    rng = np.random.default_rng(0)
-    # Two batches in turn: random tokens, but seen again, so the loss must fall.
-    batches = [
-        rng.integers(0, 256, (cfg.batch_size, cfg.model.seq_len + 1), dtype=np.int32) for _ in range(2)
-    ]
-    losses, starts = [], []
-    for i in range(steps):
-        start = jax.device_get(state.params) if keep_starts else None  # before the step donates it
-        state, m = compiled(state, mesh_lib.global_batch(batches[i % 2], mesh, cfg.batch_size))
-        losses.append(float(m["loss"]))
-        starts.append((start, batches[i % 2], m))
-    return {
-        "run": run,
-        "losses": np.array(losses),
-        "metrics": jax.device_get(m),
-        "params": jax.device_get(state.params),
-        "hlo": compiled.as_text(),
-        "starts": starts,
-    }
-
 
 @pytest.fixture(scope="module")
 def one_device():
-    return _train([], 1)
+    return train_run([], 1)
 
 
 @pytest.fixture(scope="module", params=list(MESHES), ids=list(MESHES))
 def expert_parallel(request):
-    return request.param, _train(MESHES[request.param], 8)
+    return request.param, train_run(MESHES[request.param], 8)
 
 
 def test_expert_parallel_meshes_train_like_one_device(one_device, expert_parallel):
@@ -222,7 +175,7 @@ def test_capacity_factor_bounds_what_a_device_receives_and_counts_what_it_drops(
     """capacity_factor 1: each device receives at most as many copies as it sends (expert 4);
     copies past that are dropped, the same share of each sender's, counted exactly (the share
     logged is the count from the router's choices), and the loss stays near the dropless one."""
-    run = _train([*MESHES["expert4xdata2"], "--model.moe.capacity_factor", "1.0"], 8, 2, keep_starts=True)
+    run = train_run([*MESHES["expert4xdata2"], "--model.moe.capacity_factor", "1.0"], 8, 2, keep_starts=True)
     cfg, router_logits = run["run"].cfg, _router_logits(run["run"])
     for params, rows, metrics in run["starts"]:
         logits = router_logits(params, rows)

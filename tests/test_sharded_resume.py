@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from processes import processes_marked, rank_pid
-from test_faults import _bitwise_same_end, _losses, _ok, _run, _start, _wait_for_step
+from processes import logged_losses, ok, processes_marked, rank_pid, run_train, start_train, wait_for_step
+from shared import bitwise_same_end
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -26,7 +26,7 @@ FSDP = ["--mesh.fsdp", "4"]  # data -1 = 2: the outer axis spans the processes
 def sharded_reference(tmp_path_factory) -> Path:
     """An uninterrupted 2-process x 4-device data 2 x fsdp 4 run of 20 steps, checkpoints at 10, 20."""
     run_dir = tmp_path_factory.mktemp("fsdp") / "run"
-    _ok(_run(run_dir, 2, 4, *FSDP))
+    ok(run_train(run_dir, 2, 4, *FSDP))
     return run_dir
 
 
@@ -63,31 +63,30 @@ def test_sharded_checkpoint_resumes_on_other_meshes(sharded_reference, tmp_path,
     run_dir = tmp_path / "run"
     shutil.copytree(sharded_reference, run_dir)
     shutil.rmtree(run_dir / "checkpoints" / "20")  # as if the 2x4 job had stopped after step 10
-    out = _ok(_run(run_dir, procs, devices, *mesh))
+    out = ok(run_train(run_dir, procs, devices, *mesh))
     assert "checkpoints/10" in out.stdout + out.stderr
-    a, b = _losses(sharded_reference), _losses(run_dir)
+    a, b = logged_losses(sharded_reference), logged_losses(run_dir)
     # Same global batches; only the order of float additions differs with the layout.
     np.testing.assert_allclose([b[s] for s in range(11, 21)], [a[s] for s in range(11, 21)], rtol=2e-4)
 
 
 def test_kill_9_under_fsdp_then_relaunch_is_bitwise_identical(sharded_reference, tmp_path):
     run_dir, marker = tmp_path / "run", uuid.uuid4().hex
-    proc = _start(run_dir, 2, 4, marker, *FSDP, faults="stall_step=15,stall_process=1")
-    _wait_for_step(run_dir, 15, proc)
+    proc = start_train(run_dir, 2, 4, marker, *FSDP, faults="stall_step=15,stall_process=1")
+    wait_for_step(run_dir, 15, proc)
     os.kill(rank_pid(marker, 1), signal.SIGKILL)
     t0 = time.monotonic()
     proc.communicate(timeout=60)
     assert proc.returncode != 0 and time.monotonic() - t0 < 30
     assert not processes_marked(marker), "processes left behind"
-    out = _ok(_run(run_dir, 2, 4, *FSDP))
+    out = ok(run_train(run_dir, 2, 4, *FSDP))
     assert "checkpoints/10" in out.stdout + out.stderr
-    _bitwise_same_end(sharded_reference, run_dir, 11, 20)
+    bitwise_same_end(sharded_reference, run_dir, 11, 20)
 
 
 def test_fsdp_across_processes_trains_and_says_what_it_costs(tmp_path):
-    out = _ok(
-        _run(tmp_path / "run", 2, 2, "--mesh.fsdp", "4", "--total_steps", "2", "--checkpoint_interval", "2")
-    )
+    steps = ["--total_steps", "2", "--checkpoint_interval", "2"]
+    out = ok(run_train(tmp_path / "run", 2, 2, "--mesh.fsdp", "4", *steps))
     assert "mesh fsdp x tensor = 4 devices spans hosts (2 devices per process)" in out.stdout + out.stderr
 
 
@@ -114,11 +113,11 @@ def test_experts_inside_each_process_and_fsdp_across_them_train_as_in_one_proces
         "true",
     ]
     steps = ["--total_steps", "3", "--checkpoint_interval", "3"]
-    two = _ok(_run(tmp_path / "two", 2, 2, *layout, *steps))
-    _ok(_run(tmp_path / "one", 1, 4, *layout, *steps))
+    two = ok(run_train(tmp_path / "two", 2, 2, *layout, *steps))
+    ok(run_train(tmp_path / "one", 1, 4, *layout, *steps))
     assert "spans hosts" not in two.stdout + two.stderr  # fsdp across processes is what was asked
     assert "expert inside fsdp" in (tmp_path / "two" / "train.log").read_text()
-    a, b = _losses(tmp_path / "two"), _losses(tmp_path / "one")
+    a, b = logged_losses(tmp_path / "two"), logged_losses(tmp_path / "one")
     assert sorted(a) == [1, 2, 3] and a == pytest.approx(b, rel=1e-5), (a, b)
 
 
@@ -142,15 +141,15 @@ def test_kill_9_under_expert_context_or_pipeline_parallelism_then_relaunch_is_bi
     separate reference run would cost one more launch and compile). Read before the relaunch, which
     marks those records redone."""
     run_dir, marker = tmp_path / "run", uuid.uuid4().hex
-    proc = _start(run_dir, 2, 4, marker, *layout, faults="stall_step=15,stall_process=1")
-    _wait_for_step(run_dir, 15, proc)
+    proc = start_train(run_dir, 2, 4, marker, *layout, faults="stall_step=15,stall_process=1")
+    wait_for_step(run_dir, 15, proc)
     os.kill(rank_pid(marker, 1), signal.SIGKILL)
     proc.communicate(timeout=60)
     assert proc.returncode != 0 and not processes_marked(marker), "processes left behind"
-    first = _losses(run_dir)
-    out = _ok(_run(run_dir, 2, 4, *layout))
+    first = logged_losses(run_dir)
+    out = ok(run_train(run_dir, 2, 4, *layout))
     assert "checkpoints/10" in out.stdout + out.stderr
-    relaunch = _losses(run_dir)
+    relaunch = logged_losses(run_dir)
     assert max(first) == 15 and sorted(relaunch) == list(range(1, 21)), (first, relaunch)
     assert all(first[s] == relaunch[s] for s in range(11, 16)), (first, relaunch)
     # Process 0's log says once per launch that the all-to-all crosses hosts (each process warns).
