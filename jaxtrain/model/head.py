@@ -24,7 +24,7 @@ from jaxtrain.text.format import NO_LOSS
 
 def mean_loss(losses: jax.Array, rows: jax.Array, share: jax.Array | None = None) -> jax.Array:
     """The loss of rows [b, T+1] from each token's cross-entropy `losses` [b, T]: their mean, or with a
-    loss mask (`share`: parallel/data.py `kept_share`) the sum over the targets that take loss (no
+    loss mask (`share`: parallel/data.py `target_share`) the sum over the targets that take loss (no
     NO_LOSS bit) over `share`. The one rule the plain step, accumulation and the pipeline take."""
     return losses.mean() if share is None else jnp.where(rows[:, 1:] & NO_LOSS, 0.0, losses).sum() / share
 

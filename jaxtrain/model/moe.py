@@ -205,8 +205,8 @@ def _routed(wire: Wire, rows: Pieces, gates: Pieces, w_in: jax.Array, w_out: jax
     -> each piece's gates x its experts' outputs, computed where the experts are (`wire`).
 
     Its backward sends the copies again with their gradient and runs the experts there: what it
-    keeps is the copies (ours) alone, so a step under remat recomputes no exchange (jax's own
-    backward kept the exchanged rows and results, and remat re-sent both): 5 transfers of the
+    saves is the copies (ours) alone, so a step under remat recomputes no exchange (jax's own
+    backward saved the exchanged rows and results, and remat re-sent both): 5 transfers of the
     copies a layer, not 6. Pieces go one after another (`_pipelined`), so one piece's exchange
     runs beside another's experts."""
     return _routed_fwd(wire, rows, gates, w_in, w_out, plans)[0]
@@ -255,7 +255,7 @@ def _routed_fwd(
     def finish(piece: Any, made: tuple[jax.Array, jax.Array]) -> jax.Array:
         r, g, plan = piece
         out, recv = made
-        # Not in the copies' own buffer: they are kept for the backward (XLA would copy them).
+        # Not in the copies' own buffer: they are saved for the backward (XLA would copy them).
         buffer = _spare(landed, r.shape[0])
         ours, buffer = wire.back(out, jnp.zeros_like(r) if buffer is None else buffer, plan)
         spare.append(recv)
@@ -304,7 +304,7 @@ def _spare(spare: list[jax.Array], rows: int) -> jax.Array | None:
 
 
 def routed(recomputed: bool) -> Any:
-    """`_routed` for a block remat recomputes; without remat, where jax's backward keeps what the
+    """`_routed` for a block remat recomputes; without remat, where jax's backward saves what the
     forward made (4 transfers of the copies, the experts run once forward), its forward, as autodiff
     sees it."""
     return _routed if recomputed else lambda *args: _routed_fwd(*args)[0]

@@ -36,18 +36,18 @@ class Shards:
         axes = tuple(a for a in axes if self.sizes[a] > 1)
         return jax.lax.pmean(tree, axes) if axes else tree
 
-    def kept(self, rows: jax.Array) -> jax.Array:
+    def loss_targets(self, rows: jax.Array) -> jax.Array:
         """How many targets of the whole global batch take loss (a loss-masked batch)."""
-        kept = jnp.sum((rows[:, 1:] & NO_LOSS) == 0).astype(jnp.float32)
+        targets = jnp.sum((rows[:, 1:] & NO_LOSS) == 0).astype(jnp.float32)
         axes = tuple(a for a in mesh_lib.BATCH_AXES if self.sizes[a] > 1)  # as in _pmean
-        return jax.lax.psum(kept, axes) if axes else kept
+        return jax.lax.psum(targets, axes) if axes else targets
 
-    def kept_share(self, kept: jax.Array, accum: int) -> jax.Array:
-        """The global batch's kept count per microbatch of each shard: each microbatch's loss is its
-        kept sum over this, so the mean over microbatches and shards (what the step takes) is the
-        global kept sum over the global kept count, however the batch is split. A batch keeping
-        nothing has loss 0, not NaN."""
-        return jnp.maximum(kept, 1.0) / (accum * math.prod(self.sizes.values()))
+    def target_share(self, targets: jax.Array, accum: int) -> jax.Array:
+        """The global batch's loss-target count per microbatch of each shard: each microbatch's loss
+        is its sum over its loss targets over this, so the mean over microbatches and shards (what
+        the step takes) is the global sum over the global loss-target count, however the batch is
+        split. A batch with no loss target has loss 0, not NaN."""
+        return jnp.maximum(targets, 1.0) / (accum * math.prod(self.sizes.values()))
 
     def mean(self, tree: Any) -> Any:
         """Mean over the batch shards."""
@@ -61,7 +61,7 @@ class Shards:
         stands in for the all-reduce: each data shard gets only its slice, half the bytes."""
 
         def one(path: tuple, g: jax.Array, spec: P, out: P) -> jax.Array:
-            g = g.astype(jnp.float32)  # a compute copy's (`compute_copy`): reduced as every other
+            g = g.astype(jnp.float32)  # compute params' (`compute_params`): reduced as every other
             split = mesh_lib.spec_axes(spec)
             scatter = [
                 i for i, e in enumerate(out) if mesh_lib.DATA_AXIS in set(mesh_lib.entry_axes(e)) - split

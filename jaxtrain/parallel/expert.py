@@ -74,24 +74,25 @@ def receive_bound(n: int, ep: int, capacity_factor: float) -> int:
     return min(ep * n, math.ceil(capacity_factor * n)) if capacity_factor else ep * n
 
 
-def _kept(want: jax.Array, bound: int) -> jax.Array:
-    """Copies kept of what each peer wants to send this device [ep]: all of them if they fit in
-    `bound` rows, else the same share of each peer's (rounded down; the rest dropped)."""
+def _admitted(want: jax.Array, bound: int) -> jax.Array:
+    """Copies this device admits of what each peer wants to send it [ep]: all of them if they fit
+    in `bound` rows, else the same share of each peer's (rounded down; the rest dropped)."""
     total = want.sum()
     share = jnp.floor(want.astype(jnp.float32) * (bound / jnp.maximum(total, 1).astype(jnp.float32)))
-    kept = jnp.where(total <= bound, want, jnp.minimum(share.astype(jnp.int32), want))
-    return jnp.clip(bound - (jnp.cumsum(kept) - kept), 0, kept)  # float rounding never overfills it
+    admitted = jnp.where(total <= bound, want, jnp.minimum(share.astype(jnp.int32), want))
+    # float rounding never overfills it
+    return jnp.clip(bound - (jnp.cumsum(admitted) - admitted), 0, admitted)
 
 
 class Plan(NamedTuple):
     """Who sends what where in one exchange (from its two tiny all-to-alls; no gradient), in
     slices of one peer's one expert: [ep x local] arrays, peer-major (ragged_all_to_all's several
     slices a peer). Ours to each peer's experts: `in_offsets` where they start in our rows,
-    `send_sizes` how many it keeps, `out_offsets` where they land in its buffer; each source's to
-    ours: `recv_offsets` where they land, `recv_sizes` how many we keep, `their_offsets` where they
+    `send_sizes` how many it admits, `out_offsets` where they land in its buffer; each source's to
+    ours: `recv_offsets` where they land, `recv_sizes` how many we admit, `their_offsets` where they
     start in its rows. A receiver's buffer is grouped by expert (source-major inside each): the
     grouped matmul's order, no sort. `sizes` the rows of each local expert; `held`: which of our
-    rows a receiver kept (the rest come back zero). Without expert parallelism only `sizes`: the
+    rows a receiver admitted (the rest come back zero). Without expert parallelism only `sizes`: the
     rows stay where they are."""
 
     sizes: jax.Array
@@ -107,23 +108,23 @@ class Plan(NamedTuple):
 
 def _plan(experts: jax.Array, axis: str, ep: int, local: int, bound: int) -> Plan:
     """The exchange of rows sorted by global expert id `experts` [n] between the ep devices along
-    `axis` (`local` experts each, `bound` rows received at most: `receive_bound`, `_kept`). Two
+    `axis` (`local` experts each, `bound` rows received at most: `receive_bound`, `_admitted`). Two
     tiny int32 all_to_alls settle it: each peer's copies per local expert and where they start in
-    its rows, then what each receiver keeps of them and where it puts them."""
+    its rows, then what each receiver admits of them and where it puts them."""
     n = experts.shape[0]
     counts = jnp.zeros(ep * local, jnp.int32).at[experts].add(1, mode="drop").reshape(ep, local)
     in_offsets = jnp.cumsum(counts.reshape(-1)).reshape(ep, local) - counts  # rows sorted by expert
     table = jax.lax.all_to_all(jnp.concatenate([counts, in_offsets], axis=1), axis, 0, 0, tiled=True)
     per_expert, their_offsets = table[:, :local], table[:, local:]  # [source, local expert]
-    kept = _kept(per_expert.sum(axis=1), bound)
-    # A source's kept rows are a prefix of its run, so of each expert's rows a prefix.
+    admitted = _admitted(per_expert.sum(axis=1), bound)
+    # A source's admitted rows are a prefix of its run, so of each expert's rows a prefix.
     before = jnp.cumsum(per_expert, axis=1) - per_expert
-    recv_sizes = jnp.clip(kept[:, None] - before, 0, per_expert)  # [source, local expert]
+    recv_sizes = jnp.clip(admitted[:, None] - before, 0, per_expert)  # [source, local expert]
     sizes = recv_sizes.sum(axis=0)
     # Grouped by expert, each expert's rows source-major.
     recv_offsets = (jnp.cumsum(sizes) - sizes)[None, :] + jnp.cumsum(recv_sizes, axis=0) - recv_sizes
     reply = jax.lax.all_to_all(jnp.concatenate([recv_sizes, recv_offsets], axis=1), axis, 0, 0, tiled=True)
-    send_sizes, out_offsets = reply[:, :local], reply[:, local:]  # per peer's expert: kept, and where
+    send_sizes, out_offsets = reply[:, :local], reply[:, local:]  # per peer's expert: admitted, and where
     slot = jnp.minimum(experts, ep * local - 1)
     held = jnp.arange(n) - in_offsets.reshape(-1)[slot] < send_sizes.reshape(-1)[slot]
     flat = lambda a: a.reshape(-1)  # noqa: E731
@@ -209,9 +210,9 @@ def exchange(
     """Rows [n, d] sorted by global expert id `experts` [n], and their `gates` [n], in pieces ->
     (each piece's gates x its experts' outputs, computed on the devices along `axis` (ep of them)
     that hold those experts (w_in, w_out: this device's), the share of rows dropped: past their
-    receiver's bound (`receive_bound`, `_kept`: each piece's), zero out).
+    receiver's bound (`receive_bound`, `_admitted`: each piece's), zero out).
 
-    Each device sends each peer exactly the rows it keeps, by `ragged_all_to_all` (ragged) or its
+    Each device sends each peer exactly the rows it admits, by `ragged_all_to_all` (ragged) or its
     padded stand-in (XLA:CPU); both land them in the same places, so the routing is the same.
     `recomputed`: the block is recomputed in the backward (remat), where model/moe.py `routed`'s own
     backward saves a transfer; else jax's."""
@@ -219,6 +220,6 @@ def exchange(
     bound = receive_bound(n, ep, capacity_factor)
     plans = tuple(_plan(e, axis, ep, w_in.shape[0], bound) for e in experts)
     wire = Exchange(impl, n, dispatch, bound, axis, ragged, min(n, bound))
-    kept = sum(plan.send_sizes.sum() for plan in plans)
+    admitted = sum(plan.send_sizes.sum() for plan in plans)
     outs = routed(recomputed)(wire, tuple(rows), tuple(gates), w_in, w_out, plans)
-    return outs, 1.0 - kept / (n * len(rows))
+    return outs, 1.0 - admitted / (n * len(rows))

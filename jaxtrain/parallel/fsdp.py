@@ -9,7 +9,7 @@ checks the compiled HLO). Why explicit collectives: GSPMD alone all-reduced the 
 and then sliced it (XLA:CPU).
 
 With `mesh.zero1` the params and the optimizer state are also split over `data`: the step gathers a
-compute copy once, before its shard_map (`Fsdp.compute_copy`), and reduce-scatters the gradient over
+compute params once, before its shard_map (`Fsdp.compute_params`), and reduce-scatters the gradient over
 data into the moments' layout (`scatter_over_data`).
 """
 
@@ -29,7 +29,7 @@ def gather_param(p: jax.Array, axes: Any, dim: int, dtype: Any, reduce_dtype: An
     """The whole param from this device's shard on the manual `axes` (fsdp, and expert for a dense
     param: mesh_lib.param_spec), gathered in `dtype` (every use of a weight
     is in the compute dtype, and a cast commutes with a gather: the same values, a fraction of the
-    bytes); its gradient is reduce-scattered in `reduce_dtype`, then kept in the param's dtype."""
+    bytes); its gradient is reduce-scattered in `reduce_dtype`, then held in the param's dtype."""
 
     @jax.custom_vjp
     def gather(x: jax.Array) -> jax.Array:
@@ -60,13 +60,14 @@ def scatter_over_data(g: Any, dim: int, logical: tuple[str | None, ...]) -> Any:
 class Fsdp:
     """The params' gathers inside the step: which dim of which param is gathered over which manual
     axes (from `param_specs`), in `dtype`, its gradient reduce-scattered in `reduce_dtype`.
-    `copies`: ZeRO-1's compute copy is gathered once a step (the params split over data)."""
+    `gathers_once`: ZeRO-1's params (split over data) are gathered once a step, their weights in
+    the compute dtype (`compute_params`)."""
 
-    def __init__(self, param_specs: Any, dtype: Any, reduce_dtype: Any, copies: bool) -> None:
+    def __init__(self, param_specs: Any, dtype: Any, reduce_dtype: Any, gathers_once: bool) -> None:
         self.manual_by_path = mesh_lib.manual_by_path(param_specs)
-        self.dtype, self.reduce_dtype, self.copies = dtype, reduce_dtype, copies
+        self.dtype, self.reduce_dtype, self.gathers_once = dtype, reduce_dtype, gathers_once
 
-    def compute_copy(self, params: Any, tied: bool) -> Any:
+    def compute_params(self, params: Any, tied: bool) -> Any:
         """The params as the step computes with them, before its shard_map gathers them over data:
         the weights every use of which is in the compute dtype (kernels but the router's, an untied
         embedding) cast first, so the gather moves half the bytes, once a step, and no microbatch
@@ -74,7 +75,7 @@ class Fsdp:
         are summed in float32 (the microbatch sums, `reduce_grads`): the values of casting at use.
         Left as they are: what the layers gather (their gather casts, and its reduce-scatter keeps
         the gradient float32) and a tied embedding (its two uses' gradients would add in bfloat16)."""
-        if not self.copies:
+        if not self.gathers_once:
             return params
 
         def one(path: tuple, p: jax.Array) -> jax.Array:

@@ -241,7 +241,7 @@ def state_specs(abstract_state: Any, param_axes: Any, mesh: Mesh, zero1: bool) -
 
     Params follow their logical axes. Each optimizer moment mirrors its param (optax keeps the
     param tree inside its state). Under ZeRO-1 both add `data`: no data shard holds more of the
-    float32 params than it updates (the step gathers a compute copy: run/step.py). Counters and
+    float32 params than it updates (the step gathers its compute params: run/step.py). Counters and
     scalars are replicated.
     """
     param_specs = jax.tree.map(
@@ -296,15 +296,15 @@ def spec_axes(spec: P) -> set[str]:
     return {a for entry in spec for a in entry_axes(entry)}
 
 
-def _kept(entry: Any, keep: Any) -> Any:
-    """One spec entry with only the axes in `keep`."""
-    kept = tuple(a for a in entry_axes(entry) if a in keep)
-    return kept if len(kept) > 1 else kept[0] if kept else None
+def _only(entry: Any, axes: Any) -> Any:
+    """One spec entry with only the axes in `axes`."""
+    left = tuple(a for a in entry_axes(entry) if a in axes)
+    return left if len(left) > 1 else left[0] if left else None
 
 
 def entry_without(entry: Any, axis: str) -> Any:
     """One spec entry without `axis`."""
-    return _kept(entry, set(MESH_AXES) - {axis})
+    return _only(entry, set(MESH_AXES) - {axis})
 
 
 def without(spec: P, axis: str) -> P:
@@ -314,7 +314,7 @@ def without(spec: P, axis: str) -> P:
 
 def manual_part(spec: P) -> P:
     """The part of a spec on the manual (batch and pipeline) axes: what shard_map's in/out specs name."""
-    return P(*(_kept(e, {*BATCH_AXES, PIPELINE_AXIS}) for e in spec))
+    return P(*(_only(e, {*BATCH_AXES, PIPELINE_AXIS}) for e in spec))
 
 
 def manual_by_path(param_specs: Any) -> dict[tuple[str, ...], P]:

@@ -13,16 +13,16 @@ too, and the schedule is GPipe inside the differentiated function, as MaxText do
     finishes microbatch t - (pipeline - 1), so M microbatches take M + pipeline - 1 ticks;
   - the head and loss are not in the tick (SPMD: a tick costs every stage what the slowest stage
     does, so a head run by the last stage alone would cost all of them, every tick): finished
-    outputs ride a ring of `ppermute`s to their owner, stage m % pipeline, which keeps them
+    outputs ride a ring of `ppermute`s to their owner, stage m % pipeline, which stores them
     (M / pipeline of them, one microbatch's activation each) and after the ticks runs the head
     and loss of each; the ring sends what the tick before left, so it runs beside the layers;
   - jax.grad of that gives the backward: ppermute's transpose sends gradients back a stage a tick.
 The bubble, (pipeline - 1) / (M + pipeline - 1) of each stage's layer work, is real compute on
 zeros in this SPMD program, so the compiled program (and the planner's replay of it) counts it.
-With remat `full` a tick is one checkpoint: each tick keeps only its stage's input, and the
+With remat `full` a tick is one checkpoint: each tick saves only its stage's input, and the
 backward recomputes that tick once (the cost per-layer remat has), holding one stage's activations
 for one microbatch. Inside a tick the stage's layers run unrolled, on its weight matrices cast to
-the compute dtype once a step (`_copies`); their gradient accumulates in float32 over the ticks.
+the compute dtype once a step (`_casts`); their gradient accumulates in float32 over the ticks.
 Params used outside the stack (embeddings, final norm, head) are whole on every stage; their
 gradients are summed over the stages (each is zero where its stage does not use it).
 Planned for Llama 3 405B on 256 x 8 H100 (docs/scaling.md "Pipeline parallelism").
@@ -79,24 +79,24 @@ def _stage(model: GPT) -> Callable[[Any, jax.Array, Documents | None], jax.Array
 
 
 @jax.custom_vjp
-def _as_copies(master: jax.Array, copies: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-    """`copies`, master's layers cast to the compute dtype once a step (`_copies`), with master's
-    gradient: a tick's layers read their weights as they are (no cast, no slice, nothing kept per
+def _as_casts(master: jax.Array, casts: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """`casts`, master's layers cast to the compute dtype once a step (`_casts`), with master's
+    gradient: a tick's layers read their weights as they are (no cast, no slice, nothing saved per
     tick for the backward), and the gradient the ticks add up stays float32."""
-    return copies
+    return casts
 
 
-def _as_copies_forward(
-    master: jax.Array, copies: tuple[jax.Array, ...]
+def _as_casts_forward(
+    master: jax.Array, casts: tuple[jax.Array, ...]
 ) -> tuple[tuple[jax.Array, ...], jax.Array]:
-    return copies, jnp.zeros((0,), master.dtype)
+    return casts, jnp.zeros((0,), master.dtype)
 
 
-def _as_copies_backward(dtype: jax.Array, g: tuple[jax.Array, ...]) -> tuple[jax.Array, None]:
+def _as_casts_backward(dtype: jax.Array, g: tuple[jax.Array, ...]) -> tuple[jax.Array, None]:
     return jnp.stack(g).astype(dtype.dtype), None
 
 
-_as_copies.defvjp(_as_copies_forward, _as_copies_backward)
+_as_casts.defvjp(_as_casts_forward, _as_casts_backward)
 
 
 def _on_stage(p: jax.Array, spec: P, logical: tuple[str | None, ...]) -> jax.Array:
@@ -136,7 +136,7 @@ def _stage_tree(name: str, stack: Any, specs: Any, one: Callable[..., Any]) -> A
     return jax.tree_util.tree_map_with_path(leaf, stack, specs)
 
 
-def _copies(model: GPT, name: str, stack: Any, specs: Any) -> Any:
+def _casts(model: GPT, name: str, stack: Any, specs: Any) -> Any:
     """The stage's weight matrices (leaves of 3+ dims: [layers, in, ...], which the layers only use
     in the compute dtype) cast once for all ticks, one array per layer; None for the rest (norm
     scales, biases). Cast before any regrouping (`_on_stage`), which then moves half the bytes.
@@ -152,15 +152,15 @@ def _copies(model: GPT, name: str, stack: Any, specs: Any) -> Any:
     return _stage_tree(name, stack, specs, one)
 
 
-def _layers(stack: Any, copies: Any) -> Any:
+def _layers(stack: Any, casts: Any) -> Any:
     """The stage's params for `_stage`: one tree per layer, unrolled (a stage is a few layers:
     405B over 32 stages, 4; as a loop inside the tick loop XLA peeled it and copied each layer's
-    saved activations and weight slices); the stack itself where there are no copies."""
-    if copies is None:
+    saved activations and weight slices); the stack itself where there are no casts."""
+    if casts is None:
         return stack
     length = jax.tree.leaves(stack)[0].shape[0]
     per_leaf = jax.tree.map(
-        lambda p, c: tuple(p) if c is None else _as_copies(p, c), stack, copies, is_leaf=lambda c: c is None
+        lambda p, c: tuple(p) if c is None else _as_casts(p, c), stack, casts, is_leaf=lambda c: c is None
     )
     return [
         jax.tree.map(operator.itemgetter(i), per_leaf, is_leaf=lambda x: isinstance(x, tuple))
@@ -169,11 +169,11 @@ def _layers(stack: Any, copies: Any) -> Any:
 
 
 def _tick(model: GPT, share: jax.Array | None) -> tuple[Callable[..., jax.Array], Callable[..., jax.Array]]:
-    """(work, head_loss): work(params, copies, held, rows) -> out, one stage's tick on the
-    microbatch it holds (rows [b, T+1]; copies: `_copies`): stage 0 embeds it (the others take
+    """(work, head_loss): work(params, casts, held, rows) -> out, one stage's tick on the
+    microbatch it holds (rows [b, T+1]; casts: `_casts`): stage 0 embeds it (the others take
     `held`, the previous stage's output), then the stage's layers run; head_loss(params, out,
     rows): the model's loss of a finished microbatch's output, its logits recomputed in the
-    backward, never kept."""
+    backward, never saved."""
     cfg, run, stage = model.cfg, _stage(model), jax.lax.axis_index(AXIS)
     embed, head = model.clone(span="embed"), model.clone(span="head")
     name = scanned_stacks(cfg)[0][0]
@@ -183,19 +183,19 @@ def _tick(model: GPT, share: jax.Array | None) -> tuple[Callable[..., jax.Array]
         losses: jax.Array = head.apply({"params": params}, out, rows[:, 1:] & TOKEN_BITS)  # type: ignore[assignment]
         return mean_loss(losses, rows, share)
 
-    def work(params: Any, copies: Any, held: jax.Array, rows: jax.Array) -> jax.Array:
+    def work(params: Any, casts: Any, held: jax.Array, rows: jax.Array) -> jax.Array:
         inputs = rows[:, :-1] & TOKEN_BITS
         fresh: jax.Array = embed.apply({"params": params}, inputs)  # type: ignore[assignment]
         doc = packed(cfg, inputs)
-        return run(_layers(params[name], copies), jnp.where(stage == 0, fresh, held), doc)
+        return run(_layers(params[name], casts), jnp.where(stage == 0, fresh, held), doc)
 
     return (jax.checkpoint(work) if cfg.remat == "full" else work), jax.checkpoint(loss)
 
 
 def _held_rules(rules: Any) -> Any:
-    """The step's rules, plus `held`: what a tick keeps for the backward and sends to the next
+    """The step's rules, plus `held`: what a tick saves for the backward and sends to the next
     stage, split along the sequence over `tensor` (whose peers hold it whole in the layers): a
-    tensor group keeps and sends it once, not once per peer. Not where context splits the sequence."""
+    tensor group saves and sends it once, not once per peer. Not where context splits the sequence."""
     axes = dict(rules)
     if "length" in axes or mesh_lib.TENSOR_AXIS not in axes.values():
         return rules
@@ -206,14 +206,30 @@ def _held(x: jax.Array) -> jax.Array:
     return nn.with_logical_constraint(x, ("batch", "held", "embed"))
 
 
-def _keep(kept: jax.Array, passing: jax.Array, m: jax.Array, micro: int) -> jax.Array:
-    """`kept` [slots, ...] with `passing`, microbatch m's finished output, in slot m // stages if
-    this stage owns m (m % stages): each stage keeps every stages-th microbatch for the head."""
+def _store(finished: jax.Array, passing: jax.Array, m: jax.Array, micro: int) -> jax.Array:
+    """`finished` [slots, ...] with `passing`, microbatch m's finished output, in slot m // stages
+    if this stage owns m (m % stages): each stage stores every stages-th microbatch for the head."""
     stages, stage = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS)
-    slot = jnp.clip(m // stages, 0, kept.shape[0] - 1)
-    old = jax.lax.dynamic_index_in_dim(kept, slot, keepdims=False)
+    slot = jnp.clip(m // stages, 0, finished.shape[0] - 1)
+    old = jax.lax.dynamic_index_in_dim(finished, slot, keepdims=False)
     mine = (m >= 0) & (m < micro) & (m % stages == stage)
-    return jax.lax.dynamic_update_index_in_dim(kept, jnp.where(mine, passing, old), slot, 0)
+    return jax.lax.dynamic_update_index_in_dim(finished, jnp.where(mine, passing, old), slot, 0)
+
+
+def _pass_on(
+    passing: jax.Array, done: jax.Array, finished: jax.Array, t: jax.Array, stage: jax.Array, micro: int
+) -> tuple[jax.Array, jax.Array]:
+    """The ring at tick t: (what this stage sends on, `finished` with what it owns stored)."""
+    stages = jax.lax.axis_size(AXIS)
+    last = stages - 1
+    ring = [(i, (i + 1) % stages) for i in range(stages)]  # finished outputs, to their owners
+    # The last stage sends `done`, its output of the tick before (microbatch t - 1 - last); the
+    # others pass on what reached them (microbatch t - stages - 1 - stage), each storing what it
+    # owns. Sent from what the tick before left, the transfer runs beside the tick's layers, not
+    # after them.
+    sent = jnp.where(stage == last, done, passing)
+    finished = _store(finished, sent, jnp.where(stage == last, t - 1 - last, t - stages - 1 - stage), micro)
+    return jax.lax.ppermute(_held(sent), AXIS, ring), finished
 
 
 def loss(
@@ -226,7 +242,7 @@ def loss(
     share: jax.Array | None = None,
 ) -> tuple[jax.Array, Metrics]:
     """(loss to differentiate, metrics) of this device's rows [n, T+1] in `micro` microbatches:
-    the mean of their mean next-token losses (a loss mask's kept sums over `share`, as
+    the mean of their mean next-token losses (a loss mask's sums over its loss targets over `share`, as
     step._token_loss), as gradient accumulation takes it. Each stage's loss is that of the
     microbatches whose head it ran (the sum over stages is the loss); metrics are the whole
     loss on every stage. `manual`: the params' manual specs (parallel/placement.py Layout.manual)."""
@@ -234,50 +250,40 @@ def loss(
     last = stages - 1
     split = rows.reshape(micro, rows.shape[0] // micro, rows.shape[1])
     shift = [(i, i + 1) for i in range(last)]  # activations: the last stage's output leaves
-    ring = [(i, (i + 1) % stages) for i in range(stages)]  # finished outputs, to their owners
-
-    def pass_on(
-        passing: jax.Array, done: jax.Array, kept: jax.Array, t: jax.Array
-    ) -> tuple[jax.Array, jax.Array]:
-        # The ring at tick t: the last stage sends `done`, its output of the tick before
-        # (microbatch t - 1 - last); the others pass on what reached them (microbatch
-        # t - stages - 1 - stage), each keeping what it owns. Sent from what the tick before
-        # left, the transfer runs beside the tick's layers, not after them.
-        sent = jnp.where(stage == last, done, passing)
-        kept = _keep(kept, sent, jnp.where(stage == last, t - 1 - last, t - stages - 1 - stage), micro)
-        return jax.lax.ppermute(_held(sent), AXIS, ring), kept
 
     def tick(carry: Arrays4, t: jax.Array) -> tuple[Arrays4, None]:
-        held, passing, done, kept = carry
-        passing, kept = pass_on(passing, done, kept, t)
+        held, passing, done, finished = carry
+        passing, finished = _pass_on(passing, done, finished, t, stage, micro)
         mine = jnp.clip(t - stage, 0, micro - 1)  # the microbatch this stage holds (bubble: clipped)
-        out = work(params, copies, held, jax.lax.dynamic_index_in_dim(split, mine, keepdims=False))
-        return (jax.lax.ppermute(_held(out), AXIS, shift), passing, out, kept), None
+        out = work(params, casts, held, jax.lax.dynamic_index_in_dim(split, mine, keepdims=False))
+        return (jax.lax.ppermute(_held(out), AXIS, shift), passing, out, finished), None
 
     def drain(carry: Arrays3, t: jax.Array) -> tuple[Arrays3, None]:
-        passing, done, kept = carry  # the last microbatches on their way to their owners
-        passing, kept = pass_on(passing, done, kept, t)
-        return (passing, done, kept), None
+        passing, done, finished = carry  # the last microbatches on their way to their owners
+        passing, finished = _pass_on(passing, done, finished, t, stage, micro)
+        return (passing, done, finished), None
 
     def head(total: jax.Array, slot: jax.Array) -> tuple[jax.Array, None]:
         m = slot * stages + stage
         rows = jax.lax.dynamic_index_in_dim(split, jnp.minimum(m, micro - 1), keepdims=False)
-        value = head_loss(params, jax.lax.dynamic_index_in_dim(kept, slot, keepdims=False), rows)
+        value = head_loss(params, jax.lax.dynamic_index_in_dim(finished, slot, keepdims=False), rows)
         return total + jnp.where(m < micro, value, 0.0), None
 
     with nn.logical_axis_rules(_held_rules(rules)):
         work, head_loss = _tick(model, share)
         name = scanned_stacks(model.cfg)[0][0]
-        copies = _copies(model, name, params[name], manual[name])
-        # The stage's layers in the params' dtype: only the gradient's path where there are copies.
+        casts = _casts(model, name, params[name], manual[name])
+        # The stage's layers in the params' dtype: only the gradient's path where there are casts.
         params = {**params, name: _stage_tree(name, params[name], manual[name], _on_stage)}
         held = _held(jnp.zeros((split.shape[1], split.shape[2] - 1, model.cfg.d_model), model.dtype))
-        kept = jnp.zeros((-(-micro // stages), *held.shape), held.dtype)
-        kept = nn.with_logical_constraint(kept, (None, "batch", "held", "embed"))
+        finished = jnp.zeros((-(-micro // stages), *held.shape), held.dtype)
+        finished = nn.with_logical_constraint(finished, (None, "batch", "held", "embed"))
         ticks = micro + last
-        (_, passing, done, kept), _ = jax.lax.scan(tick, (held, held, held, kept), jnp.arange(ticks))
-        (_, _, kept), _ = jax.lax.scan(drain, (passing, done, kept), jnp.arange(ticks, ticks + stages))
-        total, _ = jax.lax.scan(head, jnp.zeros((), jnp.float32), jnp.arange(kept.shape[0]))
+        (_, passing, done, finished), _ = jax.lax.scan(tick, (held, held, held, finished), jnp.arange(ticks))
+        (_, _, finished), _ = jax.lax.scan(
+            drain, (passing, done, finished), jnp.arange(ticks, ticks + stages)
+        )
+        total, _ = jax.lax.scan(head, jnp.zeros((), jnp.float32), jnp.arange(finished.shape[0]))
     mine = total / micro
     return mine, {"loss": jax.lax.psum(mine, AXIS)}
 

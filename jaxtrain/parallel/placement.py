@@ -46,10 +46,10 @@ class Layout:
         self.rules = mesh_lib.activation_rules(mesh)
         self.batch = data.Shards(self.sizes, self.manual)
         # ZeRO-1 keeps the params split over data (mesh_lib.state_specs): the step gathers them
-        # once, its weights in the compute dtype (`compute_copy`); a pipeline casts its own.
-        copies = zero1 and self.sizes[mesh_lib.DATA_AXIS] > 1 and self.stages == 1
+        # once, its weights in the compute dtype (`compute_params`); a pipeline casts its own.
+        gathers_once = zero1 and self.sizes[mesh_lib.DATA_AXIS] > 1 and self.stages == 1
         reduce_dtype = dtype if reduce_dtype is None else reduce_dtype
-        self.fsdp = fsdp.Fsdp(param_specs, dtype, reduce_dtype, copies)
+        self.fsdp = fsdp.Fsdp(param_specs, dtype, reduce_dtype, gathers_once)
         # Params split over fsdp, or dense ones over expert (mesh_lib.param_spec): layers gather them.
         self.gathers = any(mesh.shape[a] > 1 for a in (mesh_lib.FSDP_AXIS, mesh_lib.EXPERT_AXIS))
         self.expert_split = int(mesh.shape[mesh_lib.EXPERT_AXIS])

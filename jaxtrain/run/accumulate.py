@@ -143,7 +143,7 @@ def local_grads(
         return (jax.tree.map(jnp.add, rest_sum, g), totals, jax.tree.map(jnp.add, metrics_sum, metrics)), None
 
     with nn.logical_axis_rules(rules):  # the backward is traced inside too: its layers constrain
-        # float32 sums, a compute copy's gradients (parallel/fsdp.py compute_copy) included
+        # float32 sums, the compute params' gradients (parallel/fsdp.py compute_params) included
         zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), (rest, layers))
         shapes = jax.eval_shape(grad_fn, rest, zeros[1], micro[0])[1]
         start = (*zeros, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))

@@ -71,7 +71,7 @@ def _objective(
     [b, T+1]: their mean in float32 (metrics' `loss`), plus a mixture of experts' router losses
     from its "moe" collection, averaged over its MoE layers.
     `mean`: the mean over the batch shards, for the whole batch's expert load. With a loss mask
-    (`share`, see parallel/data.py `kept_share`): the sum over the targets that take loss (no NO_LOSS
+    (`share`, see parallel/data.py `target_share`): the sum over the targets that take loss (no NO_LOSS
     bit) over `share`."""
     loss = mean_loss(losses, rows, share)
     if moe_stats is None:
@@ -120,7 +120,7 @@ def _local_grads(
         return jax.tree.map(jnp.add, carry, (g, metrics)), None
 
     micro = rows.reshape(accum, rows.shape[0] // accum, rows.shape[1])
-    # float32 sums, a compute copy's gradients (parallel/fsdp.py compute_copy) included
+    # float32 sums, the compute params' gradients (parallel/fsdp.py compute_params) included
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params)
     zeros = (zeros, jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, params, micro[0])[1]))
     sums, _ = jax.lax.scan(body, zeros, micro)
@@ -180,15 +180,15 @@ def _update(
     """(params, optimizer state) after the optimizer's update of `grads` (clipped to global norm
     `clip` when > 0, reusing the norm the step logs anyway), or unchanged where the step is not
     finite. A select, not a branch: XLA updates the donated state in place through a select fused
-    into the update, while a `lax.cond`'s outputs took new buffers, about two float32 copies of the
-    params (Mixtral-8x7B on 2 x 8 H100, planned: 6.0 GB of 16.1 GB of temporaries at 8 layers)."""
+    into the update, while a `lax.cond`'s outputs took new buffers, about twice the float32
+    params' bytes (Mixtral-8x7B on 2 x 8 H100, planned: 6.0 GB of 16.1 GB of temporaries at 8 layers)."""
     if clip > 0:
         factor = jnp.minimum(1.0, clip / (grad_norm + 1e-6))
         grads = jax.tree.map(lambda g: g * factor, grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    kept = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-    params = jax.tree.map(kept, optax.apply_updates(state.params, updates), state.params)
-    return params, jax.tree.map(kept, opt_state, state.opt_state)
+    if_finite = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+    params = jax.tree.map(if_finite, optax.apply_updates(state.params, updates), state.params)
+    return params, jax.tree.map(if_finite, opt_state, state.opt_state)
 
 
 def make_train_step(
@@ -216,7 +216,7 @@ def make_train_step(
     ) -> tuple[Any, Metrics]:
         if faults.nan_step > 0:  # test-only fault, traced only when asked for
             scale = poison_gradients(faults, scale, step, jax.lax.axis_index(mesh_lib.BATCH_AXES) == 0)
-        share = layout.batch.kept_share(layout.batch.kept(rows), accum) if masked else None
+        share = layout.batch.target_share(layout.batch.loss_targets(rows), accum) if masked else None
         local = pipeline.local_grads if layout.stages > 1 else _local_grads
         grads, metrics = local(model, layout, accum, params, rows, scale, share)
         return layout.batch.reduce_grads(grads, grad_specs), layout.batch.mean(metrics)
@@ -224,7 +224,7 @@ def make_train_step(
     sharded_grads = _grads_on_mesh(device_grads, layout, mesh, param_specs, cfg.mesh.zero1)
 
     def train_step(state: TrainState, batch: jax.Array) -> tuple[TrainState, Metrics]:
-        compute = layout.fsdp.compute_copy(state.params, cfg.model.tie_embeddings)
+        compute = layout.fsdp.compute_params(state.params, cfg.model.tie_embeddings)
         grads, loss_metrics = sharded_grads(compute, batch, state.loss_scale, state.step)
         loss = loss_metrics["loss"]
         if fp16:
@@ -265,15 +265,15 @@ def make_eval_step(
     experts' router figures beside it, as the train step's), taken in `accum` microbatches
     of the train step's device batch, one after another: evaluation fits wherever training does
     (the whole batch at once needed 145 GB per device for llama3_8b on 8 H100s). masked: the
-    batch carries a loss mask, the loss is the train step's (over kept targets), and the metrics
-    carry the kept count (`kept`), so evaluations over several batches weigh each by it.
-    zero1: the params come split over data (the train step's `compute_copy`)."""
+    batch carries a loss mask, the loss is the train step's (over its loss targets), and the
+    metrics carry their count (`kept`), so evaluations over several batches weigh each by it.
+    zero1: the params come split over data (the train step's `compute_params`)."""
     layout = Layout(mesh, param_specs, model.dtype, zero1=zero1)
     model, mean = layout.place(model), layout.batch.mean
 
     def device_metrics(params: Any, rows: jax.Array) -> Metrics:
-        kept = layout.batch.kept(rows) if masked else None
-        share = None if kept is None else layout.batch.kept_share(kept, accum)
+        targets = layout.batch.loss_targets(rows) if masked else None
+        share = None if targets is None else layout.batch.target_share(targets, accum)
         if layout.stages > 1:
             metrics = mean(pipeline.loss(model, layout.rules, layout.manual, params, rows, accum, share)[1])
         elif accum == 1:
@@ -283,7 +283,7 @@ def make_eval_step(
             # Equal microbatches: the mean of their means is the mean over every row.
             per_micro = jax.lax.map(lambda mb: _loss(layout, model, params, mb, share)[1], micro)
             metrics = mean(jax.tree.map(lambda x: x.mean(axis=0), per_micro))
-        return metrics if kept is None else metrics | {"kept": kept}
+        return metrics if targets is None else metrics | {"kept": targets}
 
     metrics = jax.shard_map(
         device_metrics,
@@ -293,7 +293,7 @@ def make_eval_step(
         axis_names=mesh_lib.manual_axes(mesh),
         check_vma=False,
     )
-    return lambda params, rows: metrics(layout.fsdp.compute_copy(params, model.cfg.tie_embeddings), rows)
+    return lambda params, rows: metrics(layout.fsdp.compute_params(params, model.cfg.tie_embeddings), rows)
 
 
 def jit_steps(
