@@ -55,10 +55,11 @@ def who(process_id: int, hosts: Mapping[int, str]) -> str:
     return f"{name} on {hosts.get(process_id, 'an unknown host')}"
 
 
-def software_versions() -> dict[str, str]:
-    """Versions of python and every package a run depends on; 'missing' where absent."""
+def software_versions(names: tuple[str, ...] = _PACKAGES) -> dict[str, str]:
+    """Versions of python and of the packages `names` (default: every package a run depends on),
+    'missing' where absent, and the accelerator plugin's."""
     versions = {"python": platform.python_version()}
-    for name in _PACKAGES:
+    for name in names:
         try:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:

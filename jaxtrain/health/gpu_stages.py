@@ -13,10 +13,8 @@ devices themselves; train and bench start processes that do, and so never start 
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
-import platform as platform_lib
 import shutil
 import statistics
 import subprocess
@@ -121,14 +119,10 @@ def _device_parts(work: Path, options: dict[str, Any]) -> list[Part]:
 def _versions() -> dict[str, Any]:
     import jax
 
+    from jaxtrain.health.checks import software_versions
     from jaxtrain.observe.memory import limit_bytes
 
-    versions = {"python": platform_lib.python_version()}
-    for name in PACKAGES:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = "missing"
+    versions = software_versions(PACKAGES)
     devices = [
         {
             "id": d.id, "platform": d.platform, "kind": d.device_kind,
