@@ -15,6 +15,7 @@ _CHOICES = {
     "dtype": ("float32", "bfloat16", "float16"),
     "token_dtype": TOKEN_DTYPES,
     "document_mask": ("auto", "off"),
+    "preflight": ("auto", "on", "off"),
     "wandb_mode": ("online", "offline"),
     "model.pos_embedding": ("rope", "learned"),
     "model.remat": ("none", "full", "dots"),

@@ -307,6 +307,10 @@ class Config:
     profile_steps: str = ""  # "A:B" traces steps A..B-1 into <run_dir>/profile/ with jax.profiler
     profile_processes: str = "0"  # comma-separated process ids that trace, or "all"
     tensorboard: bool = False  # also write the training scalars as TensorBoard events (process 0)
+    # Before the first compile, the kernels the job resolved to, run at its shapes on every local
+    # device against the CPU-proven ones (docs/gpu_check.md; verdicts cached): auto checks the GPU-only
+    # ones (cuDNN attention, the Pallas grouped matmul, the ragged exchange), on every kernel, off none
+    preflight: str = "auto"
     compile_cache_dir: str = ""  # persistent compile cache; "" = $XDG_CACHE_HOME/jaxtrain/xla; "off"
     model: ModelConfig = field(default_factory=ModelConfig)
     verbose: bool = False  # every process logs at DEBUG level, and JAX logs each compilation
