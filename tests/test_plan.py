@@ -9,9 +9,9 @@ import pytest
 
 from jaxtrain.config import load_config
 from jaxtrain.model.transformer import flops_per_token
-from jaxtrain.observe import metrics, peaks
+from jaxtrain.observe import memory, metrics, peaks
 from jaxtrain.plan import compiled as plan
-from jaxtrain.plan import hlo, schedule, targets
+from jaxtrain.plan import forecast, hlo, schedule, targets
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -93,6 +93,72 @@ def test_one_peak_table_for_the_plan_and_the_mfu_log():
     assert metrics.peak_flops("NVIDIA L4") == 121e12 and metrics.peak_flops("NVIDIA L40S") == 362.05e12
     assert metrics.peak_flops("TPU v5 lite") == 197e12 and metrics.peak_flops("TPU v5p") == 459e12
     assert metrics.peak_flops("cpu") is None and peaks.peak_flops("TPU v4", "float32") is None
+    # MFU against the dtype that runs: float32 at TF32's, FP8 (either format) at twice bf16's on Hopper.
+    h100 = targets.get("h100").device_kind
+    assert metrics.peak_flops(h100, "float32") == 494.7e12
+    assert peaks.peak_flops(h100, "float8_e4m3fn") == peaks.peak_flops(h100, "float8") == 1978.9e12
+    assert peaks.peak_flops("NVIDIA A100-SXM4-80GB", "float8") is None  # no FP8 unit
+
+
+def test_fits_keeps_a_reserve_for_autotuning_and_workspaces():
+    """The one memory rule, for the planner and a training run alike: 5% of what XLA may use kept."""
+    limit = 60 * 10**9
+    assert memory.reserve_bytes(limit) == 3 * 10**9
+    assert memory.fits(57 * 10**9, limit) and not memory.fits(57 * 10**9 + 1, limit)
+
+
+# What XLA 0.10.2's GPU compiler makes of an FP8 dot_general without a GPU to autotune on (a
+# Triton GEMM fusion over f8e4m3fn operands: jax.lax.dot_general of two f8e4m3fn arrays compiled for h100),
+# beside cuBLASLt's FP8 GEMM as XLA's GEMM rewriter writes it (xla/service/gpu/tests/
+# gemm_rewrite_test.cc) and a bf16 cuBLAS GEMM.
+FP8_HLO = """HloModule jit_f8, is_scheduled=true
+
+%gemm_fusion_dot_computation (parameter_0: f8e4m3fn[4096,4096], parameter_1: f8e4m3fn[8192,4096]) -> bf16[4096,8192] {
+  %parameter_0 = f8e4m3fn[4096,4096]{1,0} parameter(0)
+  %parameter_1 = f8e4m3fn[8192,4096]{0,1} parameter(1)
+  %transpose.1 = f8e4m3fn[4096,8192]{0,1} transpose(%parameter_1), dimensions={1,0}
+  ROOT %dot_general.0 = bf16[4096,8192]{1,0} dot(%parameter_0, %transpose.1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: f8e4m3fn[4096,4096], b: f8e5m2[4096,8192], w: bf16[4096,4096], s: f32[]) -> bf16[4096,8192] {
+  %a = f8e4m3fn[4096,4096]{1,0} parameter(0)
+  %b = f8e4m3fn[4096,8192]{1,0} parameter(1)
+  %bt = f8e4m3fn[8192,4096]{0,1} bitcast(%b)
+  %triton = bf16[4096,8192]{1,0} fusion(%a, %bt), kind=kCustom, calls=%gemm_fusion_dot_computation, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  %s = f32[] parameter(3)
+  %lt = (bf16[4096,8192]{1,0}, s8[33554432]{0}) custom-call(%a, %bt, %s, %s), custom_call_target="__cublas$lt$matmul$f8", backend_config={"gemm_backend_config":{"alpha_real":1,"beta":0,"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["1"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  %w = bf16[4096,4096]{1,0} parameter(2)
+  %bf = (bf16[4096,4096]{1,0}, s8[33554432]{0}) custom-call(%w, %w), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"alpha_real":1,"beta":0,"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  ROOT %out = (bf16[4096,8192]{1,0}, (bf16[4096,8192]{1,0}, s8[33554432]{0}), (bf16[4096,4096]{1,0}, s8[33554432]{0})) tuple(%triton, %lt, %bf)
+}
+"""
+
+
+def test_fp8_gemms_are_found_and_costed_at_the_fp8_peak():
+    """Both forms of an FP8 GEMM are FP8 (hlo.fp8), the bf16 one is not; the bound and the forecast
+    cost them at the FP8 peak, and the plan's FLOPs name them."""
+    program = hlo.Program(FP8_HLO)
+    ops = program.comps[program.entry]
+    assert [hlo.fp8(ops[n], program.comps, ops) for n in ("triton", "lt", "bf")] == [True, True, False]
+    layout = hlo.Placement(("fsdp",), (1,), [0])
+    events = schedule.trace(FP8_HLO, layout)
+    fp8_flops, bf16_flops = 2 * 4096 * 8192 * 4096, 2 * 4096**3
+    gemms = [(e[1], e[2], e[6]) for e in events if e[0] == "op" and e[2]]
+    assert sorted(gemms) == [("gemm", bf16_flops, 1), ("gemm_fp8", fp8_flops, 2)]
+    h100 = targets.get("h100")
+    bf16 = targets.peak_flops(h100, "bfloat16")
+    roofline = schedule.Roofline(h100, bf16)
+    assert roofline.op("gemm_fp8", fp8_flops, 0, 0, False) == pytest.approx(fp8_flops / 1978.9e12)
+    assert roofline.op("gemm", bf16_flops, 0, 0, False) == pytest.approx(bf16_flops / 989.4e12)
+    likely = forecast.Achievable(h100, bf16)
+    assert likely.op("gemm_fp8", fp8_flops, 0, 0, False) == pytest.approx(
+        fp8_flops / (1978.9e12 * forecast.GEMM_EFFICIENCY)
+    )
+    # A target with no FP8 unit costs them at its own peak (never a peak it does not have).
+    a100 = targets.get("a100")
+    assert schedule.op_peak(a100, 312e12, "gemm_fp8") == 312e12
+    tally = plan._Walker(FP8_HLO, layout).tally()
+    assert tally.flops == 2 * fp8_flops + bf16_flops and tally.fp8_flops == 2 * fp8_flops
 
 
 # A step's update in one branch of a conditional (the other skips a non-finite step): the update
@@ -290,12 +356,14 @@ def test_every_committed_plans_figures_by_hand(path):
     if not p["compiled"]:
         assert not p["fits"] and p["state_bytes_per_device"] > p["usable_bytes_per_device"]
         return
-    assert p["fits"] == (
-        max(p["total_bytes_per_device"], p["eval_total_bytes_per_device"]) <= p["usable_bytes_per_device"]
+    assert p["fits"] == memory.fits(
+        max(p["total_bytes_per_device"], p["eval_total_bytes_per_device"]), p["usable_bytes_per_device"]
     )
     terms, devices = p["bound_terms_s"], p["hosts"] * p["gpus_per_host"]
+    peak = targets.peak_flops(target, p["dtype"])  # FP8 GEMMs at FP8's, and then the MFU too
+    fp8_peak, fp8_flops = targets.peak_flops(target, "float8"), p.get("fp8_flops_per_device", 0)
     assert terms["compute"] == pytest.approx(
-        p["model_flops_per_step"] / devices / targets.peak_flops(target, p["dtype"])
+        p["model_flops_per_step"] / devices / targets.peak_flops(target, p.get("mfu_dtype", p["dtype"]))
     )
     assert terms["nvlink"] == pytest.approx(
         sum(c["nvlink_bytes"] for c in p["collectives"]) / target.nvlink_bytes_per_s
@@ -306,7 +374,7 @@ def test_every_committed_plans_figures_by_hand(path):
     assert terms["hbm"] == pytest.approx(p["hbm_bytes_floor"] / target.hbm_bytes_per_s)
     if "program" in terms:  # the program's own matmuls: remat, a pipeline's bubble and padding in them
         assert terms["program"] == pytest.approx(
-            p["compiled_flops_per_device"] / targets.peak_flops(target, p["dtype"])
+            (p["compiled_flops_per_device"] - fp8_flops) / peak + fp8_flops / fp8_peak
         )
     assert p["step_time_lower_bound_s"] == max(terms.values()) == terms[p["bound_limited_by"]]
     assert p["mfu_ceiling"] == pytest.approx(terms["compute"] / p["step_time_lower_bound_s"])

@@ -81,7 +81,8 @@ def test_a_committed_plan_costed_again_from_its_trace(path):
     assert likely.now >= bound.now  # every rate at or below the bound's
     gpus, tokens = p["hosts"] * p["gpus_per_host"], p["global_batch"] * p["seq_len"]
     assert f["tokens_per_s_per_gpu"] == pytest.approx(tokens / f["step_time_s"] / gpus)
-    assert f["mfu"] == pytest.approx(p["model_flops_per_step"] / gpus / peak / f["step_time_s"])
+    mfu_peak = targets.peak_flops(target, p.get("mfu_dtype", p["dtype"]))
+    assert f["mfu"] == pytest.approx(p["model_flops_per_step"] / gpus / mfu_peak / f["step_time_s"])
     assert p["schedule_tokens_per_s_per_gpu"] == pytest.approx(tokens / p["schedule_bound_s"] / gpus)
 
 

@@ -48,10 +48,29 @@ def compiled_bytes(compiled: Any) -> dict[str, int]:
     return {"argument_bytes": args, "temp_bytes": temp, "total_bytes": args + temp + out}
 
 
+# What "fits" keeps free of what XLA may use, for what the compiled step's figure leaves out:
+# XLA's autotuning at compile time (it allocates each candidate GEMM's and fusion's operands,
+# output and workspace beside the live state: xla/service/gpu/autotuning/, RedzoneAllocator),
+# cuBLAS's and cuDNN's handles and plans (cuBLAS recommends a 32 MiB workspace a stream on Hopper,
+# 4 MiB before it: cuBLAS docs, cublasSetWorkspace), and the allocator's fragmentation. The
+# workspaces of the step's own cuBLAS and cuDNN calls (cuDNN flash attention's included) are in
+# its temporaries already: XLA gives them as a u8/s8 result of each call. 5%: the slop XLA's own
+# GPU scheduler keeps under the memory limit it schedules to (xla_gpu_memory_limit_slop_factor,
+# default 95, xla/debug_options_flags.cc). Outside XLA's share (jax preallocates 75% of the
+# device: compiled.mem_fraction), the CUDA context and NCCL's buffers have the other 25%.
+RESERVE = 0.05
+
+
+def reserve_bytes(limit: int) -> int:
+    """The bytes of `limit` that "fits" keeps free (RESERVE)."""
+    return int(limit * RESERVE)
+
+
 def fits(total_bytes: int, limit: int) -> bool:
     """The one memory rule, for a GPU at hand (its allocator's limit) and a planned one alike: the
-    compiled step's total bytes per device within what XLA may use of the device."""
-    return total_bytes <= limit
+    compiled step's total bytes per device within what XLA may use of the device, less the reserve
+    for autotuning, library handles and fragmentation (RESERVE)."""
+    return total_bytes <= limit - reserve_bytes(limit)
 
 
 def check_compiled(total_bytes: int, device: jax.Device, cfg: Config, local_devices: int) -> None:
@@ -61,8 +80,10 @@ def check_compiled(total_bytes: int, device: jax.Device, cfg: Config, local_devi
     if not limit or fits(total_bytes, limit):
         return
     raise OutOfMemory(
-        f"the compiled step needs {total_bytes / _GIB:.1f} GiB per device, over the {limit / _GIB:.1f} GiB "
-        f"XLA may use on this {device.device_kind}; lower it with {fixes(cfg, local_devices)} "
+        f"the compiled step needs {total_bytes / _GIB:.1f} GiB per device, over the "
+        f"{(limit - reserve_bytes(limit)) / _GIB:.1f} GiB of the {limit / _GIB:.1f} GiB XLA may use on this "
+        f"{device.device_kind} that leave {100 * RESERVE:g}% for autotuning and workspaces; lower it with "
+        f"{fixes(cfg, local_devices)} "
         "(scripts/plan.py with the same flags and --search compiles the settings that fit)"
     )
 

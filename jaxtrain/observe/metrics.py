@@ -38,9 +38,10 @@ from jaxtrain.observe.tboard import ScalarWriter
 log = logging.getLogger("jaxtrain")
 
 
-def peak_flops(device_kind: str) -> float | None:
-    """The device's dense bfloat16 peak, or None when unknown (CPUs): then no MFU is shown."""
-    return peaks.peak_flops(device_kind, "bfloat16")
+def peak_flops(device_kind: str, dtype: str = "bfloat16") -> float | None:
+    """The device's dense peak for the dtype the step's matmuls run in (observe/peaks.py), or None
+    when unknown (CPUs): then no MFU is shown."""
+    return peaks.peak_flops(device_kind, dtype)
 
 
 class _TqdmHandler(logging.StreamHandler):

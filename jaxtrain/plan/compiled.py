@@ -15,10 +15,12 @@ step beats, assuming perfect overlap of everything:
   nvlink   per device, the bytes an ideal ring sends inside a host for each collective;
   network  per device, the bytes that must leave its host for each collective whose group spans
            hosts, with every GPU's NIC in use (a host's share pooled over its GPUs in the group);
-  program  the compiled program's own matmul FLOPs per device (hlo.flops) at the dense peak: what
-           `compute` leaves out and the program runs anyway, remat's recomputation, a pipeline's
-           bubble ticks (run on zeros) and padding layers.
+  program  the compiled program's own matmul FLOPs per device (hlo.flops) at the dense peak (its
+           FP8 GEMMs at the FP8 peak): what `compute` leaves out and the program runs anyway,
+           remat's recomputation, a pipeline's bubble ticks (run on zeros) and padding layers.
 mfu_ceiling = compute / bound: no step of this program on this target can reach a higher MFU.
+The peak of compute and of every MFU is the dtype's that runs (`mfu_dtype`): the step's dtype, or
+FP8 where the program runs GEMMs in FP8 (hlo.fp8), as observe/peaks.py says.
 Loop bodies count once per trip (microbatches, scanned layers), so every figure is per optimizer step.
 """
 
@@ -29,7 +31,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxtrain.observe.memory import compiled_bytes, fits
+from jaxtrain.observe import peaks
+from jaxtrain.observe.memory import compiled_bytes, fits, reserve_bytes
 from jaxtrain.plan import forecast, hlo, schedule
 from jaxtrain.plan.targets import GpuTarget, peak_flops
 
@@ -71,6 +74,7 @@ def attention_calls(text: str) -> dict[str, Any]:
 class _Tally:
     written: float = 0.0
     flops: float = 0.0  # matmul FLOPs of the compiled program (hlo.flops), per step
+    fp8_flops: float = 0.0  # those of them on FP8 tensor cores (hlo.fp8)
     collectives: dict[tuple[str, str, bool], dict[str, float]] = field(default_factory=dict)
 
     @staticmethod
@@ -81,6 +85,7 @@ class _Tally:
         most = _Tally(
             written=max((b.written for b in branches), default=0.0),
             flops=max((b.flops for b in branches), default=0.0),
+            fp8_flops=max((b.fp8_flops for b in branches), default=0.0),
         )
         for b in branches:
             for key, c in b.collectives.items():
@@ -92,6 +97,7 @@ class _Tally:
     def add(self, other: _Tally) -> None:
         self.written += other.written
         self.flops += other.flops
+        self.fp8_flops += other.fp8_flops
         for key, c in other.collectives.items():
             mine = self.collectives.setdefault(key, dict.fromkeys(c, 0.0))
             for k, v in c.items():
@@ -124,7 +130,9 @@ class _Walker:
                 self._collective(tally, op, ops, mult)
             else:
                 tally.written += mult * program.written(op)
-                tally.flops += mult * hlo.flops(op, program.comps, ops)
+                flops = mult * hlo.flops(op, program.comps, ops)
+                tally.flops += flops
+                tally.fp8_flops += flops if flops and hlo.fp8(op, program.comps, ops) else 0.0
         return tally
 
     def _collective(self, tally: _Tally, op: hlo.Op, ops: dict[str, hlo.Op], mult: float) -> None:
@@ -179,15 +187,17 @@ def analyze(train: Any, evaluate: Any | None, facts: Facts, compile_s: float) ->
          "nvlink_bytes": int(c["nvlink_bytes"]), "network_bytes": int(c["network_bytes"])}
         for (k, a, x), c in sorted(tally.collectives.items())
     ]  # fmt: skip
+    peak = peak_flops(t, facts.dtype)
+    fp8_peak = schedule.op_peak(t, peak, schedule.FP8_GEMM)  # `peak` on a target with no FP8 unit
+    mfu_dtype = peaks.FP8 if tally.fp8_flops and fp8_peak != peak else facts.dtype
     times = {
-        "compute": facts.model_flops_per_step / n_devices / peak_flops(t, facts.dtype),
-        "program": tally.flops / peak_flops(t, facts.dtype),
+        "compute": facts.model_flops_per_step / n_devices / peak_flops(t, mfu_dtype),
+        "program": (tally.flops - tally.fp8_flops) / peak + tally.fp8_flops / fp8_peak,
         "hbm": hbm_bytes / t.hbm_bytes_per_s,
         "nvlink": sum(c["nvlink_bytes"] for c in collectives) / t.nvlink_bytes_per_s,
         "network": sum(c["network_bytes"] for c in collectives) / t.network_bytes_per_s,
     }
     bound = max(times.values())
-    peak = peak_flops(t, facts.dtype)
     events = schedule.trace(text, layout)
     replay = schedule.replay(events, schedule.Roofline(t, peak))
     likely = forecast.forecast(events, t, peak, facts.expert_load)
@@ -198,6 +208,7 @@ def analyze(train: Any, evaluate: Any | None, facts: Facts, compile_s: float) ->
         "eval_total_bytes_per_device": eval_total,
         "device_memory_bytes": t.memory_bytes,
         "usable_bytes_per_device": limit,
+        "reserve_bytes_per_device": reserve_bytes(limit),
         "fits": fits(max(mem["total_bytes"], eval_total), limit),
         "attention": attention_kernel(text),
         "attention_calls": attention_calls(text),
@@ -206,6 +217,8 @@ def analyze(train: Any, evaluate: Any | None, facts: Facts, compile_s: float) ->
         "model_flops_per_step": facts.model_flops_per_step,
         # What the program's matmuls compute per device (remat's recomputation included).
         "compiled_flops_per_device": tally.flops,
+        "fp8_flops_per_device": tally.fp8_flops,
+        "mfu_dtype": mfu_dtype,  # whose peak the compute floor and every MFU are against
         "bound_terms_s": times,
         "bound_limited_by": max(times, key=lambda k: times[k]),
         "step_time_lower_bound_s": bound,
@@ -219,7 +232,7 @@ def analyze(train: Any, evaluate: Any | None, facts: Facts, compile_s: float) ->
         "schedule_mfu_ceiling": times["compute"] / replay.now,
         # forecast.py: the same replay at the speeds measured on real GPUs, a forecast, not a bound.
         "forecast": forecast.figures(
-            likely.now, facts.tokens_per_step, n_devices, facts.model_flops_per_step, peak
+            likely.now, facts.tokens_per_step, n_devices, facts.model_flops_per_step, peak_flops(t, mfu_dtype)
         )
         | {"busy_s": likely.busy, "exposed_comm_s": likely.exposed, "expert_load": facts.expert_load},
         "schedule_tokens_per_s_per_gpu": facts.tokens_per_step / replay.now / n_devices,

@@ -6,7 +6,9 @@ is checked against (bench/calibration.py).
 
 Each op and transfer of the replay (schedule.py's events), at:
   gemm          its FLOPs at GEMM_EFFICIENCY of the dense peak, or its bytes at the achievable HBM
-                bandwidth, the slower (a skinny GEMM is memory-bound: the shape's part);
+                bandwidth, the slower (a skinny GEMM is memory-bound: the shape's part); an FP8
+                GEMM at the same fraction of the FP8 peak (schedule.op_peak): an assumption, no
+                public FP8 measurement of the same shapes beside the bf16 one;
   attention     cuDNN's fused attention at ATTENTION_TFLOPS[kind, causal] for its keys' length
                 (the nearest length measured at or below it);
   grouped       the experts' kernel as a GEMM, times the load of its most loaded expert (the slowest
@@ -86,7 +88,8 @@ class Achievable:
             rate = attention_flops_per_s(kind, causal, keys) * self.peak / H100_PEAK
             return max(flops / rate, memory)
         load = self.expert_load if kind == "grouped" else 1.0
-        return max(load * flops / (self.peak * GEMM_EFFICIENCY), memory)
+        peak = schedule.op_peak(self.target, self.peak, kind)
+        return max(load * flops / (peak * GEMM_EFFICIENCY), memory)
 
     def legs(self, xfer: list) -> dict[str, float]:
         kind, _, nvlink, network = xfer

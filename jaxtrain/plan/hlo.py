@@ -18,6 +18,8 @@ DTYPE_BYTES = {
     "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 1, "u4": 1,
 }  # fmt: skip
 ARRAY = re.compile(r"([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\]")
+FP8_DTYPES = ("f8e4m3fn", "f8e5m2")  # the operands of an FP8 GEMM on Hopper
+FP8_GEMM = "__cublas$lt$matmul$f8"  # cuBLASLt's FP8 GEMM, as XLA's GEMM rewriter calls it
 GROUPED_FLOPS = "grouped_matmul_flops_"  # model/grouped.py's FLOPS_SCOPE: a scope in the op's op_name
 COLLECTIVES = (
     "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute",
@@ -236,6 +238,28 @@ def flops(op: Op, comps: dict[str, dict[str, Op]], ops: dict[str, Op]) -> float:
         out = _dims(op.shape)  # the first array: the product (a tuple's second is scratch space)
         return 2.0 * math.prod(out) * math.prod(lhs[i] for i in idx if i < len(lhs))
     return 0.0
+
+
+def _fp8_operand(op: Op, ops: dict[str, Op]) -> bool:
+    first = ops.get(op.operands[0]) if op.operands else None
+    return first is not None and first.shape.startswith(FP8_DTYPES)
+
+
+def fp8(op: Op, comps: dict[str, dict[str, Op]], ops: dict[str, Op]) -> bool:
+    """Whether a matmul op runs on FP8 tensor cores: cuBLASLt's FP8 GEMM (FP8_GEMM), or a dot whose
+    operands are FP8, alone or in a GEMM fusion (XLA's Triton GEMM: what a compile without a GPU
+    to autotune on picks, tests/test_plan.py). The FLOPs are hlo.flops's either way."""
+    if op.opcode == "dot":
+        return _fp8_operand(op, ops)
+    if op.opcode == "fusion":
+        callee = re.search(r"calls=%([\w.\-]+)", op.attrs)
+        inner = comps.get(callee.group(1), {}) if callee else {}
+        return any(fp8(o, comps, inner) for o in inner.values() if o.opcode in ("dot", "fusion"))
+    if op.opcode != "custom-call":
+        return False
+    target = re.search(r'custom_call_target="([^"]+)"', op.attrs)
+    name = target.group(1) if target else ""
+    return name == FP8_GEMM or (("gemm" in name or "matmul" in name) and _fp8_operand(op, ops))
 
 
 class Program:

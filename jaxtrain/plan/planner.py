@@ -121,8 +121,9 @@ def print_plan(p: dict[str, Any]) -> None:
         ("temporaries / device", gb(p["temp_bytes_per_device"])),
         ("total / device", gb(p["total_bytes_per_device"])),
         ("eval step total / device", gb(p["eval_total_bytes_per_device"])),
-        ("usable / device", f"{gb(p['usable_bytes_per_device'])} of {gb(p['device_memory_bytes'])}: "
-                            + ("FITS" if p["fits"] else "DOES NOT FIT")),
+        ("usable / device", f"{gb(p['usable_bytes_per_device'])} of {gb(p['device_memory_bytes'])}, "
+                            f"{gb(p.get('reserve_bytes_per_device', 0))} of it kept for autotuning and "
+                            "workspaces: " + ("FITS" if p["fits"] else "DOES NOT FIT")),
         ("attention", p["attention"]),
         ("compile", f"{p['compile_s']:.1f} s"),
     ]  # fmt: skip
@@ -144,7 +145,8 @@ def print_plan(p: dict[str, Any]) -> None:
     print(f"schedule-aware bound      {p['schedule_bound_s'] * 1e3:.1f} ms (the compiled order replayed: "
           f"ops {ops:.1f} ms, communication left exposed {exposed:.1f} ms)")  # fmt: skip
     print(f"MFU ceiling               {100 * p['mfu_ceiling']:.1f}% from the floor, "
-          f"{100 * p['schedule_mfu_ceiling']:.1f}% from the schedule (ceilings, no predictions)")  # fmt: skip
+          f"{100 * p['schedule_mfu_ceiling']:.1f}% from the schedule (ceilings, no predictions; against "
+          f"the {p.get('mfu_dtype', p['dtype'])} peak)")  # fmt: skip
     if "forecast" in p:
         print_forecast(p)
 

@@ -25,8 +25,18 @@ import re
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from jaxtrain.observe import peaks
 from jaxtrain.plan import hlo
 from jaxtrain.plan.targets import GpuTarget
+
+FP8_GEMM = "gemm_fp8"  # a GEMM on FP8 tensor cores (hlo.fp8): at the target's FP8 peak
+
+
+def op_peak(target: GpuTarget, peak: float, kind: str) -> float:
+    """The dense peak an op of `kind` runs at: an FP8 GEMM at the target's FP8 peak (where it has
+    one), every other op at `peak`, the step's dtype's."""
+    fp8 = peaks.peak_flops(target.device_kind, peaks.FP8) if kind == FP8_GEMM else None
+    return fp8 or peak
 
 
 @dataclass
@@ -57,6 +67,7 @@ class Clock:
 # The replay's events, JSON as the plan stores them (`schedule_trace`), so a plan is costed again
 # without its compile (jaxtrain/plan/forecast.py, tests/test_plan_forecast.py):
 #   ["op", kind, flops, bytes, keys, causal, n]  n ops in a row alike: kind "gemm" (cuBLAS, a dot),
+#                           "gemm_fp8" (one on FP8 tensor cores),
 #                           "attention" / "attention_bwd" (cuDNN; keys: the keys' length), "grouped"
 #                           (the experts' kernel), "memory" (no matmul: its bytes only)
 #   ["start", name, xfer] / ["done", [names]] / ["sync", xfer]   xfer: [kind, size, nvlink, network]
@@ -76,6 +87,17 @@ def _kind(op: hlo.Op, flops: float) -> tuple[str, int, bool]:
     if name == "mosaic_gpu_v2" and flops:
         return "grouped", 0, False
     return ("gemm" if flops else "memory"), 0, False
+
+
+def _op_event(op: hlo.Op, program: hlo.Program, ops: dict[str, hlo.Op]) -> list | None:
+    """An op's event (above), None for an op with no FLOPs and no bytes."""
+    flops, written = hlo.flops(op, program.comps, ops), 2 * program.written(op)
+    if not (flops or written):  # written once, read once (the floor in compiled.py counts so)
+        return None
+    kind, keys, causal = _kind(op, flops)
+    if kind == "gemm" and hlo.fp8(op, program.comps, ops):
+        kind = FP8_GEMM
+    return ["op", kind, int(flops), written, keys, causal, 1]
 
 
 def trace(text: str, layout: hlo.Placement) -> list:
@@ -110,11 +132,8 @@ def trace(text: str, layout: hlo.Placement) -> list:
                 events.append(["done", op.operands])
             elif code in hlo.COLLECTIVES:
                 events.append(["sync", xfer(op, ops)])
-            else:
-                flops, written = hlo.flops(op, program.comps, ops), 2 * program.written(op)
-                if flops or written:  # written once, read once (the floor in compiled.py counts so)
-                    kind, keys, causal = _kind(op, flops)
-                    events.append(["op", kind, int(flops), written, keys, causal, 1])
+            elif (event := _op_event(op, program, ops)) is not None:
+                events.append(event)
         return _merged(events)
 
     return walk(program.entry)
@@ -146,14 +165,14 @@ class Costs(Protocol):
 
 @dataclass(frozen=True)
 class Roofline:
-    """The bound's costs: each op at its roofline (its matmul FLOPs at the dense peak or its bytes
-    at HBM bandwidth), each transfer's ideal ring bytes at the links' full bandwidth."""
+    """The bound's costs: each op at its roofline (its matmul FLOPs at the dense peak, `op_peak`,
+    or its bytes at HBM bandwidth), each transfer's ideal ring bytes at the links' full bandwidth."""
 
     target: GpuTarget
     peak: float
 
     def op(self, kind: str, flops: float, written: float, keys: int, causal: bool) -> float:
-        return max(flops / self.peak, written / self.target.hbm_bytes_per_s)
+        return max(flops / op_peak(self.target, self.peak, kind), written / self.target.hbm_bytes_per_s)
 
     def legs(self, xfer: list) -> dict[str, float]:
         _, _, nvlink, network = xfer
