@@ -3,6 +3,7 @@ every mesh. The GPU program itself (cuDNN calls present, temporaries per device)
 H100s in tests/test_gpu_compile.py."""
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -12,6 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.config import ConfigError, MeshConfig, ModelConfig, MoeConfig
+from jaxtrain.model import attention, documents
 from jaxtrain.parallel import context
 from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.run import kernels
@@ -97,3 +99,67 @@ def test_kernel_runs_on_each_devices_rows_and_heads_inside_the_steps_shard_map()
 
 # Compiles configs/gpt2_124m.yaml (attention_impl auto) for each case and prints one JSON line
 # each: the cuDNN attention calls, the q operand of the forward call, and the temp bytes.
+
+
+def _packed_reference(q, k, v, offsets, lengths):
+    """cuDNN's packed form as jax's layer documents it, in XLA on CPU: row i of a block attends
+    causally inside the document covering it; rows no document covers come out NaN and so do
+    their gradients (cuDNN leaves them unwritten)."""
+    rows, size = q.shape[:2]
+    t = jnp.arange(size)
+    starts, ends = offsets[:, :-1, None], offsets[:, :-1, None] + lengths[:, :, None]
+    covers = (lengths[:, :, None] > 0) & (starts <= t) & (t < ends)  # [B', docs, T]
+    doc = jnp.where(covers.any(1), jnp.argmax(covers, axis=1), -1 - t)  # uncovered: each alone
+    covered = covers.any(1)[:, :, None, None]
+
+    @jax.custom_vjp
+    def attend(q, k, v):
+        return jnp.where(covered, attention.xla_kernel(q, k, v, doc), jnp.nan)
+
+    def fwd(q, k, v):
+        y, vjp = jax.vjp(lambda *x: attention.xla_kernel(*x, doc), q, k, v)
+        return jnp.where(covered, y, jnp.nan), vjp
+
+    def bwd(vjp, g):
+        return tuple(jnp.where(covered, d, jnp.nan) for d in vjp(jnp.where(covered, g, 0)))
+
+    attend.defvjp(fwd, bwd)
+    return attend(q, k, v)
+
+
+def _random_documents(rng, b, t, tiny):
+    """Segments [B, T]: documents of lengths from 1 token to the whole window, the first row's a
+    run of one-token documents (`tiny` of them) inside longer ones."""
+    rows = []
+    for i in range(b):
+        ends = set(rng.choice(np.arange(1, t), size=t // 24, replace=False).tolist())
+        if i == 0:
+            start = rng.integers(0, t - tiny)
+            ends |= set(range(start, start + tiny))
+        rows.append(np.cumsum(np.isin(np.arange(t), sorted(ends))))
+    return jnp.asarray(np.stack(rows), jnp.int32)
+
+
+@pytest.mark.parametrize("split, smallest, t", [(16, 16, 512), (4, 2, 64)])
+def test_packed_documents_attend_exactly_as_the_dense_mask(monkeypatch, split, smallest, t):
+    """attention.packed_attention (cuDNN's packed form, emulated: its unwritten rows NaN, forward
+    and backward) gives XLA's masked attention's values and gradients, with one-token documents
+    past any bound on documents a block: at the shipped split (512 tokens: one packed level) and at
+    4 (64 tokens: two packed levels, 3 documents a block at most), 8 query heads over 2 kv heads."""
+    monkeypatch.setattr(documents, "SPLIT", split)
+    monkeypatch.setattr(documents, "SMALLEST", smallest)
+    assert len(documents.block_sizes(t)) == (2 if split == 16 else 3)
+    segments = _random_documents(np.random.default_rng(0), 2, t, tiny=40 if t > 64 else 12)
+    q = jax.random.normal(jax.random.key(1), (2, t, 8, 8))
+    k, v = jax.random.normal(jax.random.key(2), (2, 2, t, 2, 8))
+    g = jax.random.normal(jax.random.key(3), q.shape)
+
+    def loss(kernel, q, k, v):
+        return jnp.sum(kernel(q, k, v) * g)
+
+    packed = lambda q, k, v: attention.packed_attention(q, k, v, segments, _packed_reference)  # noqa: E731
+    dense = lambda q, k, v: attention.xla_kernel(q, k, v, segments)  # noqa: E731
+    np.testing.assert_allclose(jax.jit(packed)(q, k, v), dense(q, k, v), atol=1e-5)
+    got = jax.jit(jax.grad(functools.partial(loss, packed), (0, 1, 2)))(q, k, v)
+    for a, b in zip(got, jax.grad(functools.partial(loss, dense), (0, 1, 2))(q, k, v), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-4)

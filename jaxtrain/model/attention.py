@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax._src.cudnn import fused_attention_stablehlo as cudnn_layer
 
 from jaxtrain.config import ModelConfig
+from jaxtrain.model import documents
 from jaxtrain.model.documents import Documents
 from jaxtrain.model.layers import (
     cache_index,
@@ -59,9 +62,63 @@ def cudnn_kernel(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array |
     attend = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
     if segments is None:
         return attend(q, k, v)
-    # jax 0.10.2's public API takes documents as a mask, which cuDNN's fused kernel gets as a
-    # [B, 1, T, S] bias beside its own causal mask: still the fused kernel, plus that bias.
+    if len(documents.block_sizes(q.shape[1])) > 1 and cudnn_layer.check_compute_capability("9.0"):
+        return packed_attention(q, k, v, segments, _cudnn_packed)
+    # Before Hopper (jax's gate for the packed layout, which the planner sets to its target), or a
+    # window not a multiple of 256 tokens: documents as a [B, 1, T, S] mask, cuDNN's bias.
     return attend(q, k, v, mask=(segments[:, :, None] == segments[:, None, :])[:, None])
+
+
+def packed_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array, packed: Callable[..., jax.Array]
+) -> jax.Array:
+    """Causal attention inside each document, with no T x S array: each level of documents
+    (model/documents.py `levels`) by `packed`(q, k, v, offsets, lengths) on the window seen as
+    blocks, the documents inside a smallest block by XLA's kernel there, each token's output from
+    its own level. A packed kernel leaves the rows outside its documents unwritten: those rows'
+    outputs are not taken, and their gradients not let through (`_rows`)."""
+    b, t, n, _ = q.shape
+    found, _ = documents.levels(segments)
+    if k.shape[2] != n:  # jax 0.10.2 steps through packed keys by the query's heads (_fix_seqlen_offsets)
+        k, v = jnp.repeat(k, n // k.shape[2], axis=2), jnp.repeat(v, n // k.shape[2], axis=2)
+    small = documents.block_sizes(t)[-1]
+    blocks = [x.reshape(-1, small, *x.shape[2:]) for x in (q, k, v, segments)]
+    y = xla_kernel(*blocks).reshape(b, t, n, v.shape[-1])
+    for level in found:
+        qkv = [_rows(x, level.owned).reshape(-1, level.block, *x.shape[2:]) for x in (q, k, v)]
+        y_level = packed(*qkv, level.offsets, level.lengths).reshape(y.shape)
+        y = jnp.where(level.owned[:, :, None, None], y_level, y)
+    return y
+
+
+@jax.custom_vjp
+def _rows(x: jax.Array, rows: jax.Array) -> jax.Array:
+    """x [B, T, ...] as it is; its gradient only at `rows` [B, T]: a packed kernel's gradient
+    rows outside its documents are unwritten memory, NaN as likely as not."""
+    return x
+
+
+def _rows_fwd(x: jax.Array, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return x, rows
+
+
+def _rows_bwd(rows: jax.Array, g: jax.Array) -> tuple[jax.Array, None]:
+    return jnp.where(rows.reshape(*rows.shape, *(1,) * (g.ndim - 2)), g, jnp.zeros_like(g)), None
+
+
+_rows.defvjp(_rows_fwd, _rows_bwd)
+
+
+def _cudnn_packed(
+    q: jax.Array, k: jax.Array, v: jax.Array, offsets: jax.Array, lengths: jax.Array
+) -> jax.Array:
+    """cuDNN's fused causal attention over packed documents, each its own sequence: jax 0.10.2's
+    public API takes no offsets, so its cuDNN layer is called (its signature as of 0.10.2; causal
+    inside each document, as jax's packed-layout test runs it)."""
+    return cudnn_layer.dot_product_attention(
+        q, k, v, None, None, lengths, lengths, offsets, offsets,
+        scale=1.0 / math.sqrt(q.shape[-1]), mask_type=cudnn_layer.MaskType.CAUSAL, qkv_layout="BTNH",
+    )  # fmt: skip
 
 
 def xla_kernel(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None) -> jax.Array:
