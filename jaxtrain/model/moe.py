@@ -385,41 +385,62 @@ class MoeMlp(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg, moe = self.cfg, self.cfg.moe
         b, t, d = x.shape
-        n_experts, k, ff = moe.n_experts, moe.experts_per_token, cfg.expert_dim
         tokens = x.reshape(b * t, d)
         # The router in float32: a low-precision softmax over experts flips near-tied top-k picks.
-        logits = dense(n_experts, cfg.init_std, jnp.float32, "router")(tokens.astype(jnp.float32))
+        logits = dense(moe.n_experts, cfg.init_std, jnp.float32, "router")(tokens.astype(jnp.float32))
         bias = None
         if moe.router == "sigmoid":
-            bias = self.param("router_bias", nn.initializers.zeros, (n_experts,), jnp.float32)
+            bias = self.param("router_bias", nn.initializers.zeros, (moe.n_experts,), jnp.float32)
         weights, experts, probs = route(moe, logits, bias)  # [N, k], [N, k], [N, E]
+        w_in, w_out = self._stacks(d)
+        flat = experts.reshape(-1)  # [N * k]: token i's copies at i*k .. i*k + k-1
+        y, dropped = self._experts(tokens, weights, experts, w_in, w_out)
+        y = y.astype(self.dtype).reshape(b, t, d)
+        if moe.n_shared_experts:
+            shared = mlp(
+                cfg, self.dtype, x, moe.d_shared or moe.n_shared_experts * cfg.expert_dim, prefix="shared_"
+            )
+            if moe.shared_gate:
+                shared = shared * nn.sigmoid(dense(1, cfg.init_std, self.dtype, "shared_gate")(x))
+            y = y + shared
 
-        ep = self.placement.expert_split
+        load = jnp.zeros(moe.n_experts, jnp.float32).at[flat].add(1.0) / flat.size
+        self.sow("moe", "load", jax.lax.stop_gradient(load))
+        self.sow("moe", "probs", probs.mean(axis=0))
+        self.sow("moe", "z", jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2))
+        self.sow("moe", "dropped", dropped)
+        return constrain(y, "batch", "length", "embed")
+
+    def _stacks(self, d: int) -> tuple[jax.Array, jax.Array]:
+        """The routed experts' weights in the compute dtype, w_in [E, d, (2,) ff] and w_out [E, ff, d]:
+        declared as this device's share (E / expert_split), as each device sees only its experts."""
+        cfg = self.cfg
+        n_experts, ff = cfg.moe.n_experts // self.placement.expert_split, cfg.expert_dim
+        shape_in = (n_experts, d, 2, ff) if cfg.mlp == "swiglu" else (n_experts, d, ff)
+        w_in = _Stack(shape_in, cfg.init_std, name="gate_up" if cfg.mlp == "swiglu" else "fc")()
+        w_out = _Stack((n_experts, ff, d), residual_std(cfg), name="out")()
+        return w_in.astype(self.dtype), w_out.astype(self.dtype)
+
+    def _experts(
+        self, tokens: jax.Array, weights: jax.Array, experts: jax.Array, w_in: jax.Array, w_out: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        """Tokens [N, d] through the experts `experts` [N, k] picked, weighted by `weights` -> [N, d]
+        in float32 (each token's copies summed), and the share of copies dropped (capacity)."""
+        moe, k, d = self.cfg.moe, self.cfg.moe.experts_per_token, tokens.shape[1]
         # Settled where the job meets its devices (run/kernels.py); a model applied outside a job: XLA's
         impl = "ragged_dot" if moe.grouped_matmul == "auto" else moe.grouped_matmul
-        # Declared as this device's share: inside the step each device sees only its experts.
-        shape_in = (n_experts // ep, d, 2, ff) if cfg.mlp == "swiglu" else (n_experts // ep, d, ff)
-        w_in = _Stack(shape_in, cfg.init_std, name="gate_up" if cfg.mlp == "swiglu" else "fc")()
-        w_out = _Stack((n_experts // ep, ff, d), residual_std(cfg), name="out")()
-        w_in, w_out = w_in.astype(self.dtype), w_out.astype(self.dtype)
-
-        flat = experts.reshape(-1)  # [N * k]: token i's copies at i*k .. i*k + k-1
         # In pieces, each routed and exchanged by itself: one piece's exchange runs beside another's
         # experts (`_routed`). Pieces only schedule the exchange: where they do not divide the tokens
         # (decoding's one token a sequence; the config holds training's count) the layer goes whole.
         pieces = moe.chunks if tokens.shape[0] % moe.chunks == 0 else 1
+        split = zip(*(jnp.split(a, pieces) for a in (tokens, weights, experts)), strict=True)
         order, inverse, rows, gates, piece_experts = zip(
-            *(
-                _copies(t_, w_, e_, self.dtype)
-                for t_, w_, e_ in zip(
-                    *(jnp.split(a, pieces) for a in (tokens, weights, experts)), strict=True
-                )
-            ),
+            *(_copies(tokens_, weights_, experts_, self.dtype) for tokens_, weights_, experts_ in split),
             strict=True,
         )
-        wire, recomputed = Wire(impl, dispatch=moe.dispatch_dtype), cfg.remat != "none"
+        wire, recomputed = Wire(impl, dispatch=moe.dispatch_dtype), self.cfg.remat != "none"
         if self.placement.experts is None:
-            plans = tuple(Groups(jnp.zeros(n_experts, jnp.int32).at[e].add(1)) for e in piece_experts)
+            plans = tuple(Groups(jnp.zeros(moe.n_experts, jnp.int32).at[e].add(1)) for e in piece_experts)
             outs, dropped = (
                 routed(recomputed)(wire, rows, gates, w_in, w_out, plans),
                 jnp.zeros((), jnp.float32),
@@ -435,19 +456,7 @@ class MoeMlp(nn.Module):
                 for out, inv, o in zip(outs, inverse, order, strict=True)
             ]
         )
-        y = y.astype(self.dtype).reshape(b, t, d)
-        if moe.n_shared_experts:
-            shared = mlp(cfg, self.dtype, x, moe.d_shared or moe.n_shared_experts * ff, prefix="shared_")
-            if moe.shared_gate:
-                shared = shared * nn.sigmoid(dense(1, cfg.init_std, self.dtype, "shared_gate")(x))
-            y = y + shared
-
-        load = jnp.zeros(n_experts, jnp.float32).at[flat].add(1.0) / flat.size
-        self.sow("moe", "load", jax.lax.stop_gradient(load))
-        self.sow("moe", "probs", probs.mean(axis=0))
-        self.sow("moe", "z", jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2))
-        self.sow("moe", "dropped", dropped)
-        return constrain(y, "batch", "length", "embed")
+        return y, dropped
 
 
 def router_stats(collection: Any) -> dict[str, jax.Array]:

@@ -234,16 +234,7 @@ def make_train_step(
         params, opt_state = _update(tx, clip, state, grads, grad_norm, finite)
         if bias_rate:  # auxiliary-loss-free balancing: no gradient's, so beside the optimizer's update
             params = update_router_bias(params, loss_metrics["expert_load"], bias_rate * finite)
-        scale, good = _loss_scale(state, finite, fp16)
-        new_state = state.replace(  # type: ignore[attr-defined]  # added by flax.struct.dataclass
-            step=state.step + 1,
-            params=params,
-            opt_state=opt_state,
-            loss_scale=scale,
-            good_steps=good,
-            bad_steps=jnp.where(finite, 0, state.bad_steps + 1),
-            skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
-        )
+        new_state = _stepped(state, params, opt_state, finite, fp16)
         metrics = {
             **loss_metrics,
             "grad_norm": grad_norm,
@@ -251,11 +242,26 @@ def make_train_step(
             "finite": finite,
             "bad_steps": new_state.bad_steps,
             "skipped_steps": new_state.skipped_steps,
-            "loss_scale": scale,
+            "loss_scale": new_state.loss_scale,
         }
         return new_state, metrics
 
     return train_step
+
+
+def _stepped(state: TrainState, params: Any, opt_state: Any, finite: jax.Array, fp16: bool) -> TrainState:
+    """The state after a step that updated to `params`, `opt_state` (unchanged where not `finite`):
+    its counters, and float16's loss scale moved by whether the step was finite."""
+    scale, good = _loss_scale(state, finite, fp16)
+    return state.replace(  # type: ignore[attr-defined]  # added by flax.struct.dataclass
+        step=state.step + 1,
+        params=params,
+        opt_state=opt_state,
+        loss_scale=scale,
+        good_steps=good,
+        bad_steps=jnp.where(finite, 0, state.bad_steps + 1),
+        skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
+    )
 
 
 def make_eval_step(
