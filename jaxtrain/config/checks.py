@@ -25,6 +25,8 @@ _CHOICES = {
     "model.moe.router": ("softmax", "sigmoid"),
     "model.moe.dispatch_dtype": ("", "float8_e4m3fn"),
     "model.rope_type": ("llama3", "yarn"),
+    "model.matmul": ("compute", "fp8"),
+    "model.head_matmul": ("compute", "fp8"),
     "mesh.reduce_dtype": ("float32", "compute"),
     "compat.backend": ("auto", "nccl", "gloo"),
     "ddp.log_level": ("", "DEBUG", "INFO", "WARNING", "ERROR"),
@@ -115,6 +117,17 @@ def _check_model(cfg: Config) -> None:
     if m.pos_embedding == "rope" and m.head_size % 2 and not m.mla:  # MLA's: _check_mla
         raise ConfigError(f"rotary positions need an even head size, got {m.head_size}")
     _check_mla(m)
+    _check_fp8(cfg)
+
+
+def _check_fp8(cfg: Config) -> None:
+    """FP8 matmuls dequantize into bfloat16, the dtype XLA's GPU compiler folds into an FP8 GEMM."""
+    for key in ("matmul", "head_matmul"):
+        if getattr(cfg.model, key) == "fp8" and cfg.dtype != "bfloat16":
+            raise ConfigError(
+                f"model.{key} fp8 runs its matmuls from bfloat16 operands, but dtype is {cfg.dtype}; "
+                "add --dtype bfloat16 (or drop the fp8)"
+            )
 
 
 def _check_batch(cfg: Config) -> None:

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.config import ModelConfig
+from jaxtrain.model.fp8 import fp8_dot_general
 
 
 def constrain(x: jax.Array, *logical: str | None) -> jax.Array:
@@ -43,8 +44,16 @@ def cache_index(module: nn.Module, length: int) -> jax.Array:
 
 
 def dense(
-    features: int | tuple[int, ...], std: float, dtype: Any, name: str, axis: Any = -1, bias: bool = False
+    features: int | tuple[int, ...],
+    std: float,
+    dtype: Any,
+    name: str,
+    axis: Any = -1,
+    bias: bool = False,
+    matmul: str = "compute",
 ) -> nn.DenseGeneral:
+    """A projection: float32 params, computed in `dtype`; matmul "fp8" (model.matmul) multiplies in
+    FP8 (model/fp8.py). The params are the same either way, so checkpoints do not depend on it."""
     return nn.DenseGeneral(
         features,
         axis=axis,
@@ -52,6 +61,7 @@ def dense(
         dtype=dtype,
         param_dtype=jnp.float32,
         kernel_init=nn.initializers.normal(std),
+        dot_general=fp8_dot_general if matmul == "fp8" else None,
         name=name,
     )
 

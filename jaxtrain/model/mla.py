@@ -32,13 +32,15 @@ def latent_qkv(cfg: ModelConfig, dtype: Any, x: jax.Array, positions: jax.Array)
     b, t, _ = x.shape
     n, nope, rot, lora = cfg.n_head, cfg.nope_head_dim, cfg.rope_head_dim, cfg.kv_lora_rank
     if cfg.q_lora_rank:
-        latent_q = dense(cfg.q_lora_rank, cfg.init_std, dtype, "q_a")(x)
-        q = dense((n, nope + rot), cfg.init_std, dtype, "q_b")(norm(latent_q, LATENT_EPS, "q_a_norm"))
+        latent_q = dense(cfg.q_lora_rank, cfg.init_std, dtype, "q_a", matmul=cfg.matmul)(x)
+        q = dense((n, nope + rot), cfg.init_std, dtype, "q_b", matmul=cfg.matmul)(
+            norm(latent_q, LATENT_EPS, "q_a_norm")
+        )
     else:
-        q = dense((n, nope + rot), cfg.init_std, dtype, "q")(x)
+        q = dense((n, nope + rot), cfg.init_std, dtype, "q", matmul=cfg.matmul)(x)
     q = constrain(q, "batch", "length", "heads", None)  # [B, T, N, nope + rope]
-    latent_kv = dense(lora + rot, cfg.init_std, dtype, "kv_a")(x)  # [B, T, lora + rope]
-    kv = dense((n, nope + cfg.v_head_dim), cfg.init_std, dtype, "kv_b")(
+    latent_kv = dense(lora + rot, cfg.init_std, dtype, "kv_a", matmul=cfg.matmul)(x)  # [B, T, lora + rope]
+    kv = dense((n, nope + cfg.v_head_dim), cfg.init_std, dtype, "kv_b", matmul=cfg.matmul)(
         norm(latent_kv[..., :lora], LATENT_EPS, "kv_a_norm")
     )
     kv = constrain(kv, "batch", "length", "heads", None)  # [B, T, N, nope + v]

@@ -18,14 +18,16 @@ def mlp(cfg: ModelConfig, dtype: Any, x: jax.Array, hidden: int, prefix: str = "
     `hidden` units, its params named prefix + gate_up/fc/out in the calling module (inside its
     compact method): a block's `mlp`, or a mixture of experts' `shared_` ones beside its experts."""
     if cfg.mlp == "swiglu":
-        gate_up = dense((2, hidden), cfg.init_std, dtype, f"{prefix}gate_up")(x)  # [B, T, 2, ff]
+        gate_up = dense((2, hidden), cfg.init_std, dtype, f"{prefix}gate_up", matmul=cfg.matmul)(
+            x
+        )  # [B, T, 2, ff]
         gate_up = constrain(gate_up, "batch", "length", None, "mlp")
         gate, up = (x[:, :, 0] for x in jnp.split(gate_up, 2, axis=2))
         h = nn.silu(gate) * up
     else:
-        h = nn.gelu(dense(hidden, cfg.init_std, dtype, f"{prefix}fc")(x))
+        h = nn.gelu(dense(hidden, cfg.init_std, dtype, f"{prefix}fc", matmul=cfg.matmul)(x))
     h = constrain(h, "batch", "length", "mlp")
-    out = dense(x.shape[-1], residual_std(cfg), dtype, f"{prefix}out")(h)
+    out = dense(x.shape[-1], residual_std(cfg), dtype, f"{prefix}out", matmul=cfg.matmul)(h)
     return constrain(out, "batch", "length", "embed")
 
 

@@ -1,0 +1,97 @@
+"""FP8 matmuls (model.matmul fp8): a `dot_general` whose operands are rounded to FP8, each tensor
+scaled by its own current maximum, for `nn.DenseGeneral(dot_general=...)` (model/layers.py `dense`).
+
+    y = fp8_dot_general(x, w, dimension_numbers)   # x, w bfloat16: y bfloat16
+
+The forward multiplies e4m3 operands (3 mantissa bits, range 448), both backward GEMMs the e5m2
+incoming gradient (2 mantissa bits, range 57344: gradients span more octaves) against the saved e4m3
+operands. Each operand is written as XLA's GPU compiler recognises a scaled FP8 GEMM: convert(f8) ->
+bf16, times a scalar scale, into the dot (on an H100 cuBLASLt's FP8 GEMM, `__cublas$lt$matmul$f8`,
+when Triton GEMMs are off: docs/fp8.md). XLA:CPU runs the same program, the same roundings.
+
+Scaling: per tensor, current (torchtitan's "tensorwise" default): the scale is computed from the
+tensor in the step, so it carries no state (checkpoints do not depend on it; a resume is bitwise).
+Each scale is a power of two (the smallest one that maps the tensor's max into the format's range):
+exact in bfloat16, so quantize and dequantize round only once; and a batch shard's scale equals the
+whole batch's unless their maxima straddle a power of two (the step runs the model per batch shard).
+A non-finite tensor gives a non-finite scale and a non-finite result, which the step skips.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+FORWARD = jnp.float8_e4m3fn
+GRADIENT = jnp.float8_e5m2
+
+
+def scale_of(x: jax.Array, dtype: Any) -> jax.Array:
+    """float32 scalar: the power of two s with max|x| / s within `dtype`'s largest value (1 when x is
+    all zero, so zeros stay zeros; NaN or inf when x holds one)."""
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    amax = jnp.where(amax == 0, 1.0, amax)
+    return jnp.exp2(jnp.ceil(jnp.log2(amax / float(jnp.finfo(dtype).max))))
+
+
+def quantize(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """x rounded to FP8 `dtype` after dividing by its scale, and the scale."""
+    scale = scale_of(x, dtype)
+    return (x.astype(jnp.float32) / scale).astype(dtype), scale
+
+
+def dequantize(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+    """The pattern XLA's GPU GEMM rewriter folds into an FP8 GEMM: convert, then a scalar multiply."""
+    return q.astype(dtype) * scale.astype(dtype)
+
+
+def _dot(x: jax.Array, w: jax.Array, dims: Any) -> jax.Array:
+    return jax.lax.dot_general(x, w, dims)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _fp8_dot(x: jax.Array, w: jax.Array, dims: Any) -> jax.Array:
+    return _fp8_forward(x, w, dims)[0]
+
+
+def _fp8_forward(x: jax.Array, w: jax.Array, dims: Any) -> tuple[jax.Array, Any]:
+    (xq, sx), (wq, sw) = quantize(x, FORWARD), quantize(w, FORWARD)
+    y = _dot(dequantize(xq, sx, x.dtype), dequantize(wq, sw, w.dtype), dims)
+    # The FP8 operands are what the backward needs: half the bytes of saving x and w.
+    return y, (xq, sx, wq, sw)
+
+
+def _fp8_backward(dims: Any, saved: Any, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    xq, sx, wq, sw = saved
+    gq, sg = quantize(g, GRADIENT)
+    x, w = dequantize(xq, sx, g.dtype), dequantize(wq, sw, g.dtype)
+    # dot_general's own transpose rule writes both GEMMs (dx = g . w^T, dw = x^T . g) for any
+    # dimension numbers; each multiplies the dequantized e5m2 gradient by a dequantized e4m3 operand.
+    _, vjp = jax.vjp(lambda a, b: _dot(a, b, dims), x, w)
+    dx, dw = vjp(dequantize(gq, sg, g.dtype))
+    return dx, dw
+
+
+_fp8_dot.defvjp(_fp8_forward, _fp8_backward)
+
+
+def fp8_dot_general(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers: Any,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+) -> jax.Array:
+    """`jax.lax.dot_general`'s signature (what flax's DenseGeneral calls) over FP8-rounded operands
+    (module docstring); the result in the operands' dtype."""
+    del precision, preferred_element_type  # FP8 GEMMs accumulate in float32 and return lhs's dtype
+    return _fp8_dot(lhs, rhs, _hashable(dimension_numbers))
+
+
+def _hashable(dims: Any) -> Any:
+    """((lhs_contract, rhs_contract), (lhs_batch, rhs_batch)) as tuples of ints."""
+    (lc, rc), (lb, rb) = dims
+    return ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
