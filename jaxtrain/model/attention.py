@@ -185,7 +185,7 @@ class Attention(nn.Module):
             segments = None if doc is None else doc.segments
             y = causal_attention(q, k, v, cfg.attention_impl, segments, self.placement)
         y = constrain(y, "batch", "length", "heads", None)
-        out = dense(d, residual_std(cfg), self.dtype, "out", axis=(-2, -1))(y)
+        out = dense(d, residual_std(cfg), self.dtype, "out", axis=(-2, -1), matmul=cfg.matmul)(y)
         return constrain(out, "batch", "length", "embed")
 
     def _qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -193,15 +193,21 @@ class Attention(nn.Module):
         cfg = self.cfg
         n, kv_heads, head_dim, bias = cfg.n_head, cfg.kv_heads, cfg.head_size, cfg.qkv_bias
         if kv_heads == n:
-            qkv = dense((3, n, head_dim), cfg.init_std, self.dtype, "qkv", bias=bias)(x)  # [B, T, 3, N, H]
+            qkv = dense((3, n, head_dim), cfg.init_std, self.dtype, "qkv", bias=bias, matmul=cfg.matmul)(
+                x
+            )  # [B, T, 3, N, H]
             qkv = constrain(qkv, "batch", "length", None, "heads", None)
             # One split, not three index slices: its gradient is one concatenate, where the slices'
             # is three zero-padded copies added up (XLA:CPU keeps those pads: ~4% of a step).
             q, k, v = (x[:, :, 0] for x in jnp.split(qkv, 3, axis=2))  # [B, T, N, H]
         else:
-            q = dense((n, head_dim), cfg.init_std, self.dtype, "q", bias=bias)(x)  # [B, T, N, H]
+            q = dense((n, head_dim), cfg.init_std, self.dtype, "q", bias=bias, matmul=cfg.matmul)(
+                x
+            )  # [B, T, N, H]
             q = constrain(q, "batch", "length", "heads", None)
-            kv = dense((2, kv_heads, head_dim), cfg.init_std, self.dtype, "kv", bias=bias)(x)
+            kv = dense((2, kv_heads, head_dim), cfg.init_std, self.dtype, "kv", bias=bias, matmul=cfg.matmul)(
+                x
+            )
             kv = constrain(kv, "batch", "length", None, "heads", None)
             k, v = (x[:, :, 0] for x in jnp.split(kv, 2, axis=2))  # [B, T, K, H]
         if cfg.qk_norm:
