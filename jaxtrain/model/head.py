@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxtrain.model.fp8 import fp8_dot_general
 from jaxtrain.model.layers import constrain, from_pieces, to_pieces
 from jaxtrain.text.format import NO_LOSS
 
@@ -38,9 +39,14 @@ class Embedding(nn.Embed):
     # place where a loop accumulates it (a pipeline's ticks, parallel/pipeline.py: its `embed` span)
     # instead of a table of zeros cast and added whole per tick.
     rows_first: bool = False
+    matmul: str = "compute"  # the logits' matmul, model.head_matmul: compute | fp8
 
     def table(self) -> jax.Array:
         return self.embedding
+
+    def attend(self, query: jax.Array) -> jax.Array:
+        """Logits [..., vocab] of query [..., d] against the table, in the compute dtype or in FP8."""
+        return logits_matmul(query, self.embedding, self.dtype, self.matmul)
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
         if not self.rows_first:
@@ -48,15 +54,29 @@ class Embedding(nn.Embed):
         return jnp.take(self.embedding, inputs, axis=0).astype(self.dtype)
 
 
-def logits(x: jax.Array, table: jax.Array, dtype: Any) -> jax.Array:
-    """float32 logits [B, T, vocab] of x [B, T, d] against the output embedding `table` [vocab, d],
-    multiplied in `dtype` (nn.Embed.attend's product)."""
-    y = jnp.dot(x.astype(dtype), table.astype(dtype).T)
+def logits_matmul(x: jax.Array, table: jax.Array, dtype: Any, matmul: str = "compute") -> jax.Array:
+    """x [..., d] times the output embedding `table` [vocab, d] transposed, multiplied in `dtype`
+    (nn.Embed.attend's product), or in FP8 (model/fp8.py) with matmul "fp8"."""
+    x, table = x.astype(dtype), table.astype(dtype)
+    if matmul == "fp8":
+        return fp8_dot_general(x, table, (((x.ndim - 1,), (1,)), ((), ())))
+    return jnp.dot(x, table.T)
+
+
+def logits(x: jax.Array, table: jax.Array, dtype: Any, matmul: str = "compute") -> jax.Array:
+    """float32 logits [B, T, vocab] of x [B, T, d] against the output embedding `table` [vocab, d]."""
+    y = logits_matmul(x, table, dtype, matmul)
     return constrain(y, "batch", "length", "vocab").astype(jnp.float32)
 
 
 def token_losses(
-    x: jax.Array, table: jax.Array, targets: jax.Array, chunks: int, dtype: Any, parts: int = 1
+    x: jax.Array,
+    table: jax.Array,
+    targets: jax.Array,
+    chunks: int,
+    dtype: Any,
+    parts: int = 1,
+    matmul: str = "compute",
 ) -> jax.Array:
     """Next-token cross-entropy [B, T] (float32) of final-normed x [B, T, d] against `targets` [B, T],
     `chunks` (> 1) pieces of each device's tokens at a time (the module docstring).
@@ -66,7 +86,7 @@ def token_losses(
     """
 
     def piece(xc: jax.Array, yc: jax.Array) -> jax.Array:
-        return optax.softmax_cross_entropy_with_integer_labels(logits(xc, table, dtype), yc)
+        return optax.softmax_cross_entropy_with_integer_labels(logits(xc, table, dtype, matmul), yc)
 
     xs = constrain(to_pieces(x, chunks, parts), None, "batch", "length", "embed")
     ys = constrain(to_pieces(targets, chunks, parts), None, "batch", "length")

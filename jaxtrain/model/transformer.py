@@ -121,6 +121,7 @@ class GPT(nn.Module):
                 param_dtype=jnp.float32,
                 embedding_init=init,
                 rows_first=self.span == "embed",
+                matmul=cfg.head_matmul,
                 name=name,
             )
 
@@ -131,7 +132,13 @@ class GPT(nn.Module):
             head = wte if cfg.tie_embeddings else embed(cfg.vocab_size, name="lm_head")
             if targets is not None and cfg.token_chunks > 1:
                 return token_losses(
-                    x, head.table(), targets, cfg.token_chunks, self.dtype, self.placement.length_split
+                    x,
+                    head.table(),
+                    targets,
+                    cfg.token_chunks,
+                    self.dtype,
+                    self.placement.length_split,
+                    cfg.head_matmul,
                 )
             logits = constrain(head.attend(x), "batch", "length", "vocab").astype(jnp.float32)
             return (
