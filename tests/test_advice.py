@@ -3,6 +3,7 @@
 
 import copy
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -178,3 +179,76 @@ def test_every_figure_of_a_printed_plan_is_its_json_by_hand(capsys):
     ]  # fmt: skip
     for line in lines:
         assert line in out, line
+
+
+LLAMA3_405B_SHAPE = ["--model.n_layer", "126", "--model.n_head", "128", "--model.d_model", "16384",
+                     "--model.d_ff", "53248"]  # fmt: skip
+
+
+def _layout_names(cfg, devices):
+    grid = advice.layouts(cfg, devices=devices, gpus_per_host=8)
+    return {(t, c, e, pipe): fsdps for t, c, e, pipe, fsdps in grid}
+
+
+def test_the_search_tries_the_layouts_we_ship_without_a_compile():
+    """Issue 47: from a base config with only the size or the window changed, the search's
+    candidates hold what we ship, and the floor it skips layouts by lets them through. Llama 3
+    405B built from configs/llama3_70b.yaml on 256 x 8: pipeline 32 x tensor 8 x fsdp 1 (data 8,
+    configs/llama3_405b.yaml's layout); llama3_8b at a 131,072-token window on 8 x 8: context 8
+    x fsdp 8 (configs/llama3_8b_128k.yaml's)."""
+    big = _cfg("llama3_70b.yaml", *LLAMA3_405B_SHAPE)
+    grid = _layout_names(big, 2048)
+    assert 1 in grid[(8, 1, 1, 32)]
+    rows = big.total_batch_size // big.model.seq_len  # 512 sequences: 64 a pipeline's data shard
+    floor = advice.activation_floor(big, 1, 1, 32, rows // (2048 // (8 * 32)), tensor=8)
+    assert floor == 64 * 8192 * 16384 * 2 // 8 and floor < USABLE_H100  # each tick's input split over tensor
+    long = _cfg("llama3_8b.yaml", "--model.seq_len", "131072")
+    assert 8 in _layout_names(long, 64)[(1, 8, 1, 1)]
+    assert advice.activation_floor(long, 1, context=8) < USABLE_H100
+
+
+@pytest.mark.parametrize("config", ["llama3_8b_128k.yaml", "llama3_405b.yaml", "mixtral_8x7b.yaml"])
+def test_the_search_tries_only_meshes_that_can_exist(config):
+    """Every candidate, at each fsdp width it may take, passes the checks a user's config meets
+    and multiplies to the devices, over a base config that sets its own context, pipeline or
+    expert axis (llama3_8b_128k: context 8; its candidates without context say --mesh.context 1);
+    the 16 heads' and 8 key/value heads' splits that cannot divide are never tried."""
+    from jaxtrain.config import check
+    from jaxtrain.run.job import resolve_mesh
+
+    cfg = _cfg(config)
+    for devices in (48, 64):  # 48: a power of two past 16 does not divide it
+        grid = advice.layouts(cfg, devices=devices, gpus_per_host=8)
+        assert grid
+        for tensor, context, expert, pipe, fsdps in grid:
+            mesh = advice.mesh_overrides(cfg, tensor, context, expert, pipe)
+            for fsdp in fsdps:
+                candidate = advice.with_overrides(cfg, {**mesh, "mesh.fsdp": fsdp})
+                check(candidate)
+                sizes = resolve_mesh(candidate.mesh, devices)
+                assert sizes.data * fsdp * tensor * context * expert * pipe == devices
+    if config == "llama3_8b_128k.yaml":
+        assert advice.mesh_overrides(cfg, 8, 1, 1, 1) == {
+            "mesh.data": -1,
+            "mesh.tensor": 8,
+            "mesh.context": 1,
+        }
+        assert advice.mesh_overrides(cfg, 1, 8, 1, 1) == {"mesh.data": -1, "mesh.tensor": 1}
+
+
+def test_a_plan_whose_process_aborts_is_one_line_and_the_next_plan_goes_on(tmp_path):
+    """planner.in_child: a compile that kills its process (XLA's `Check failed`, exit 134: a real
+    abort here, os.abort in the child) is a Refused naming what was compiled, and the next call
+    gets a fresh child. XLA's fatal line is what the one line quotes."""
+    with pytest.raises(planner.Refused, match=r"^XLA aborted compiling a test layout: "):
+        planner.in_child(os.abort, what="compiling a test layout")
+    assert planner.in_child(os.getpid, what="a pid") != os.getpid()
+    log = tmp_path / "stderr.log"
+    log.write_text(
+        "2026-11-28 06:00:00.1: W external/xla/foo.cc:1] a warning\n"
+        "F0000 00:00:1 spmd_partitioner_util.cc:497] Check failed: shape.dimensions(i) % n == 0\n"
+        "*** Check failure stack trace: ***\n"
+    )
+    assert planner.last_words(str(log)).endswith("Check failed: shape.dimensions(i) % n == 0")
+    log.write_text("")
+    assert planner.last_words(str(log)) == "the compiler's process died without a word"

@@ -19,7 +19,8 @@ from jaxtrain.errors import UserError
 from jaxtrain.observe.memory import fits
 from jaxtrain.plan import targets
 from jaxtrain.plan.compiled import usable_bytes
-from jaxtrain.plan.planner import gb, plan_one
+from jaxtrain.plan.planner import gb, plan_guarded
+from jaxtrain.run.job import resolve_mesh
 
 # What a search keeps of each plan that fits.
 SEARCH_KEYS = (
@@ -61,7 +62,8 @@ def nearer(cfg: Config, p: dict[str, Any], devices: int) -> list[dict[str, Any]]
     the devices allow one). Else: full remat, half the device batch, twice the fsdp width."""
     mesh = p["mesh"]
     fsdp, tensor = mesh["fsdp"], mesh["tensor"]
-    widest = devices // (tensor * mesh.get("expert", 1))
+    # fsdp takes what the other split axes leave (data fills the rest): never a mesh past the devices
+    widest = devices // (tensor * mesh.get("expert", 1) * mesh.get("context", 1) * mesh.get("pipeline", 1))
     remat = [] if cfg.model.remat == "full" else [FULL]
     if not p["compiled"]:  # remat and batch leave the state as it is
         need = max(2 * fsdp, state_split(p) // tensor)
@@ -84,10 +86,11 @@ def nearer(cfg: Config, p: dict[str, Any], devices: int) -> list[dict[str, Any]]
 def _try(cfg: Config, target: targets.GpuTarget, hosts: int, gpus_per_host: int) -> tuple[str, dict | None]:
     """Plan one candidate: ("fits" | "does not fit" | why it was not compiled, its plan). A candidate
     a user's config would be refused for (a tensor size the key/value heads do not divide, ...) is
-    refused here by the same checks, not compiled."""
+    refused here by the same checks, not compiled; one XLA refuses, or aborts on, is its one line
+    (planner.plan_guarded compiles in a child process)."""
     try:
         check(cfg)
-        p = plan_one(cfg, target, hosts, gpus_per_host)
+        p = plan_guarded(cfg, target, hosts, gpus_per_host)
     except (UserError, jax.errors.JaxRuntimeError) as e:  # rejected, or the compiler failed
         return str(e).splitlines()[0], None
     if not p["compiled"]:
@@ -155,40 +158,64 @@ def print_fixes(p: dict[str, Any]) -> None:
 
 
 def activation_floor(
-    cfg: Config, device_batch: int, context: int = 1, pipeline: int = 1, rows: int = 0
+    cfg: Config, device_batch: int, context: int = 1, pipeline: int = 1, rows: int = 0, tensor: int = 1
 ) -> int:
     """Bytes a device holds at least at this device batch, whatever the mesh and remat: the input
     of every layer, saved for the backward (tensor parallelism does not split it; context
     parallelism splits each sequence). Under a pipeline: its stage's input for each of its `rows`
-    (every microbatch's, parallel/pipeline.py), whatever the device batch."""
+    (every microbatch's), whatever the device batch, split along the sequence over tensor where
+    context does not split it (parallel/pipeline.py: `held`)."""
     m = cfg.model
     per_row = m.seq_len * m.d_model * DTYPE_BYTES.get(cfg.dtype, 4) // context
-    return rows * per_row if pipeline > 1 else m.n_layer * device_batch * per_row
+    if pipeline > 1:
+        return rows * per_row // (tensor if context == 1 else 1)
+    return m.n_layer * device_batch * per_row
 
 
 def layouts(cfg: Config, devices: int, gpus_per_host: int) -> list[tuple[int, int, int, int, list[int]]]:
-    """(tensor, context, expert, pipeline, fsdp widths) to search: tensor inside a host, largest
-    first; context in what the host leaves, smallest first (1: whole sequences), where it divides
-    the window and the heads; then expert, largest first, dividing the model's experts (1 for a
-    dense model); then no pipeline, then the pipelines a dense scanned model's layers take
-    (`pipelines`), deepest first; fsdp filling the rest."""
+    """(tensor, context, expert, pipeline, fsdp widths) to search, only meshes that can exist:
+    tensor inside a host, largest first; context in what the host leaves, smallest first (1:
+    whole sequences); then expert, largest first (1 for a dense model); then no pipeline, then the
+    pipelines a dense scanned model's layers take (`pipelines`), deepest first; fsdp widths whose
+    mesh divides the devices (data fills the rest). Each is held to the checks a user's config
+    meets (config/checks.py: heads, key/value heads, experts, window over tensor and context) and
+    to the device count (run/job.py: resolve_mesh), the same rules, before any compile."""
     powers = [2**i for i in range(devices.bit_length()) if devices % 2**i == 0]
-    m = cfg.model
+    n_experts = cfg.model.moe.n_experts
     out = []
     for tensor in sorted((n for n in powers if n <= gpus_per_host), reverse=True):
-        contexts = [
-            c for c in powers
-            if c == 1 or (c * tensor <= gpus_per_host and m.seq_len % c == 0 and m.n_head % (c * tensor) == 0)
-        ]  # fmt: skip
-        for context in contexts:
+        for context in [c for c in powers if c == 1 or c * tensor <= gpus_per_host]:
             inner = tensor * context
-            n_experts = m.moe.n_experts
             experts = [e for e in powers if e * inner <= devices and n_experts % e == 0] if n_experts else [1]
             for expert in sorted(experts, reverse=True):
                 for pipe in pipelines(cfg, devices // (inner * expert)):
-                    fsdps = [f for f in powers if f * inner * expert * pipe <= devices]
-                    out.append((tensor, context, expert, pipe, fsdps))
+                    fsdps = [f for f in powers if devices % (f * inner * expert * pipe) == 0]
+                    if fsdps and can_exist(cfg, mesh_overrides(cfg, tensor, context, expert, pipe), devices):
+                        out.append((tensor, context, expert, pipe, fsdps))
     return out
+
+
+def mesh_overrides(cfg: Config, tensor: int, context: int, expert: int, pipe: int) -> dict[str, Any]:
+    """A layout as the flags that set it over `cfg`: every axis the search varies that differs from
+    the config's (a context or pipeline the config sets is undone where the layout has none)."""
+    axes = {"context": context, "expert": expert, "pipeline": pipe}
+    return {"mesh.data": -1, "mesh.tensor": tensor} | {
+        f"mesh.{a}": n
+        for a, n in axes.items()
+        if n != getattr(cfg.mesh, a) or (a == "expert" and cfg.model.moe.n_experts)
+    }
+
+
+def can_exist(cfg: Config, mesh: dict[str, Any], devices: int) -> bool:
+    """Whether a mesh (overrides, fsdp 1: wider ones are its multiples) passes the config's checks
+    and multiplies to the devices: the rules a user's job meets, not a copy of them."""
+    try:
+        candidate = with_overrides(cfg, {**mesh, "mesh.fsdp": 1})
+        check(candidate)
+        resolve_mesh(candidate.mesh, devices)
+    except UserError:
+        return False
+    return True
 
 
 def inner_choice(expert: int, fsdp: int, inner: int, gpus_per_host: int) -> bool:
@@ -281,7 +308,7 @@ def search(
         # A pipeline takes one row per microbatch: the most microbatches, the smallest bubble.
         sizes = range(rows // shards, 0, -1) if pipe == 1 else [1]
         for b in [b for b in sizes if (rows // shards) % b == 0 and b & (b - 1) == 0]:
-            floor = activation_floor(cfg, b, context, pipe, rows // shards)
+            floor = activation_floor(cfg, b, context, pipe, rows // shards, tensor)
             if not fits(floor, limit):
                 if (b, context) not in skipped:
                     skipped.add((b, context))
@@ -293,12 +320,7 @@ def search(
                 return sorted(s.results, key=_forecast_s)
             batch = {"device_batch_size": b} if cfg.total_batch_size else {
                 "gradient_accumulation_steps": rows // shards // b}  # fmt: skip
-            mesh = (
-                {"mesh.data": -1, "mesh.tensor": tensor}
-                | ({"mesh.context": context} if context > 1 else {})
-                | ({"mesh.expert": expert} if cfg.model.moe.n_experts else {})
-                | ({"mesh.pipeline": pipe} if pipe > 1 else {})
-            )
+            mesh = mesh_overrides(cfg, tensor, context, expert, pipe)
             found = s.narrowest(mesh, {**batch, **FULL}, fsdps)
             if isinstance(found, dict):
                 if inner_choice(expert, found["mesh.fsdp"], tensor * context, gpus_per_host):

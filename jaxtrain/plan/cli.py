@@ -73,7 +73,7 @@ def plan_job(
 
     where = (target, hosts, gpus_per_host)
     try:
-        p: dict = planner.plan_one(cfg, *where)
+        p: dict = planner.plan_guarded(cfg, *where)  # an XLA abort is one line, not a dead process
     except UserError as e:
         if not search_budget:  # the layout given cannot run: one line, exit 2
             raise

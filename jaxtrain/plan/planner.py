@@ -11,11 +11,21 @@ when it does not and searches the layouts; scripts/plan.py prints them (jaxtrain
 
 from __future__ import annotations
 
+import atexit
 import logging
+import multiprocessing
+import os
+import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
+import jax
+
 from jaxtrain.config import Config
+from jaxtrain.config.checks import mesh_str
+from jaxtrain.errors import UserError
 from jaxtrain.observe.memory import fits
 from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.parallel import pipeline
@@ -91,6 +101,87 @@ def plan_one(cfg: Config, target: targets.GpuTarget, hosts: int, gpus_per_host: 
         expert_load=forecast.expert_load(f["cfg"].model.moe.capacity_factor, f["cfg"].model.moe.n_experts),
     )  # fmt: skip
     return head | {"compiled": True} | plan.analyze(train, evaluate, facts, time.perf_counter() - t0)
+
+
+class Refused(UserError):
+    """A layout whose program XLA refuses to compile, or aborts on."""
+
+
+_CHILD: dict[str, Any] = {}  # the one child process that compiles plans: its pool and stderr file
+
+
+def layout(cfg: Config, hosts: int, gpus_per_host: int) -> str:
+    """The layout a plan is of, in words: its mesh (-1: the devices left) on its GPUs."""
+    mesh = mesh_str(
+        {a: getattr(cfg.mesh, a) for a in ("pipeline", "data", "expert", "fsdp", "context", "tensor")}
+    )
+    return f"mesh {mesh}{' + zero1' if cfg.mesh.zero1 else ''} on {hosts} x {gpus_per_host} GPUs"
+
+
+def plan_guarded(cfg: Config, target: targets.GpuTarget, hosts: int, gpus_per_host: int) -> dict[str, Any]:
+    """`plan_one` in a child process (`in_child`), so that a program XLA refuses, even by aborting
+    its process (a `Check failed` in its SPMD partitioner, exit 134), is a Refused naming the
+    layout, never a dead planner. The child's new host warnings are logged here, once."""
+    what = f"compiling the {layout(cfg, hosts, gpus_per_host)}"
+    verdict, value, warnings = in_child(_in_child, cfg, target, hosts, gpus_per_host, what=what)
+    for warning in warnings:
+        if warning not in _WARNED:
+            _WARNED.add(warning)
+            log.warning(warning)
+    if verdict != "plan":
+        raise Refused(value)
+    return value
+
+
+def in_child(fn: Any, *args: Any, what: str) -> Any:
+    """fn(*args) in the child process that compiles plans: one serves every call of this process
+    (jax and the plugin load once, a fresh interpreter: jax is not fork-safe), and one that died
+    is started again for the next call. Its death is a Refused naming `what` and XLA's last word."""
+    if "pool" not in _CHILD:
+        stderr = tempfile.NamedTemporaryFile(prefix="jaxtrain-plan-", suffix=".log", delete=False).name
+        atexit.register(_remove, stderr)
+        spawn = multiprocessing.get_context("spawn")
+        pool = ProcessPoolExecutor(1, mp_context=spawn, initializer=targets.start_child, initargs=(stderr,))
+        _CHILD.update(pool=pool, stderr=stderr)
+    try:
+        return _CHILD["pool"].submit(fn, *args).result()
+    except BrokenProcessPool:
+        _CHILD.pop("pool").shutdown(wait=False)
+        raise Refused(f"XLA aborted {what}: {last_words(_CHILD['stderr'])}") from None
+
+
+def _remove(path: str) -> None:
+    if os.path.exists(path):
+        os.unlink(path)
+
+
+def _in_child(
+    cfg: Config, target: targets.GpuTarget, hosts: int, gpus_per_host: int
+) -> tuple[str, Any, list]:
+    """plan_guarded's work in the child: ("plan", the plan) or ("refused", one line); its warnings."""
+    before = set(_WARNED)
+    try:
+        return "plan", plan_one(cfg, target, hosts, gpus_per_host), sorted(_WARNED - before)
+    except UserError as e:
+        return "refused", str(e).splitlines()[0], sorted(_WARNED - before)
+    except jax.errors.JaxRuntimeError as e:
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return (
+            "refused",
+            f"XLA refused the {layout(cfg, hosts, gpus_per_host)}: {why}",
+            sorted(_WARNED - before),
+        )
+
+
+def last_words(path: str) -> str:
+    """What a child printed as it died: XLA's `Check failed` line where there is one, else its last line."""
+    try:
+        lines = [line.strip() for line in open(path, errors="replace").read().splitlines() if line.strip()]
+    except OSError:
+        lines = []
+    failed = [line for line in lines if "Check failed" in line or "F0000" in line or "Fatal" in line]
+    line = (failed[:1] or lines[-1:] or ["the compiler's process died without a word"])[0]
+    return line[:300] + ("..." if len(line) > 300 else "")
 
 
 def gb(n: float) -> str:

@@ -247,6 +247,15 @@ def use_plugin(xla_logs: bool = False) -> None:
     sys.path.insert(0, str(where))
 
 
+def start_child(stderr_path: str) -> None:
+    """The start of a child process that compiles plans (planner.plan_guarded): its stderr into
+    `stderr_path` (what XLA prints as it aborts, read back as one line), the plugin on its path."""
+    fd = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 2)
+    os.close(fd)
+    use_plugin()  # XLA_FLAGS and TF_CPP_MIN_LOG_LEVEL as the parent set them: inherited
+
+
 def target_devices(target: GpuTarget, hosts: int, gpus_per_host: int) -> list[Any]:
     """The devices of `hosts` x `gpus_per_host` of `target` (each with its process_index), to compile for."""
     from jax.experimental import topologies
