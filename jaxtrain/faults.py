@@ -1,5 +1,5 @@
 """Faults for tests only: a stalled process, a kill during a checkpoint save, a restore hung on
-storage, non-finite gradients, a device out of memory.
+storage, non-finite gradients, a device out of memory, a kernel that differs in the preflight.
 
 They are switched on by one environment variable, never by the user's config (so they are not in
 `--help`, `config.yaml` or error suggestions):
@@ -39,6 +39,10 @@ class FaultPlan:
     kill_during_save: int = -1  # SIGKILL this process while the checkpoint of this step is written
     stall_restore: bool = False  # sleep stall_seconds inside a checkpoint restore, as a dead NFS mount does
     oom: str = ""  # compile | step: fail there as a device out of memory does
+    preflight_differs: str = (
+        ""  # a preflight check (its name's first word) whose kernel gives other numbers...
+    )
+    preflight_process: int = -1  # ...on this process (-1: every one), as a bad GPU or a kernel bug would
 
 
 NO_FAULTS = FaultPlan()
@@ -94,6 +98,12 @@ class Faults:
             raise jax.errors.JaxRuntimeError(
                 "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 86973087744 bytes."
             )
+
+    def preflight_differs(self, check: str) -> bool:
+        """The preflight check named `check` gets its kernel's outputs skewed on this process."""
+        p = self.plan
+        hit = p.preflight_differs and check.split()[0] == p.preflight_differs
+        return bool(hit) and p.preflight_process in (-1, self.process_index)
 
 
 def poison_gradients(

@@ -1,12 +1,14 @@
 """A run built once, from a job, before anything runs: model, optimizer, the state's shapes and
 shardings, the jitted steps.
 
-    run = build(job)                 # shapes only: no device is touched, no memory allocated
+    run = build(job)                 # shapes only: no memory allocated (a joined job's preflight aside)
     train_step = run.compile_train()     # compiled for the job's devices
     state = run.init_state()             # or start.start_state(run, found)
 
 Training (loop.py), `--task test|predict` (tasks.py) and the GPU planner (scripts/plan.py, whose
 job's devices are a described GPU cluster, not this machine's) all start from the same `build`.
+A joined job's kernels are checked on its devices first (the preflight, run/verdicts.py): the one
+place a job meets its devices before its first compile, so training and every task get it.
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ from jaxtrain.model.params import param_count
 from jaxtrain.model.transformer import GPT, flops_per_token
 from jaxtrain.observe import memory as memory_lib
 from jaxtrain.parallel import mesh as mesh_lib
-from jaxtrain.run import kernels
+from jaxtrain.run import kernels, verdicts
 from jaxtrain.run.job import Job
 from jaxtrain.run.optim import make_optimizer
 from jaxtrain.run.state import TrainState, abstract_state, init_state, state_sharding
 from jaxtrain.run.step import compute_dtype, jit_steps
+from jaxtrain.run.verdicts import Cleared
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class Run:
     eval_step: jax.stages.Wrapped
     faults: FaultPlan  # the test-only faults of $JAXTRAIN_FAULTS, for the steps
     host_faults: Faults | None  # ...and this process's own (None: no faults, nothing to call)
+    preflight: Cleared  # what the preflight at job start decided (run/verdicts.py)
 
     @property
     def cfg(self) -> Config:
@@ -129,10 +133,15 @@ def build(job: Job, faults: FaultPlan | None = None) -> Run:
     device, dtype = job.devices[0], compute_dtype(cfg)
     capability = getattr(device, "compute_capability", "")  # GPUs: "9.0"...
     settled = kernels.settle(cfg.model, device.platform, dtype, capability, cfg.mesh.tensor)
-    model, tx = GPT(settled, dtype=dtype), make_optimizer(cfg)
+    faults = faults_lib.planned() if faults is None else faults
+    host_faults = Faults.of(faults, job.process_index)
+    # A joined job runs on these devices: its kernels are checked on them first (run/verdicts.py).
+    # A described cluster (the planner, Job.of_devices) has nothing to run them on.
+    cleared = Cleared(settled)
+    if job.launch is not None and cfg.preflight != "off":
+        cleared = verdicts.clear(job, settled, dtype, host_faults)
+    model, tx = GPT(cleared.model, dtype=dtype), make_optimizer(cfg)
     abstract = abstract_state(cfg, model, tx)
     shardings = state_sharding(mesh, abstract, cfg.mesh.zero1)
-    faults = faults_lib.planned() if faults is None else faults
     train_step, eval_step = jit_steps(cfg, model, tx, mesh, shardings, faults)
-    host_faults = Faults.of(faults, job.process_index)
-    return Run(job, mesh, model, tx, abstract, shardings, train_step, eval_step, faults, host_faults)
+    return Run(job, mesh, model, tx, abstract, shardings, train_step, eval_step, faults, host_faults, cleared)

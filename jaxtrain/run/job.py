@@ -114,6 +114,19 @@ class Job:
 
         return [int(v) for v in np.ravel(multihost_utils.process_allgather(np.int32(value)))]
 
+    def gather_text(self, text: str, size: int = 256) -> list[str]:
+        """Every process's `text` (its first `size` UTF-8 bytes), in process order (a collective)."""
+        if self.process_count == 1:
+            return [text]
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        mine = np.zeros(size, np.uint8)
+        raw = text.encode()[:size]
+        mine[: len(raw)] = np.frombuffer(raw, np.uint8)
+        rows = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, size)
+        return [bytes(r).rstrip(b"\0").decode(errors="replace") for r in rows]
+
 
 def _check_gpus_seen(devices: tuple[Any, ...]) -> None:
     """Refuse to train on the CPU of a machine whose NVIDIA GPUs jax cannot see (jax installed for

@@ -79,3 +79,14 @@ def settle(cfg: ModelConfig, platform: str, dtype: Any, capability: str = "", te
     if moe.n_experts:
         moe = dataclasses.replace(moe, grouped_matmul=grouped_matmul(cfg, platform, capability, tensor))
     return dataclasses.replace(cfg, attention_impl=attention(cfg, platform, dtype, capability), moe=moe)
+
+
+def fallen_back(cfg: ModelConfig, kind: str) -> ModelConfig | None:
+    """`cfg` with the kernel of `kind` (attention, grouped_matmul) set to the one proven on CPU, what
+    auto runs when the preflight finds its choice wrong on these devices (run/verdicts.py); None
+    where there is none to fall back to (it is the one that failed, or `kind` has no other)."""
+    if kind == "attention" and cfg.attention_impl != "xla":
+        return dataclasses.replace(cfg, attention_impl="xla")
+    if kind == "grouped_matmul" and cfg.moe.grouped_matmul != "ragged_dot":
+        return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, grouped_matmul="ragged_dot"))
+    return None

@@ -247,6 +247,7 @@ def _say_what_runs(run: Run, data: Resolved) -> None:
     untested = versions.warning()
     if untested:
         log.warning(untested)
+    run.preflight.say(log)  # the kernels checked at job start (run/verdicts.py)
     notes = config_lib.compat_notes(
         cfg, loader.epoch_windows(data.train), job.process_count, len(job.devices)
     )

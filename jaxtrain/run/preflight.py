@@ -82,6 +82,7 @@ class Choices:
     documents: bool = False
     d_model: int = 0
     expert_dim: int = 0  # per tensor shard
+    length: int = 512  # tokens of the attention check
 
 
 @dataclass(frozen=True)
@@ -163,19 +164,30 @@ def checks(choices: Choices, platform: str, capability: str) -> list[Check]:
     found: list[Check] = []
     n, kv, h, hv = choices.heads
     if choices.attention:
-        found.append(attention_check(choices.attention, n, kv, h, hv, choices.documents, choices.dtype))
+        attention = attention_check(
+            choices.attention, n, kv, h, hv, choices.documents, choices.dtype, length=choices.length
+        )
+        found.append(attention)
     if choices.grouped_matmul:
         d, ff = choices.d_model, choices.expert_dim
         why = grouped.refusal(platform, capability, d, ff) if choices.grouped_matmul == "pallas" else None
         if why:
             found.append(refused(f"grouped_matmul pallas d{d} ff{ff}", why))
         else:
-            found.append(expert_check(choices.grouped_matmul, d, ff, choices.dtype))
+            found.append(expert_check(choices.grouped_matmul, d, ff, choices.dtype, **_small(platform)))
             if choices.grouped_matmul == "pallas":
                 found.append(grouped_check(d, ff, choices.dtype))
     if choices.exchange:
-        found.append(exchange_check(choices.exchange))
+        rows, d = (128, 64) if platform == "cpu" else (512, 256)  # as _small: the path, less compile
+        found.append(exchange_check(choices.exchange, d=d, rows=rows))
     return found
+
+
+def _small(platform: str) -> dict[str, Any]:
+    """A CPU's problem: its kernels are the references, with no GPU tiles to straddle, so a smaller
+    buffer proves the same path (an empty expert, BLOCK-row blocks straddled, NaN past the routed
+    rows) at a third of the compile time."""
+    return {"sizes": (150, 0, 37, 61), "buffer": 320} if platform == "cpu" else {}
 
 
 def refused(name: str, why: str) -> Check:
@@ -293,7 +305,9 @@ def expert_check(
             "d_w_out": (got[3], want[3]),
         }
 
-    return Check(f"expert_mlps {impl} d{d} ff{ff} {dtype}", compute, TOLERANCE[dtype], dtype == "float32")
+    # Pallas's tiles in float32 may not fit shared memory (grouped_check): recorded, not judged.
+    beyond = impl == "pallas" and dtype == "float32"
+    return Check(f"expert_mlps {impl} d{d} ff{ff} {dtype}", compute, TOLERANCE[dtype], beyond)
 
 
 def attention_check(

@@ -83,6 +83,7 @@ def _start(cfg: Config, launch: LaunchSpec) -> tuple[Run, Trained, Path, Any, Re
     log.info(f"compile cache: {compile_cache_dir() or 'off'}")
     log.info(f"{cfg.task}: checkpoint {ckpt.where}; model {cfg.model}")
     run = build(job)
+    run.preflight.say(log)  # the kernels checked at job start (run/verdicts.py)
     params = ckpt.source.restore_params(ckpt.step, run.target.params, "--resume_from")
     return run, ckpt, out_dir, params, resolved
 
