@@ -99,13 +99,21 @@ def compiler_options(cfg: Config, platform: str) -> dict[str, str | bool] | None
     collectives may be in flight, not two: the pieces' exchanges no longer hold a layer's fsdp
     reduce-scatter back until they are done (planned: Qwen3-30B-A3B on 4 x 8, expert 8 inside fsdp 4,
     40.6 -> 42.7%, at 3: 42.4%, at 8: 38.3%; DeepSeek-V3 31.5 -> 33.1%; Mixtral-8x7B on 2 x 8
-    55.1 -> 55.3%, but on 4 x 8 55.1 -> 54.7%)."""
-    if platform == "cpu" or cfg.model.moe.chunks == 1:
+    55.1 -> 55.3%, but on 4 x 8 55.1 -> 54.7%). FP8 matmuls (model.matmul fp8): no Triton GEMMs, so
+    XLA rewrites each scaled FP8 dot into cuBLASLt's FP8 GEMM (with them on, the compiler for an H100
+    emitted FP8 and bf16 dots alike as Triton fusions; MaxText's GPU runs turn them off too), and no
+    dot merger, which joined q's and kv's dots (one input, two weights' scales) into a bf16 GEMM
+    (docs/fp8.md)."""
+    if platform == "cpu":
         return None
-    return {
-        "xla_gpu_experimental_collective_start_as_early_as_possible": True,
-        "xla_gpu_experimental_parallel_collective_overlap_limit": "4",  # an int option, as XLA parses it
-    }
+    options: dict[str, str | bool] = {}
+    if cfg.model.moe.chunks > 1:
+        options["xla_gpu_experimental_collective_start_as_early_as_possible"] = True
+        options["xla_gpu_experimental_parallel_collective_overlap_limit"] = "4"  # an int, as XLA parses it
+    if "fp8" in (cfg.model.matmul, cfg.model.head_matmul):
+        options["xla_gpu_enable_triton_gemm"] = False
+        options["xla_disable_hlo_passes"] = "dot-merger"
+    return options or None
 
 
 def default_cache_dir() -> Path:
