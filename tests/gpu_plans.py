@@ -323,6 +323,21 @@ CASES = {
         8,
     ),  # fmt: skip
 }
+# Issue 47's peers (bench/peers.py): each model at the GPU count and global batch of its fastest
+# published H100 run, in the layout we ship.
+PEER_CASES: dict[str, tuple[list[str], str, int, int]] = {
+    "llama3_8b_h100x8_gbs128": (
+        ["--config", "configs/llama3_8b.yaml", "--total_batch_size", "1048576"], "h100", 1, 8),
+    "llama3_70b_h100_8x8_gbs256": (
+        ["--config", "configs/llama3_70b.yaml", "--total_batch_size", "2097152"], "h100", 8, 8),
+    "llama3_405b_h100_128x8_gbs1536": (
+        ["--config", "configs/llama3_405b.yaml", "--total_batch_size", "12582912"], "h100", 128, 8),
+    "qwen3_30b_a3b_h100_2x8_gbs1024": (
+        [*QWEN3_MOE, *FULL, "--mesh.fsdp", "2", "--total_batch_size", "4194304"], "h100", 2, 8),
+    "deepseek_v3_671b_h100_128x8_gbs8192": (
+        ["--config", "configs/deepseek_v3_671b.yaml", "--total_batch_size", "33554432"], "h100", 128, 8),
+}  # fmt: skip
+CASES |= PEER_CASES
 CI_CASES = list(CASES)[:11]
 # scripts/plan.py runs that do not fit, each suggestion they print then planned in turn
 # (tests/test_gpu_compile.py: each must fit). Two layers of gpt2_124m at 128 sequences a device on
