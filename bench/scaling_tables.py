@@ -18,6 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 import calibration  # noqa: E402  (bench/ is no package: the published runs beside the forecast)
+import peers  # noqa: E402  (the peers' published H100 runs beside jaxtrain's forecast)
 
 DOC = ROOT / "docs" / "scaling.md"
 MOE_DOC = ROOT / "docs" / "moe.md"
@@ -73,7 +74,7 @@ PUBLISHED = [
      "2,048 H100, 16M-token batches, as shipped (pipeline 32 x tensor 8 x data 8 + ZeRO-1)"),
 ]  # fmt: skip
 # Which blocks each page holds.
-BLOCKS = {DOC: ["dense", "moe", "pipeline", "published", "calibration"], MOE_DOC: ["moe"]}
+BLOCKS = {DOC: ["peers", "dense", "moe", "pipeline", "published", "calibration"], MOE_DOC: ["moe"]}
 PIPELINE_HEAD = (
     "| layout | GB / GPU | microbatches, bubble | floor s (limit) | schedule-aware s (ops + exposed), "
     "MFU ceiling | plan |\n" + "| --- " * 6 + "|"
@@ -84,12 +85,14 @@ PUBLISHED_HEAD = (
 DENSE_HEAD = (
     "| model | GPUs | mesh | batch / device x microbatches | total GB / GPU | fsdp GB gathered / "
     "reduce-scattered per GPU per step | sent GB NVLink / network | floor ms (limit), MFU ceiling | "
-    "schedule-aware ms (exposed), MFU ceiling | plan |\n" + "| --- " * 10 + "|"
+    "schedule-aware ms (exposed), MFU ceiling | forecast ms, tokens/s/GPU, MFU | plan |\n"
+    + "| --- " * 11
+    + "|"
 )
 MOE_HEAD = (
     "| model | GPUs | mesh | batch / device x microbatches | total GB / GPU | all-to-all GB per GPU "
     "per step: NVLink / network | fsdp GB gathered / reduce-scattered | floor s (limit), MFU ceiling | "
-    "schedule-aware s (exposed), MFU ceiling | plan |\n" + "| --- " * 10 + "|"
+    "schedule-aware s (exposed), MFU ceiling | forecast s, tokens/s/GPU, MFU | plan |\n" + "| --- " * 11 + "|"
 )
 
 
@@ -121,16 +124,29 @@ def _bounds(p: dict, unit: float, digits: int, pct: int) -> tuple[str, str]:
     )
 
 
+def _forecast(p: dict, unit: float, digits: int) -> str:
+    """The forecast (plan/forecast.py): step time in 1 / unit seconds, tokens/s per GPU, MFU."""
+    if "forecast" not in p:
+        return "- (planned before the forecast)"
+    f = p["forecast"]
+    return (
+        f"{f['step_time_s'] * unit:,.{digits}f}, {f['tokens_per_s_per_gpu']:,.0f}, "
+        f"{100 * f['mfu']:.{1 if unit == 1 else 0}f}%"
+    )
+
+
 def dense_row(name: str, p: dict) -> str:
     where, plan = f"{p['hosts']} x {p['gpus_per_host']}", f"`plan_{name}.json`"
     if not p["compiled"]:
         state = f"state alone {p['state_bytes_per_device'] / 1e9:.0f}"
-        return f"| {_size(p['n_params'])} | {where} | - | - | {state} | not compiled | - | - | - | {plan} |"
+        return (
+            f"| {_size(p['n_params'])} | {where} | - | - | {state} | not compiled | - | - | - | - | {plan} |"
+        )
     fsdp = f"{_moved(p, 'all-gather', 'fsdp'):.2f} / {_moved(p, 'reduce-scatter', 'fsdp'):.2f}"
     nvlink, network = (sum(c[k] for c in p["collectives"]) / 1e9 for k in ("nvlink_bytes", "network_bytes"))
     cells = [_size(p["n_params"]), where, _mesh(p), f"{p['device_batch']} x {p['accumulation']}",
              f"{p['total_bytes_per_device'] / 1e9:.1f}", fsdp, f"{nvlink:,.1f} / {network:,.1f}",
-             *_bounds(p, 1e3, 1, 0), plan]  # fmt: skip
+             *_bounds(p, 1e3, 1, 0), _forecast(p, 1e3, 1), plan]  # fmt: skip
     return "| " + " | ".join(cells) + " |"
 
 
@@ -144,7 +160,7 @@ def moe_row(name: str, label: str, p: dict) -> str:
     fsdp = f"{gathered:,.1f} / {scattered:,.1f}" if p["mesh"]["fsdp"] > 1 else "-"
     where, batch = f"{p['hosts']} x {p['gpus_per_host']}", f"{p['device_batch']} x {p['accumulation']}"
     cells = [label, where, _mesh(p), batch, total, f"{inside:,.1f} / {across:,.1f}", fsdp,
-             *_bounds(p, 1, 2, 1), f"`plan_{name}.json`"]  # fmt: skip
+             *_bounds(p, 1, 2, 1), _forecast(p, 1, 2), f"`plan_{name}.json`"]  # fmt: skip
     return "| " + " | ".join(cells) + " |"
 
 
@@ -180,6 +196,7 @@ def tables(results: Path = RESULTS) -> dict[str, str]:
 
     published = [published_row(job, pub, n, how, plan(n) if n else None) for job, pub, n, how in PUBLISHED]
     return {
+        "peers": peers.table(results),
         "dense": "\n".join([DENSE_HEAD, *(dense_row(n, plan(n)) for n in DENSE)]),
         "moe": "\n".join([MOE_HEAD, *(moe_row(n, label, plan(n)) for n, label in MOE.items())]),
         "pipeline": "\n".join([PIPELINE_HEAD, *(pipeline_row(n, w, plan(n)) for n, w in PIPELINE.items())]),

@@ -429,3 +429,23 @@ def test_an_async_start_counts_its_result_not_its_operand_again():
     # An all-reduce-start's result is its result only: nothing to take off.
     reduce = hlo.Op("r", "bf16[1024,8192]{1,0}", "all-reduce-start", ["w"], ", replica_groups=[2,8]<=[16]")
     assert hlo.transfer(reduce, ops, layout).size == 1024 * 8192 * 2
+
+
+def test_each_peer_row_is_sourced_and_ours_is_planned_at_the_fastest_peers_gpus_and_batch():
+    """bench/peers.py: every published figure names its page, and jaxtrain's plan for a model is
+    at the GPU count and global batch of its fastest peer (or says why not)."""
+    spec = importlib.util.spec_from_file_location("peers", ROOT / "bench/peers.py")
+    assert spec is not None and spec.loader is not None
+    peers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peers)
+    for model, trainer, gpus, _, _, precision, tokens, source in peers.PEERS:
+        assert source.startswith("https://") and tokens > 0 and gpus >= 8 and precision, (model, trainer)
+    for model, name in peers.OURS.items():
+        path = ROOT / f"bench/results/plan_{name}.json"
+        rows = [r for r in peers.PEERS if r[0] == model]
+        if not path.exists() or not rows or model in peers.NOTE:
+            assert rows or model in peers.NO_PEER, model
+            continue
+        p = json.loads(path.read_text())
+        best = max(rows, key=lambda r: r[6])
+        assert (p["hosts"] * p["gpus_per_host"], f"{p['global_batch']} x {p['seq_len']}") == best[2:4], model
