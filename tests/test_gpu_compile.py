@@ -319,3 +319,37 @@ def test_plan_script_refuses_bad_input_in_one_line():
         )
         assert proc.returncode == 2, proc.stderr
         assert says in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
+
+
+def _documents_program(*flags: str) -> dict:
+    """tests/gpu_documents.py: a step of configs/llama3_8b_128k.yaml with documents masked, one layer,
+    one sequence, compiled for GPUs in its own process (the CUDA plugin)."""
+    script = [sys.executable, str(ROOT / "tests" / "gpu_documents.py"), *flags]
+    proc = subprocess.run(script, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_documents_reach_cudnn_packed_with_no_t_by_s_array_at_131072_tokens():
+    """Llama 3 8B's layer at 131,072 tokens, each sequence over context 8 (the shipped 128K layout
+    on one host), documents masked (doc_eos): on H100 every cuDNN call, forward and backward,
+    takes the packed documents (q, k, v, then q/kv lengths and offsets: 7 operands forward; at most
+    15 documents a block, model/documents.py) on whole sequences of 4 heads a GPU, and no array of
+    the program has two dims of 131,072 or more. Before Hopper (A100, a window of 8,192, small
+    vocab and MLP so only a T x S array has two such dims) documents are the [B, 1, T, S] bias,
+    which the same check finds."""
+    packed = _documents_program(
+        "h100", "--model.n_layer", "1", "--total_batch_size", "131072", "--mesh.fsdp", "1"
+    )
+    assert packed["seq_len"] == 131072 and packed["long_shapes"] == [], packed["long_shapes"]
+    calls = packed["cudnn_calls"]
+    assert {c["target"] for c in calls} == {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"}, calls
+    assert all(c["max_seg"] == 15 for c in calls), calls
+    assert all(c["operands"] == 7 for c in calls if c["target"] == "__cudnn$fmhaSoftmax"), calls
+    # The levels' blocks: the window, 8,192 and 512 tokens (model/documents.py block_sizes).
+    assert {c["q"] for c in calls} == {"1,131072,4,128", "16,8192,4,128", "256,512,4,128"}, calls
+    small = ["--model.seq_len", "8192", "--total_batch_size", "8192", "--model.vocab_size", "4096"]
+    small += ["--model.doc_eos", "4000", "--model.d_ff", "7168", "--mesh.fsdp", "1", "--mesh.context", "1"]
+    dense = _documents_program("a100", "--model.n_layer", "1", *small)
+    assert "bf16[1,1,8192,8192]" in dense["long_shapes"], dense
+    assert {c["max_seg"] for c in dense["cudnn_calls"]} == {1}, dense["cudnn_calls"]
