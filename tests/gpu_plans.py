@@ -252,6 +252,19 @@ CASES = {
     "llama3_8b_128k_h100_8x8": (["--config", "configs/llama3_8b_128k.yaml"], "h100", 8, 8),
     # A million tokens: context 8 x fsdp 16, the head, loss and MLPs over 16 pieces of the sequence.
     "llama3_8b_1m_h100_16x8": (["--config", "configs/llama3_8b_1m.yaml"], "h100", 16, 8),
+    # Issue 46: the same two with documents masked (cuDNN's packed documents, model/documents.py).
+    "llama3_8b_128k_docs_h100_8x8": (
+        ["--config", "configs/llama3_8b_128k.yaml", "--model.doc_eos", "128001"],
+        "h100",
+        8,
+        8,
+    ),
+    "llama3_8b_1m_docs_h100_16x8": (
+        ["--config", "configs/llama3_8b_1m.yaml", "--model.doc_eos", "128001"],
+        "h100",
+        16,
+        8,
+    ),
     "llama3_70b_128k_h100_32x8": (
         [
             "--config",
