@@ -18,6 +18,7 @@ from jaxtrain.config import ModelConfig, load_config
 from jaxtrain.data import sources
 from jaxtrain.data.framing import with_framing
 from jaxtrain.errors import DataError
+from jaxtrain.model import documents as packing
 from jaxtrain.model.documents import documents
 from jaxtrain.model.transformer import GPT
 from jaxtrain.prepare.shards import prepare_corpus
@@ -148,3 +149,54 @@ def test_runs_take_boundaries_from_the_data_and_refuse_data_framed_otherwise(tok
         with_framing(cfg, [made["qwen2"]], llama)
     with pytest.raises(DataError, match="prepare every source with the same tokenizer"):
         with_framing(cfg, [made["llama3"], made["qwen2"]])
+
+
+def _levels_by_hand(segments: np.ndarray) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray]:
+    """model/documents.py `levels` in plain Python: each document at the coarsest level whose
+    sub-blocks it crosses, listed in its block; the level's owner of each token (-1: none)."""
+    b, t = segments.shape
+    sizes = packing.block_sizes(t)
+    out = [
+        (np.full((b * t // s, packing.SPLIT), -1), np.full((b * t // s, packing.SPLIT - 1), -1))
+        for s in sizes
+    ]
+    out = out[:-1]
+    owner = np.full((b, t), -1)
+    for row in range(b):
+        bounds = [0, *(np.flatnonzero(np.diff(segments[row])) + 1).tolist(), t]
+        for start, end in zip(bounds, bounds[1:], strict=False):
+            crosses = [start // sub != (end - 1) // sub for sub in sizes[1:]]
+            if not any(crosses):
+                owner[row, start:end] = len(sizes) - 1
+                continue
+            level = crosses.index(True)
+            owner[row, start:end] = level
+            offsets, lengths = out[level]
+            block = row * t // sizes[level] + start // sizes[level]
+            slot = int((lengths[block] >= 0).sum())
+            offsets[block, slot], lengths[block, slot] = start % sizes[level], end - start
+    return out, owner
+
+
+def test_documents_become_packed_levels_of_at_most_15_a_block_for_any_data():
+    """levels() against the same rule by hand, on 4,096 tokens (blocks of 4,096, 256 and 16: two
+    packed levels): random documents, a window of one-token documents (4,096 of them: the most a
+    window can hold, past any fixed bound on documents a sequence), and one document the whole
+    window. Every token is in exactly one level, no block holds more than 15 documents, and the
+    documents each level lists are whole: no two merged, none cut."""
+    rng = np.random.default_rng(0)
+    t = 4096
+    random_rows = np.cumsum(rng.random((2, t)) < 0.02, axis=1)
+    mixed = np.cumsum(np.isin(np.arange(t), np.r_[100:400, 1000, 1100, 3000:3040]), axis=0)
+    segments = np.stack([*random_rows, np.arange(t), np.zeros(t, int), mixed]).astype(np.int32)
+    assert packing.block_sizes(t) == [4096, 256, 16]
+    found, rest = jax.jit(packing.levels)(jnp.asarray(segments))
+    want, owner = _levels_by_hand(segments)
+    assert [level.block for level in found] == [4096, 256]
+    for level, (offsets, lengths), i in zip(found, want, range(len(want)), strict=True):
+        np.testing.assert_array_equal(level.offsets, offsets)
+        np.testing.assert_array_equal(level.lengths, lengths)
+        np.testing.assert_array_equal(level.owned, owner == i)
+        assert int((lengths >= 0).sum(axis=1).max()) <= 15
+    np.testing.assert_array_equal(rest, owner == len(want))
+    assert (owner >= 0).all() and int(want[0][1][3, 0]) == t  # the whole window: one document, level 0
