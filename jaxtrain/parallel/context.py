@@ -58,7 +58,9 @@ def per_device(
     device's heads instead (Ulysses: each device attends over whole sequences for 1/context of its
     heads, the causal work alike on every device), and back after it; key/value heads are repeated
     first where fewer than context x tensor. (Left to the compiler, the same re-split failed XLA's
-    SPMD partitioner beside a tensor axis, jax 0.10.2.)
+    SPMD partitioner beside a tensor axis, jax 0.10.2.) Documents' segment ids are gathered whole,
+    [B, T] int32, and the kernel turns them into its own form (cuDNN's packed offsets and lengths:
+    model/documents.py `levels`): no T x S mask exists here either.
     """
     mesh = jax.sharding.get_abstract_mesh()
     auto = set(mesh.axis_names) - set(mesh.manual_axes)
