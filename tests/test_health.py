@@ -16,14 +16,15 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import jax
 import pytest
 from processes import clean_env
 
 from jaxtrain.cluster.detect import LaunchSpec
 from jaxtrain.cluster.shutdown import exit_on_user_error
 from jaxtrain.config import DistConfig
+from jaxtrain.health import busbw, cli, numerics
 from jaxtrain.health import checks as hc
-from jaxtrain.health import cli
 from jaxtrain.health.exchange import Exchange
 from jaxtrain.health.runner import HealthCheck, HealthOptions
 
@@ -94,6 +95,48 @@ def test_bandwidth_uses_nccl_tests_definitions():
     assert hc.judge_bandwidth(rows, [], ["h0", "h0"], 0, 0.5).ok
     below = hc.judge_bandwidth(rows, [], ["h0", "h0"], min_busbw_gbps=1.0, slow_factor=0.5)
     assert not below.ok and below.bad == {}  # the whole fabric is slow, no one host
+
+
+def test_the_checksum_vote_names_the_odd_device_its_process_and_host():
+    assert numerics.vote({0: 1.0, 1: 1.0, 2: 1.5}) == (1.0, [2])
+    assert numerics.vote({0: 1.0, 1: 1.0 + 1e-7, 2: 1.0}) == (1.0, [])  # within the tolerance
+    assert numerics.vote({0: 1.0, 1: 2.0}) == (None, [0, 1])  # no majority: nobody can say who
+    assert numerics.vote({0: float("nan"), 1: float("nan"), 2: 1.0})[0] is None  # NaN never agrees
+    sums = {0: {"0": [3.25, 7.5], "1": [3.25, 7.5]}, 1: {"2": [3.25, 7.5], "3": [3.25, 7.0]}}
+    check = numerics.judge_checksums(sums, {0: "gpu-a", 1: "gpu-b"})
+    assert not check.ok and list(check.bad) == [1] and "process 1 on gpu-b" in check.detail
+    assert check.bad[1] == "device 3's bfloat16 matmul checksum 7.0, the others' 7.5"
+    report = hc.Report()
+    report.set_processes({0: record(0, "gpu-a"), 1: record(1, "gpu-b")})
+    report.add(check)
+    assert report.host_lines() == [
+        "host gpu-a: healthy",
+        "host gpu-b: UNHEALTHY: checksum (process 1: " + check.bad[1] + ")",
+    ]
+    same = {p: {str(d): list(numerics.matmul_checksum(d)) for d in jax.devices()[p : p + 1]} for p in (0, 1)}
+    assert numerics.judge_checksums(same, {0: "a", 1: "b"}).ok  # CPU devices: equal by construction
+
+
+def test_collectives_busbw_as_nccl_tests_against_the_planner_constants():
+    from jaxtrain.plan import forecast
+
+    assert busbw.bus_factor("all-reduce", 8) == 2 * 7 / 8 and busbw.bus_factor("all-to-all", 8) == 7 / 8
+    h100 = busbw.target_of("NVIDIA H100 80GB HBM3")
+    assert h100 is not None and busbw.target_of("cpu") is None
+    for kind in busbw.KINDS:  # the planner's own figures, through its forecast (H100: no scaling)
+        want = forecast.NVLINK_BUSBW.get(kind, forecast.NVLINK_BUSBW_OTHER)
+        assert busbw.planner_busbw(h100, kind, across_hosts=False) == pytest.approx(want)
+    assert busbw.planner_busbw(h100, "all-reduce", True) == pytest.approx(
+        forecast.NETWORK_BUSBW["all-reduce"]
+    )
+    times = {0: dict.fromkeys(busbw.KINDS, 1e-3), 1: dict.fromkeys(busbw.KINDS, 2e-3)}
+    rows = busbw.rows(times, 8000, 4, h100, across_hosts=False)
+    assert [r["slowest_process"] for r in rows] == [1] * 4
+    assert rows[0]["busbw_GBps"] == pytest.approx(8000 / 2e-3 / 1e9 * 1.5)  # all-reduce: 2(n-1)/n
+    assert rows[3]["busbw_GBps"] == pytest.approx(8000 / 2e-3 / 1e9 * 0.75)  # all-to-all: (n-1)/n
+    assert rows[3]["of_planner"] == pytest.approx(rows[3]["busbw_GBps"] / 350)
+    mesh = jax.sharding.Mesh(jax.devices()[:4], ("data",))
+    assert all(len(busbw.time_collective(mesh, kind, 4096, 2)) == 2 for kind in busbw.KINDS)
 
 
 @pytest.mark.parametrize("n", range(2, 8))
@@ -239,9 +282,13 @@ def _healthy_report(path, n_processes, n_devices):
         "software",
         "devices",
         "collectives",
+        "kernels",
+        "checksum",
+        "exchange",
         "bandwidth",
         "storage",
     ]
+    assert [r["collective"] for r in report["collectives"]] == list(busbw.KINDS)
     assert [r["process_id"] for r in report["processes"]] == list(range(n_processes))
     assert sum(r["device_count"] for r in report["processes"]) == n_devices
     rows = report["bandwidth"]
@@ -259,12 +306,16 @@ def _healthy_report(path, n_processes, n_devices):
 def test_one_process(tmp_path):
     out = tmp_path / "health.json"
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), *FAST, "--json", str(out)],
+        [sys.executable, str(SCRIPT), *FAST, "--json", str(out), "--kernels", "on", "--target", "h100"],
         env=clean_env(4), cwd=tmp_path, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "verdict: HEALTHY" in done.stdout and "busbw_GB/s" in done.stdout
-    assert _healthy_report(out, 1, 4)["environment"]["source"] == "single"
+    report = _healthy_report(out, 1, 4)
+    assert report["environment"]["source"] == "single" and "host " in done.stdout
+    kernels = next(c for c in report["checks"] if c["name"] == "kernels")
+    assert "each process's first CPU device" in kernels["detail"]  # --kernels on: checked on CPU
+    assert all(r["planner_busbw_GBps"] > 100 for r in report["collectives"])  # h100's, from the planner
     assert list(tmp_path.iterdir()) == [out]  # the storage probe cleaned up after itself
 
 

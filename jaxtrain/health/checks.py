@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxtrain.cluster import detect
 from jaxtrain.disk.files import write_text
+from jaxtrain.health import busbw
 from jaxtrain.observe.memory import limit_bytes
 from jaxtrain.parallel.mesh import DATA_AXIS
 
@@ -175,15 +176,7 @@ def sweep_sizes(max_bytes: int) -> list[int]:
 
 def time_all_reduce(mesh: Mesh, nbytes: int, iters: int) -> list[float]:
     """Seconds this process waits for each of `iters` all-reduces of `nbytes` bytes per device."""
-    x = _rows(mesh, nbytes // 4, lambda i: 1.0)
-    all_reduce = _per_device(mesh, lambda a: jax.lax.psum(a, DATA_AXIS))
-    all_reduce(x).block_until_ready()  # compile and warm up outside the timed runs
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        all_reduce(x).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return times
+    return busbw.time_collective(mesh, "all-reduce", nbytes, iters)
 
 
 def outliers(values: Mapping[int, Hashable], expected: Hashable | None = None) -> tuple[Any, list[int]]:
@@ -373,6 +366,7 @@ class Report:
     processes: list[dict] = field(default_factory=list)
     bandwidth: list[dict] = field(default_factory=list)
     pairs: list[dict] = field(default_factory=list)
+    collectives: list[dict] = field(default_factory=list)  # busbw.rows: each kind at the largest size
 
     def add(self, check: Check) -> Check:
         self.checks.append(check)
@@ -414,8 +408,35 @@ class Report:
             "environment": self.environment,
             "bandwidth": self.bandwidth,
             "pairs": self.pairs,
+            "collectives": self.collectives,
             "processes": self.processes,
         }
+
+    def host_lines(self) -> list[str]:
+        """One verdict line per host: healthy, or the checks that failed there and why."""
+        bad: dict[str, list[str]] = {}
+        for b in self.bad_processes():
+            bad.setdefault(b["host"], []).append(f"{b['check']} (process {b['process_id']}: {b['reason']})")
+        hosts = list(dict.fromkeys([*self.process_hosts(), *bad]))
+        return [f"host {h}: " + ("UNHEALTHY: " + "; ".join(bad[h]) if h in bad else "healthy") for h in hosts]
+
+    def _collective_lines(self) -> list[str]:
+        if not self.collectives:
+            return []
+        lines = [
+            "",
+            f"collectives at {self.collectives[0]['bytes']} bytes per device (busbw as nccl-tests; the "
+            "planner's figure for the target, plan/forecast.py)",
+            f"  {'collective':<15} {'time_us':>10} {'busbw_GB/s':>11} {'planner_GB/s':>13} {'ratio':>6}",
+        ]
+        for r in self.collectives:
+            planned = (
+                f"{r['planner_busbw_GBps']:>13.4g} {r['of_planner']:>6.2g}"
+                if r["of_planner"]
+                else f"{'-':>13} {'-':>6}"
+            )
+            lines.append(f"  {r['collective']:<15} {r['time_us']:>10.1f} {r['busbw_GBps']:>11.4g} {planned}")
+        return lines
 
     def write_json(self, path: str) -> None:
         """Write atomically, so a reader never sees half a report."""
@@ -457,6 +478,7 @@ class Report:
                 f"  {' - '.join(r['hosts']):<30} {r['time_us']:>10.1f} {r['busbw_GBps']:>11.4g}"
                 for r in self.pairs
             ]
+        lines += self._collective_lines() + [""] + self.host_lines()
         if self.healthy:
             lines.append("verdict: HEALTHY")
         else:

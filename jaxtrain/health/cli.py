@@ -28,7 +28,9 @@ def parse_args(argv: list[str], usage: str = "") -> tuple[health.HealthOptions, 
     p = Parser(description=usage, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", dest="json_path", default=h.json_path, help="write the full report here")
     p.add_argument("--checkpoint_dir", default=h.checkpoint_dir, help="directory every host must share")
-    p.add_argument("--max_bytes", type=_bytes, default=h.max_bytes, help="largest all-reduce size (4M)")
+    p.add_argument(
+        "--max_bytes", type=_bytes, default=h.max_bytes, help="largest collective size (4M; 1G on a cluster)"
+    )
     p.add_argument("--iters", type=int, default=h.iters, help="timed all-reduces per size")
     p.add_argument("--expected_devices_per_process", type=int, default=h.expected_devices_per_process)
     p.add_argument("--expected_devices_per_host", type=int, default=h.expected_devices_per_host)
@@ -36,6 +38,12 @@ def parse_args(argv: list[str], usage: str = "") -> tuple[health.HealthOptions, 
     p.add_argument(
         "--slow_host_factor", type=float, default=h.slow_host_factor, help="0.5: fail a host at half speed"
     )
+    p.add_argument(
+        "--kernels",
+        default=h.kernels,
+        help="auto: check the GPU-only kernels on each GPU; on: every kernel; off",
+    )
+    p.add_argument("--target", default=h.target, help="planner target to compare busbw with (h100, h200...)")
     p.add_argument("--network_timeout", type=float, default=h.network_timeout, help="seconds")
     p.add_argument("--step_timeout", type=float, default=h.step_timeout, help="seconds per later step")
     # Shorter than training's default: a health check should say soon who never joined.

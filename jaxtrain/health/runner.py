@@ -7,7 +7,11 @@ Steps, in order, each under a deadline; a fatal failure stops the run with its v
   software     python, jax, jaxlib, plugin, flax, optax, orbax, grain: equal everywhere
   devices      count, kind, memory per process; expected counts per process or host
   collectives  all-reduce and all-gather of known values over every device
-  bandwidth    all-reduce sweep (nccl-tests algbw/busbw), then neighbouring pairs of hosts
+  kernels      the preflight's kernel checks (run/preflight.py) on each GPU alone
+  checksum     a fixed-seed matmul on every device, voted on: the odd device named
+  exchange     all-to-all and the experts' ragged exchange exact over every device
+  bandwidth    all-reduce sweep (nccl-tests algbw/busbw), then neighbouring pairs of hosts; all-reduce,
+               all-gather, reduce-scatter and all-to-all at --max_bytes against the planner's figures
   storage      every process sees every other's file in the checkpoint directory
 Software and devices are judged after init because touching devices first makes
 jax.distributed.initialize fail. Before init each process judges, and names, itself. After
@@ -42,6 +46,7 @@ from jaxtrain.cluster import detect, join
 from jaxtrain.cluster.watchdog import Watchdog, exit_now
 from jaxtrain.config import DistConfig
 from jaxtrain.errors import UserError
+from jaxtrain.health import busbw, numerics
 from jaxtrain.health import checks as hc
 from jaxtrain.health.exchange import STORAGE_GRACE_S, Exchange, storage_probe
 from jaxtrain.parallel.mesh import make_mesh
@@ -67,12 +72,18 @@ class HealthOptions:
     slow_host_factor: float = 0.5  # fail a host whose best pair is under this x the median; 0 = off
     network_timeout: float = 60.0  # seconds to reach the coordinator (hosts started by hand lag)
     step_timeout: float = 120.0  # seconds for each later step (each message size for bandwidth)
+    kernels: str = "auto"  # auto: the GPU-only kernels on GPUs (none on CPUs); on: every kernel; off
+    target: str = ""  # the planner's GPU target to compare busbw with; "" = the devices' own kind
 
 
 def check_options(opts: HealthOptions, dist: DistConfig) -> None:
     """Raise UserError naming the first unusable option."""
     if opts.max_bytes < hc.MIN_BYTES:
         raise UserError(f"--max_bytes must be at least {hc.MIN_BYTES} (1 KiB), got {opts.max_bytes}")
+    if opts.kernels not in ("auto", "on", "off"):
+        raise UserError(f"--kernels must be auto, on or off, got {opts.kernels!r}")
+    if opts.target and opts.target not in busbw.TARGETS:
+        raise UserError(f"unknown --target {opts.target!r}; known targets: {', '.join(busbw.TARGETS)}")
     if opts.iters < 1:
         raise UserError(f"--iters must be >= 1, got {opts.iters}")
     for name, value in (
@@ -136,7 +147,8 @@ class HealthCheck:
         self.exchange.post("host", self.host)  # so process 0 can name a host that fails later
         self._heartbeat = self.exchange.start_heartbeat(_HEARTBEAT_S)
         try:
-            for step in (self._devices, self._collectives, self._bandwidth, self._storage):
+            steps = (self._devices, self._collectives, self._numerics, self._bandwidth, self._storage)
+            for step in steps:
                 if not step():
                     break
             code = EXIT_HEALTHY if self.report.healthy else EXIT_FAILED
@@ -219,13 +231,44 @@ class HealthCheck:
         n = jax.device_count()
         return self._shared("collectives", measure, lambda r: [hc.judge_collectives(r, n)], fatal=True)
 
+    def _numerics(self) -> bool:
+        """Kernels on each GPU, the matmul checksum on every device, the exchange over all of them."""
+        opts, n = self.opts, jax.device_count()
+
+        def measure() -> dict[str, Any]:
+            local = jax.local_devices()
+            with self._step("numerics", opts.step_timeout):
+                kernels = numerics.measure_kernels(local, opts.kernels) if opts.kernels != "off" else []
+                sums = {str(d.id): list(numerics.matmul_checksum(d)) for d in local}
+                return {
+                    "kernels": kernels,
+                    "checksums": sums,
+                    "exchange": numerics.measure_exchange(jax.devices()),
+                }
+
+        def judge(results: dict[int, dict]) -> list[hc.Check]:
+            device = jax.devices()[0]
+            capability = str(getattr(device, "compute_capability", ""))
+            checked = opts.kernels != "off" and bool(
+                numerics.kernel_choices(device.platform, capability, opts.kernels).attention
+            )
+            return [
+                numerics.judge_kernels(
+                    {p: r["kernels"] for p, r in results.items()}, n, checked, device.platform
+                ),
+                numerics.judge_checksums({p: r["checksums"] for p, r in results.items()}, self.report.hosts),
+                numerics.judge_exchange({p: r["exchange"] for p, r in results.items()}, n),
+            ]
+
+        return self._shared("numerics", measure, judge, fatal=False)
+
     def _bandwidth(self) -> bool:
         opts, n = self.opts, jax.device_count()
         sizes = hc.sweep_sizes(opts.max_bytes)
         hosts = self._joined.share("hosts", self.report.process_hosts(), opts.step_timeout)
         order = list(dict.fromkeys(hosts))
 
-        def measure() -> dict[str, list]:
+        def measure() -> dict[str, Any]:
             assert self.mesh is not None  # _collectives made it
             sweep: list[float] = []
             pairs: list[list[Any]] = []
@@ -243,14 +286,26 @@ class HealthCheck:
                         with self._step(f"pair-{a}-{b}", opts.step_timeout, among=members):
                             # The best run: noise slows some runs, a bad link slows them all.
                             pairs.append([a, b, min(hc.time_all_reduce(mesh, sizes[-1], opts.iters))])
-            return {"sweep": sweep, "pairs": pairs}
+            kinds = {}
+            for kind in busbw.KINDS:
+                with self._step(f"busbw-{kind}", opts.step_timeout):
+                    kinds[kind] = statistics.median(
+                        busbw.time_collective(self.mesh, kind, sizes[-1], opts.iters)
+                    )
+            return {"sweep": sweep, "pairs": pairs, "kinds": kinds}
 
         def judge(results: dict[int, dict]) -> list[hc.Check]:
             devices = Counter(hosts[d.process_index] for d in jax.devices())
             rows = hc.bandwidth_rows({p: r["sweep"] for p, r in results.items()}, sizes, n)
             pairs = hc.pair_rows({p: r["pairs"] for p, r in results.items()}, order, sizes[-1], devices)
             self.report.bandwidth, self.report.pairs = rows, pairs
-            return [hc.judge_bandwidth(rows, pairs, hosts, opts.min_busbw_gbps, opts.slow_host_factor)]
+            target = busbw.target_of(jax.devices()[0].device_kind, opts.target)
+            kinds = busbw.rows(
+                {p: r["kinds"] for p, r in results.items()}, sizes[-1], n, target, len(order) > 1
+            )
+            self.report.collectives = kinds
+            check = hc.judge_bandwidth(rows, pairs, hosts, opts.min_busbw_gbps, opts.slow_host_factor)
+            return [dataclasses.replace(check, detail=f"{check.detail}; {busbw.summary(kinds, target)}")]
 
         return self._shared("bandwidth", measure, judge, fatal=False)
 

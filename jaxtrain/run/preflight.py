@@ -380,11 +380,14 @@ def exchange_check(
         ]  # fmt: skip
         sent = sizes.sum(axis=(1, 2))
         operand = rng.standard_normal((p, rows, d)).astype(np.float32)
-        operand[np.arange(rows)[None, :] >= sent[:, None]] = np.nan
+        unsent = np.broadcast_to((np.arange(rows)[None, :] >= sent[:, None])[..., None], operand.shape)
         mesh = jax.sharding.Mesh(np.array(devices), ("x",))
         place = lambda a: jax.device_put(a, NamedSharding(mesh, P("x")))  # noqa: E731
         args = [
-            place(operand.reshape(p * rows, d).astype(jnp.bfloat16)),
+            # NaN set on the devices: across processes device_put compares its inputs, and NaN != NaN
+            jax.jit(lambda x, u: jnp.where(u, jnp.nan, x))(
+                place(operand.reshape(p * rows, d).astype(jnp.bfloat16)), place(unsent.reshape(p * rows, d))
+            ),
             place(np.full((p * bound, d), 0.5, jnp.bfloat16)),
             *(place(a.astype(np.int32)) for a in index),
         ]

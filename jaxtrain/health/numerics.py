@@ -1,0 +1,174 @@
+"""Numbers every GPU of an allocation must get right: the preflight's kernel checks (run/preflight.py)
+on each local GPU, a fixed-seed matmul whose checksum every device must agree on (silent data
+corruption: the odd one out is named), and the experts' exchange checked exact across hosts (a
+plain all-to-all of known values, and the ragged exchange against its padded reference).
+
+Measured on every process (`measure_*`), judged by process 0 from plain data (`judge_*`, `vote`), as
+the rest of the health check (checks.py, runner.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxtrain.health.checks import Check, who
+from jaxtrain.model import grouped
+from jaxtrain.parallel.mesh import DATA_AXIS
+from jaxtrain.run import preflight as pf
+
+# The health check's kernel problem: the widths of Qwen3-30B-A3B's experts (the Pallas kernels' tiles
+# take them), Llama 3 8B's heads, documents masked; bfloat16, as training runs them.
+KERNEL_HEADS = (32, 8, 128, 128)  # query heads, key/value heads, head and value size
+KERNEL_WIDTHS = (2048, 768)  # d_model, each expert's hidden size
+CHECKSUM_SIZE = {"gpu": 4096, "cpu": 256}  # the matmul's side: 137 GFLOP a GPU, a CPU's moment
+CHECKSUM_TOLERANCE = 1e-5  # relative: one kind of device, one program, same inputs: equal, or nearly
+
+
+def kernel_choices(platform: str, capability: str, mode: str) -> pf.Choices:
+    """The kernels to check on each device: auto, the GPU-only ones (none on CPUs); on, every one."""
+    gpu = platform == "gpu"
+    if not gpu and mode != "on":
+        return pf.Choices()
+    pallas = gpu and capability == grouped.HOPPER
+    heads, d, ff = KERNEL_HEADS, KERNEL_WIDTHS[0], KERNEL_WIDTHS[1]
+    if not gpu:  # a CPU checks the path, small
+        heads, d, ff = (4, 2, 32, 32), 128, 64
+    return pf.Choices(
+        attention="cudnn" if gpu else "xla",
+        grouped_matmul="pallas" if pallas else "ragged_dot",  # a CPU's: the path, at the least compile
+        dtype="bfloat16",
+        heads=heads,
+        documents=True,
+        d_model=d,
+        expert_dim=ff,
+        length=512 if gpu else 64,
+    )
+
+
+def measure_kernels(devices: Sequence[Any], mode: str) -> list[str]:
+    """The preflight's checks on each of `devices` alone; one line per failure ('' checks: none)."""
+    d0 = devices[0]
+    choices = kernel_choices(d0.platform, str(getattr(d0, "compute_capability", "")), mode)
+    failures = []
+    # A CPU's devices are one processor: its first stands for them (each GPU is checked alone).
+    for device in devices if d0.platform != "cpu" else devices[:1]:
+        for check in pf.checks(choices, d0.platform, str(getattr(d0, "compute_capability", ""))):
+            verdict = pf.run_check(check, [device])
+            if not verdict.passed and not verdict.informational:
+                failures.append(f"{device}: {verdict.name}: {verdict.failed}")
+    return failures
+
+
+def judge_kernels(failures: Mapping[int, list[str]], n_devices: int, checked: bool, platform: str) -> Check:
+    """Processes whose GPUs failed a kernel check."""
+    bad = {p: "; ".join(f) for p, f in failures.items() if f}
+    if bad:
+        return Check("kernels", False, "a kernel differs from its reference on some GPUs", bad)
+    if not checked:
+        return Check("kernels", True, "nothing GPU-only to check on these devices (--kernels on: all)")
+    each = f"each of {n_devices} devices" if platform != "cpu" else "each process's first CPU device"
+    return Check("kernels", True, f"the preflight's kernel checks pass on {each}")
+
+
+def matmul_checksum(device: Any) -> tuple[float, float]:
+    """A fixed-seed matmul on `device`, in float32 at full precision and in bfloat16 (the tensor
+    cores' path): each result's sum. Every healthy device of one kind computes the same."""
+    n = CHECKSUM_SIZE["cpu" if device.platform == "cpu" else "gpu"]
+    rng = np.random.default_rng(20261128)
+    a, b = (jax.device_put(rng.standard_normal((n, n), np.float32) / math.sqrt(n), device) for _ in "ab")
+    full, half = _sums(a, b)
+    return float(full), float(half)
+
+
+@jax.jit
+def _sums(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    full = jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+    half = jnp.matmul(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+    return jnp.sum(jnp.tanh(full) * a), jnp.sum(jnp.tanh(half) * b)
+
+
+def vote(
+    values: Mapping[Hashable, float], tolerance: float = CHECKSUM_TOLERANCE
+) -> tuple[float | None, list]:
+    """The value a strict majority agree on (within `tolerance`, relative) and those off it; with
+    no majority nobody can tell who is wrong: (None, every one). NaN is never agreed on."""
+    keys = list(values)
+    close = {
+        k: [j for j in keys if abs(values[j] - values[k]) <= tolerance * max(abs(values[k]), 1e-30)]
+        for k in keys
+    }
+    best = max(keys, key=lambda k: len(close[k]), default=None)
+    if best is None or 2 * len(close[best]) <= len(keys) or not math.isfinite(values[best]):
+        return None, sorted(keys, key=str)
+    return values[best], sorted((k for k in keys if k not in close[best]), key=str)
+
+
+def judge_checksums(per_process: Mapping[int, Mapping[str, list[float]]], hosts: Mapping[int, str]) -> Check:
+    """Every device's checksums voted on; the odd ones named by device, process and host."""
+    flat = {(p, d): tuple(v) for p, ds in per_process.items() for d, v in ds.items()}
+    bad: dict[int, str] = {}
+    for i, label in enumerate(("float32", "bfloat16")):
+        reference, odd = vote({k: v[i] for k, v in flat.items()})
+        for p, d in odd:
+            why = f"device {d}'s {label} matmul checksum {flat[p, d][i]!r}"
+            why += f", the others' {reference!r}" if reference is not None else ": no majority agrees"
+            bad[p] = f"{bad[p]}; {why}" if p in bad else why
+    if bad:
+        named = ", ".join(who(p, hosts) for p in sorted(bad))
+        return Check("checksum", False, f"matmul results differ (silent data corruption?) on {named}", bad)
+    return Check("checksum", True, f"a fixed-seed matmul gives the same result on all {len(flat)} devices")
+
+
+def measure_exchange(devices: Sequence[Any]) -> list[str]:
+    """All-to-all of known values over every device, then the experts' ragged exchange against its
+    padded reference (the padded one on CPUs, against itself): one line per wrong result here."""
+    errors = _all_to_all_errors(Mesh(np.array(devices), (DATA_AXIS,)))
+    p, slices = len(devices), 3
+    impl = "padded" if devices[0].platform == "cpu" else "ragged"
+    rows, d = (max(128, 8 * p * slices), 64) if impl == "padded" else (max(512, 8 * p * slices), 256)
+    verdict = pf.run_check(pf.exchange_check(impl, slices, d=d, rows=rows), devices)
+    if not verdict.passed:
+        errors.append(f"{verdict.name}: {verdict.failed}")
+    return errors
+
+
+def _all_to_all_errors(mesh: Mesh) -> list[str]:
+    """Device i sends j the value i * n + j: each device must receive exactly i * n + (itself)."""
+    n = mesh.devices.size
+    x = jax.make_array_from_callback(
+        (n, n), NamedSharding(mesh, P(DATA_AXIS)),
+        lambda idx: (_start(idx) * n + np.arange(n, dtype=np.float32))[None],
+    )  # fmt: skip
+    swap = jax.shard_map(
+        lambda a: jax.lax.all_to_all(a, DATA_AXIS, 1, 1, tiled=True), mesh=mesh, in_specs=P(DATA_AXIS),
+        out_specs=P(DATA_AXIS),
+    )  # fmt: skip
+    out = jax.jit(swap)(x)
+    errors = []
+    for shard in out.addressable_shards:
+        j = _start(shard.index)
+        want = np.arange(n, dtype=np.float32) * n + j
+        got = np.asarray(shard.data).reshape(-1)
+        if not np.array_equal(got, want):
+            errors.append(f"all-to-all on {shard.device} gave {got.tolist()}, expected {want.tolist()}")
+    return errors
+
+
+def _start(index: tuple[slice, ...] | None) -> int:
+    assert index is not None  # a sharded array: every shard has an index
+    return int(index[0].start or 0)
+
+
+def judge_exchange(errors: Mapping[int, list[str]], n_devices: int) -> Check:
+    bad = {p: "; ".join(e) for p, e in errors.items() if e}
+    if bad:
+        return Check("exchange", False, "wrong rows after all-to-all or the experts' exchange", bad)
+    return Check("exchange", True, f"all-to-all and the experts' exchange exact on {n_devices} devices")
