@@ -102,29 +102,49 @@ def test_kernel_runs_on_each_devices_rows_and_heads_inside_the_steps_shard_map()
 
 
 def _packed_reference(q, k, v, offsets, lengths):
-    """cuDNN's packed form as jax's layer documents it, in XLA on CPU: row i of a block attends
-    causally inside the document covering it; rows no document covers come out NaN and so do
-    their gradients (cuDNN leaves them unwritten)."""
-    rows, size = q.shape[:2]
-    t = jnp.arange(size)
+    """The rows of each block [B', T] each document covers, per cuDNN's packed form (jax's
+    q_offsets / q_seqlen layout), and each row's document id (rows none covers: one alone)."""
+    t = jnp.arange(q.shape[1])
     starts, ends = offsets[:, :-1, None], offsets[:, :-1, None] + lengths[:, :, None]
     covers = (lengths[:, :, None] > 0) & (starts <= t) & (t < ends)  # [B', docs, T]
-    doc = jnp.where(covers.any(1), jnp.argmax(covers, axis=1), -1 - t)  # uncovered: each alone
-    covered = covers.any(1)[:, :, None, None]
+    doc = jnp.where(covers.any(1), jnp.argmax(covers, axis=1), -1 - t)
+    return covers.any(1)[:, :, None, None], doc
 
-    @jax.custom_vjp
-    def attend(q, k, v):
-        return jnp.where(covered, attention.xla_kernel(q, k, v, doc), jnp.nan)
 
-    def fwd(q, k, v):
-        y, vjp = jax.vjp(lambda *x: attention.xla_kernel(*x, doc), q, k, v)
-        return jnp.where(covered, y, jnp.nan), vjp
+def _emulated_forward(q, k, v, offsets, lengths):
+    """cuDNN's packed forward in XLA: the output and the softmax's log-sum-exp [B', N, T] of each
+    covered row; the other rows NaN (cuDNN leaves them unwritten)."""
+    covered, doc = _packed_reference(q, k, v, offsets, lengths)
+    k, v = (jnp.repeat(x, q.shape[2] // k.shape[2], axis=2) for x in (k, v))
+    logits = jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
+    mask = (doc[:, :, None] == doc[:, None, :]) & jnp.tril(jnp.ones((q.shape[1],) * 2, bool))
+    logits = jnp.where(mask[:, None], logits, -jnp.inf)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    y = jnp.einsum("bnts,bsnh->btnh", jnp.exp(logits - lse[..., None]), v)
+    return jnp.where(covered, y, jnp.nan), lse
 
-    def bwd(vjp, g):
-        return tuple(jnp.where(covered, d, jnp.nan) for d in vjp(jnp.where(covered, g, 0)))
 
-    attend.defvjp(fwd, bwd)
-    return attend(q, k, v)
+def _emulated_backward(q, k, v, offsets, lengths, lse, y, g):
+    """FlashAttention's backward from the saved output and stats, as cuDNN computes it, reading
+    only covered rows of y and dy (others zeroed here) and writing NaN to the rest."""
+    covered, doc = _packed_reference(q, k, v, offsets, lengths)
+    y, g = (jnp.where(covered, x, 0) for x in (y, g))
+    groups = q.shape[2] // k.shape[2]
+    kr, vr = (jnp.repeat(x, groups, axis=2) for x in (k, v))
+    scale = 1 / np.sqrt(q.shape[-1])
+    mask = (doc[:, :, None] == doc[:, None, :]) & jnp.tril(jnp.ones((q.shape[1],) * 2, bool))
+    logits = jnp.einsum("btnh,bsnh->bnts", q, kr) * scale
+    p = jnp.where(mask[:, None], jnp.exp(logits - lse[..., None]), 0)
+    dv = jnp.einsum("bnts,btnh->bsnh", p, g)
+    dp = jnp.einsum("btnh,bsnh->bnts", g, vr)
+    ds = p * (dp - jnp.einsum("btnh,btnh->bnt", g, y)[..., None])
+    dq = jnp.einsum("bnts,bsnh->btnh", ds, kr) * scale
+    dk = jnp.einsum("bnts,btnh->bsnh", ds, q) * scale
+    dk, dv = (x.reshape(*x.shape[:2], k.shape[2], groups, -1).sum(3) for x in (dk, dv))
+    return tuple(jnp.where(covered, d, jnp.nan) for d in (dq, dk, dv))
+
+
+EMULATED = attention.PackedKernel(_emulated_forward, _emulated_backward)
 
 
 def _random_documents(rng, b, t, tiny):
@@ -142,10 +162,11 @@ def _random_documents(rng, b, t, tiny):
 
 @pytest.mark.parametrize("split, smallest, t", [(16, 16, 512), (4, 2, 64)])
 def test_packed_documents_attend_exactly_as_the_dense_mask(monkeypatch, split, smallest, t):
-    """attention.packed_attention (cuDNN's packed form, emulated: its unwritten rows NaN, forward
-    and backward) gives XLA's masked attention's values and gradients, with one-token documents
-    past any bound on documents a block: at the shipped split (512 tokens: one packed level) and at
-    4 (64 tokens: two packed levels, 3 documents a block at most), 8 query heads over 2 kv heads."""
+    """attention.packed_attention (cuDNN's packed form emulated: FlashAttention's backward from
+    the output and stats it is given, its unwritten rows NaN, forward and backward) gives XLA's
+    masked attention's values and gradients, with one-token documents past any bound on documents
+    a block: at the shipped split (512 tokens: one packed level) and at 4 (64 tokens: two packed
+    levels, 3 documents a block at most), 8 query heads over 2 kv heads."""
     monkeypatch.setattr(documents, "SPLIT", split)
     monkeypatch.setattr(documents, "SMALLEST", smallest)
     assert len(documents.block_sizes(t)) == (2 if split == 16 else 3)
@@ -157,7 +178,7 @@ def test_packed_documents_attend_exactly_as_the_dense_mask(monkeypatch, split, s
     def loss(kernel, q, k, v):
         return jnp.sum(kernel(q, k, v) * g)
 
-    packed = lambda q, k, v: attention.packed_attention(q, k, v, segments, _packed_reference)  # noqa: E731
+    packed = lambda q, k, v: attention.packed_attention(q, k, v, segments, EMULATED)  # noqa: E731
     dense = lambda q, k, v: attention.xla_kernel(q, k, v, segments)  # noqa: E731
     np.testing.assert_allclose(jax.jit(packed)(q, k, v), dense(q, k, v), atol=1e-5)
     got = jax.jit(jax.grad(functools.partial(loss, packed), (0, 1, 2)))(q, k, v)

@@ -334,7 +334,7 @@ def test_documents_reach_cudnn_packed_with_no_t_by_s_array_at_131072_tokens():
     """Llama 3 8B's layer at 131,072 tokens, each sequence over context 8 (the shipped 128K layout
     on one host), documents masked (doc_eos): on H100 every cuDNN call, forward and backward,
     takes the packed documents (q, k, v, then q/kv lengths and offsets: 7 operands forward; at most
-    15 documents a block, model/documents.py) on whole sequences of 4 heads a GPU, and no array of
+    15 documents a block, model/documents.py) on whole sequences, and no array of
     the program has two dims of 131,072 or more. Before Hopper (A100, a window of 8,192, small
     vocab and MLP so only a T x S array has two such dims) documents are the [B, 1, T, S] bias,
     which the same check finds."""
@@ -346,8 +346,12 @@ def test_documents_reach_cudnn_packed_with_no_t_by_s_array_at_131072_tokens():
     assert {c["target"] for c in calls} == {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"}, calls
     assert all(c["max_seg"] == 15 for c in calls), calls
     assert all(c["operands"] == 7 for c in calls if c["target"] == "__cudnn$fmhaSoftmax"), calls
-    # The levels' blocks: the window, 8,192 and 512 tokens (model/documents.py block_sizes).
-    assert {c["q"] for c in calls} == {"1,131072,4,128", "16,8192,4,128", "256,512,4,128"}, calls
+    # The levels' blocks: the window, 8,192 and 512 tokens (model/documents.py block_sizes), each
+    # call one query head of the 4 a GPU's key/value head serves (jax steps packed keys by the
+    # query's heads), 4 calls a level forward and backward.
+    assert {c["q"] for c in calls} == {"1,131072,1,128", "16,8192,1,128", "256,512,1,128"}, calls
+    backward = [c["q"] for c in calls if c["target"] == "__cudnn$fmhaSoftmaxBackward"]
+    assert sorted(backward) == sorted(["1,131072,1,128", "16,8192,1,128", "256,512,1,128"] * 4), calls
     small = ["--model.seq_len", "8192", "--total_batch_size", "8192", "--model.vocab_size", "4096"]
     small += ["--model.doc_eos", "4000", "--model.d_ff", "7168", "--mesh.fsdp", "1", "--mesh.context", "1"]
     dense = _documents_program("a100", "--model.n_layer", "1", *small)

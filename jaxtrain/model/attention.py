@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -63,62 +63,141 @@ def cudnn_kernel(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array |
     if segments is None:
         return attend(q, k, v)
     if len(documents.block_sizes(q.shape[1])) > 1 and cudnn_layer.check_compute_capability("9.0"):
-        return packed_attention(q, k, v, segments, _cudnn_packed)
+        return packed_attention(q, k, v, segments, CUDNN_PACKED)
     # Before Hopper (jax's gate for the packed layout, which the planner sets to its target), or a
     # window not a multiple of 256 tokens: documents as a [B, 1, T, S] mask, cuDNN's bias.
     return attend(q, k, v, mask=(segments[:, :, None] == segments[:, None, :])[:, None])
 
 
+class PackedKernel(NamedTuple):
+    """A kernel over packed documents (cuDNN's form: jax's `q_offsets`/`q_seqlen` per block row):
+    forward(q, k, v, offsets, lengths) -> (out, stats); backward(q, k, v, offsets, lengths, stats,
+    out, dout) -> (dq, dk, dv). It reads only the rows inside its documents and leaves the others
+    unwritten."""
+
+    forward: Callable[..., tuple[jax.Array, jax.Array]]
+    backward: Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
+
+
 def packed_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array, packed: Callable[..., jax.Array]
+    q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array, kernel: PackedKernel
 ) -> jax.Array:
     """Causal attention inside each document, with no T x S array: each level of documents
-    (model/documents.py `levels`) by `packed`(q, k, v, offsets, lengths) on the window seen as
-    blocks, the documents inside a smallest block by XLA's kernel there, each token's output from
-    its own level. A packed kernel leaves the rows outside its documents unwritten: those rows'
-    outputs are not taken, and their gradients not let through (`_rows`)."""
+    (model/documents.py `levels`) by `kernel` on the window seen as blocks, the documents inside a
+    smallest block by XLA's kernel there, each token's output from its own level."""
+    return _packed(kernel, q, k, v, segments)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _packed(kernel: PackedKernel, q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array) -> jax.Array:
+    return _packed_fwd(kernel, q, k, v, segments)[0]
+
+
+def _packed_fwd(kernel: PackedKernel, q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array) -> Any:
+    """The output, and what the backward keeps: one output for every level (each level's rows
+    hold that level's own output, all its backward reads), each level's softmax stats."""
     b, t, n, _ = q.shape
     found, _ = documents.levels(segments)
-    if k.shape[2] != n:  # jax 0.10.2 steps through packed keys by the query's heads (_fix_seqlen_offsets)
-        k, v = jnp.repeat(k, n // k.shape[2], axis=2), jnp.repeat(v, n // k.shape[2], axis=2)
     small = documents.block_sizes(t)[-1]
-    blocks = [x.reshape(-1, small, *x.shape[2:]) for x in (q, k, v, segments)]
-    y = xla_kernel(*blocks).reshape(b, t, n, v.shape[-1])
+
+    def dense(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        return xla_kernel(*_blocks((q, k, v, segments), small)).reshape(b, t, n, v.shape[-1])
+
+    y, dense_vjp = jax.vjp(dense, q, k, v)
+    stats = []
     for level in found:
-        qkv = [_rows(x, level.owned).reshape(-1, level.block, *x.shape[2:]) for x in (q, k, v)]
-        y_level = packed(*qkv, level.offsets, level.lengths).reshape(y.shape)
-        y = jnp.where(level.owned[:, :, None, None], y_level, y)
-    return y
+        y_level, s = kernel.forward(*_blocks((q, k, v), level.block), level.offsets, level.lengths)
+        y = jnp.where(level.owned[:, :, None, None], y_level.reshape(y.shape), y)
+        stats.append(s)
+    return y, (q, k, v, segments, y, stats, dense_vjp)
 
 
-@jax.custom_vjp
-def _rows(x: jax.Array, rows: jax.Array) -> jax.Array:
-    """x [B, T, ...] as it is; its gradient only at `rows` [B, T]: a packed kernel's gradient
-    rows outside its documents are unwritten memory, NaN as likely as not."""
-    return x
+def _packed_bwd(kernel: PackedKernel, res: Any, g: jax.Array) -> tuple[jax.Array, ...]:
+    """Each level's gradient, taken at its own rows only (a packed kernel's other rows are
+    unwritten memory), summed with the smallest blocks' (XLA's, at theirs)."""
+    q, k, v, segments, y, stats, dense_vjp = res
+    found, rest = documents.levels(segments)
+    grads = dense_vjp(jnp.where(rest[:, :, None, None], g, jnp.zeros_like(g)))
+    for level, s in zip(found, stats, strict=True):
+        views = _blocks((q, k, v, y, g), level.block)
+        level_grads = kernel.backward(*views[:3], level.offsets, level.lengths, s, *views[3:])
+        inside = level.owned[:, :, None, None]
+        grads = tuple(
+            d + jnp.where(inside, e.reshape(d.shape), 0) for d, e in zip(grads, level_grads, strict=True)
+        )
+    return (*grads, None)
 
 
-def _rows_fwd(x: jax.Array, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return x, rows
+_packed.defvjp(_packed_fwd, _packed_bwd)
 
 
-def _rows_bwd(rows: jax.Array, g: jax.Array) -> tuple[jax.Array, None]:
-    return jnp.where(rows.reshape(*rows.shape, *(1,) * (g.ndim - 2)), g, jnp.zeros_like(g)), None
+def _blocks(arrays: tuple[jax.Array, ...], size: int) -> list[jax.Array]:
+    """[B, T, ...] arrays seen as [B * T / size, size, ...]: the window's blocks as rows."""
+    return [x.reshape(-1, size, *x.shape[2:]) for x in arrays]
 
 
-_rows.defvjp(_rows_fwd, _rows_bwd)
+def _by_group(x: jax.Array, kv_heads: int) -> list[jax.Array]:
+    """x [B, T, N, ...] as N / kv_heads arrays [B, T, kv_heads, ...], the g-th query head of each
+    key/value head's group in the g-th: jax 0.10.2 steps through packed keys by the query's heads
+    (`_fix_seqlen_offsets`), right only where they are as many."""
+    grouped = x.reshape(*x.shape[:2], kv_heads, x.shape[2] // kv_heads, *x.shape[3:])
+    return [grouped[:, :, :, g] for g in range(grouped.shape[3])]
 
 
-def _cudnn_packed(
-    q: jax.Array, k: jax.Array, v: jax.Array, offsets: jax.Array, lengths: jax.Array
-) -> jax.Array:
-    """cuDNN's fused causal attention over packed documents, each its own sequence: jax 0.10.2's
-    public API takes no offsets, so its cuDNN layer is called (its signature as of 0.10.2; causal
-    inside each document, as jax's packed-layout test runs it)."""
-    return cudnn_layer.dot_product_attention(
-        q, k, v, None, None, lengths, lengths, offsets, offsets,
-        scale=1.0 / math.sqrt(q.shape[-1]), mask_type=cudnn_layer.MaskType.CAUSAL, qkv_layout="BTNH",
+def _ungroup(parts: list[jax.Array]) -> jax.Array:
+    stacked = jnp.stack(parts, axis=3)
+    return stacked.reshape(*stacked.shape[:2], -1, *stacked.shape[4:])
+
+
+def _cudnn_params(q: jax.Array) -> dict[str, Any]:
+    """jax 0.10.2's cuDNN layer's parameters (fused_attention_stablehlo, whose primitives are
+    bound directly: its public API takes no offsets), causal inside each document."""
+    return dict(
+        scale=1.0 / math.sqrt(q.shape[-1]), seed=42, dropout_rate=0.0, variadic_args=(False, False),
+        mask_type=cudnn_layer.MaskType.CAUSAL, layout=cudnn_layer.AttentionLayout.BTNH.value,
+        sliding_window_length=None,
     )  # fmt: skip
+
+
+def _cudnn_forward(q: jax.Array, k: jax.Array, v: jax.Array, offsets: jax.Array, lengths: jax.Array) -> Any:
+    none = jnp.zeros(0, q.dtype)  # no bias, no page tables
+    outs = [
+        cudnn_layer._dot_product_attention_fwd_p_wrapper.bind(
+            part,
+            k,
+            v,
+            none,
+            lengths,
+            lengths,
+            offsets,
+            offsets,
+            none,
+            none,
+            **_cudnn_params(q),
+            is_training=True,
+        )
+        for part in _by_group(q, k.shape[2])
+    ]
+    return _ungroup([y for y, _ in outs]), jnp.stack([s for _, s in outs])
+
+
+def _cudnn_backward(
+    q: jax.Array, k: jax.Array, v: jax.Array, offsets: jax.Array, lengths: jax.Array, stats: jax.Array,
+    y: jax.Array, g: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+    none, groups = jnp.zeros(0, q.dtype), k.shape[2]
+    parts = zip(_by_group(q, groups), _by_group(y, groups), _by_group(g, groups), stats, strict=True)
+    grads = [
+        cudnn_layer._dot_product_attention_bwd_p_wrapper.bind(
+            qg, k, v, none, lengths, lengths, offsets, offsets, none, none, s, yg, gg, **_cudnn_params(q)
+        )
+        for qg, yg, gg, s in parts
+    ]
+    dk, dv = (functools.reduce(jnp.add, [d[i] for d in grads]) for i in (1, 2))
+    return _ungroup([d[0] for d in grads]), dk, dv
+
+
+CUDNN_PACKED = PackedKernel(_cudnn_forward, _cudnn_backward)
 
 
 def xla_kernel(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None) -> jax.Array:
