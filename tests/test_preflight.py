@@ -61,7 +61,7 @@ def test_auto_falls_back_with_one_line_and_trains_on_the_fallback(tmp_path):
     log = (run_dir / "train.log").read_text()
     warned = [x for x in log.splitlines() if "WARNING preflight:" in x]
     assert len(warned) == 1, log
-    assert "preflight: the blocks grouped matmul failed on cpu (out off by" in warned[0]
+    assert "preflight: the blocks grouped matmul failed on cpu (cpu:0: out off by" in warned[0]
     assert warned[0].endswith("running the ragged_dot grouped matmul instead")
     assert "2 check(s) on 1 device(s)" in log and "done: step 2" in log
 

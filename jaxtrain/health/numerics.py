@@ -55,17 +55,13 @@ def kernel_choices(platform: str, capability: str, mode: str) -> pf.Choices:
 
 
 def measure_kernels(devices: Sequence[Any], mode: str) -> list[str]:
-    """The preflight's checks on each of `devices` alone; one line per failure ('' checks: none)."""
-    d0 = devices[0]
-    choices = kernel_choices(d0.platform, str(getattr(d0, "compute_capability", "")), mode)
-    failures = []
-    # A CPU's devices are one processor: its first stands for them (each GPU is checked alone).
-    for device in devices if d0.platform != "cpu" else devices[:1]:
-        for check in pf.checks(choices, d0.platform, str(getattr(d0, "compute_capability", ""))):
-            verdict = pf.run_check(check, [device])
-            if not verdict.passed and not verdict.informational:
-                failures.append(f"{device}: {verdict.name}: {verdict.failed}")
-    return failures
+    """The preflight's checks on each of `devices` alone (pf.on_each); one line per failure."""
+    capability = str(getattr(devices[0], "compute_capability", ""))
+    found = pf.checks(kernel_choices(devices[0].platform, capability, mode), devices[0].platform, capability)
+    if not found:
+        return []
+    failed = [v for v in pf.on_each(found, devices) if not v.passed and not v.informational]
+    return [f"{v.name}: {v.failed}" for v in failed]
 
 
 def judge_kernels(failures: Mapping[int, list[str]], n_devices: int, checked: bool, platform: str) -> Check:

@@ -18,10 +18,12 @@ Pure: nothing printed, no device asked for; the caller hands in the devices.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -157,6 +159,21 @@ def preflight(choices: Choices, devices: Sequence[Any]) -> list[Verdict]:
     the exchange all of them)."""
     capability = str(getattr(devices[0], "compute_capability", ""))
     return [run_check(c, devices) for c in checks(choices, devices[0].platform, capability)]
+
+
+def on_each(found: Sequence[Check], devices: Sequence[Any]) -> list[Verdict]:
+    """Each one-device check on each of `devices` alone (a bad GPU fails only its own), the exchange
+    once over all of them; a failure's line names its device. A CPU's devices are one processor:
+    its first stands for them. The checks run in threads, one a device, so their compiles overlap."""
+    alone = list(devices) if devices[0].platform != "cpu" else list(devices[:1])
+    runs = [(c, [d]) for c in found if not c.name.startswith("exchange") for d in alone]
+    runs += [(c, list(devices)) for c in found if c.name.startswith("exchange")]
+    with ThreadPoolExecutor(max_workers=len(alone)) as pool:
+        verdicts = list(pool.map(lambda run: run_check(*run), runs))
+    return [
+        dataclasses.replace(v, failed=f"{on[0]}: {v.failed}") if v.failed and len(on) == 1 else v
+        for v, (_, on) in zip(verdicts, runs, strict=True)
+    ]
 
 
 def checks(choices: Choices, platform: str, capability: str) -> list[Check]:

@@ -109,18 +109,17 @@ def clear(job: Job, settled: ModelConfig, dtype: Any, faults: Faults | None) -> 
     model, lines = _decide(job, settled, where, verdicts)
     spent = time.perf_counter() - t0
     said = (
-        "cached: passed before"
-        if cached
-        else f"{len(verdicts)} check(s) on {len(job.local_devices)} device(s)"
+        "cached: passed before" if cached else f"{len(checks)} check(s) on {len(job.local_devices)} device(s)"
     )
     summary = f"preflight ({', '.join(c.name for c in checks)}): {said}, {spent:.1f} s"
-    return Cleared(model, tuple(lines), summary, len(verdicts), cached, spent)
+    return Cleared(model, tuple(lines), summary, 0 if cached else len(checks), cached, spent)
 
 
 def _run(checks: Sequence[Check], devices: Sequence[Any], faults: Faults | None) -> list[Verdict]:
-    """Each check on the local devices; a fault's check gets its kernel's outputs skewed."""
-    return [preflight_lib.run_check(_skewed(c) if faults and faults.preflight_differs(c.name) else c, devices)
-            for c in checks]  # fmt: skip
+    """Each check on each local device (preflight.on_each); a fault's check gets its kernel's
+    outputs skewed."""
+    planted = [_skewed(c) if faults and faults.preflight_differs(c.name) else c for c in checks]
+    return preflight_lib.on_each(planted, devices)
 
 
 def _skewed(check: Check) -> Check:
