@@ -237,7 +237,9 @@ class HealthCheck:
 
         def measure() -> dict[str, Any]:
             local = jax.local_devices()
-            with self._step("numerics", opts.step_timeout):
+            # Three deadlines: the kernels' first compiles (Pallas's take tens of seconds on a GPU),
+            # the checksums, the exchange.
+            with self._step("numerics", 3 * opts.step_timeout):
                 kernels = numerics.measure_kernels(local, opts.kernels) if opts.kernels != "off" else []
                 sums = {str(d.id): list(numerics.matmul_checksum(d)) for d in local}
                 return {
