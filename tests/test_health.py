@@ -117,6 +117,18 @@ def test_the_checksum_vote_names_the_odd_device_its_process_and_host():
     assert numerics.judge_checksums(same, {0: "a", 1: "b"}).ok  # CPU devices: equal by construction
 
 
+def test_the_kernels_checked_on_each_gpu_and_a_failing_one_named():
+    hopper = numerics.kernel_choices("gpu", "9.0", "auto")
+    assert (hopper.attention, hopper.grouped_matmul, hopper.documents) == ("cudnn", "pallas", True)
+    assert numerics.kernel_choices("gpu", "8.0", "auto").grouped_matmul == "ragged_dot"
+    assert numerics.kernel_choices("cpu", "", "auto").attention == ""  # nothing GPU-only on a CPU
+    assert numerics.kernel_choices("cpu", "", "on").attention == "xla"
+    failed = {0: [], 1: ["attention cudnn 32x128 kv8 T512 documents bfloat16: cuda:3: d_q off by 3.1e-01"]}
+    check = numerics.judge_kernels(failed, 16, checked=True, platform="gpu")
+    assert not check.ok and list(check.bad) == [1] and "cuda:3" in check.bad[1]
+    assert numerics.judge_kernels({0: [], 1: []}, 16, True, "gpu").detail.endswith("each of 16 devices")
+
+
 def test_collectives_busbw_as_nccl_tests_against_the_planner_constants():
     from jaxtrain.plan import forecast
 
