@@ -11,7 +11,7 @@ when Triton GEMMs are off: docs/fp8.md). XLA:CPU runs the same program, the same
 
 Scaling: per tensor, current (torchtitan's "tensorwise" default): the scale is computed from the
 tensor in the step, so it carries no state (checkpoints do not depend on it; a resume is bitwise).
-Each scale is a power of two (the smallest one that maps the tensor's max into the format's range):
+Each scale is a power of two (the smallest above the tensor's max over the format's largest value):
 exact in bfloat16, so quantize and dequantize round only once; and a batch shard's scale equals the
 whole batch's unless their maxima straddle a power of two (the step runs the model per batch shard).
 A non-finite tensor gives a non-finite scale and a non-finite result, which the step skips.
@@ -30,11 +30,12 @@ GRADIENT = jnp.float8_e5m2
 
 
 def scale_of(x: jax.Array, dtype: Any) -> jax.Array:
-    """float32 scalar: the power of two s with max|x| / s within `dtype`'s largest value (1 when x is
-    all zero, so zeros stay zeros; NaN or inf when x holds one)."""
+    """float32 scalar: the smallest power of two 2^e above max|x| / `dtype`'s largest value, so x / s
+    fits the format (x all zero: max|x| taken as 1, zeros stay zeros; x's NaN or inf when it holds one)."""
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
-    amax = jnp.where(amax == 0, 1.0, amax)
-    return jnp.exp2(jnp.ceil(jnp.log2(amax / float(jnp.finfo(dtype).max))))
+    # frexp and ldexp, not exp2(ceil(log2)): XLA:CPU's exp2(-15.0) is not exactly 2^-15.
+    _, e = jnp.frexp(jnp.where(amax == 0, 1.0, amax) / float(jnp.finfo(dtype).max))
+    return jnp.where(jnp.isfinite(amax), jnp.ldexp(jnp.float32(1), e), amax)
 
 
 def quantize(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
