@@ -136,7 +136,9 @@ def plan_guarded(cfg: Config, target: targets.GpuTarget, hosts: int, gpus_per_ho
 def in_child(fn: Any, *args: Any, what: str) -> Any:
     """fn(*args) in the child process that compiles plans: one serves every call of this process
     (jax and the plugin load once, a fresh interpreter: jax is not fork-safe), and one that died
-    is started again for the next call. Its death is a Refused naming `what` and XLA's last word."""
+    is started again for the next call. Its death is a Refused naming `what` and XLA's last word.
+    Spawning re-runs the caller's main module in the child before the plugin is put on its path,
+    so that module imports jax only under `if __name__ == "__main__"` (scripts/plan.py does)."""
     if "pool" not in _CHILD:
         stderr = tempfile.NamedTemporaryFile(prefix="jaxtrain-plan-", suffix=".log", delete=False).name
         atexit.register(_remove, stderr)
