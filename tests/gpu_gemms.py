@@ -2,6 +2,7 @@
 each cuBLAS call's kind and operand types, and the all-gathers' element types, as JSON on stdout.
 
     .venv/bin/python tests/gpu_gemms.py --config configs/llama_tiny.yaml --dtype bfloat16 --model.matmul fp8
+    .venv/bin/python tests/gpu_gemms.py --gpus 8 --config ... --mesh.fsdp 8     # one host of 8
 
 Its own process: the CUDA plugin must never enter pytest's (jaxtrain/plan/targets.py use_plugin).
 """
@@ -23,8 +24,8 @@ from jaxtrain.run.build import build  # noqa: E402
 from jaxtrain.run.job import Job  # noqa: E402
 
 # A cuBLAS call: its result type(s), operands and target, `%x = (bf16[..], s8[..]) custom-call(%a, ...)`
-CALL = re.compile(r"= \(?(\w+)\[[^=]*? custom-call\(([^)]*)\), custom_call_target=\"(__cublas[^\"]*)\"")
-GATHER = re.compile(r"= \(?(\w+)\[[^=]*? all-gather(?:-start)?\(")
+CALL = re.compile(r"= \(*(\w+)\[[^\n]*? custom-call\(([^)]*)\), custom_call_target=\"(__cublas[^\"]*)\"")
+GATHER = re.compile(r"= \(*(\w+)\[[^\n]*? all-gather(?:-start)?\(")
 
 
 def gemms(hlo: str) -> dict:
@@ -45,8 +46,10 @@ def gemms(hlo: str) -> dict:
 
 
 def main(argv: list[str]) -> None:
+    gpus = int(argv.pop(argv.index("--gpus") + 1)) if "--gpus" in argv else 1  # on one host
+    argv = [a for a in argv if a != "--gpus"]
     target = targets.get("h100")
-    run = build(Job.of_devices(load_config(argv), targets.target_devices(target, 1, 1)))
+    run = build(Job.of_devices(load_config(argv), targets.target_devices(target, 1, gpus)))
     with targets.cudnn_gates(target):
         hlo = run.compile_train().as_text()
     print(json.dumps(gemms(hlo)))
