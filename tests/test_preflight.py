@@ -6,6 +6,7 @@ On CPU the kernels checked are the CPU-proven ones against themselves (`--prefli
 fault skews one kernel's outputs as a wrong kernel or a bad GPU would.
 """
 
+import dataclasses
 import socket
 import time
 
@@ -13,7 +14,7 @@ import jax
 import pytest
 from processes import TINY, ok, run_train
 
-from jaxtrain.config import load_config
+from jaxtrain.config import ConfigError, load_config
 from jaxtrain.run import kernels, verdicts
 from jaxtrain.run.job import Job
 
@@ -44,6 +45,15 @@ def test_auto_checks_only_the_gpu_only_kernels_and_on_checks_all():
     picked = verdicts.choices(on.cfg, _settled(on), "float32", "cpu")
     assert (picked.attention, picked.grouped_matmul, picked.exchange) == ("xla", "blocks", "padded")
     assert (picked.heads, picked.expert_dim, picked.length) == ((2, 2, 16, 16), 16, 32)  # per tensor shard
+
+
+def test_pallas_is_never_settled_for_four_byte_values():
+    qwen = load_config(["--config", "configs/qwen3_30b_a3b.yaml"]).model
+    assert kernels.settle(qwen, "gpu", "bfloat16", "9.0").moe.grouped_matmul == "pallas"
+    assert kernels.settle(qwen, "gpu", "float32", "9.0").moe.grouped_matmul == "ragged_dot"
+    named = dataclasses.replace(qwen, moe=dataclasses.replace(qwen.moe, grouped_matmul="pallas"))
+    with pytest.raises(ConfigError, match="pallas takes bfloat16 or float16, not float32"):
+        kernels.settle(named, "gpu", "float32", "9.0")
 
 
 def test_fallback_is_the_cpu_proven_kernel_or_none():

@@ -58,11 +58,21 @@ def attention(cfg: ModelConfig, platform: str, dtype: Any, capability: str = "")
     return "cudnn" if platform == "gpu" and fits else "xla"
 
 
-def grouped_matmul(cfg: ModelConfig, platform: str, capability: str = "", tensor: int = 1) -> str:
+def grouped_matmul(
+    cfg: ModelConfig, platform: str, capability: str = "", tensor: int = 1, dtype: Any = "bfloat16"
+) -> str:
     """The experts' grouped matmul on these devices (moe.grouped_matmul settled): `blocks` on CPUs,
     the Pallas kernels on Hopper where their tiles take the widths (each expert's hidden dim split
-    over `tensor`), XLA's `ragged_dot` on other GPUs. An explicit pallas they cannot run is refused."""
+    over `tensor`) and the compute `dtype`, XLA's `ragged_dot` on other GPUs. An explicit pallas they
+    cannot run is refused."""
     why = grouped.refusal(platform, capability, cfg.d_model, cfg.expert_dim // tensor)
+    if not why and jnp.dtype(dtype).itemsize > 2:
+        # The tiles fill 160 KB of H100's 227 KB of shared memory at two bytes a value (grouped.py):
+        # four-byte values need twice that, and Mosaic refuses them when it compiles.
+        why = (
+            f"model.moe.grouped_matmul pallas takes bfloat16 or float16, not {jnp.dtype(dtype).name} (its "
+            "tiles would need twice H100's shared memory); use --dtype bfloat16 or grouped_matmul auto"
+        )
     if cfg.moe.grouped_matmul == "pallas" and why:
         raise ConfigError(why)
     if cfg.moe.grouped_matmul != "auto":
@@ -77,7 +87,9 @@ def settle(cfg: ModelConfig, platform: str, dtype: Any, capability: str = "", te
     a tensor axis of `tensor` devices; ConfigError for a kernel they cannot run."""
     moe = cfg.moe
     if moe.n_experts:
-        moe = dataclasses.replace(moe, grouped_matmul=grouped_matmul(cfg, platform, capability, tensor))
+        moe = dataclasses.replace(
+            moe, grouped_matmul=grouped_matmul(cfg, platform, capability, tensor, dtype)
+        )
     return dataclasses.replace(cfg, attention_impl=attention(cfg, platform, dtype, capability), moe=moe)
 
 
