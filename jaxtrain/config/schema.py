@@ -120,7 +120,8 @@ class ModelConfig:
     moe: MoeConfig = field(default_factory=MoeConfig)
     # The projections' matmuls (attention in and out, MLA's, the MLP, the shared experts): compute =
     # in the compute dtype; fp8 = e4m3 operands, e5m2 gradients, each tensor scaled by its current
-    # max (needs dtype bfloat16; master weights, gradients and the optimizer stay float32: docs/fp8.md)
+    # max (needs dtype bfloat16; master weights, gradients and the optimizer stay float32; the routed
+    # experts' grouped matmuls and the router stay in the compute dtype: docs/fp8.md)
     matmul: str = "compute"
     head_matmul: str = "compute"  # the output head's logits matmul: compute | fp8 (as model.matmul)
 
