@@ -1,6 +1,7 @@
 """FP8 matmuls (model.matmul fp8, jaxtrain/model/fp8.py): the dot rounds its operands to e4m3 and the
 gradient to e5m2 by power-of-two scales; a short run trains as bf16 does; a non-finite tensor is a
-skipped step; checkpoints are the same tree either way; on 8 devices split over context, fsdp and
+skipped step; checkpoints are the same tree either way, and an FP8 run resumes bitwise (and in
+bf16); on 8 devices split over context, fsdp and
 tensor an FP8 run trains as on one device (the GPU program: tests/test_gpu_compile.py).
 
     pytest tests/test_fp8.py
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from jaxtrain.config import ConfigError, load_config
+from jaxtrain.disk.checkpoint import Checkpointer
 from jaxtrain.model import fp8
 from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.run.build import build
@@ -156,3 +158,32 @@ def test_fp8_split_over_context_fsdp_and_tensor_trains_as_on_one_device():
     np.testing.assert_allclose(losses, one_losses, rtol=3e-4)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(one_params), strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=0.03)
+
+
+def test_an_fp8_checkpoint_resumes_bitwise_and_in_bf16(tmp_path):
+    """Stop after 2 of STEPS steps, save, restore, go on: the same run to the bit (the scales are
+    computed again from the restored state: nothing of them is saved); and bf16 takes the same
+    checkpoint."""
+    run, whole_losses, whole_params = _build(FP8, 1), *_train(FP8, 1)
+    rows = np.random.default_rng(0).integers(3, 256, (8, run.cfg.model.seq_len + 1), dtype=np.int32)
+    batch = mesh_lib.global_batch(rows, run.mesh, 8)
+    state = run.init_state()
+    for _ in range(2):
+        state, _ = run.train_step(state, batch)
+    ckpt = Checkpointer(tmp_path / "ckpt", keep=2)
+    ckpt.save(2, state, {"step": 2, "config": {}})
+    ckpt.wait()
+    reader = Checkpointer(tmp_path / "ckpt", keep=2, read_only=True)
+    state, losses = reader.restore(2, run.target), []
+    for _ in range(STEPS - 2):
+        state, metrics = run.train_step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert losses == list(whole_losses[2:])
+    for a, b in zip(
+        jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(whole_params), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+    bf16 = _build((), 1)
+    _, metrics = bf16.train_step(reader.restore(2, bf16.target), batch)
+    assert bool(metrics["finite"]) and float(metrics["loss"]) < whole_losses[0]
+    ckpt.close()
