@@ -4,6 +4,9 @@
 import copy
 import json
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -252,3 +255,23 @@ def test_a_plan_whose_process_aborts_is_one_line_and_the_next_plan_goes_on(tmp_p
     assert planner.last_words(str(log)).endswith("Check failed: shape.dimensions(i) % n == 0")
     log.write_text("")
     assert planner.last_words(str(log)) == "the compiler's process died without a word"
+
+
+def _running(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status")
+    return status.exists() and "\nState:\tZ" not in status.read_text()
+
+
+def test_the_compiling_child_dies_with_the_planner():
+    """A planner gone without a word (killed, timed out) leaves no child compiling on as an orphan:
+    the child gets SIGKILL with its parent (cluster/lifeline.py)."""
+    code = (
+        "import os\nif __name__ == '__main__':\n    from jaxtrain.plan import planner\n"
+        "    print(planner.in_child(os.getpid, what='x'), flush=True)\n    os._exit(0)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    child = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while _running(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(child), out.stderr[-2000:]

@@ -143,7 +143,9 @@ def in_child(fn: Any, *args: Any, what: str) -> Any:
         stderr = tempfile.NamedTemporaryFile(prefix="jaxtrain-plan-", suffix=".log", delete=False).name
         atexit.register(_remove, stderr)
         spawn = multiprocessing.get_context("spawn")
-        pool = ProcessPoolExecutor(1, mp_context=spawn, initializer=targets.start_child, initargs=(stderr,))
+        pool = ProcessPoolExecutor(
+            1, mp_context=spawn, initializer=targets.start_child, initargs=(stderr, os.getpid())
+        )
         _CHILD.update(pool=pool, stderr=stderr)
     try:
         return _CHILD["pool"].submit(fn, *args).result()

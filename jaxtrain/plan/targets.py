@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxtrain import xla_env
+from jaxtrain.cluster import lifeline
 from jaxtrain.disk.files import cache_root
 from jaxtrain.errors import UserError
 from jaxtrain.observe import peaks
@@ -247,9 +248,11 @@ def use_plugin(xla_logs: bool = False) -> None:
     sys.path.insert(0, str(where))
 
 
-def start_child(stderr_path: str) -> None:
-    """The start of a child process that compiles plans (planner.plan_guarded): its stderr into
-    `stderr_path` (what XLA prints as it aborts, read back as one line), the plugin on its path."""
+def start_child(stderr_path: str, parent: int) -> None:
+    """The start of a child process that compiles plans (planner.in_child): it dies with `parent`
+    (no orphan compiling on after the planner is gone), its stderr into `stderr_path` (what XLA
+    prints as it aborts, read back as one line), the plugin on its path."""
+    lifeline.die_with_parent(parent)
     fd = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.dup2(fd, 2)
     os.close(fd)
