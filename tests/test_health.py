@@ -113,7 +113,9 @@ def test_the_checksum_vote_names_the_odd_device_its_process_and_host():
         "host gpu-a: healthy",
         "host gpu-b: UNHEALTHY: checksum (process 1: " + check.bad[1] + ")",
     ]
-    same = {p: {str(d): list(numerics.matmul_checksum(d)) for d in jax.devices()[p : p + 1]} for p in (0, 1)}
+    sums = numerics.matmul_checksums(jax.devices()[:4])
+    assert list(sums) == ["0", "1", "2", "3"]
+    same = {0: {d: sums[d] for d in ("0", "1")}, 1: {d: sums[d] for d in ("2", "3")}}
     assert numerics.judge_checksums(same, {0: "a", 1: "b"}).ok  # CPU devices: equal by construction
 
 
@@ -318,7 +320,7 @@ def _healthy_report(path, n_processes, n_devices):
 def test_one_process(tmp_path):
     out = tmp_path / "health.json"
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), *FAST, "--json", str(out), "--kernels", "on", "--target", "h100"],
+        [sys.executable, str(SCRIPT), *FAST, "--json", str(out), "--target", "h100"],
         env=clean_env(4), cwd=tmp_path, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -326,7 +328,7 @@ def test_one_process(tmp_path):
     report = _healthy_report(out, 1, 4)
     assert report["environment"]["source"] == "single" and "host " in done.stdout
     kernels = next(c for c in report["checks"] if c["name"] == "kernels")
-    assert "each process's first CPU device" in kernels["detail"]  # --kernels on: checked on CPU
+    assert kernels["detail"].startswith("nothing GPU-only to check")  # --kernels auto on a CPU
     assert all(r["planner_busbw_GBps"] > 100 for r in report["collectives"])  # h100's, from the planner
     assert list(tmp_path.iterdir()) == [out]  # the storage probe cleaned up after itself
 
@@ -338,12 +340,15 @@ def test_processes_through_the_launcher(tmp_path, n):
     out = tmp_path / "health.json"
     launcher = [sys.executable, str(REPO / "scripts" / "run_distributed.py"), "--mode", "manual"]
     args = [*FAST, "--json", str(out), "--checkpoint_dir", str(tmp_path / "ckpt")]
+    args += ["--kernels", "on"] if n == 2 else []  # once: the CPU's kernels, the exchange across processes
     done = subprocess.run(
         [*launcher, "--world-size", str(n), "--script", str(SCRIPT), "--", *args],
         env=clean_env(2), cwd=tmp_path, capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     report = _healthy_report(out, n, 2 * n)
+    kernels = next(c for c in report["checks"] if c["name"] == "kernels")
+    assert ("each process's first CPU device" in kernels["detail"]) == (n == 2)
     assert report["environment"]["source"] == "jax_env"
     assert not (tmp_path / "ckpt").exists()
 

@@ -75,21 +75,23 @@ def judge_kernels(failures: Mapping[int, list[str]], n_devices: int, checked: bo
     return Check("kernels", True, f"the preflight's kernel checks pass on {each}")
 
 
-def matmul_checksum(device: Any) -> tuple[float, float]:
-    """A fixed-seed matmul on `device`, in float32 at full precision and in bfloat16 (the tensor
-    cores' path): each result's sum. Every healthy device of one kind computes the same."""
-    n = CHECKSUM_SIZE["cpu" if device.platform == "cpu" else "gpu"]
+def matmul_checksums(devices: Sequence[Any]) -> dict[str, list[float]]:
+    """A fixed-seed matmul on each of `devices` (one program over them all: one compile, run on every
+    device at once), in float32 at full precision and in bfloat16 (the tensor cores' path): each
+    result's sum, by device id. Every healthy device of one kind computes the same."""
+    n = CHECKSUM_SIZE["cpu" if devices[0].platform == "cpu" else "gpu"]
     rng = np.random.default_rng(20261128)
-    a, b = (jax.device_put(rng.standard_normal((n, n), np.float32) / math.sqrt(n), device) for _ in "ab")
-    full, half = _sums(a, b)
-    return float(full), float(half)
+    mesh = Mesh(np.array(devices), (DATA_AXIS,))
+    a, b = (jax.device_put(rng.standard_normal((n, n), np.float32) / math.sqrt(n), NamedSharding(mesh, P()))
+            for _ in "ab")  # fmt: skip
+    each = jax.jit(jax.shard_map(_sums, mesh=mesh, in_specs=(P(), P()), out_specs=P(DATA_AXIS)))
+    return {str(s.device.id): np.asarray(s.data).reshape(-1).tolist() for s in each(a, b).addressable_shards}
 
 
-@jax.jit
-def _sums(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _sums(a: jax.Array, b: jax.Array) -> jax.Array:
     full = jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
     half = jnp.matmul(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
-    return jnp.sum(jnp.tanh(full) * a), jnp.sum(jnp.tanh(half) * b)
+    return jnp.stack([jnp.sum(jnp.tanh(full) * a), jnp.sum(jnp.tanh(half) * b)])[None]
 
 
 def vote(
@@ -124,16 +126,19 @@ def judge_checksums(per_process: Mapping[int, Mapping[str, list[float]]], hosts:
     return Check("checksum", True, f"a fixed-seed matmul gives the same result on all {len(flat)} devices")
 
 
-def measure_exchange(devices: Sequence[Any]) -> list[str] | None:
+def measure_exchange(devices: Sequence[Any], mode: str) -> list[str] | None:
     """All-to-all of known values over every device, then the experts' ragged exchange against its
-    padded reference (the padded one on CPUs, against itself): one line per wrong result here.
-    None where processes hold unlike device counts (the devices step names them): no job's mesh
-    spans such devices, and jax cannot place one array over them."""
+    padded reference, a GPU-only kernel checked as the kernels are (`mode`: --kernels; a CPU's is the
+    padded one against itself, with on): one line per wrong result here. None where processes hold
+    unlike device counts (the devices step names them): no job's mesh spans such devices, and jax
+    cannot place one array over them."""
     if len(set(Counter(d.process_index for d in devices).values())) > 1:
         return None
     errors = _all_to_all_errors(Mesh(np.array(devices), (DATA_AXIS,)))
-    p, slices = len(devices), 3
     impl = "padded" if devices[0].platform == "cpu" else "ragged"
+    if mode == "off" or (impl == "padded" and mode != "on"):
+        return errors
+    p, slices = len(devices), 3
     rows, d = (max(128, 8 * p * slices), 64) if impl == "padded" else (max(512, 8 * p * slices), 256)
     verdict = pf.run_check(pf.exchange_check(impl, slices, d=d, rows=rows), devices)
     if not verdict.passed:
@@ -174,4 +179,6 @@ def judge_exchange(errors: Mapping[int, list[str] | None], n_devices: int) -> Ch
     bad = {p: "; ".join(e) for p, e in errors.items() if e}
     if bad:
         return Check("exchange", False, "wrong rows after all-to-all or the experts' exchange", bad)
-    return Check("exchange", True, f"all-to-all and the experts' exchange exact on {n_devices} devices")
+    return Check(
+        "exchange", True, f"all-to-all (and the experts' exchange, as --kernels) exact on {n_devices} devices"
+    )

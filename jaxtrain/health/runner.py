@@ -241,11 +241,11 @@ class HealthCheck:
             # the checksums, the exchange.
             with self._step("numerics", 3 * opts.step_timeout):
                 kernels = numerics.measure_kernels(local, opts.kernels) if opts.kernels != "off" else []
-                sums = {str(d.id): list(numerics.matmul_checksum(d)) for d in local}
+                sums = numerics.matmul_checksums(local)
                 return {
                     "kernels": kernels,
                     "checksums": sums,
-                    "exchange": numerics.measure_exchange(jax.devices()),
+                    "exchange": numerics.measure_exchange(jax.devices(), opts.kernels),
                 }
 
         def judge(results: dict[int, dict]) -> list[hc.Check]:
@@ -288,8 +288,8 @@ class HealthCheck:
                         with self._step(f"pair-{a}-{b}", opts.step_timeout, among=members):
                             # The best run: noise slows some runs, a bad link slows them all.
                             pairs.append([a, b, min(hc.time_all_reduce(mesh, sizes[-1], opts.iters))])
-            kinds = {}
-            for kind in busbw.KINDS:
+            kinds = {"all-reduce": sweep[-1]}  # the sweep's largest size: measured already
+            for kind in busbw.KINDS[1:]:
                 with self._step(f"busbw-{kind}", opts.step_timeout):
                     kinds[kind] = statistics.median(
                         busbw.time_collective(self.mesh, kind, sizes[-1], opts.iters)
