@@ -85,7 +85,9 @@ def train(cfg: Config, launch: LaunchSpec, launch_time: float | None = None) -> 
         stop = StopRequest(job.is_main, job.gather)
         timeline = Timeline()
         try:
-            result = _train(build(job), data, watchdog, stop, timeline, launch_time)
+            with watchdog.phase("build: the kernels checked at job start"):  # a hung kernel is named
+                run = build(job)
+            result = _train(run, data, watchdog, stop, timeline, launch_time)
         except BaseException as e:
             with contextlib.suppress(OSError):  # a full disk must not hide the error that ended the run
                 timeline.event("end", reason=end_reason(e))
