@@ -56,6 +56,14 @@ def test_pallas_is_never_settled_for_four_byte_values():
         kernels.settle(named, "gpu", "float32", "9.0")
 
 
+def test_an_exchange_that_fails_has_no_fallback_and_says_what_to_do():
+    job = _job([*MOE, "--mesh.expert", "2"])
+    with pytest.raises(ConfigError) as refused:
+        verdicts._decide(job, _settled(job), {"exchange": [(0, socket.gethostname())]}, [])
+    assert str(refused.value).startswith("preflight: the padded expert exchange failed on cpu; ")
+    assert "--mesh.expert 1" in str(refused.value) and "\n" not in str(refused.value)
+
+
 def test_fallback_is_the_cpu_proven_kernel_or_none():
     cfg = _settled(_job(MOE))
     assert kernels.fallen_back(cfg, "grouped_matmul").moe.grouped_matmul == "ragged_dot"
