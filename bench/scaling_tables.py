@@ -37,6 +37,8 @@ DENSE = [
     "llama3_405b_h100_256x8_fsdp64", "llama3_405b_128l_h100_256x8_pipeline32",
     "llama3_405b_128l_h100_256x8_pipeline16_fsdp2",
     "llama3_70b_h100_128x8_pipeline8",
+    # at the fastest published H100 run's GPUs and batch (bench/peers.py)
+    "llama3_8b_h100x8_gbs128",
 ]  # fmt: skip
 # The mixtures of experts, each with the words of its model column.
 MOE = {
