@@ -91,7 +91,9 @@ def ours(model: str, results: Path = RESULTS) -> str:
     if p is None:
         return f"| **{model}** | **jaxtrain** (not planned yet) | | | | | | {where} |"
     gpus, batch = p["hosts"] * p["gpus_per_host"], f"{p['global_batch']} x {p['seq_len']}"
-    mesh = " x ".join(f"{a} {n}" for a, n in p["mesh"].items() if n > 1) + (" + zero1" if p["zero1"] else "")
+    mesh = " x ".join(f"{a} {n}" for a, n in p["mesh"].items() if n > 1) + (
+        " + zero1" if p["zero1"] and p["mesh"]["data"] > 1 else ""
+    )
     if not p.get("fits") or "forecast" not in p:
         why = "does not fit" if not p.get("fits") else "planned before the forecast"
         return (
