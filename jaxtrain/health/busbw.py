@@ -110,3 +110,21 @@ def summary(table: list[dict[str, Any]], target: GpuTarget | None) -> str:
         parts.append(f"{r['collective']} {r['busbw_GBps']:.3g} GB/s{vs}")
     where = "" if target else "; no planner target for these devices (--target)"
     return "each collective: " + ", ".join(parts) + where
+
+
+def table_lines(table: list[dict[str, Any]]) -> list[str]:
+    """The health check's table of `rows`: each collective beside the planner's figure."""
+    if not table:
+        return []
+    lines = [
+        "",
+        f"collectives at {table[0]['bytes']} bytes per device (busbw as nccl-tests; the planner's figure "
+        "for the target, plan/forecast.py)",
+        f"  {'collective':<15} {'time_us':>10} {'busbw_GB/s':>11} {'planner_GB/s':>13} {'ratio':>6}",
+    ]
+    for r in table:
+        planned = f"{'-':>13} {'-':>6}"
+        if r["of_planner"]:
+            planned = f"{r['planner_busbw_GBps']:>13.4g} {r['of_planner']:>6.2g}"
+        lines.append(f"  {r['collective']:<15} {r['time_us']:>10.1f} {r['busbw_GBps']:>11.4g} {planned}")
+    return lines

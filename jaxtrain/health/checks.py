@@ -420,24 +420,6 @@ class Report:
         hosts = list(dict.fromkeys([*self.process_hosts(), *bad]))
         return [f"host {h}: " + ("UNHEALTHY: " + "; ".join(bad[h]) if h in bad else "healthy") for h in hosts]
 
-    def _collective_lines(self) -> list[str]:
-        if not self.collectives:
-            return []
-        lines = [
-            "",
-            f"collectives at {self.collectives[0]['bytes']} bytes per device (busbw as nccl-tests; the "
-            "planner's figure for the target, plan/forecast.py)",
-            f"  {'collective':<15} {'time_us':>10} {'busbw_GB/s':>11} {'planner_GB/s':>13} {'ratio':>6}",
-        ]
-        for r in self.collectives:
-            planned = (
-                f"{r['planner_busbw_GBps']:>13.4g} {r['of_planner']:>6.2g}"
-                if r["of_planner"]
-                else f"{'-':>13} {'-':>6}"
-            )
-            lines.append(f"  {r['collective']:<15} {r['time_us']:>10.1f} {r['busbw_GBps']:>11.4g} {planned}")
-        return lines
-
     def write_json(self, path: str) -> None:
         """Write atomically, so a reader never sees half a report."""
         write_text(Path(path), json.dumps(self.to_json(), indent=2) + "\n")
@@ -478,7 +460,7 @@ class Report:
                 f"  {' - '.join(r['hosts']):<30} {r['time_us']:>10.1f} {r['busbw_GBps']:>11.4g}"
                 for r in self.pairs
             ]
-        lines += self._collective_lines() + [""] + self.host_lines()
+        lines += busbw.table_lines(self.collectives) + [""] + self.host_lines()
         if self.healthy:
             lines.append("verdict: HEALTHY")
         else:
