@@ -72,8 +72,8 @@ def cudnn_kernel(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array |
 class PackedKernel(NamedTuple):
     """A kernel over packed documents (cuDNN's form: jax's `q_offsets`/`q_seqlen` per block row):
     forward(q, k, v, offsets, lengths) -> (out, stats); backward(q, k, v, offsets, lengths, stats,
-    out, dout) -> (dq, dk, dv). It reads only the rows inside its documents and leaves the others
-    unwritten."""
+    out, dout) -> (dq, dk, dv), q with as many heads as k. It reads only the rows inside its
+    documents and leaves the others unwritten."""
 
     forward: Callable[..., tuple[jax.Array, jax.Array]]
     backward: Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
@@ -95,7 +95,10 @@ def _packed(kernel: PackedKernel, q: jax.Array, k: jax.Array, v: jax.Array, segm
 
 def _packed_fwd(kernel: PackedKernel, q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array) -> Any:
     """The output, and what the backward keeps: one output for every level (each level's rows
-    hold that level's own output, all its backward reads), each level's softmax stats."""
+    hold that level's own output, all its backward reads), each level's softmax stats. A level's
+    query heads go through the kernel one of each key/value head's group at a time: it takes as
+    many query heads as key heads (jax 0.10.2 steps through packed keys by the query's heads,
+    `_fix_seqlen_offsets`)."""
     b, t, n, _ = q.shape
     found, _ = documents.levels(segments)
     small = documents.block_sizes(t)[-1]
@@ -104,28 +107,41 @@ def _packed_fwd(kernel: PackedKernel, q: jax.Array, k: jax.Array, v: jax.Array, 
         return xla_kernel(*_blocks((q, k, v, segments), small)).reshape(b, t, n, v.shape[-1])
 
     y, dense_vjp = jax.vjp(dense, q, k, v)
-    stats = []
+    q5, y5, stats = _grouped(q, k.shape[2]), _grouped(y, k.shape[2]), []
     for level in found:
-        y_level, s = kernel.forward(*_blocks((q, k, v), level.block), level.offsets, level.lengths)
-        y = jnp.where(level.owned[:, :, None, None], y_level.reshape(y.shape), y)
-        stats.append(s)
+        inside = level.owned[:, :, None, None]
+        for i in range(q5.shape[3]):
+            q_i, y5 = jax.lax.optimization_barrier((q5[:, :, :, i], y5))  # one call at a time
+            out, s = kernel.forward(*_blocks((q_i, k, v), level.block), level.offsets, level.lengths)
+            y5 = y5.at[:, :, :, i].set(jnp.where(inside, out.reshape(b, t, *out.shape[2:]), y5[:, :, :, i]))
+            stats.append(s)
+    y = y5.reshape(y.shape)
     return y, (q, k, v, segments, y, stats, dense_vjp)
 
 
-def _packed_bwd(kernel: PackedKernel, res: Any, g: jax.Array) -> tuple[jax.Array, ...]:
+def _packed_bwd(kernel: PackedKernel, res: Any, g: jax.Array) -> tuple[jax.Array | None, ...]:
     """Each level's gradient, taken at its own rows only (a packed kernel's other rows are
-    unwritten memory), summed with the smallest blocks' (XLA's, at theirs)."""
+    unwritten memory), summed with the smallest blocks' (XLA's, at theirs). One call at a time,
+    each after the sums before it (an optimization barrier): left to XLA, every call's gradients
+    were live at once (7 GB a GPU at 1M tokens)."""
     q, k, v, segments, y, stats, dense_vjp = res
     found, rest = documents.levels(segments)
-    grads = dense_vjp(jnp.where(rest[:, :, None, None], g, jnp.zeros_like(g)))
-    for level, s in zip(found, stats, strict=True):
-        views = _blocks((q, k, v, y, g), level.block)
-        level_grads = kernel.backward(*views[:3], level.offsets, level.lengths, s, *views[3:])
+    dq, dk, dv = dense_vjp(jnp.where(rest[:, :, None, None], g, jnp.zeros_like(g)))
+    q5, y5, g5, dq5 = (_grouped(x, k.shape[2]) for x in (q, y, g, dq))
+    calls = iter(stats)
+    for level in found:
         inside = level.owned[:, :, None, None]
-        grads = tuple(
-            d + jnp.where(inside, e.reshape(d.shape), 0) for d, e in zip(grads, level_grads, strict=True)
-        )
-    return (*grads, None)
+        for i in range(q5.shape[3]):
+            ins, (dq5, dk, dv) = jax.lax.optimization_barrier(
+                ((q5[:, :, :, i], y5[:, :, :, i], g5[:, :, :, i]), (dq5, dk, dv))
+            )
+            views = _blocks((ins[0], k, v, *ins[1:]), level.block)
+            grads = kernel.backward(*views[:3], level.offsets, level.lengths, next(calls), *views[3:])
+            dq_i, dk_i, dv_i = (
+                jnp.where(inside, e.reshape(d.shape), 0) for d, e in zip((dk, dk, dv), grads, strict=True)
+            )
+            dq5, dk, dv = dq5.at[:, :, :, i].add(dq_i), dk + dk_i, dv + dv_i
+    return dq5.reshape(q.shape), dk, dv, None
 
 
 _packed.defvjp(_packed_fwd, _packed_bwd)
@@ -136,17 +152,10 @@ def _blocks(arrays: tuple[jax.Array, ...], size: int) -> list[jax.Array]:
     return [x.reshape(-1, size, *x.shape[2:]) for x in arrays]
 
 
-def _by_group(x: jax.Array, kv_heads: int) -> list[jax.Array]:
-    """x [B, T, N, ...] as N / kv_heads arrays [B, T, kv_heads, ...], the g-th query head of each
-    key/value head's group in the g-th: jax 0.10.2 steps through packed keys by the query's heads
-    (`_fix_seqlen_offsets`), right only where they are as many."""
-    grouped = x.reshape(*x.shape[:2], kv_heads, x.shape[2] // kv_heads, *x.shape[3:])
-    return [grouped[:, :, :, g] for g in range(grouped.shape[3])]
-
-
-def _ungroup(parts: list[jax.Array]) -> jax.Array:
-    stacked = jnp.stack(parts, axis=3)
-    return stacked.reshape(*stacked.shape[:2], -1, *stacked.shape[4:])
+def _grouped(x: jax.Array, kv_heads: int) -> jax.Array:
+    """x [B, T, N, H] as [B, T, K, N / K, H]: query head k * G + g serves key/value head k, as in
+    `causal_attention`."""
+    return x.reshape(*x.shape[:2], kv_heads, x.shape[2] // kv_heads, x.shape[3])
 
 
 def _cudnn_params(q: jax.Array) -> dict[str, Any]:
@@ -161,40 +170,23 @@ def _cudnn_params(q: jax.Array) -> dict[str, Any]:
 
 def _cudnn_forward(q: jax.Array, k: jax.Array, v: jax.Array, offsets: jax.Array, lengths: jax.Array) -> Any:
     none = jnp.zeros(0, q.dtype)  # no bias, no page tables
-    outs = [
-        cudnn_layer._dot_product_attention_fwd_p_wrapper.bind(
-            part,
-            k,
-            v,
-            none,
-            lengths,
-            lengths,
-            offsets,
-            offsets,
-            none,
-            none,
-            **_cudnn_params(q),
-            is_training=True,
-        )
-        for part in _by_group(q, k.shape[2])
-    ]
-    return _ungroup([y for y, _ in outs]), jnp.stack([s for _, s in outs])
+    bind = cudnn_layer._dot_product_attention_fwd_p_wrapper.bind
+    y, stats = bind(
+        q, k, v, none, lengths, lengths, offsets, offsets, none, none, **_cudnn_params(q), is_training=True
+    )
+    return y, stats
 
 
 def _cudnn_backward(
     q: jax.Array, k: jax.Array, v: jax.Array, offsets: jax.Array, lengths: jax.Array, stats: jax.Array,
     y: jax.Array, g: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
-    none, groups = jnp.zeros(0, q.dtype), k.shape[2]
-    parts = zip(_by_group(q, groups), _by_group(y, groups), _by_group(g, groups), stats, strict=True)
-    grads = [
-        cudnn_layer._dot_product_attention_bwd_p_wrapper.bind(
-            qg, k, v, none, lengths, lengths, offsets, offsets, none, none, s, yg, gg, **_cudnn_params(q)
-        )
-        for qg, yg, gg, s in parts
-    ]
-    dk, dv = (functools.reduce(jnp.add, [d[i] for d in grads]) for i in (1, 2))
-    return _ungroup([d[0] for d in grads]), dk, dv
+    none = jnp.zeros(0, q.dtype)
+    bind = cudnn_layer._dot_product_attention_bwd_p_wrapper.bind
+    dq, dk, dv = bind(
+        q, k, v, none, lengths, lengths, offsets, offsets, none, none, stats, y, g, **_cudnn_params(q)
+    )
+    return dq, dk, dv
 
 
 CUDNN_PACKED = PackedKernel(_cudnn_forward, _cudnn_backward)
