@@ -363,6 +363,26 @@ def attention_check(
     return Check(f"{name}{' documents' if documents else ''} {dtype}", compute, TOLERANCE[dtype])
 
 
+def _exchange_layout(
+    rng: np.random.Generator, p: int, slices: int, rows: int
+) -> tuple[np.ndarray, list[np.ndarray], int, int]:
+    """Random slice sizes [source, destination, slice] over `p` devices (slice 1 always empty), the
+    ragged_all_to_all index arrays they give (input offsets, send sizes, output offsets, receive
+    sizes: [p, p * slices] each), the landing buffer's rows (with 64 past the landed ones, which
+    must be left alone) and the padded stand-in's width."""
+    sizes = rng.integers(1, rows // (p * slices), (p, p, slices))
+    sizes[:, :, 1 % slices] = 0
+    exclusive = lambda a: np.cumsum(a) - a  # noqa: E731
+    in_offsets = np.stack([exclusive(sizes[s].reshape(-1)).reshape(p, slices) for s in range(p)])
+    # Each destination's buffer grouped by slice, sources in order inside each (moe's layout).
+    out_offsets = np.stack([exclusive(sizes[:, t].T.reshape(-1)).reshape(slices, p).T for t in range(p)], 1)
+    index = [
+        in_offsets.reshape(p, -1), sizes.reshape(p, -1), out_offsets.reshape(p, -1),
+        sizes.transpose(1, 0, 2).reshape(p, -1),
+    ]  # fmt: skip
+    return sizes, index, int(sizes.sum(axis=(0, 2)).max()) + 64, int(sizes.sum(axis=2).max())
+
+
 def exchange_check(
     impl: str, slices: int = 3, d: int = 256, rows: int = 512, seed: int = 3, buffer: bool = False
 ) -> Check:
@@ -381,20 +401,7 @@ def exchange_check(
         padded = kernel("padded_exchange")
         p = len(devices)
         rng = np.random.default_rng(seed)
-        sizes = rng.integers(1, rows // (p * slices), (p, p, slices))  # [source, destination, slice]
-        sizes[:, :, 1 % slices] = 0
-        exclusive = lambda a: np.cumsum(a) - a  # noqa: E731
-        in_offsets = np.stack([exclusive(sizes[s].reshape(-1)).reshape(p, slices) for s in range(p)])
-        # Each destination's buffer grouped by slice, sources in order inside each (moe's layout).
-        out_offsets = np.stack(
-            [exclusive(sizes[:, t].T.reshape(-1)).reshape(slices, p).T for t in range(p)], 1
-        )
-        bound = int(sizes.sum(axis=(0, 2)).max()) + 64  # rows past the landed ones: left alone
-        width = int(sizes.sum(axis=2).max())
-        index = [
-            in_offsets.reshape(p, -1), sizes.reshape(p, -1), out_offsets.reshape(p, -1),
-            sizes.transpose(1, 0, 2).reshape(p, -1),
-        ]  # fmt: skip
+        sizes, index, bound, width = _exchange_layout(rng, p, slices, rows)
         sent = sizes.sum(axis=(1, 2))
         operand = rng.standard_normal((p, rows, d)).astype(np.float32)
         unsent = np.broadcast_to((np.arange(rows)[None, :] >= sent[:, None])[..., None], operand.shape)
