@@ -3,6 +3,7 @@ each cuBLAS call's kind and operand types, and the all-gathers' element types, a
 
     .venv/bin/python tests/gpu_gemms.py --config configs/llama_tiny.yaml --dtype bfloat16 --model.matmul fp8
     .venv/bin/python tests/gpu_gemms.py --gpus 8 --config ... --mesh.fsdp 8     # one host of 8
+    .venv/bin/python tests/gpu_gemms.py --hosts 16 --gpus 8 --config ...       # 16 hosts of 8
 
 Its own process: the CUDA plugin must never enter pytest's (jaxtrain/plan/targets.py use_plugin).
 """
@@ -25,11 +26,12 @@ from jaxtrain.run.job import Job  # noqa: E402
 
 # A cuBLAS call: its result type(s), operands and target, `%x = (bf16[..], s8[..]) custom-call(%a, ...)`
 CALL = re.compile(r"= \(*(\w+)\[[^\n]*? custom-call\(([^)]*)\), custom_call_target=\"(__cublas[^\"]*)\"")
+TRITON = re.compile(r"kind=kCustom[^\n]*?\"kind\":\"(__triton[a-z_]*gemm[a-z_]*)\"")
 GATHER = re.compile(r"= \(*(\w+)\[[^\n]*? all-gather(?:-start)?\(")
 
 
 def gemms(hlo: str) -> dict:
-    """{kind: count}, {kind: {"lhs_type rhs_type": count}} and {element type: all-gathers}."""
+    """{GEMM kind: count}, {cuBLAS kind: {"lhs_type rhs_type": count}}, {element type: all-gathers}."""
     types = dict(re.findall(r"%([\w.\-]+) = \(?(\w+)\[", hlo))  # each value's element type
     kinds: collections.Counter = collections.Counter()
     operands: dict = collections.defaultdict(collections.Counter)
@@ -37,6 +39,7 @@ def gemms(hlo: str) -> dict:
         names = [a.strip().lstrip("%") for a in args.split(",")][:2]
         kinds[kind] += 1
         operands[kind][" ".join(types.get(n, "?") for n in names)] += 1
+    kinds.update(TRITON.findall(hlo))  # GEMMs XLA emitted as Triton fusions (its default, Triton on)
     gathers = collections.Counter(GATHER.findall(hlo))
     return {
         "kinds": dict(kinds),
@@ -46,10 +49,13 @@ def gemms(hlo: str) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    gpus = int(argv.pop(argv.index("--gpus") + 1)) if "--gpus" in argv else 1  # on one host
-    argv = [a for a in argv if a != "--gpus"]
+    sizes = {}
+    for flag in ("--hosts", "--gpus"):  # hosts x GPUs a host, 1 x 1 unless given
+        sizes[flag] = int(argv.pop(argv.index(flag) + 1)) if flag in argv else 1
+        argv = [a for a in argv if a != flag]
     target = targets.get("h100")
-    run = build(Job.of_devices(load_config(argv), targets.target_devices(target, 1, gpus)))
+    devices = targets.target_devices(target, sizes["--hosts"], sizes["--gpus"])
+    run = build(Job.of_devices(load_config(argv), devices))
     with targets.cudnn_gates(target):
         hlo = run.compile_train().as_text()
     print(json.dumps(gemms(hlo)))
