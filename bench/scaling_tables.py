@@ -38,7 +38,9 @@ DENSE = [
     "llama3_405b_128l_h100_256x8_pipeline16_fsdp2",
     "llama3_70b_h100_128x8_pipeline8",
     # at the fastest published H100 run's GPUs and batch (bench/peers.py)
-    "llama3_8b_h100x8_gbs128",
+    "llama3_8b_h100x8_gbs128", "llama3_70b_h100_8x8_gbs256", "llama3_405b_h100_128x8_gbs1536",
+    # FP8 GEMMs (issue 48, docs/fp8.md): MFU against FP8's peak
+    "llama3_8b_h100x8_fp8", "llama3_70b_h100_16x8_maxtext_fp8",
 ]  # fmt: skip
 # The mixtures of experts, each with the words of its model column.
 MOE = {
@@ -53,6 +55,7 @@ MOE = {
     "deepseek_v3_671b_h100_128x8": "DeepSeek-V3-671B, as configured",
     "moe_tiny_dropless_h100x8": "moe_tiny, dropless (CI)",
     "deepseek_tiny_heads192_h100x8": "DeepSeek-style tiny, query heads of 192: cuDNN attention (CI)",
+    "qwen3_30b_a3b_h100_2x8_gbs1024": "Qwen3-30B-A3B at Megatron-Bridge's 16 GPUs and batch (bench/peers.py)",
 }
 # The pipelined plans, with the no-pipeline layouts beside them.
 PIPELINE = {
