@@ -56,6 +56,7 @@ MOE = {
     "moe_tiny_dropless_h100x8": "moe_tiny, dropless (CI)",
     "deepseek_tiny_heads192_h100x8": "DeepSeek-style tiny, query heads of 192: cuDNN attention (CI)",
     "qwen3_30b_a3b_h100_2x8_gbs1024": "Qwen3-30B-A3B at Megatron-Bridge's 16 GPUs and batch (bench/peers.py)",
+    "deepseek_v3_671b_h100_128x8_gbs8192": "DeepSeek-V3-671B at its peers' 1,024 GPUs and 8,192 x 4,096",
 }
 # The pipelined plans, with the no-pipeline layouts beside them.
 PIPELINE = {
