@@ -160,12 +160,12 @@ def _random_documents(rng, b, t, tiny):
     return jnp.asarray(np.stack(rows), jnp.int32)
 
 
-@pytest.mark.parametrize("split, smallest, t", [(16, 16, 512), (4, 2, 64)])
+@pytest.mark.parametrize("split, smallest, t", [(16, 16, 256), (4, 2, 64)])
 def test_packed_documents_attend_exactly_as_the_dense_mask(monkeypatch, split, smallest, t):
     """attention.packed_attention (cuDNN's packed form emulated: FlashAttention's backward from
     the output and stats it is given, its unwritten rows NaN, forward and backward) gives XLA's
     masked attention's values and gradients, with one-token documents past any bound on documents
-    a block: at the shipped split (512 tokens: one packed level) and at 4 (64 tokens: two packed
+    a block: at the shipped split (256 tokens: one packed level) and at 4 (64 tokens: two packed
     levels, 3 documents a block at most), 8 query heads over 2 kv heads."""
     monkeypatch.setattr(documents, "SPLIT", split)
     monkeypatch.setattr(documents, "SMALLEST", smallest)
