@@ -333,16 +333,23 @@ def attention_check(
 ) -> Check:  # fmt: skip
     """Causal attention by `impl` (model/attention.py's kernels) against `reference` (XLA's) in
     float32: output and gradients of q, k, v. n query heads of h, kv key/value heads, values hv wide
-    (DeepSeek's 192 and 128: cuDNN gets the values padded); `documents`: each row holds three
-    documents, their boundaries inside the sequence and unlike between rows."""
+    (DeepSeek's 192 and 128: cuDNN gets the values padded); `documents`: the first row holds three
+    documents; the others also hold many short ones (one-token documents, documents inside one
+    32-token block and across blocks), so every level of cuDNN's packed form is taken
+    (model/documents.py `levels`: whole window, then blocks of 32)."""
 
     def compute(devices: Sequence[Any]) -> Compared:
         attend = kernel("attention")
         segments = None
         if documents:
             t = np.arange(length)
-            ends = [(length // 3 + 7 * b, 2 * length // 3 + 11 * b) for b in range(batch)]
-            segments = jnp.array(np.stack([(t >= a).astype(np.int32) + (t >= c) for a, c in ends]))
+            short = [5, 6, 7, 40, 41, 100, 101, 102, 103, 250, 300, 301, length - 52]
+            starts = [
+                [length // 3 + 7 * b, 2 * length // 3 + 11 * b, *(short if b else [])] for b in range(batch)
+            ]
+            segments = jnp.array(
+                np.stack([(t[:, None] >= np.array(s)[None]).sum(1) for s in starts]), jnp.int32
+            )
         with jax.default_device(devices[0]):
             k = jax.random.split(jax.random.key(2), 4)
             q = _normal(k[0], (batch, length, n, h), dtype)
