@@ -41,6 +41,7 @@ DENSE = [
     "llama3_8b_h100x8_gbs128", "llama3_70b_h100_8x8_gbs256", "llama3_405b_h100_128x8_gbs1536",
     # FP8 GEMMs (issue 48, docs/fp8.md): MFU against FP8's peak
     "llama3_8b_h100x8_fp8", "llama3_70b_h100_16x8_maxtext_fp8", "llama3_70b_h100_128x8_fp8",
+    "llama3_405b_h100_256x8_fp8",
 ]  # fmt: skip
 # The mixtures of experts, each with the words of its model column.
 MOE = {
