@@ -67,7 +67,7 @@ def _rounded(a: jax.Array, dtype) -> jax.Array:
 def test_the_dot_multiplies_fp8_operands_and_fp8_gradients():
     x, w = _operands()
     loss = lambda dot, x, w: (dot(x, w, DIMS).astype(jnp.float32) ** 2).sum()  # noqa: E731
-    y = fp8.fp8_dot_general(x, w, DIMS)
+    y = jax.jit(fp8.fp8_dot_general, static_argnums=2)(x, w, DIMS)  # jitted, as the step runs it
     # The forward is the bf16 dot of the e4m3-rounded operands, exactly (the scales are powers of 2).
     np.testing.assert_array_equal(
         y, jax.lax.dot_general(_rounded(x, fp8.FORWARD), _rounded(w, fp8.FORWARD), DIMS)
@@ -76,7 +76,8 @@ def test_the_dot_multiplies_fp8_operands_and_fp8_gradients():
     # The backward: the e5m2-rounded incoming gradient against the e4m3-rounded operands.
     g = jax.grad(lambda y: (y.astype(jnp.float32) ** 2).sum())(y)
     xq, wq, gq = _rounded(x, fp8.FORWARD), _rounded(w, fp8.FORWARD), _rounded(g, fp8.GRADIENT)
-    dx, dw = jax.grad(functools.partial(loss, fp8.fp8_dot_general), (0, 1))(x, w)
+    grads = jax.jit(jax.grad(functools.partial(loss, fp8.fp8_dot_general), (0, 1)))
+    dx, dw = grads(x, w)
     np.testing.assert_array_equal(dx, jax.lax.dot_general(gq, wq, (((2,), (1,)), ((), ()))))
     np.testing.assert_array_equal(dw, jnp.einsum("btd,btf->df", xq, gq))
     # Within FP8's rounding of the bf16 dot's gradients (3 and 2 mantissa bits).
@@ -85,7 +86,7 @@ def test_the_dot_multiplies_fp8_operands_and_fp8_gradients():
     ):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert 0 < np.abs(a - b).max() < 0.2 * np.abs(b).max()
-    hlo = jax.jit(jax.grad(functools.partial(loss, fp8.fp8_dot_general), (0, 1))).lower(x, w).as_text()
+    hlo = grads.lower(x, w).as_text()
     assert "f8E4M3FN" in hlo and "f8E5M2" in hlo
 
 
