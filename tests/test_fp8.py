@@ -18,6 +18,7 @@ import pytest
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.disk.checkpoint import Checkpointer
 from jaxtrain.model import fp8
+from jaxtrain.observe import peaks
 from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.run.build import build
 from jaxtrain.run.job import Job
@@ -127,7 +128,14 @@ def test_a_short_fp8_run_trains_as_bf16_on_the_same_checkpoint_tree():
         a.dtype == np.float32 and a.shape == b.shape
         for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(bf16_params), strict=True)
     )
-    assert _build(FP8, 1).abstract == _build((), 1).abstract
+    fp8, bf16 = _build(FP8, 1), _build((), 1)
+    assert fp8.abstract == bf16.abstract
+    # MFU is against the peak of the dtype that runs (run/loop.py): FP8's on an H100, not bf16's.
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert (peaks.peak_flops(h100, fp8.mfu_dtype), peaks.peak_flops(h100, bf16.mfu_dtype)) == (
+        1978.9e12,
+        989.4e12,
+    )
 
 
 def test_a_non_finite_fp8_tensor_is_a_skipped_step():

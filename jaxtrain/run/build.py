@@ -29,6 +29,7 @@ from jaxtrain.model.moe import active_params
 from jaxtrain.model.params import param_count
 from jaxtrain.model.transformer import GPT, flops_per_token
 from jaxtrain.observe import memory as memory_lib
+from jaxtrain.observe import peaks
 from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.run import kernels, verdicts
 from jaxtrain.run.job import Job
@@ -86,6 +87,13 @@ class Run:
     @property
     def flops_per_token(self) -> float:
         return flops_per_token(self.cfg.model, self.n_active_params)
+
+    @property
+    def mfu_dtype(self) -> str:
+        """Whose peak MFU is against: FP8's where the projections run in FP8 (model.matmul fp8: most
+        of the FLOPs), else the compute dtype's (the planner's rule from the compiled GEMMs:
+        plan/compiled.py `mfu_dtype`)."""
+        return peaks.FP8 if self.cfg.model.matmul == "fp8" else self.cfg.dtype
 
     @property
     def state_bytes_per_device(self) -> int:

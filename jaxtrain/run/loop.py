@@ -266,7 +266,7 @@ def _say_what_runs(run: Run, data: Resolved) -> None:
         "at half)\n"
         f"{param_summary(run.abstract.params)}"
     )
-    if not metrics.peak_flops(job.device_kind):
+    if not metrics.peak_flops(job.device_kind, run.mfu_dtype):
         log.info(
             f"MFU: no peak FLOP/s on record for {job.device_kind} (a CPU has no table peak); "
             "logging achieved FLOP/s per device instead"
@@ -308,7 +308,7 @@ def _reporter(
     )
     # The one memory rule (memory.fits), as scripts/plan.py applies it to GPUs that are not here.
     memory_lib.check_compiled(peak_bytes, job.local_devices[0], run.cfg, len(job.local_devices))
-    peak = metrics.peak_flops(job.device_kind)
+    peak = metrics.peak_flops(job.device_kind, run.mfu_dtype)  # the peak of the dtype that runs
     fpt = run.flops_per_token
     reporter = metrics.Reporter(
         run.cfg, run.cfg.resolved_run_dir, job.is_main, step, fpt / (n_devices * peak) if peak else None,
