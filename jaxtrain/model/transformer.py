@@ -113,17 +113,9 @@ class GPT(nn.Module):
         def embed(num: int, name: str) -> nn.Embed:
             methods = ["__call__", "attend", "table"]
             cls = _with_gather(Embedding, self.placement.gather, (name,), methods=methods)
-            init = nn.initializers.normal(cfg.init_std)
-            return cls(
-                num,
-                cfg.d_model,
-                dtype=self.dtype,
-                param_dtype=jnp.float32,
-                embedding_init=init,
-                rows_first=self.span == "embed",
-                matmul=cfg.head_matmul,
-                name=name,
-            )
+            init, rows_first = nn.initializers.normal(cfg.init_std), self.span == "embed"
+            return cls(num, cfg.d_model, dtype=self.dtype, param_dtype=jnp.float32, embedding_init=init,
+                       rows_first=rows_first, matmul=cfg.head_matmul, name=name)  # fmt: skip
 
         wte = embed(cfg.vocab_size, name="wte")
 
@@ -131,21 +123,12 @@ class GPT(nn.Module):
             x = norm(x, cfg.norm_eps, "ln_f")
             head = wte if cfg.tie_embeddings else embed(cfg.vocab_size, name="lm_head")
             if targets is not None and cfg.token_chunks > 1:
-                return token_losses(
-                    x,
-                    head.table(),
-                    targets,
-                    cfg.token_chunks,
-                    self.dtype,
-                    self.placement.length_split,
-                    cfg.head_matmul,
-                )
+                chunks = (cfg.token_chunks, self.dtype, self.placement.length_split, cfg.head_matmul)
+                return token_losses(x, head.table(), targets, *chunks)
             logits = constrain(head.attend(x), "batch", "length", "vocab").astype(jnp.float32)
-            return (
-                logits
-                if targets is None
-                else optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-            )
+            if targets is None:
+                return logits
+            return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
 
         if self.span == "head":
             return output(tokens)
