@@ -42,6 +42,8 @@ DENSE = [
     # FP8 GEMMs (issue 48, docs/fp8.md): MFU against FP8's peak
     "llama3_8b_h100x8_fp8", "llama3_70b_h100_16x8_maxtext_fp8", "llama3_70b_h100_128x8_fp8",
     "llama3_405b_h100_256x8_fp8",
+    # documents masked (issue 46 item 2)
+    "llama3_8b_128k_docs_h100_8x8", "llama3_8b_1m_docs_h100_16x8", "llama3_8b_1m_docs_h100_16x8_context16",
 ]  # fmt: skip
 # The mixtures of experts, each with the words of its model column.
 MOE = {
