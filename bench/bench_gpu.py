@@ -32,7 +32,19 @@ import numpy as np
 SHAPES = {  # name -> train.py flags on top of configs/gpt2_124m.yaml
     "124m": [],
     "350m": ["--model.n_layer", "24", "--model.d_model", "1024", "--model.n_head", "16"],
+    # 1.3B (GPT-2 XL's width, 16 layers) at 65,536 tokens a step: GEMMs wide enough for FP8 to pay
+    "1b": [
+        "--model.n_layer",
+        "16",
+        "--model.d_model",
+        "2048",
+        "--model.n_head",
+        "16",
+        "--total_batch_size",
+        "65536",
+    ],
 }
+SHAPES["1b_fp8"] = [*SHAPES["1b"], "--model.matmul", "fp8"]  # its projections in FP8 (docs/fp8.md)
 XLA_SETTINGS = {  # name -> environment on top of the caller's
     "default": {},
     "lhs": {"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=true"},

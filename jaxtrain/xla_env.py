@@ -51,6 +51,11 @@ GPU_FLAGS = (
     "--xla_gpu_all_reduce_combine_threshold_bytes=8589934592",
     "--xla_gpu_experimental_parallel_collective_overlap_limit=2",
 )
+# A job's FP8 matmuls compile with these (compiler_options says why; run/preflight.py's FP8 check too).
+FP8_OPTIONS: dict[str, str | bool] = {
+    "xla_gpu_enable_triton_gemm": False,
+    "xla_disable_hlo_passes": "dot-merger",
+}
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 MAX_CPU_DEVICES = 8  # measured at 2 cores only; past this each device's slice of the batch gets thin
 CACHE_MAX_BYTES = 8 * 2**30  # least recently used entries go past this
@@ -111,8 +116,7 @@ def compiler_options(cfg: Config, platform: str) -> dict[str, str | bool] | None
         options["xla_gpu_experimental_collective_start_as_early_as_possible"] = True
         options["xla_gpu_experimental_parallel_collective_overlap_limit"] = "4"  # an int, as XLA parses it
     if "fp8" in (cfg.model.matmul, cfg.model.head_matmul):
-        options["xla_gpu_enable_triton_gemm"] = False
-        options["xla_disable_hlo_passes"] = "dot-merger"
+        options.update(FP8_OPTIONS)
     return options or None
 
 

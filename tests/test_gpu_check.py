@@ -39,8 +39,9 @@ def test_the_check_runs_end_to_end_on_cpu_and_reports_every_stage(tmp_path):
     device = report["stages"]["device"]["parts"]
     assert device["versions"]["devices"][0]["platform"] == "cpu" and device["matmul"]["tflops"] > 0
     kernels = report["stages"]["kernels"]["parts"]
-    assert len(kernels) == 4 and all(k["passed"] and k["max_error"] < 2e-2 for k in kernels.values())
+    assert len(kernels) == 5 and all(k["passed"] and k["max_error"] < 2e-2 for k in kernels.values())
     assert any("interpreted" in name for name in kernels)  # the Pallas forward, in its interpreter
+    assert any(name.startswith("fp8_matmul") for name in kernels)  # FP8 against its roundings in float32
     run = report["stages"]["train"]["parts"]["gpt_xla"]
     assert len(run["losses"]) == 2 and run["memory_ratio"] is None  # a CPU reports no memory
     assert sorted(p.name for p in out.iterdir()) == [
@@ -56,7 +57,7 @@ def test_the_check_runs_end_to_end_on_cpu_and_reports_every_stage(tmp_path):
         "kernels",
         "train",
     ]
-    assert len(table) == 4 + 3 + 4 + 1 and all(x.startswith("  ") for x in table[4:])
+    assert len(table) == 4 + 3 + 5 + 1 and all(x.startswith("  ") for x in table[4:])
 
 
 def test_a_kernel_that_differs_fails_with_what_differs():

@@ -16,6 +16,7 @@ from processes import TINY, ok, run_train
 
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.run import kernels, verdicts
+from jaxtrain.run import preflight as pf
 from jaxtrain.run.job import Job
 
 DENSE = [*TINY, "--total_steps", "2", "--preflight", "on"]
@@ -69,6 +70,29 @@ def test_fallback_is_the_cpu_proven_kernel_or_none():
     assert kernels.fallen_back(cfg, "grouped_matmul").moe.grouped_matmul == "ragged_dot"
     assert kernels.fallen_back(cfg, "attention") is None  # xla is the proven one: nothing to fall to
     assert kernels.fallen_back(cfg, "exchange") is None
+
+
+def test_fp8_matmuls_are_checked_on_gpus_at_the_jobs_widths_and_refused_by_name():
+    argv = [*DENSE[:-2], "--dtype", "bfloat16", "--model.matmul", "fp8", "--mesh.tensor", "2"]
+    argv += ["--model.d_ff", "96"]
+    job = _job([*argv, "--preflight", "auto"])
+    settled = kernels.settle(job.cfg.model, "cpu", "bfloat16")
+    assert verdicts.choices(job.cfg, settled, "bfloat16", "cpu").matmul == ""  # XLA:CPU's dot: not GPU-only
+    on_gpu = kernels.settle(job.cfg.model, "gpu", "bfloat16", "9.0")
+    gpu = verdicts.choices(job.cfg, on_gpu, "bfloat16", "gpu")
+    assert (gpu.matmul, gpu.d_model, gpu.d_ff) == ("cublaslt", 64, 48)  # d_ff per tensor shard
+    on = _job([*argv, "--preflight", "on"])
+    picked = verdicts.choices(on.cfg, settled, "bfloat16", "cpu")
+    (check,) = [c for c in pf.checks(picked, "cpu", "") if c.name.startswith("fp8_matmul")]
+    assert check.name == "fp8_matmul m32 k64 n48"
+    assert pf.run_check(check, jax.devices()[:1]).passed
+    skewed = pf.run_check(verdicts._skewed(check), jax.devices()[:1])
+    assert not skewed.passed and skewed.failed.startswith("out off by")
+    with pytest.raises(ConfigError) as refused:  # asked for by name: no fallback
+        verdicts._decide(on, settled, {"matmul": [(0, socket.gethostname())]}, [skewed])
+    line = str(refused.value)
+    assert line.startswith("preflight: the FP8 matmuls (xla) failed on cpu (out off by ")
+    assert "--model.matmul compute" in line and "\n" not in line
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxtrain.errors import ArgumentError
-from jaxtrain.health.gpu_stages import PART_MARK, ROOT, TRAIN_RUNS
+from jaxtrain.health.gpu_stages import PART_MARK, ROOT, TOLERANCES, TRAIN_RUNS
 from jaxtrain.parser import Parser
 
 STAGES = ("device", "kernels", "train", "bench")
@@ -280,13 +280,20 @@ def judge_train(stage: dict[str, Any], runs: dict[str, tuple[str, list[str]]]) -
             if not want:
                 failed.append(f"no losses of its reference {reference}")
             else:
-                failed += _judge_losses(result, result["losses"], want, reference)
+                tolerances = TOLERANCES.get(name, (FIRST_STEP_TOLERANCE, LOSS_TOLERANCE))
+                failed += _judge_losses(result, result["losses"], want, reference, tolerances)
         result["passed"], result["failed"] = not failed, "; ".join(failed)
     if any(not r["passed"] for r in parts.values()):
         stage["status"] = "fail"
 
 
-def _judge_losses(result: dict[str, Any], got: list[float], want: list[float], reference: str) -> list[str]:
+def _judge_losses(
+    result: dict[str, Any],
+    got: list[float],
+    want: list[float],
+    reference: str,
+    tolerances: tuple[float, float],
+) -> list[str]:
     """What is wrong with a run's losses `got` against its reference's `want` (figures into `result`)."""
     pairs = [(a, b) for a, b in zip(got, want, strict=True) if a and b]
     if not pairs:
@@ -297,9 +304,9 @@ def _judge_losses(result: dict[str, Any], got: list[float], want: list[float], r
     result["loss_vs_reference"] = max(abs(a / b - 1) for a, b in pairs)  # the worst step: a figure
     result["first_loss_vs_reference"], result["late_mean_vs_reference"] = first, mean
     failed = []
-    if not first <= FIRST_STEP_TOLERANCE:
+    if not first <= tolerances[0]:
         failed.append(f"first loss {first:.2%} off {reference}'s")
-    if not mean <= LOSS_TOLERANCE:
+    if not mean <= tolerances[1]:
         failed.append(f"last {len(late)} losses' mean {mean:.2%} off {reference}'s")
     return failed
 

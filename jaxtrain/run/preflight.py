@@ -33,6 +33,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxtrain import xla_env
 from jaxtrain.model import grouped
 
 # The kernels and references checked, by module attribute in this one place: model/ and parallel/
@@ -47,6 +48,9 @@ KERNELS = {
     "expert_mlps": ("jaxtrain.model.moe:expert_mlps",),
     # ragged_all_to_all's arguments + width: XLA:CPU's stand-in for it
     "padded_exchange": ("jaxtrain.parallel.expert:padded_ragged_all_to_all",),
+    # (lhs, rhs, dimension_numbers) -> the FP8 projection's dot_general, and its rounding (x, dtype)
+    "fp8_matmul": ("jaxtrain.model.fp8:fp8_dot_general",),
+    "fp8_quantize": ("jaxtrain.model.fp8:quantize",),
 }
 # Relative-norm error allowed against the float32 reference. bfloat16 rounds each output to 2^-9,
 # about 4e-3 as a norm; the attention gradients pass through bfloat16 probabilities too.
@@ -85,6 +89,8 @@ class Choices:
     d_model: int = 0
     expert_dim: int = 0  # per tensor shard
     length: int = 512  # tokens of the attention check
+    matmul: str = ""  # fp8 projections: cublaslt (GPU) | xla (CPU)
+    d_ff: int = 0  # the MLP's width per tensor shard (the FP8 check's GEMM)
 
 
 @dataclass(frozen=True)
@@ -197,6 +203,8 @@ def checks(choices: Choices, platform: str, capability: str) -> list[Check]:
     if choices.exchange:
         rows, d = (128, 64) if platform == "cpu" else (512, 256)  # as _small: the path, less compile
         found.append(exchange_check(choices.exchange, d=d, rows=rows))
+    if choices.matmul:
+        found.append(fp8_check(choices.length, choices.d_model, choices.d_ff or choices.d_model))
     return found
 
 
@@ -443,3 +451,39 @@ def exchange_check(
 
     name = f"exchange {impl} {slices} slices a peer" + (": the landing buffer's gradient" if buffer else "")
     return Check(name, compute, 0.0, informational=buffer)
+
+
+def fp8_check(m: int, k: int, n: int, *, scale: float = 1e-4) -> Check:
+    """The FP8 projection (model/fp8.py: e4m3 operands, e5m2 gradient, each tensor scaled) on rows
+    [m, k] x w [k, n], its output and both gradients, against the same roundings multiplied in
+    float32: only the GEMMs differ, so a scale applied twice or not at all, an operand read in the
+    wrong layout or products accumulated short is what it finds. Compiled as a job's FP8 step is
+    (xla_env.FP8_OPTIONS); on a GPU all three GEMMs must come out as cuBLASLt's FP8 GEMM, or the
+    projections would multiply in bf16, at bf16's speed. The gradient is `scale` small, as a
+    step's are: its own scale must bring it into e5m2's range."""
+
+    def compute(devices: Sequence[Any]) -> Compared:
+        matmul, quantize = kernel("fp8_matmul"), kernel("fp8_quantize")
+        dims = (((1,), (0,)), ((), ()))
+        gpu = devices[0].platform != "cpu"
+        with jax.default_device(devices[0]):
+            r = jax.random.split(jax.random.key(4), 3)
+            x, w = _normal(r[0], (m, k), "bfloat16"), _normal(r[1], (k, n), "bfloat16", 1 / math.sqrt(k))
+            cot = _normal(r[2], (m, n), "bfloat16", scale)
+            ours = jax.jit(lambda x, w, c: _with_grads(lambda x, w: matmul(x, w, dims), (x, w), c))
+            compiled = ours.lower(x, w, cot).compile(xla_env.FP8_OPTIONS if gpu else None)
+            gemms = (compiled.as_text() or "").count("__cublas$lt$matmul$f8")
+            if gpu and gemms < 3:
+                raise ValueError(f"{gemms} of 3 GEMMs compiled to cuBLASLt's FP8 GEMM: the rest run in bf16")
+            got = compiled(x, w, cot)
+
+            def rounded(a: jax.Array, dtype: Any) -> jax.Array:
+                q, s = quantize(a, dtype)
+                return q.astype(jnp.float32) * s
+
+            xq, wq = rounded(x, jnp.float8_e4m3fn), rounded(w, jnp.float8_e4m3fn)
+            gq = rounded(cot, jnp.float8_e5m2)
+            want = _reference(lambda x, w, g: (x @ w, g @ w.T, x.T @ g), xq, wq, gq)
+        return dict(zip(("out", "d_x", "d_w"), zip(got, want, strict=True), strict=True))
+
+    return Check(f"fp8_matmul m{m} k{k} n{n}", compute, TOLERANCE["bfloat16"])

@@ -40,13 +40,15 @@ from jaxtrain.run import preflight as preflight_lib
 from jaxtrain.run.job import Job
 from jaxtrain.run.preflight import Check, Choices, Verdict
 
-KINDS = ("attention", "grouped_matmul", "exchange")  # a verdict vector's order: one bit a kind
-GPU_ONLY = {"attention": "cudnn", "grouped_matmul": "pallas", "exchange": "ragged"}  # what auto checks
-KEYS = {"attention": "model.attention_impl", "grouped_matmul": "model.moe.grouped_matmul"}
+KINDS = ("attention", "grouped_matmul", "exchange", "matmul")  # a verdict vector's order: one bit a kind
+# What auto checks: the GPU-only kernels.
+GPU_ONLY = {"attention": "cudnn", "grouped_matmul": "pallas", "exchange": "ragged", "matmul": "cublaslt"}
+KEYS = {"attention": "model.attention_impl", "grouped_matmul": "model.moe.grouped_matmul",
+        "matmul": "model.matmul"}  # fmt: skip
 # A check's kind, by its name's first word (run/preflight.py names them so).
 KIND_OF = {"attention": "attention", "expert_mlps": "grouped_matmul", "ragged_matmul": "grouped_matmul",
-           "grouped_matmul": "grouped_matmul", "exchange": "exchange"}  # fmt: skip
-VERSIONED = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt")
+           "grouped_matmul": "grouped_matmul", "exchange": "exchange", "fp8_matmul": "matmul"}  # fmt: skip
+VERSIONED = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin", "jax-cuda13-pjrt")
 CHECK_LENGTH = 512  # tokens of the attention check at most: a small problem (the job's if shorter)
 
 
@@ -76,6 +78,8 @@ def choices(cfg: Config, settled: ModelConfig, dtype: Any, platform: str) -> Cho
         "attention": m.attention_impl,
         "grouped_matmul": m.moe.grouped_matmul if moe else "",
         "exchange": ("padded" if platform == "cpu" else "ragged") if moe and cfg.mesh.expert > 1 else "",
+        # FP8 projections: cuBLASLt's FP8 GEMM on GPUs (what XLA must emit), XLA's own dot on CPUs
+        "matmul": ("xla" if platform == "cpu" else "cublaslt") if "fp8" in (m.matmul, m.head_matmul) else "",
     }
     kept = {k: v if v and (cfg.preflight == "on" or v == GPU_ONLY[k]) else "" for k, v in chosen.items()}
     n, kv = m.n_head, m.kv_heads  # per tensor shard: the heads one device attends over
@@ -87,6 +91,7 @@ def choices(cfg: Config, settled: ModelConfig, dtype: Any, platform: str) -> Cho
         documents=m.doc_bos >= 0 or m.doc_eos >= 0,
         d_model=m.d_model,
         expert_dim=m.expert_dim // t,
+        d_ff=m.ff_dim // t,
         length=min(CHECK_LENGTH, m.seq_len),
     )
 
@@ -177,24 +182,32 @@ def _impl(cfg: ModelConfig, kind: str, job: Job) -> str:
         return cfg.attention_impl
     if kind == "grouped_matmul":
         return cfg.moe.grouped_matmul
+    if kind == "matmul":
+        return "xla" if job.platform == "cpu" else "cublaslt"
     return "padded" if job.platform == "cpu" else "ragged"
 
 
 def _what(kind: str, impl: str) -> str:
     return {"attention": f"{impl} attention", "grouped_matmul": f"the {impl} grouped matmul",
-            "exchange": f"the {impl} expert exchange"}[kind]  # fmt: skip
+            "exchange": f"the {impl} expert exchange",
+            "matmul": f"the FP8 matmuls ({impl})"}[kind]  # fmt: skip
 
 
 def _requested(cfg: ModelConfig, kind: str) -> str:
-    """What the user's config asked for: auto, or a kernel by name (the exchange has no key)."""
+    """What the user's config asked for: auto, or a kernel by name (the exchange has no key; FP8 is
+    asked for by name, never by auto)."""
     if kind == "attention":
         return cfg.attention_impl
+    if kind == "matmul":
+        return "fp8"
     return cfg.moe.grouped_matmul if kind == "grouped_matmul" else "auto"
 
 
 def _fix(kind: str, impl: str) -> str:
     if kind == "exchange":
         return "the expert exchange has no other kernel on GPUs yet: use --mesh.expert 1"
+    if kind == "matmul":
+        return "use --model.matmul compute --model.head_matmul compute (bf16 projections)"
     return f"use --{KEYS[kind]} auto (it falls back to the kernel proven on CPU)"
 
 
