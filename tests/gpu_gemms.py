@@ -1,5 +1,5 @@
 """The GEMMs of one job's train step compiled for one H100 (tests/test_gpu_compile.py's FP8 tests):
-each cuBLAS call's kind and operand types, and the all-gathers' element types, as JSON on stdout.
+each cuBLAS call's kind and operand types, and the gathered arrays' element types, as JSON on stdout.
 
     .venv/bin/python tests/gpu_gemms.py --config configs/llama_tiny.yaml --dtype bfloat16 --model.matmul fp8
     .venv/bin/python tests/gpu_gemms.py --gpus 8 --config ... --mesh.fsdp 8     # one host of 8
@@ -27,11 +27,12 @@ from jaxtrain.run.job import Job  # noqa: E402
 # A cuBLAS call: its result type(s), operands and target, `%x = (bf16[..], s8[..]) custom-call(%a, ...)`
 CALL = re.compile(r"= \(*(\w+)\[[^\n]*? custom-call\(([^)]*)\), custom_call_target=\"(__cublas[^\"]*)\"")
 TRITON = re.compile(r"kind=kCustom[^\n]*?\"kind\":\"(__triton[a-z_]*gemm[a-z_]*)\"")
-GATHER = re.compile(r"= \(*(\w+)\[[^\n]*? all-gather(?:-start)?\(")
+# An all-gather's result (a combined one's tuple of arrays; an async one's at its -done), each array's type
+GATHER = re.compile(r"= (.*?) all-gather(?:-done)?\(")
 
 
 def gemms(hlo: str) -> dict:
-    """{GEMM kind: count}, {cuBLAS kind: {"lhs_type rhs_type": count}}, {element type: all-gathers}."""
+    """{GEMM kind: count}, {cuBLAS kind: {"lhs_type rhs_type": count}}, {element type: arrays gathered}."""
     types = dict(re.findall(r"%([\w.\-]+) = \(?(\w+)\[", hlo))  # each value's element type
     kinds: collections.Counter = collections.Counter()
     operands: dict = collections.defaultdict(collections.Counter)
@@ -40,7 +41,7 @@ def gemms(hlo: str) -> dict:
         kinds[kind] += 1
         operands[kind][" ".join(types.get(n, "?") for n in names)] += 1
     kinds.update(TRITON.findall(hlo))  # GEMMs XLA emitted as Triton fusions (its default, Triton on)
-    gathers = collections.Counter(GATHER.findall(hlo))
+    gathers = collections.Counter(t for result in GATHER.findall(hlo) for t in re.findall(r"(\w+)\[", result))
     return {
         "kinds": dict(kinds),
         "operands": {k: dict(v) for k, v in operands.items()},

@@ -9,16 +9,22 @@ tensor an FP8 run trains as on one device (the GPU program: tests/test_gpu_compi
 
 import dataclasses
 import functools
+import re
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.disk.checkpoint import Checkpointer
 from jaxtrain.model import fp8
+from jaxtrain.model.params import path_names
+from jaxtrain.model.transformer import GPT
 from jaxtrain.observe import peaks
+from jaxtrain.parallel import fsdp
 from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.run.build import build
 from jaxtrain.run.job import Job
@@ -61,7 +67,8 @@ def _operands() -> tuple[jax.Array, jax.Array]:
 
 def _rounded(a: jax.Array, dtype) -> jax.Array:
     """a as the FP8 dot sees it: divided by its power-of-two scale, rounded, multiplied back."""
-    scale = 2.0 ** np.frexp(float(jnp.abs(a.astype(jnp.float32)).max()) / float(jnp.finfo(dtype).max))[1]
+    mantissa, e = np.frexp(float(jnp.abs(a.astype(jnp.float32)).max()) / float(jnp.finfo(dtype).max))
+    scale = 2.0 ** (e - 1 if mantissa == 0.5 else e)  # the power of two at or above max|a| / largest
     return ((a.astype(jnp.float32) / scale).astype(dtype).astype(jnp.float32) * scale).astype(a.dtype)
 
 
@@ -103,6 +110,81 @@ def test_zeros_stay_zeros_and_a_non_finite_tensor_is_non_finite():
             xb, w
         )
         assert not np.isfinite(np.asarray(grads[1], np.float32)).all()
+
+
+def test_rounding_a_rounded_tensor_again_changes_nothing():
+    """What fsdp's FP8 gathers rely on (parallel/fsdp.py): the dot rounds the gathered, already
+    rounded weight again, and must get the same values. Edge cases: a max landing exactly on the
+    format's largest value (448 s) and on half of it (224 s), beside e4m3's smallest subnormals
+    (2^-9 s, 3 x 2^-9 s: halving them would not be exact)."""
+    s = 2.0**-7
+    for top in (447.0 * s, 448.0 * s, 224.0 * s, 230.0 * s, 300.0 * s):
+        x = jnp.array([top, -(2.0**-9) * s, 3 * 2.0**-9 * s, 0.01 * s, 17.3 * s], jnp.bfloat16)
+        once = fp8.dequantize(*fp8.quantize(x, fp8.FORWARD), jnp.bfloat16)
+        np.testing.assert_array_equal(fp8.dequantize(*fp8.quantize(once, fp8.FORWARD), jnp.bfloat16), once)
+    # At, not above: a max of exactly 448 s is scale s (the strict rule gave 2 s).
+    assert float(fp8.scale_of(jnp.array([448.0 * s]), fp8.FORWARD)) == s
+
+
+def test_fsdp_gathers_a_projection_as_fp8_by_the_whole_weights_scale():
+    """fsdp.gather_param with fp8_over (model.matmul fp8): the gather moves e4m3, and the gathered
+    weight is the one-device FP8 rounding of the whole weight, bitwise, though each shard's own
+    max would give it another scale; the gradient is reduce-scattered as without FP8."""
+    mesh = jax.make_mesh((8,), (mesh_lib.FSDP_AXIS,), devices=jax.devices()[:8])
+    w = (0.02 * jax.random.normal(jax.random.key(1), (64, 32), jnp.float32)).at[3, 5].set(0.5)
+    w = jax.device_put(w, jax.sharding.NamedSharding(mesh, P(mesh_lib.FSDP_AXIS)))
+    c = jax.random.normal(jax.random.key(2), (64, 32), jnp.float32)
+
+    def loss(w: jax.Array, over: tuple[str, ...]) -> jax.Array:
+        def per_device(shard: jax.Array) -> jax.Array:
+            whole = fsdp.gather_param(shard, mesh_lib.FSDP_AXIS, 0, jnp.bfloat16, jnp.float32, over)
+            return whole, jax.lax.psum((whole.astype(jnp.float32) * c).sum(), mesh_lib.FSDP_AXIS)
+
+        return jax.shard_map(
+            per_device, mesh=mesh, in_specs=P(mesh_lib.FSDP_AXIS), out_specs=(P(), P()), check_vma=False
+        )(w)
+
+    gathered = jax.jit(loss, static_argnums=1)
+    whole, _ = gathered(w, (mesh_lib.FSDP_AXIS,))
+    np.testing.assert_array_equal(
+        whole, fp8.dequantize(*fp8.quantize(w.astype(jnp.bfloat16), fp8.FORWARD), jnp.bfloat16)
+    )
+    assert not np.array_equal(whole, w.astype(jnp.bfloat16))
+    text = gathered.lower(w, (mesh_lib.FSDP_AXIS,)).as_text()
+    assert re.search(r"all_gather.*tensor<8x32xf8E4M3FN>\) -> tensor<64x32xf8E4M3FN>", text), text
+    grads = [jax.jit(jax.grad(lambda w, o: loss(w, o)[1]), static_argnums=1)(w, o) for o in ((), ("fsdp",))]
+    np.testing.assert_array_equal(*grads)
+    assert np.abs(np.asarray(grads[0])).min() > 0
+
+
+def _dense_dots(argv: list[str]) -> tuple[dict, set]:
+    """The model of `argv` under model.matmul fp8, initialised: {each dense's kernel path (its last 3
+    names): whether its dot is the FP8 one}, and every param's path."""
+    cfg = load_config([*argv, "--dtype", "bfloat16", "--model.matmul", "fp8"])
+    dots: dict[tuple[str, ...], bool] = {}
+
+    def record(call, args, kwargs, context):
+        module = context.module
+        if isinstance(module, nn.DenseGeneral) and context.method_name == "__call__":
+            dots[(*module.path, "kernel")[-3:]] = module.dot_general is fp8.fp8_dot_general
+        return call(*args, **kwargs)
+
+    tokens = jnp.zeros((1, cfg.model.seq_len), jnp.int32)
+    with nn.intercept_methods(record):
+        params = jax.eval_shape(GPT(cfg.model, jnp.bfloat16).init, jax.random.key(0), tokens)["params"]
+    return dots, {path_names(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)}
+
+
+def test_fp8_gathers_are_the_projections_that_multiply_in_fp8():
+    """fp8.projection (what fsdp gathers as FP8) names exactly the kernels whose dense multiplies
+    in FP8: attention's (q and kv, GPT's qkv), MLA's, the MLPs' and a mixture's shared experts'; not
+    the router, the shared experts' gate, the routed experts or the head."""
+    for argv in (LLAMA, ["--config", "configs/tiny.yaml"], ["--config", "configs/deepseek_tiny.yaml"]):
+        dots, paths = _dense_dots(argv)
+        kernels = {k[-3:]: fp8.projection(k) for k in paths if k[-1] == "kernel"}
+        assert set(dots) <= set(kernels) and any(dots.values()), (dots, kernels)
+        assert kernels == {k: dots.get(k, False) for k in kernels}, dots  # the routed experts: no dense
+    assert not all(kernels.values()) and not all(dots.values()), kernels  # deepseek_tiny's router
 
 
 def test_fp8_needs_bfloat16_in_one_line():

@@ -11,9 +11,11 @@ when Triton GEMMs are off: docs/fp8.md). XLA:CPU runs the same program, the same
 
 Scaling: per tensor, current (torchtitan's "tensorwise" default): the scale is computed from the
 tensor in the step, so it carries no state (checkpoints do not depend on it; a resume is bitwise).
-Each scale is a power of two (the smallest above the tensor's max over the format's largest value):
-exact in bfloat16, so quantize and dequantize round only once; and a batch shard's scale equals the
-whole batch's unless their maxima straddle a power of two (the step runs the model per batch shard).
+Each scale is a power of two (the smallest at or above the tensor's max over the format's largest
+value): exact in bfloat16, so quantize and dequantize round only once; a batch shard's scale equals
+the whole batch's unless their maxima straddle a power of two (the step runs the model per batch
+shard); and rounding a rounded tensor again changes no value, so fsdp can gather a weight already
+rounded by the whole weight's scale (parallel/fsdp.py) and the dot's own rounding keeps it as it is.
 A non-finite tensor gives a non-finite scale and a non-finite result, which the step skips.
 """
 
@@ -28,20 +30,48 @@ import jax.numpy as jnp
 FORWARD = jnp.float8_e4m3fn
 GRADIENT = jnp.float8_e5m2
 
+# The projections model.matmul fp8 multiplies in FP8 (each `layers.dense(..., matmul=cfg.matmul)`),
+# by their param path's (module, layer) ending: what fsdp may gather as FP8 (`projection`).
+PROJECTIONS = frozenset(
+    {("attn", name) for name in ("qkv", "q", "kv", "out", "q_a", "q_b", "kv_a", "kv_b")}
+    | {("mlp", name) for name in ("fc", "gate_up", "out")}
+    | {("moe", name) for name in ("shared_fc", "shared_gate_up", "shared_out")}  # the shared experts' mlp()
+)
+
+
+def projection(names: tuple[str, ...]) -> bool:
+    """Whether the param at path `names` is a kernel that model.matmul fp8 multiplies in FP8."""
+    return names[-1:] == ("kernel",) and names[-3:-1] in PROJECTIONS
+
 
 def scale_of(x: jax.Array, dtype: Any) -> jax.Array:
-    """float32 scalar: the smallest power of two 2^e above max|x| / `dtype`'s largest value, so x / s
-    fits the format (x all zero: max|x| taken as 1, zeros stay zeros; x's NaN or inf when it holds one)."""
-    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    """float32 scalar: the scale of x for FP8 `dtype` (`scale_for` its max|x|)."""
+    return scale_for(jnp.max(jnp.abs(x)), dtype)
+
+
+def scale_for(amax: jax.Array, dtype: Any) -> jax.Array:
+    """float32 scalar: the smallest power of two 2^e at or above `amax` / `dtype`'s largest value, so
+    a tensor of that max divided by it fits the format (amax 0: taken as 1, zeros stay zeros; a NaN or
+    inf amax is the scale). At, not only above: a rounded tensor's max (at most the largest value
+    times s) then gives s again, or s / 2 when it is half of that, where every value doubles exactly:
+    rounding it again changes nothing (fsdp's FP8 gathers rely on it)."""
+    amax = amax.astype(jnp.float32)
     # frexp and ldexp, not exp2(ceil(log2)): XLA:CPU's exp2(-15.0) is not exactly 2^-15.
-    _, e = jnp.frexp(jnp.where(amax == 0, 1.0, amax) / float(jnp.finfo(dtype).max))
+    m, e = jnp.frexp(jnp.where(amax == 0, 1.0, amax) / float(jnp.finfo(dtype).max))
+    e = jnp.where(m == 0.5, e - 1, e)  # amax / largest is 2^(e-1) exactly: that is the scale
     return jnp.where(jnp.isfinite(amax), jnp.ldexp(jnp.float32(1), e), amax)
+
+
+def to_fp8(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+    """x divided by `scale` and rounded to FP8 `dtype` (a scale from `scale_of`, of x or of a whole
+    tensor x is a part of)."""
+    return (x.astype(jnp.float32) / scale).astype(dtype)
 
 
 def quantize(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
     """x rounded to FP8 `dtype` after dividing by its scale, and the scale."""
     scale = scale_of(x, dtype)
-    return (x.astype(jnp.float32) / scale).astype(dtype), scale
+    return to_fp8(x, scale, dtype), scale
 
 
 def dequantize(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:

@@ -8,6 +8,11 @@ layer's gradient (`gather_param`): no full gradient is all-reduced over fsdp (te
 checks the compiled HLO). Why explicit collectives: GSPMD alone all-reduced the whole fsdp gradient
 and then sliced it (XLA:CPU).
 
+Under model.matmul fp8 a projection's weight (model/fp8.py `projection`) is gathered as FP8:
+each device rounds its shard to e4m3 by the whole weight's scale (the max over the shards: one
+scalar's all-reduce), the gather moves the e4m3 bytes (half of bf16's) and the whole weight is
+dequantized after: the values the one-device FP8 dot multiplies, exactly (`gather_param`).
+
 With `mesh.zero1` the params and the optimizer state are also split over `data`: the step gathers a
 compute params once, before its shard_map (`Fsdp.compute_params`), and reduce-scatters the gradient over
 data into the moments' layout (`scatter_over_data`).
@@ -19,21 +24,31 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
+from jaxtrain.model import fp8
 from jaxtrain.model.params import logical_axes, path_names
 from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.parallel import tensor
 
 
-def gather_param(p: jax.Array, axes: Any, dim: int, dtype: Any, reduce_dtype: Any) -> jax.Array:
+def gather_param(
+    p: jax.Array, axes: Any, dim: int, dtype: Any, reduce_dtype: Any, fp8_over: tuple[str, ...] = ()
+) -> jax.Array:
     """The whole param from this device's shard on the manual `axes` (fsdp, and expert for a dense
     param: mesh_lib.param_spec), gathered in `dtype` (every use of a weight
     is in the compute dtype, and a cast commutes with a gather: the same values, a fraction of the
-    bytes); its gradient is reduce-scattered in `reduce_dtype`, then held in the param's dtype."""
+    bytes); its gradient is reduce-scattered in `reduce_dtype`, then held in the param's dtype.
+    `fp8_over`: the manual axes the param is split over, for a weight the layer multiplies in FP8:
+    gathered as e4m3 (`_gather_fp8`); its gradient as any weight's (FP8's rounding passes it through)."""
+
+    def gather_all(x: jax.Array) -> jax.Array:
+        return jax.lax.all_gather(x, axes, axis=dim, tiled=True)
 
     @jax.custom_vjp
     def gather(x: jax.Array) -> jax.Array:
-        return jax.lax.all_gather(x.astype(dtype), axes, axis=dim, tiled=True)
+        x = x.astype(dtype)
+        return _gather_fp8(x, gather_all, fp8_over) if fp8_over else gather_all(x)
 
     def forward(x: jax.Array) -> tuple[jax.Array, None]:
         return gather(x), None
@@ -44,6 +59,15 @@ def gather_param(p: jax.Array, axes: Any, dim: int, dtype: Any, reduce_dtype: An
 
     gather.defvjp(forward, backward)
     return gather(p)
+
+
+def _gather_fp8(x: jax.Array, gather_all: Any, over: tuple[str, ...]) -> jax.Array:
+    """The whole weight, dequantized, from this device's shard x gathered as e4m3: rounded by the
+    whole weight's scale (its max: the shards' maxima's max over `over`), so the values are the
+    one-device dot's rounding of the whole weight, and the dot's own rounding keeps them
+    (fp8.scale_for). A non-finite shard makes the scale, or its own values, non-finite everywhere."""
+    scale = fp8.scale_for(jax.lax.pmax(jnp.max(jnp.abs(x)).astype(jnp.float32), over), fp8.FORWARD)
+    return fp8.dequantize(gather_all(fp8.to_fp8(x, scale, fp8.FORWARD)), scale, x.dtype)
 
 
 def scatter_over_data(g: Any, dim: int, logical: tuple[str | None, ...]) -> Any:
@@ -88,9 +112,19 @@ class Fsdp:
 
         return jax.tree_util.tree_map_with_path(one, params)
 
-    def gather(self, variables: Any, where: tuple[str, ...] = ()) -> Any:
+    def gather_for(self, matmul: str) -> Any:
+        """The layers' gather for model.matmul `matmul`: with fp8, the projections' weights as FP8.
+        Bound methods (not a new partial each time): two placements of one layout compare equal."""
+        return self.gather_fp8 if matmul == "fp8" else self.gather
+
+    def gather_fp8(self, variables: Any, where: tuple[str, ...] = ()) -> Any:
+        """`gather` with the projections' weights gathered as FP8 (model.matmul fp8)."""
+        return self.gather(variables, where, fp8_weights=True)
+
+    def gather(self, variables: Any, where: tuple[str, ...] = (), fp8_weights: bool = False) -> Any:
         """Whole params of one layer (or embedding) from this device's fsdp shards, in the compute
-        dtype; each gather's gradient is a reduce-scatter (`gather_param`)."""
+        dtype; each gather's gradient is a reduce-scatter (`gather_param`). `fp8_weights`
+        (model.matmul fp8): the projections' weights gathered as FP8 (`_gather_fp8`)."""
 
         def one(path: tuple, p: jax.Array) -> jax.Array:
             names = (*where, *path_names(path)[1:])  # [0]: the collection
@@ -98,14 +132,25 @@ class Fsdp:
             dim, axes = self._gathered(names, p.ndim)
             if dim is None or axes is None:
                 return p
+            over = self._fp8_over(axes, logical, p.shape) if fp8_weights and fp8.projection(names) else ()
             gather = functools.partial(
-                gather_param, axes=axes, dim=dim, dtype=self.dtype, reduce_dtype=self.reduce_dtype
-            )
+                gather_param, axes=axes, dim=dim, dtype=self.dtype, reduce_dtype=self.reduce_dtype,
+                fp8_over=over,
+            )  # fmt: skip
             # Manual over tensor too for the gather: left automatic, XLA first gathered the weight
             # whole over tensor, then over fsdp (the whole float32 weight on every device).
             return tensor.over_tensor(gather, p, logical)
 
         return jax.tree_util.tree_map_with_path(one, variables)
+
+    @staticmethod
+    def _fp8_over(axes: Any, logical: tuple[str | None, ...], shape: tuple[int, ...]) -> tuple[str, ...]:
+        """The manual axes a weight of `logical` axes gathered over `axes` is split over, as its
+        gather sees it: `axes`, and tensor where `tensor.over_tensor` makes it manual. The FP8
+        scale is the max over them all, so it is the whole weight's."""
+        split = mesh_lib.tensor_part(logical, shape, jax.sharding.get_abstract_mesh())
+        over_tensor = any(entry is not None for entry in split)
+        return (*mesh_lib.entry_axes(axes), *((mesh_lib.TENSOR_AXIS,) if over_tensor else ()))
 
     def _gathered(self, names: tuple[str, ...], ndim: int) -> tuple[int | None, Any]:
         """(the dim `gather` gathers of the param at `names` with `ndim` dims, the mesh axes it

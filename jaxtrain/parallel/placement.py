@@ -61,7 +61,7 @@ class Layout:
         kernel run per device (context), its experts exchanged (expert)."""
         moe = model.cfg.moe.n_experts > 0
         placement = Placement(
-            gather=self.fsdp.gather if self.gathers else None,
+            gather=self.fsdp.gather_for(model.cfg.matmul) if self.gathers else None,
             stack_in=self.fsdp.whole_experts if moe else None,
             attend=context.attend,
             experts=functools.partial(expert.experts, ep=self.expert_split),
