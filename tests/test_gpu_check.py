@@ -107,6 +107,16 @@ def test_train_runs_are_judged_against_their_reference():
     assert parts["first"]["failed"] == "first loss 0.20% off ref's"
     assert parts["off"]["failed"] == "last 5 losses' mean 3.33% off ref's"
     assert parts["fat"]["failed"] == "peak memory 1.30 x the compiled step's"
+    # FP8 is held to training no worse than bf16 by 2%: 2.5% below passes (an H200's run), above fails.
+    fp8 = {"llama_fp8": ("llama_bf16", [])}
+    for late, passed in ((2.925, True), (3.075, False)):
+        stage = {"status": "pass", "parts": {
+            "llama_bf16": {"passed": True, "losses": ref, "memory_ratio": None},
+            "llama_fp8": {"passed": True, "losses": [5.02, 4.0, *[late] * 5], "memory_ratio": None},
+        }}  # fmt: skip
+        judge_train(stage, fp8)
+        assert stage["parts"]["llama_fp8"]["passed"] is passed, stage
+    assert stage["parts"]["llama_fp8"]["failed"] == "last 5 losses' mean 2.50% above llama_bf16's"
 
 
 @pytest.mark.parametrize(

@@ -153,6 +153,13 @@ def test_collectives_busbw_as_nccl_tests_against_the_planner_constants():
     assert all(len(busbw.time_collective(mesh, kind, 4096, 2)) == 2 for kind in busbw.KINDS)
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_collectives_check_exact_on_one_device_and_two(n):
+    """One device holds the whole array (its shard's index has no start): the first health check on
+    a GPU, one H200 alone, failed there (2026-11-28)."""
+    assert hc.check_collectives(jax.sharding.Mesh(jax.devices()[:n], ("data",))) == []
+
+
 @pytest.mark.parametrize("n", range(2, 8))
 def test_ring_pairs_cover_each_neighbour_once_without_overlap(n):
     rounds = hc.ring_pairs(n)

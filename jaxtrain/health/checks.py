@@ -140,7 +140,8 @@ def _rows(mesh: Mesh, width: int, value: Callable[[int], float]) -> jax.Array:
 
     def row(idx: tuple[slice, ...] | None) -> np.ndarray:
         assert idx is not None  # a sharded (not fully replicated) array: every shard has an index
-        return np.full((1, width), value(idx[0].start), np.float32)
+        # One device holds the whole array: its index is slice(None), no start (an H200 alone met it)
+        return np.full((1, width), value(idx[0].start or 0), np.float32)
 
     return jax.make_array_from_callback((n, width), NamedSharding(mesh, P(DATA_AXIS)), row)
 

@@ -280,7 +280,7 @@ def judge_train(stage: dict[str, Any], runs: dict[str, tuple[str, list[str]]]) -
             if not want:
                 failed.append(f"no losses of its reference {reference}")
             else:
-                tolerances = TOLERANCES.get(name, (FIRST_STEP_TOLERANCE, LOSS_TOLERANCE))
+                tolerances = TOLERANCES.get(name, (FIRST_STEP_TOLERANCE, LOSS_TOLERANCE, False))
                 failed += _judge_losses(result, result["losses"], want, reference, tolerances)
         result["passed"], result["failed"] = not failed, "; ".join(failed)
     if any(not r["passed"] for r in parts.values()):
@@ -292,22 +292,27 @@ def _judge_losses(
     got: list[float],
     want: list[float],
     reference: str,
-    tolerances: tuple[float, float],
+    tolerances: tuple[float, float, bool],
 ) -> list[str]:
-    """What is wrong with a run's losses `got` against its reference's `want` (figures into `result`)."""
+    """What is wrong with a run's losses `got` against its reference's `want` (figures into `result`).
+    `tolerances`: the first step's, the last steps' mean's, and whether only a mean above the
+    reference's counts (a run held to training no worse)."""
     pairs = [(a, b) for a, b in zip(got, want, strict=True) if a and b]
     if not pairs:
         return [f"no losses to compare with {reference}'s"]
     late = pairs[-LATE_STEPS:]
     first = abs(pairs[0][0] / pairs[0][1] - 1)
-    mean = abs(sum(a for a, _ in late) / sum(b for _, b in late) - 1)
+    change = sum(a for a, _ in late) / sum(b for _, b in late) - 1
     result["loss_vs_reference"] = max(abs(a / b - 1) for a, b in pairs)  # the worst step: a figure
-    result["first_loss_vs_reference"], result["late_mean_vs_reference"] = first, mean
+    result["first_loss_vs_reference"], result["late_mean_vs_reference"] = first, abs(change)
+    result["late_mean_change"] = change  # signed: below the reference's is negative
     failed = []
     if not first <= tolerances[0]:
         failed.append(f"first loss {first:.2%} off {reference}'s")
-    if not mean <= tolerances[1]:
-        failed.append(f"last {len(late)} losses' mean {mean:.2%} off {reference}'s")
+    if tolerances[2] and not change <= tolerances[1]:
+        failed.append(f"last {len(late)} losses' mean {change:.2%} above {reference}'s")
+    elif not tolerances[2] and not abs(change) <= tolerances[1]:
+        failed.append(f"last {len(late)} losses' mean {abs(change):.2%} off {reference}'s")
     return failed
 
 
