@@ -44,6 +44,7 @@ def test_the_check_runs_end_to_end_on_cpu_and_reports_every_stage(tmp_path):
     assert any(name.startswith("fp8_matmul") for name in kernels)  # FP8 against its roundings in float32
     run = report["stages"]["train"]["parts"]["gpt_xla"]
     assert len(run["losses"]) == 2 and run["memory_ratio"] is None  # a CPU reports no memory
+    assert run["preflight"] == "preflight: nothing GPU-only to check", run  # the job-start preflight, said
     assert sorted(p.name for p in out.iterdir()) == [
         "device.log",
         "gpu_check.json",

@@ -307,7 +307,10 @@ def _trainer(
                 "passed": False,
                 "failed": f"train.py exited {done.returncode}: {_last_line(done.stderr)}",
             }
-        return train_figures(run_dir / "metrics.jsonl", steps)
+        result = train_figures(run_dir / "metrics.jsonl", steps)
+        said = [x for x in done.stdout.splitlines() + done.stderr.splitlines() if "INFO preflight" in x]
+        result["preflight"] = said[0].split("INFO ", 1)[1][:400] if said else ""  # what it checked, or cached
+        return result
 
     return run
 
