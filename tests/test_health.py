@@ -123,6 +123,8 @@ def test_the_kernels_checked_on_each_gpu_and_a_failing_one_named():
     hopper = numerics.kernel_choices("gpu", "9.0", "auto")
     assert (hopper.attention, hopper.grouped_matmul, hopper.documents) == ("cudnn", "pallas", True)
     assert numerics.kernel_choices("gpu", "8.0", "auto").grouped_matmul == "ragged_dot"
+    assert (hopper.matmul, hopper.d_ff) == ("cublaslt", 8192)  # FP8 GEMMs: Ada and Hopper on, not Ampere
+    assert numerics.kernel_choices("gpu", "8.0", "auto").matmul == ""
     assert numerics.kernel_choices("cpu", "", "auto").attention == ""  # nothing GPU-only on a CPU
     assert numerics.kernel_choices("cpu", "", "on").attention == "xla"
     failed = {0: [], 1: ["attention cudnn 32x128 kv8 T512 documents bfloat16: cuda:3: d_q off by 3.1e-01"]}

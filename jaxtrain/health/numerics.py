@@ -29,6 +29,8 @@ from jaxtrain.run import preflight as pf
 # take them), Llama 3 8B's heads, documents masked; bfloat16, as training runs them.
 KERNEL_HEADS = (32, 8, 128, 128)  # query heads, key/value heads, head and value size
 KERNEL_WIDTHS = (2048, 768)  # d_model, each expert's hidden size
+KERNEL_FF = 8192  # the FP8 projection's width (d_model to 4 x d_model: an MLP's)
+FP8_CAPABILITY = 8.9  # FP8 tensor cores: Ada (8.9) and Hopper (9.0) on; before them no FP8 GEMM
 CHECKSUM_SIZE = {"gpu": 4096, "cpu": 256}  # the matmul's side: 137 GFLOP a GPU, a CPU's moment
 CHECKSUM_TOLERANCE = 1e-5  # relative: one kind of device, one program, same inputs: equal, or nearly
 
@@ -39,9 +41,10 @@ def kernel_choices(platform: str, capability: str, mode: str) -> pf.Choices:
     if not gpu and mode != "on":
         return pf.Choices()
     pallas = gpu and capability == grouped.HOPPER
-    heads, d, ff = KERNEL_HEADS, KERNEL_WIDTHS[0], KERNEL_WIDTHS[1]
+    fp8 = not gpu or float(capability or 0) >= FP8_CAPABILITY
+    heads, d, ff, d_ff = KERNEL_HEADS, KERNEL_WIDTHS[0], KERNEL_WIDTHS[1], KERNEL_FF
     if not gpu:  # a CPU checks the path, small
-        heads, d, ff = (4, 2, 32, 32), 128, 64
+        heads, d, ff, d_ff = (4, 2, 32, 32), 128, 64, 96
     return pf.Choices(
         attention="cudnn" if gpu else "xla",
         grouped_matmul="pallas" if pallas else "ragged_dot",  # a CPU's: the path, at the least compile
@@ -51,6 +54,8 @@ def kernel_choices(platform: str, capability: str, mode: str) -> pf.Choices:
         d_model=d,
         expert_dim=ff,
         length=512 if gpu else 64,
+        matmul=("cublaslt" if gpu else "xla") if fp8 else "",  # FP8 projections: model/fp8.py
+        d_ff=d_ff,
     )
 
 
