@@ -17,14 +17,21 @@ size limit every read and write holds a file lock, so nobody reads an entry half
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import importlib.metadata
+import json
 import os
+import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 from jaxtrain.cluster.detect import LaunchSpec
 from jaxtrain.config import Config, MeshConfig
 from jaxtrain.config.batch import batch_plan
-from jaxtrain.disk.files import cache_root
+from jaxtrain.disk.files import cache_root, write_text
 from jaxtrain.errors import UserError
 
 # When this process started its work, for goodput: imported first by scripts/train.py.
@@ -57,6 +64,8 @@ FP8_OPTIONS: dict[str, str | bool] = {
     "xla_disable_hlo_passes": "dot-merger",
 }
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+UNKNOWN = re.compile(r"Unknown flags? in XLA_FLAGS: (.*)")  # XLA's fatal line at its start, then it aborts
+DROPPED: list[str] = []  # jaxtrain's flags this XLA does not know: set_flags left them out
 MAX_CPU_DEVICES = 8  # measured at 2 cores only; past this each device's slice of the batch gets thin
 CACHE_MAX_BYTES = 8 * 2**30  # least recently used entries go past this
 # A step compiled faster than this is cheaper to recompile than to read and write to disk.
@@ -87,11 +96,57 @@ def cpu_device_count(cfg: Config, launch: LaunchSpec) -> int:
 
 def set_flags(cfg: Config | None = None, launch: LaunchSpec | None = None) -> None:
     """Put jaxtrain's CPU and GPU flags into XLA_FLAGS (the user's own settings win), and with a
-    config and its launch, the CPU device count it trains fastest on (cpu_device_count)."""
+    config and its launch, the CPU device count it trains fastest on (cpu_device_count). Checked
+    against the XLA that runs (unknown_flags): ours it does not know are left out (DROPPED), one
+    of the user's is a UserError."""
     defaults: tuple[str, ...] = (*CPU_FLAGS, *GPU_FLAGS)
     if cfg is not None and launch is not None and (n := cpu_device_count(cfg, launch)) > 1:
         defaults = (*defaults, f"{DEVICE_COUNT_FLAG}={n}")
-    os.environ["XLA_FLAGS"] = merged_flags(os.environ.get("XLA_FLAGS", ""), defaults)
+    user = os.environ.get("XLA_FLAGS", "")
+    unknown = unknown_flags(merged_flags(user, defaults))
+    theirs = [f for f in unknown if f in _names(user)]
+    if theirs:
+        raise UserError(
+            f"XLA_FLAGS: the XLA of jaxlib {_jaxlib()} does not know {' '.join(theirs)}: remove it from "
+            "XLA_FLAGS (it would abort the run)"
+        )
+    DROPPED[:] = unknown  # ours: run without them, and say so (run/loop.py logs it)
+    os.environ["XLA_FLAGS"] = merged_flags(user, tuple(f for f in defaults if _names(f)[0] not in unknown))
+
+
+def _names(flags: str) -> list[str]:
+    return [f.split("=", 1)[0] for f in flags.split()]
+
+
+def _jaxlib() -> str:
+    try:
+        return importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def unknown_flags(flags: str) -> list[str]:
+    """The names in `flags` the XLA that runs does not know: it aborts at its start on any (jaxtrain's
+    own are flags of jax 0.10.2's XLA, and XLA removes flags). Found by starting a CPU backend with
+    them in a child process (0.7 s here) once per jaxlib version and set of names, then cached in
+    cache_root()/xla_flags. A child that fails for another reason finds none (the run says why)."""
+    names = sorted(set(_names(flags)))
+    if not names:
+        return []
+    key = hashlib.sha256(json.dumps([_jaxlib(), names]).encode()).hexdigest()[:20]
+    path = cache_root() / "xla_flags" / f"{key}.json"
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        return list(json.loads(path.read_text())["unknown"])
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    child = [sys.executable, "-c", "import jax; jax.devices()"]
+    done = subprocess.run(child, env=env, capture_output=True, text=True, timeout=300)
+    said = [m.group(1) for line in done.stderr.splitlines() if (m := UNKNOWN.search(line))]
+    if done.returncode != 0 and not said:
+        return []
+    unknown = sorted(set(_names(said[0]))) if said else []
+    with contextlib.suppress(OSError):
+        write_text(path, json.dumps({"jaxlib": _jaxlib(), "names": names, "unknown": unknown}) + "\n")
+    return unknown
 
 
 def compiler_options(cfg: Config, platform: str) -> dict[str, str | bool] | None:

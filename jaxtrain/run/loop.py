@@ -46,7 +46,7 @@ from jaxtrain.run.build import Run, build
 from jaxtrain.run.job import Job, check_launch
 from jaxtrain.run.preemption import StopRequest
 from jaxtrain.run.resolve import Resolved, resolve
-from jaxtrain.xla_env import compile_cache_dir
+from jaxtrain.xla_env import DROPPED, compile_cache_dir
 
 log = logging.getLogger("jaxtrain")
 
@@ -249,6 +249,8 @@ def _say_what_runs(run: Run, data: Resolved) -> None:
     untested = versions.warning()
     if untested:
         log.warning(untested)
+    if DROPPED:  # xla_env.set_flags: flags of jax 0.10.2's XLA this one does not know
+        log.warning(f"this XLA does not know jaxtrain's {' '.join(DROPPED)}: running without them")
     run.preflight.say(log)  # the kernels checked at job start (run/verdicts.py)
     notes = config_lib.compat_notes(
         cfg, loader.epoch_windows(data.train), job.process_count, len(job.devices)
