@@ -38,6 +38,7 @@ def test_the_check_runs_end_to_end_on_cpu_and_reports_every_stage(tmp_path):
     assert {s["status"] for s in report["stages"].values()} == {"pass"}
     device = report["stages"]["device"]["parts"]
     assert device["versions"]["devices"][0]["platform"] == "cpu" and device["matmul"]["tflops"] > 0
+    assert device["fp8_matmul"]["gemm_tflops"] > 0 and device["fp8_matmul"]["scaled_tflops"] > 0
     kernels = report["stages"]["kernels"]["parts"]
     assert len(kernels) == 5 and all(k["passed"] and k["max_error"] < 2e-2 for k in kernels.values())
     assert any("interpreted" in name for name in kernels)  # the Pallas forward, in its interpreter
@@ -58,7 +59,7 @@ def test_the_check_runs_end_to_end_on_cpu_and_reports_every_stage(tmp_path):
         "kernels",
         "train",
     ]
-    assert len(table) == 4 + 3 + 5 + 1 and all(x.startswith("  ") for x in table[4:])
+    assert len(table) == 4 + 4 + 5 + 1 and all(x.startswith("  ") for x in table[4:])
 
 
 def test_a_kernel_that_differs_fails_with_what_differs():

@@ -328,8 +328,10 @@ def summary(stage: str, result: dict[str, Any]) -> str:
         )
         figures = [f"{len(v.get('devices') or [])} x {d.get('kind')} cc {d.get('compute_capability') or '-'}",
                    f"jax {v['versions'].get('jax')}"]  # fmt: skip
+        fp8 = parts.get("fp8_matmul", {}).get("gemm_tflops")
         figures += [
             f"bf16 matmul {rate:.3g} TFLOP/s" if rate else "",
+            f"FP8 {fp8:.3g}" if fp8 else "",
             f"copy {copy:.3g} TB/s" if copy else "",
         ]
         return ", ".join(f for f in figures if f)

@@ -136,7 +136,8 @@ def _append(path: Path, record: dict[str, Any]) -> None:
 
 
 def _device_parts(work: Path, options: dict[str, Any]) -> list[Part]:
-    return [("versions", _versions), ("matmul", _matmul_rate), ("copy", _copy_bandwidth)]
+    return [("versions", _versions), ("matmul", _matmul_rate), ("fp8_matmul", _fp8_matmul_rate),
+            ("copy", _copy_bandwidth)]  # fmt: skip
 
 
 def _versions() -> dict[str, Any]:
@@ -195,6 +196,43 @@ def _matmul_rate() -> dict[str, Any]:
     matmul = jax.jit(jnp.matmul)
     seconds = _timed(lambda: matmul(a, b))
     return {"passed": True, "n": n, "median_s": seconds, "tflops": 2 * n**3 / seconds / 1e12}
+
+
+def _fp8_matmul_rate() -> dict[str, Any]:
+    """The same matmul in FP8 as a job compiles it (xla_env.FP8_OPTIONS): e4m3 operands already
+    rounded (cuBLASLt's FP8 GEMM alone), and bf16 operands through model/fp8.py (each rounded by its
+    own scale first: what a projection pays). The planner's forecast assumes FP8 GEMMs at bf16's
+    fraction of their peak, which no public measurement of the same shapes confirms (plan/forecast.py)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxtrain import xla_env
+    from jaxtrain.model import fp8
+
+    gpu = jax.devices()[0].platform == "gpu"
+    n = 8192 if gpu else 128  # XLA:CPU's FP8 dot converts every product: the path, not a rate
+    dims = (((1,), (0,)), ((), ()))
+    keys = jax.random.split(jax.random.key(0), 2)
+    a, b = (jax.random.normal(k, (n, n), jnp.float32).astype(jnp.bfloat16) for k in keys)
+    qa, qb = (x.astype(fp8.FORWARD) for x in (a, b))
+    one = jnp.float32(1)
+
+    def compiled(fn: Callable[..., Any], *args: Any) -> Any:
+        return jax.jit(fn).lower(*args).compile(xla_env.FP8_OPTIONS if gpu else None)
+
+    gemm = compiled(
+        lambda x, y: jax.lax.dot_general(
+            fp8.dequantize(x, one, jnp.bfloat16), fp8.dequantize(y, one, jnp.bfloat16), dims
+        ),
+        qa, qb,
+    )  # fmt: skip
+    scaled = compiled(lambda x, y: fp8.fp8_dot_general(x, y, dims), a, b)
+    gemm_s, scaled_s = _timed(lambda: gemm(qa, qb)), _timed(lambda: scaled(a, b))
+    return {
+        "passed": True, "n": n, "gemm_median_s": gemm_s, "gemm_tflops": 2 * n**3 / gemm_s / 1e12,
+        "scaled_median_s": scaled_s, "scaled_tflops": 2 * n**3 / scaled_s / 1e12,
+        "cublaslt_fp8": (gemm.as_text() or "").count("__cublas$lt$matmul$f8"),
+    }  # fmt: skip
 
 
 def _copy_bandwidth() -> dict[str, Any]:
