@@ -29,6 +29,22 @@ RUNS = [
 ]  # fmt: skip
 
 
+# Measured by jaxtrain itself on one H200 (bench/bench_gpu.py, 2026-11-28), after the forecast's
+# constants were set: runs the forecast was not made from. Each run's step time is its tokens a step
+# over the tokens per second bench_gpu.py measured (wall clock over 10 or 15 timed steps), read from
+# the committed bench JSON; each plan is the same job's (tests/gpu_plans.py, the *_bench cases).
+MEASURED_HERE = [
+    {"case": "gpt2_124m_h200x1_bench", "job": "GPT-2 124M, 1 H200, 512 x 1024 tokens a step",
+     "bench": "gpu_bench_h200.json", "run": "124m/auto/none"},
+    {"case": "gpt2_350m_h200x1_bench", "job": "GPT-2 350M (24 x 1024), 1 H200, 512 x 1024",
+     "bench": "gpu_bench_h200.json", "run": "350m/auto/none"},
+    {"case": "gpt_1b_h200x1_bench", "job": "GPT 1.3B (16 x 2048), 1 H200, 64 x 1024",
+     "bench": "gpu_check_h200_2/bench_fp8.json", "run": "1b/auto/none"},
+    {"case": "gpt_1b_fp8_h200x1_bench", "job": "the same 1.3B, its projections in FP8",
+     "bench": "gpu_check_h200_2/bench_fp8.json", "run": "1b_fp8/auto/none"},
+]  # fmt: skip
+
+
 def plan(case: str) -> dict:
     return json.loads((RESULTS / f"plan_{case}.json").read_text())
 
@@ -59,5 +75,35 @@ def table() -> str:
     return "\n".join([head, *lines])
 
 
+def measured_rows() -> list[dict]:
+    """Each run measured here with its plan's bound and forecast and the forecast's error."""
+    out = []
+    for run in MEASURED_HERE:
+        p = plan(run["case"])
+        measured = json.loads((RESULTS / run["bench"]).read_text())["runs"][run["run"]]
+        step = p["global_batch"] * p["seq_len"] / measured["tokens_per_sec"]
+        forecast = p["forecast"]["step_time_s"]
+        out.append(run | {
+            "tokens_per_s": measured["tokens_per_sec"], "measured_step_s": step,
+            "bound_s": p["schedule_bound_s"], "forecast_s": forecast, "error": forecast / step - 1,
+        })  # fmt: skip
+    return out
+
+
+def measured_table() -> str:
+    head = (
+        "| run measured by jaxtrain (bench/bench_gpu.py) | measured tokens/s | measured s / step | "
+        "jaxtrain bound s | jaxtrain forecast s | forecast error | plan |\n" + "| --- " * 7 + "|"
+    )
+    lines = [
+        f"| {r['job']} (`{r['bench']}`) | {r['tokens_per_s']:,.0f} | {r['measured_step_s']:.3f} | "
+        f"{r['bound_s']:.3f} | {r['forecast_s']:.3f} | {100 * r['error']:+.1f}% | `plan_{r['case']}.json` |"
+        for r in measured_rows()
+    ]
+    return "\n".join([head, *lines])
+
+
 if __name__ == "__main__":
     print(table())
+    print()
+    print(measured_table())

@@ -84,7 +84,10 @@ PUBLISHED = [
      "2,048 H100, 16M-token batches, as shipped (pipeline 32 x tensor 8 x data 8 + ZeRO-1)"),
 ]  # fmt: skip
 # Which blocks each page holds.
-BLOCKS = {DOC: ["peers", "dense", "moe", "pipeline", "published", "calibration"], MOE_DOC: ["moe"]}
+BLOCKS = {
+    DOC: ["peers", "dense", "moe", "pipeline", "published", "calibration", "measured_here"],
+    MOE_DOC: ["moe"],
+}
 PIPELINE_HEAD = (
     "| layout | GB / GPU | microbatches, bubble | floor s (limit) | schedule-aware s (ops + exposed), "
     "MFU ceiling | plan |\n" + "| --- " * 6 + "|"
@@ -212,6 +215,7 @@ def tables(results: Path = RESULTS) -> dict[str, str]:
         "pipeline": "\n".join([PIPELINE_HEAD, *(pipeline_row(n, w, plan(n)) for n, w in PIPELINE.items())]),
         "published": "\n".join([PUBLISHED_HEAD, *published]),
         "calibration": calibration.table(),
+        "measured_here": calibration.measured_table(),
     }
 
 

@@ -371,6 +371,17 @@ PEER_CASES: dict[str, tuple[list[str], str, int, int]] = {
         ["--config", "configs/deepseek_v3_671b.yaml", "--total_batch_size", "33554432"], "h100", 128, 8),
 }  # fmt: skip
 CASES |= PEER_CASES
+# What jaxtrain measured on one H200 (bench/bench_gpu.py, bench/calibration.py MEASURED_HERE): the
+# forecast held against runs it was not made from. bench_gpu's shapes on gpt2_124m.yaml.
+GPT_1B = [*GPT2, "--model.n_layer", "16", "--model.d_model", "2048", "--model.n_head", "16",
+          "--total_batch_size", "65536"]  # fmt: skip
+CASES |= {
+    "gpt2_124m_h200x1_bench": (GPT2, "h200", 1, 1),
+    "gpt2_350m_h200x1_bench": (
+        [*GPT2, "--model.n_layer", "24", "--model.d_model", "1024", "--model.n_head", "16"], "h200", 1, 1),
+    "gpt_1b_h200x1_bench": (GPT_1B, "h200", 1, 1),
+    "gpt_1b_fp8_h200x1_bench": ([*GPT_1B, "--model.matmul", "fp8"], "h200", 1, 1),
+}  # fmt: skip
 CI_CASES = list(CASES)[:11]
 # scripts/plan.py runs that do not fit, each suggestion they print then planned in turn
 # (tests/test_gpu_compile.py: each must fit). Two layers of gpt2_124m at 128 sequences a device on

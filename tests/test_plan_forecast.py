@@ -97,3 +97,21 @@ def test_the_forecast_is_within_tolerance_of_each_published_run(run):
         p["schedule_trace"], target, targets.peak_flops(target, p["dtype"]), p["forecast"]["expert_load"]
     ).now
     assert abs(step / run["measured_step_s"] - 1) <= calibration.TOLERANCE, (step, run)
+
+
+@pytest.mark.parametrize("run", _calibration().MEASURED_HERE, ids=lambda r: r["case"])
+def test_each_run_measured_here_is_planned_as_the_same_job(run):
+    """The plan beside a run jaxtrain measured is of the same job: the GPU, the rows, microbatches
+    and window of a step, and the matmul precision; its step time is the run's tokens over its rate."""
+    calibration = _calibration()
+    p = calibration.plan(run["case"])
+    bench = json.loads((ROOT / "bench/results" / run["bench"]).read_text())
+    measured = bench["runs"][run["run"]]
+    shape = bench.get("shapes", {}).get(run["run"].split("/")[0], [])  # absent: configs/gpt2_124m.yaml's
+    assert measured["device_kind"] == targets.get(p["target"]).device_kind == "NVIDIA H200"
+    rows, accumulation, seq_len = measured["batch"]
+    assert (p["global_batch"], p["accumulation"], p["seq_len"]) == (rows, accumulation, seq_len)
+    assert ("--model.matmul" in shape) == (p["mfu_dtype"] == "float8")
+    (row,) = [r for r in calibration.measured_rows() if r["case"] == run["case"]]
+    assert row["measured_step_s"] == pytest.approx(rows * seq_len / measured["tokens_per_sec"])
+    assert row["error"] == pytest.approx(p["forecast"]["step_time_s"] / row["measured_step_s"] - 1)
