@@ -44,6 +44,8 @@ DENSE = [
     "llama3_405b_h100_256x8_fp8",
     # documents masked (issue 46 item 2)
     "llama3_8b_128k_docs_h100_8x8", "llama3_8b_1m_docs_h100_16x8", "llama3_8b_1m_docs_h100_16x8_context16",
+    # the jobs jaxtrain measured on one H200 (bench/calibration.py MEASURED_HERE)
+    "gpt2_124m_h200x1_bench", "gpt2_350m_h200x1_bench", "gpt_1b_h200x1_bench", "gpt_1b_fp8_h200x1_bench",
 ]  # fmt: skip
 # The mixtures of experts, each with the words of its model column.
 MOE = {
