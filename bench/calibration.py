@@ -38,9 +38,9 @@ MEASURED_HERE = [
      "bench": "gpu_bench_h200.json", "run": "124m/auto/none"},
     {"case": "gpt2_350m_h200x1_bench", "job": "GPT-2 350M (24 x 1024), 1 H200, 512 x 1024",
      "bench": "gpu_bench_h200.json", "run": "350m/auto/none"},
-    {"case": "gpt_1b_h200x1_bench", "job": "GPT 1.3B (16 x 2048), 1 H200, 64 x 1024",
+    {"case": "gpt_1b_h200x1_bench", "job": "GPT 0.9B (16 x 2048), 1 H200, 64 x 1024",
      "bench": "gpu_check_h200_2/bench_fp8.json", "run": "1b/auto/none"},
-    {"case": "gpt_1b_fp8_h200x1_bench", "job": "the same 1.3B, its projections in FP8",
+    {"case": "gpt_1b_fp8_h200x1_bench", "job": "the same 0.9B, its projections in FP8",
      "bench": "gpu_check_h200_2/bench_fp8.json", "run": "1b_fp8/auto/none"},
 ]  # fmt: skip
 
