@@ -57,19 +57,29 @@ def test_pallas_is_never_settled_for_four_byte_values():
         kernels.settle(named, "gpu", "float32", "9.0")
 
 
-def test_an_exchange_that_fails_has_no_fallback_and_says_what_to_do():
+def test_a_ragged_exchange_that_fails_falls_back_to_the_padded_one_or_is_refused_by_name():
     job = _job([*MOE, "--mesh.expert", "2"])
+    on_gpu = kernels.settle(job.cfg.model, "gpu", "bfloat16", "9.0")
+    assert on_gpu.moe.exchange == "ragged" and _settled(job).moe.exchange == "padded"
+    failed = {"exchange": [(0, socket.gethostname())]}
+    model, lines = verdicts._decide(job, on_gpu, failed, [])
+    assert model.moe.exchange == "padded" and lines == [
+        "preflight: the ragged expert exchange failed on cpu; running the padded expert exchange instead"
+    ]
+    named = _job([*MOE, "--mesh.expert", "2", "--model.moe.exchange", "ragged"])
     with pytest.raises(ConfigError) as refused:
-        verdicts._decide(job, _settled(job), {"exchange": [(0, socket.gethostname())]}, [])
-    assert str(refused.value).startswith("preflight: the padded expert exchange failed on cpu; ")
-    assert "--mesh.expert 1" in str(refused.value) and "\n" not in str(refused.value)
+        verdicts._decide(named, on_gpu, failed, [])
+    assert str(refused.value).startswith("preflight: the ragged expert exchange failed on cpu; ")
+    assert "use --model.moe.exchange auto" in str(refused.value) and "\n" not in str(refused.value)
+    with pytest.raises(ConfigError, match="model.moe.exchange ragged needs GPUs"):
+        kernels.settle(named.cfg.model, "cpu", "float32")
 
 
 def test_fallback_is_the_cpu_proven_kernel_or_none():
     cfg = _settled(_job(MOE))
     assert kernels.fallen_back(cfg, "grouped_matmul").moe.grouped_matmul == "ragged_dot"
     assert kernels.fallen_back(cfg, "attention") is None  # xla is the proven one: nothing to fall to
-    assert kernels.fallen_back(cfg, "exchange") is None
+    assert kernels.fallen_back(cfg, "exchange") is None  # padded: the one proven on CPU
 
 
 def test_fp8_matmuls_are_checked_on_gpus_at_the_jobs_widths_and_refused_by_name():

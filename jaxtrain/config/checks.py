@@ -22,6 +22,7 @@ _CHOICES = {
     "model.attention_impl": ("auto", "xla", "cudnn"),
     "model.mlp": ("gelu", "swiglu"),
     "model.moe.grouped_matmul": ("auto", "ragged_dot", "blocks", "pallas"),
+    "model.moe.exchange": ("auto", "ragged", "padded"),
     "model.moe.router": ("softmax", "sigmoid"),
     "model.moe.dispatch_dtype": ("", "float8_e4m3fn"),
     "model.rope_type": ("llama3", "yarn"),

@@ -55,6 +55,11 @@ class MoeConfig:
     capacity_factor: float = 0.0
     # auto | ragged_dot | blocks: the experts' grouped matmul (auto: blocks on CPUs, ragged_dot elsewhere)
     grouped_matmul: str = "auto"
+    # Under mesh.expert, how the copies reach their experts' devices: ragged (XLA's ragged all-to-all,
+    # each peer exactly its rows: GPUs), padded (an all-to-all of each peer's rows padded to the
+    # receive bound: any platform, more bytes); auto: ragged on GPUs, padded on CPUs (XLA:CPU has no
+    # ragged one), and padded where the job-start preflight finds the ragged one wrong
+    exchange: str = "auto"
     # The copies sent to the experts (and, in the backward, their gradient): "" = in the compute
     # dtype; float8_e4m3fn = DeepSeek-V3's FP8 dispatch (each 128 values scaled by their max): half
     # the bytes, the experts' inputs rounded to 3 mantissa bits. Results come back in the compute dtype.

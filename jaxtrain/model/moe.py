@@ -172,6 +172,7 @@ class Wire:
     routed: int | None = None
     dispatch: str = ""
     bound: int = 0
+    exchange: str = "auto"  # moe.exchange: ragged | padded (auto: by the platform, parallel/expert.py)
 
     def _out(self, x: jax.Array, plan: Any, buffer: jax.Array | None) -> jax.Array:
         return x
@@ -438,7 +439,8 @@ class MoeMlp(nn.Module):
             *(_copies(tokens_, weights_, experts_, self.dtype) for tokens_, weights_, experts_ in split),
             strict=True,
         )
-        wire, recomputed = Wire(impl, dispatch=moe.dispatch_dtype), self.cfg.remat != "none"
+        wire = Wire(impl, dispatch=moe.dispatch_dtype, exchange=moe.exchange)
+        recomputed = self.cfg.remat != "none"
         if self.placement.experts is None:
             plans = tuple(Groups(jnp.zeros(moe.n_experts, jnp.int32).at[e].add(1)) for e in piece_experts)
             outs, dropped = (

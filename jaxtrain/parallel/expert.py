@@ -3,9 +3,10 @@
 Each device holds `n_experts / expert` experts of every MoE layer (the `expert` mesh axis). Inside
 the train step each device sends each peer exactly the copies for its experts by one
 `ragged_all_to_all`, a slice per expert of the peer's, so they land grouped by expert as the
-grouped matmul takes them (no sort), and gets the results back by another (on XLA:CPU, which has
-none, a padded `all_to_all` stands in: same routing). A device's receive buffer holds every peer's
-copies (dropless), or `capacity_factor` x the copies an even router sends it (the rest dropped, the
+grouped matmul takes them (no sort), and gets the results back by another (model.moe.exchange
+padded: a padded `all_to_all` stands in, same routing, more bytes; on XLA:CPU, which has no ragged
+one, and on GPUs whose preflight finds the ragged one wrong). A device's receive buffer holds every
+peer's copies (dropless), or `capacity_factor` x the copies an even router sends it (the rest dropped, the
 same share of each sender's, and counted). The model's routed block (model/moe.py `routed`)
 schedules the pieces and runs the experts; the `Exchange` wire here moves their rows.
 """
@@ -145,15 +146,14 @@ class Placed(Wire):
 
 @dataclasses.dataclass(frozen=True)
 class Exchange(Placed):
-    """Rows sent to their experts' devices along `axis` and back: by `ragged_all_to_all`, or its
-    padded stand-in of `width` rows a peer (XLA:CPU)."""
+    """Rows sent to their experts' devices along `axis` and back: by `ragged_all_to_all` (`exchange`
+    ragged), or its padded stand-in of `width` rows a peer (padded)."""
 
     axis: str = ""
-    ragged: bool = False
     width: int = 0
 
     def _a2a(self, *args: jax.Array) -> jax.Array:
-        if self.ragged:
+        if self.exchange == "ragged":
             return jax.lax.ragged_all_to_all(*args, axis_name=self.axis)
         return padded_ragged_all_to_all(*args, axis_name=self.axis, width=self.width)
 
@@ -186,7 +186,9 @@ def experts(
         plans = tuple(Groups(jnp.zeros(w_in.shape[0], jnp.int32).at[e].add(1)) for e in experts)
         placed = Placed(wire.impl, wire.routed, wire.dispatch)
         return routed(recomputed)(placed, rows, gates, w_in, w_out, plans), jnp.zeros((), jnp.float32)
-    ragged = _platform() not in (None, "cpu")  # XLA:CPU has no ragged all-to-all
+    # Settled where the job meets its devices (run/kernels.py); auto outside a job: by the platform
+    # (XLA:CPU has no ragged all-to-all)
+    ragged = wire.exchange == "ragged" or (wire.exchange == "auto" and _platform() not in (None, "cpu"))
     return exchange(
         rows, gates, experts, EXPERT_AXIS, ep, w_in, w_out, wire.impl, capacity_factor, ragged,
         wire.dispatch, recomputed,
@@ -213,13 +215,13 @@ def exchange(
     receiver's bound (`receive_bound`, `_admitted`: each piece's), zero out).
 
     Each device sends each peer exactly the rows it admits, by `ragged_all_to_all` (ragged) or its
-    padded stand-in (XLA:CPU); both land them in the same places, so the routing is the same.
+    padded stand-in; both land them in the same places, so the routing is the same.
     `recomputed`: the block is recomputed in the backward (remat), where model/moe.py `routed`'s own
     backward saves a transfer; else jax's."""
     n = rows[0].shape[0]
     bound = receive_bound(n, ep, capacity_factor)
     plans = tuple(_plan(e, axis, ep, w_in.shape[0], bound) for e in experts)
-    wire = Exchange(impl, n, dispatch, bound, axis, ragged, min(n, bound))
+    wire = Exchange(impl, n, dispatch, bound, "ragged" if ragged else "padded", axis, min(n, bound))
     admitted = sum(plan.send_sizes.sum() for plan in plans)
     outs = routed(recomputed)(wire, tuple(rows), tuple(gates), w_in, w_out, plans)
     return outs, 1.0 - admitted / (n * len(rows))

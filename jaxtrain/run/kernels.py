@@ -82,23 +82,41 @@ def grouped_matmul(
     return "pallas" if capability == grouped.HOPPER and not why else "ragged_dot"
 
 
+def exchange(cfg: ModelConfig, platform: str) -> str:
+    """How the experts' copies cross the expert axis on these devices (moe.exchange settled): XLA's
+    ragged all-to-all on GPUs, the padded all-to-all on CPUs (XLA:CPU has none ragged). An explicit
+    ragged off GPUs is refused."""
+    if cfg.moe.exchange == "ragged" and platform != "gpu":
+        raise ConfigError(
+            f"model.moe.exchange ragged needs GPUs (XLA:{platform.upper()} has no ragged all-to-all); "
+            "use model.moe.exchange auto"
+        )
+    if cfg.moe.exchange != "auto":
+        return cfg.moe.exchange
+    return "ragged" if platform == "gpu" else "padded"
+
+
 def settle(cfg: ModelConfig, platform: str, dtype: Any, capability: str = "", tensor: int = 1) -> ModelConfig:
     """`cfg` with its kernels settled for devices of `platform` and `capability`, compute `dtype` and
     a tensor axis of `tensor` devices; ConfigError for a kernel they cannot run."""
     moe = cfg.moe
     if moe.n_experts:
         moe = dataclasses.replace(
-            moe, grouped_matmul=grouped_matmul(cfg, platform, capability, tensor, dtype)
+            moe,
+            grouped_matmul=grouped_matmul(cfg, platform, capability, tensor, dtype),
+            exchange=exchange(cfg, platform),
         )
     return dataclasses.replace(cfg, attention_impl=attention(cfg, platform, dtype, capability), moe=moe)
 
 
 def fallen_back(cfg: ModelConfig, kind: str) -> ModelConfig | None:
-    """`cfg` with the kernel of `kind` (attention, grouped_matmul) set to the one proven on CPU, what
-    auto runs when the preflight finds its choice wrong on these devices (run/verdicts.py); None
-    where there is none to fall back to (it is the one that failed, or `kind` has no other)."""
+    """`cfg` with the kernel of `kind` (attention, grouped_matmul, exchange) set to the one proven on
+    CPU, what auto runs when the preflight finds its choice wrong on these devices (run/verdicts.py);
+    None where there is none to fall back to (it is the one that failed, or `kind` has no other)."""
     if kind == "attention" and cfg.attention_impl != "xla":
         return dataclasses.replace(cfg, attention_impl="xla")
     if kind == "grouped_matmul" and cfg.moe.grouped_matmul != "ragged_dot":
         return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, grouped_matmul="ragged_dot"))
+    if kind == "exchange" and cfg.moe.exchange != "padded":
+        return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, exchange="padded"))
     return None

@@ -6,9 +6,10 @@ compile; the verdicts agreed across processes, cached on disk, and turned into t
     cleared.model                                  # settled, or with auto's fallbacks
 
 `auto` that resolved to a kernel that fails falls back to the CPU-proven one (kernels.fallen_back:
-XLA's attention, `ragged_dot`) with one warning line; a kernel chosen by name that fails is refused
-in one line (exit 2). Every process takes the same decision from the same gathered verdicts, and a
-failure on some processes only names their hosts (a bad GPU rather than a kernel bug).
+XLA's attention, `ragged_dot`, the padded exchange) with one warning line; a kernel chosen by name
+that fails is refused in one line (exit 2). Every process takes the same decision from the same
+gathered verdicts, and a failure on some processes only names their hosts (a bad GPU rather than a
+kernel bug).
 Only passes are cached (cache_root()/preflight): a failure is checked again on the next run, as a
 replaced GPU or driver may pass. The key holds the versions, the driver, the devices, the host, the
 checks' names (their shapes and dtype) and the source of the kernels checked.
@@ -44,7 +45,7 @@ KINDS = ("attention", "grouped_matmul", "exchange", "matmul")  # a verdict vecto
 # What auto checks: the GPU-only kernels.
 GPU_ONLY = {"attention": "cudnn", "grouped_matmul": "pallas", "exchange": "ragged", "matmul": "cublaslt"}
 KEYS = {"attention": "model.attention_impl", "grouped_matmul": "model.moe.grouped_matmul",
-        "matmul": "model.matmul"}  # fmt: skip
+        "exchange": "model.moe.exchange", "matmul": "model.matmul"}  # fmt: skip
 # A check's kind, by its name's first word (run/preflight.py names them so).
 KIND_OF = {"attention": "attention", "expert_mlps": "grouped_matmul", "ragged_matmul": "grouped_matmul",
            "grouped_matmul": "grouped_matmul", "exchange": "exchange", "fp8_matmul": "matmul"}  # fmt: skip
@@ -77,7 +78,7 @@ def choices(cfg: Config, settled: ModelConfig, dtype: Any, platform: str) -> Cho
     chosen = {
         "attention": m.attention_impl,
         "grouped_matmul": m.moe.grouped_matmul if moe else "",
-        "exchange": ("padded" if platform == "cpu" else "ragged") if moe and cfg.mesh.expert > 1 else "",
+        "exchange": m.moe.exchange if moe and cfg.mesh.expert > 1 else "",
         # FP8 projections: cuBLASLt's FP8 GEMM on GPUs (what XLA must emit), XLA's own dot on CPUs
         "matmul": ("xla" if platform == "cpu" else "cublaslt") if "fp8" in (m.matmul, m.head_matmul) else "",
     }
@@ -184,7 +185,7 @@ def _impl(cfg: ModelConfig, kind: str, job: Job) -> str:
         return cfg.moe.grouped_matmul
     if kind == "matmul":
         return "xla" if job.platform == "cpu" else "cublaslt"
-    return "padded" if job.platform == "cpu" else "ragged"
+    return cfg.moe.exchange
 
 
 def _what(kind: str, impl: str) -> str:
@@ -194,18 +195,16 @@ def _what(kind: str, impl: str) -> str:
 
 
 def _requested(cfg: ModelConfig, kind: str) -> str:
-    """What the user's config asked for: auto, or a kernel by name (the exchange has no key; FP8 is
-    asked for by name, never by auto)."""
+    """What the user's config asked for: auto, or a kernel by name (FP8 is asked for by name, never
+    by auto)."""
     if kind == "attention":
         return cfg.attention_impl
     if kind == "matmul":
         return "fp8"
-    return cfg.moe.grouped_matmul if kind == "grouped_matmul" else "auto"
+    return cfg.moe.grouped_matmul if kind == "grouped_matmul" else cfg.moe.exchange
 
 
 def _fix(kind: str, impl: str) -> str:
-    if kind == "exchange":
-        return "the expert exchange has no other kernel on GPUs yet: use --mesh.expert 1"
     if kind == "matmul":
         return "use --model.matmul compute --model.head_matmul compute (bf16 projections)"
     return f"use --{KEYS[kind]} auto (it falls back to the kernel proven on CPU)"
