@@ -158,6 +158,50 @@ def test_fsdp_gathers_a_projection_as_fp8_by_the_whole_weights_scale():
     assert np.abs(np.asarray(grads[0])).min() > 0
 
 
+def test_a_scanned_stack_hands_its_layers_the_whole_weights_fp8_scales():
+    """fsdp.Fsdp.with_scales (a scanned stack's hook under model.matmul fp8): each layer's scale
+    from one all-reduce of every layer's max, before the layers run; a layer's gather by it gives
+    what the gather computing its own scale gives, bitwise: the one-device rounding."""
+    mesh = jax.make_mesh((1, 1, 1, 8, 1, 1), mesh_lib.MESH_AXES, devices=jax.devices()[:8])
+    spec = P(None, mesh_lib.FSDP_AXIS, None)  # [layers, embed, mlp]: embed split over fsdp
+    layers = fsdp.Fsdp({"params": {"mlp": {"fc": {"kernel": spec}}}}, jnp.bfloat16, jnp.float32, False)
+    w = 0.02 * jax.random.normal(jax.random.key(3), (3, 64, 32), jnp.float32)
+    w = w.at[1, 60, 2].set(0.7).at[2].multiply(0.1)  # layer 1's max on one shard only
+    w = jax.device_put(w, jax.sharding.NamedSharding(mesh, spec))
+
+    def per_device(stack: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        scaled = layers.with_scales({"params": {"mlp": {"fc": {"kernel": stack}}}})["params"]["mlp"]["fc"]
+        given = [
+            layers.gather_fp8(
+                {"params": {"mlp": {"fc": {"kernel": stack[i], fsdp.SCALE: scaled[fsdp.SCALE][i]}}}}
+            )
+            for i in range(3)
+        ]
+        own = [layers.gather_fp8({"params": {"mlp": {"fc": {"kernel": stack[i]}}}}) for i in range(3)]
+        pick = lambda vs: jnp.stack([v["params"]["mlp"]["fc"]["kernel"] for v in vs])  # noqa: E731
+        return pick(given), pick(own), scaled[fsdp.SCALE]
+
+    run = jax.jit(
+        jax.shard_map(
+            per_device,
+            mesh=mesh,
+            in_specs=spec,
+            out_specs=P(),
+            axis_names={mesh_lib.FSDP_AXIS},
+            check_vma=False,
+        )
+    )
+    given, own, scales = run(w)
+    np.testing.assert_array_equal(given, own)
+    for i in range(3):
+        whole = fp8.dequantize(*fp8.quantize(w[i].astype(jnp.bfloat16), fp8.FORWARD), jnp.bfloat16)
+        np.testing.assert_array_equal(given[i], whole)
+        assert float(scales[i]) == float(fp8.scale_of(w[i].astype(jnp.bfloat16), fp8.FORWARD))
+    assert len(set(np.asarray(scales).tolist())) == 3  # three layers, three scales
+    # One all-reduce for the three layers' scales in the stack's hook (the own-scale gathers: 3 more).
+    assert run.lower(w).as_text().count("all_reduce") == 4
+
+
 def _dense_dots(argv: list[str]) -> tuple[dict, set]:
     """The model of `argv` under model.matmul fp8, initialised: {each dense's kernel path (its last 3
     names): whether its dot is the FP8 one}, and every param's path."""

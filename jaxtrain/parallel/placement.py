@@ -62,7 +62,7 @@ class Layout:
         moe = model.cfg.moe.n_experts > 0
         placement = Placement(
             gather=self.fsdp.gather_for(model.cfg.matmul) if self.gathers else None,
-            stack_in=self.fsdp.whole_experts if moe else None,
+            stack_in=self.fsdp.stack_in_for(model.cfg.matmul, moe),
             attend=context.attend,
             experts=functools.partial(expert.experts, ep=self.expert_split),
             expert_split=self.expert_split,
