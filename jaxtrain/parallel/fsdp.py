@@ -9,8 +9,9 @@ checks the compiled HLO). Why explicit collectives: GSPMD alone all-reduced the 
 and then sliced it (XLA:CPU).
 
 Under model.matmul fp8 a projection's weight (model/fp8.py `projection`) is gathered as FP8:
-each device rounds its shard to e4m3 by the whole weight's scale (the max over the shards: one
-scalar's all-reduce), the gather moves the e4m3 bytes (half of bf16's) and the whole weight is
+each device rounds its shard to e4m3 by the whole weight's scale (the max over the shards: in a
+scanned stack one all-reduce for every layer before they run, `Fsdp.with_scales`; else one scalar's
+all-reduce a gather), the gather moves the e4m3 bytes (half of bf16's) and the whole weight is
 dequantized after: the values the one-device FP8 dot multiplies, exactly (`gather_param`).
 
 With `mesh.zero1` the params and the optimizer state are also split over `data`: the step gathers a
@@ -195,25 +196,12 @@ class Fsdp:
     def with_scales(self, variables: Any) -> Any:
         """A scanned stack's params with each gathered projection's FP8 scale, one a layer, beside
         its kernel (`SCALE`), for `gather`: every layer's maxima in one all-reduce before the layers
-        run, not one a layer that its gather waits on (8,066 a step in llama3_8b on 1 x 8, each
-        queued behind the previous layer's reduce-scatter). No gradient flows through a scale."""
-        flat, treedef = jax.tree_util.tree_flatten_with_path(variables)
-        picked = []  # (index in flat, the manual axes the weight is split over)
-        for i, (path, p) in enumerate(flat):
-            names = path_names(path)[1:]  # [0]: the collection
-            dim, axes = self._gathered(names, p.ndim - 1) if fp8.projection(names) else (None, None)
-            over = (
-                ()
-                if dim is None or axes is None
-                else self._fp8_over(axes, logical_axes(names, p.ndim), p.shape)
-            )
-            # Not a weight split over tensor: its gather runs manual over tensor (`tensor.over_tensor`),
-            # where a scale from here cannot enter; it takes its own all-reduce there.
-            if over and mesh_lib.TENSOR_AXIS not in over:
-                picked.append((i, over))
+        run, not one a layer that its gather waits on (docs/fp8.md). No gradient flows through a scale."""
+        flat = jax.tree_util.tree_flatten_with_path(variables)[0]
+        picked = [(i, over) for i, (path, p) in enumerate(flat) if (over := self._stack_over(path, p))]
         if not picked:
             return variables
-        # Each layer's max, then over the manual axes, every weight's at once.
+        # Each layer's max of each weight, then the max over the manual axes, every weight's at once.
         amax = {i: jnp.max(jnp.abs(flat[i][1].astype(self.dtype)), axis=tuple(range(1, flat[i][1].ndim)))
                 for i, _ in picked}  # fmt: skip
         scales = {}
@@ -222,6 +210,20 @@ class Fsdp:
             whole = whole_scale(jnp.stack([amax[i] for i in group]), over)
             scales.update({i: whole[k] for k, i in enumerate(group)})
         return _beside(variables, [(flat[i][0], scales[i]) for i, _ in picked])
+
+    def _stack_over(self, path: tuple, p: jax.Array) -> tuple[str, ...]:
+        """The manual axes a stacked projection's layers are split over, where `with_scales` gives
+        its scales; () for any other param. Not a weight split over tensor: its gather runs manual
+        over tensor (`tensor.over_tensor`, one array in), where a value from here cannot enter; it
+        takes its own all-reduce there."""
+        names = path_names(path)[1:]  # [0]: the collection
+        if not fp8.projection(names):
+            return ()
+        dim, axes = self._gathered(names, p.ndim - 1)
+        if dim is None or axes is None:
+            return ()
+        over = self._fp8_over(axes, logical_axes(names, p.ndim), p.shape)
+        return () if mesh_lib.TENSOR_AXIS in over else over
 
     @staticmethod
     def _fp8_over(axes: Any, logical: tuple[str | None, ...], shape: tuple[int, ...]) -> tuple[str, ...]:
