@@ -90,6 +90,18 @@ def test_fsdp_across_processes_trains_and_says_what_it_costs(tmp_path):
     assert "mesh fsdp x tensor = 4 devices spans hosts (2 devices per process)" in out.stdout + out.stderr
 
 
+def test_a_context_and_tensor_group_across_processes_trains_as_in_one_process(tmp_path):
+    """Both processes' devices hold the same rows (context 2 x tensor 2 over 2 processes of 2): each
+    loads them (mesh.data_share), as the 1M-token window over two hosts does (context 16). It
+    stopped at the first batch before, jax's 'Invalid host data' traceback."""
+    layout = ["--mesh.context", "2", "--mesh.tensor", "2", "--mesh.data", "1", "--model.n_head", "4"]
+    steps = ["--total_steps", "3", "--checkpoint_interval", "3", "--log_interval", "1"]
+    ok(run_train(tmp_path / "two", 2, 2, *layout, *steps))
+    ok(run_train(tmp_path / "one", 1, 4, *layout, *steps))
+    a, b = logged_losses(tmp_path / "two"), logged_losses(tmp_path / "one")
+    assert sorted(a) == [1, 2, 3] and a == pytest.approx(b, rel=1e-5), (a, b)
+
+
 # tests/test_moe.py's experts (8, 2 per token)
 MOE = [
     "--model.n_head", "4", "--model.mlp", "swiglu", "--model.moe.n_experts", "8",

@@ -356,6 +356,25 @@ def bytes_per_device(abstract_tree: Any, specs: Any, mesh: Mesh) -> int:
     return total
 
 
+def data_share(mesh: Mesh) -> tuple[int, int]:
+    """(which, of how many): this process's part of each global batch, the rows its devices hold.
+    Rows split over the batch axes (data, expert, fsdp, in that order) and every device of a
+    pipeline, context or tensor group holds the same ones, so processes that share such a group
+    (a context group over two hosts) load the same part, and each process of a wider batch split
+    its own (a process holding a whole stage of the pipeline loads all of it). A process's blocks of
+    rows need not be one run (`expert_inner`: an expert group's blocks stride by fsdp); jax lays
+    its part into them in order."""
+    grid = mesh.devices
+    axes = [mesh.axis_names.index(a) for a in BATCH_AXES]
+    index = np.indices(grid.shape)
+    block = np.ravel_multi_index([index[a] for a in axes], [grid.shape[a] for a in axes])
+    processes = np.vectorize(lambda d: d.process_index, otypes=[int])(grid)
+    held = {p: tuple(np.unique(block[processes == p])) for p in np.unique(processes)}
+    shares = sorted(set(held.values()))  # processes holding the same rows share one
+    assert len({b for s in shares for b in s}) == sum(map(len, shares)), shares  # disjoint, or equal
+    return shares.index(held[jax.process_index()]), len(shares)
+
+
 def global_batch(local_rows: np.ndarray, mesh: Mesh, global_rows: int) -> jax.Array:
     """This process's rows of the global batch -> one global array sharded over the batch axes."""
     shape = (global_rows, *local_rows.shape[1:])

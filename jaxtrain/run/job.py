@@ -74,18 +74,6 @@ class Job:
     def device_kind(self) -> str:
         return str(self.devices[0].device_kind)
 
-    @property
-    def data_share(self) -> tuple[int, int]:
-        """(which, of how many): this process's part of each global batch. Every pipeline stage
-        takes the whole batch, and the outer mesh axis follows the process order, so the processes
-        of one stage split it (a process holding whole stages loads all of it)."""
-        per_stage = max(1, self.process_count // self.cfg.mesh.pipeline)
-        return self.process_index % per_stage, per_stage
-
-    @property
-    def rows_per_process(self) -> int:
-        return self.cfg.batch_size // self.data_share[1]
-
     def describe(self) -> str:
         return f"{self.process_count} process(es) x {len(self.local_devices)} {self.device_kind} device(s)"
 

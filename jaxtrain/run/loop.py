@@ -259,7 +259,8 @@ def _say_what_runs(run: Run, data: Resolved) -> None:
         log.info(note)
     log.info(
         f"{job.describe()}; global batch {cfg.batch_size} x {cfg.model.seq_len} tokens, "
-        f"{cfg.gradient_accumulation_steps} microbatch(es), {job.rows_per_process} rows per process; "
+        f"{cfg.gradient_accumulation_steps} microbatch(es), "
+        f"{cfg.batch_size // mesh_lib.data_share(run.mesh)[1]} rows per process; "
         f"data {data.data_path}"
     )
     log.info(
@@ -356,11 +357,11 @@ class _Batches:
     """This process's rows of each global batch, one batch ahead on the devices."""
 
     def __init__(self, run: Run, train: list[sources.Source], start_step: int) -> None:
-        cfg, job = run.cfg, run.job
+        cfg = run.cfg
         self.cfg, self.mesh = cfg, run.mesh
         self.rows = iter(
             loader.train_loader(
-                train, cfg.batch_size, cfg.seed, start_step, cfg.total_steps, *job.data_share,
+                train, cfg.batch_size, cfg.seed, start_step, cfg.total_steps, *mesh_lib.data_share(run.mesh),
                 cfg.data_threads, cfg.prefetch,
             )
         )  # fmt: skip
@@ -387,7 +388,7 @@ class _Evaluator:
 
     def __init__(self, run: Run, val: list[sources.Source]) -> None:
         self.built, self.cfg = run, run.cfg
-        rows = (run.cfg.batch_size, run.cfg.eval_batches, *run.job.data_share)
+        rows = (run.cfg.batch_size, run.cfg.eval_batches, *mesh_lib.data_share(run.mesh))
         self.sets = [(s, loader.eval_batches(s, *rows)) for s in (val if self.cfg.eval_interval else [])]
 
     def due(self, step: int) -> bool:

@@ -104,7 +104,7 @@ def evaluate_checkpoint(cfg: Config, launch: LaunchSpec) -> dict[str, Any]:
     t0 = time.perf_counter()
     per_source: dict[str, dict[str, Any]] = {}
     for s in test_sources:
-        loss = evaluate.mean_loss(run, params, _windows(s, cfg.batch_size, *job.data_share))
+        loss = evaluate.mean_loss(run, params, _windows(s, cfg.batch_size, *mesh_lib.data_share(run.mesh)))
         n_tokens = math.ceil(s.shards.n_windows / cfg.batch_size) * cfg.batch_size * m.seq_len
         per_source[s.name] = {"loss": loss, "perplexity": math.exp(loss), "tokens": n_tokens}
     loss = evaluate.overall({name: r["loss"] for name, r in per_source.items()}, test_sources)
