@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from jaxtrain.config import load_config
-from jaxtrain.plan import advice, planner
+from jaxtrain.plan import advice, candidates, planner, targets
 
 ROOT = Path(__file__).resolve().parent.parent
 USABLE_H100 = 63_697_010_688
@@ -34,7 +34,7 @@ def test_nearer_lists_remat_then_a_smaller_batch_then_wider_fsdp(total_batch):
     assert advice.nearer(cfg, p, devices=8) == [full, smaller, {**smaller, **full}, wider, {**wider, **full}]
     # fsdp already spans the host: nothing wider; full remat already: never advised again.
     whole = {**p, "mesh": {"data": 1, "fsdp": 8, "tensor": 1}}
-    assert advice.nearer(advice.with_overrides(cfg, full), whole, devices=8) == [smaller]
+    assert advice.nearer(candidates.with_overrides(cfg, full), whole, devices=8) == [smaller]
     # Across hosts fsdp widens past one host; a device batch of 1 is never advised again.
     one = {**whole, "device_batch": 1}
     assert advice.nearer(cfg, one, devices=16) == [
@@ -107,21 +107,21 @@ def test_fixes_print_as_flags_with_their_memory(capsys):
 
 def test_the_search_varies_the_expert_and_pipeline_axes():
     mixtral = _cfg("mixtral_8x7b.yaml")
-    grid = advice.layouts(mixtral, devices=16, gpus_per_host=8)
+    grid = candidates.layouts(mixtral, devices=16, gpus_per_host=8)
     assert [(t, e) for t, c, e, _, _ in grid if t == 1 and c == 1] == [(1, 8), (1, 4), (1, 2), (1, 1)]
     assert {pipe for _, _, _, pipe, _ in grid} == {1}  # no pipeline for a mixture of experts
     for tensor, context, expert, pipe, fsdps in grid:
         assert fsdps[-1] * tensor * context * expert * pipe == 16 and fsdps[0] == 1
     # Expert laid inside fsdp is tried where it moves the exchange into a host: expert 8 x fsdp 2
     # on 2 x 8 (not expert 8 x fsdp 1, nor expert 4 x fsdp 2 in one host, nor expert 16).
-    assert advice.inner_choice(8, 2, 1, 8) and advice.inner_choice(4, 4, 2, 8)
+    assert candidates.inner_choice(8, 2, 1, 8) and candidates.inner_choice(4, 4, 2, 8)
     assert not any(
-        advice.inner_choice(*a, 8) for a in [(8, 1, 1), (4, 2, 1), (16, 2, 1), (1, 8, 1), (8, 2, 2)]
+        candidates.inner_choice(*a, 8) for a in [(8, 1, 1), (4, 2, 1), (16, 2, 1), (1, 8, 1), (8, 2, 2)]
     )
     # A dense model: expert 1 only; tensor inside the host, largest first; context in what the host
     # leaves, where it divides the window and the heads (32 heads: context x tensor <= 32); no
     # pipeline, then the pipelines that divide its 32 layers in what is left, deepest first.
-    dense = advice.layouts(_cfg("llama3_8b.yaml"), devices=64, gpus_per_host=8)
+    dense = candidates.layouts(_cfg("llama3_8b.yaml"), devices=64, gpus_per_host=8)
     assert [(t, c) for t, c, e, pipe, _ in dense if pipe == 1] == [
         (8, 1),
         (4, 1),
@@ -140,8 +140,8 @@ def test_the_search_varies_the_expert_and_pipeline_axes():
     assert {e for _, _, e, _, _ in dense} == {1}
     # Layer counts the stages do not divide, padded by at most 1/16: 126 (2 padding layers over
     # 64, 32, ... stages; none over 2), and 80 (none over 16; 16 of 96 over 32).
-    assert advice.pipelines(_cfg("llama3_405b.yaml"), 256) == [1, 64, 32, 16, 8, 4, 2]
-    assert advice.pipelines(_cfg("llama3_70b.yaml"), 128) == [1, 16, 8, 4, 2]
+    assert candidates.pipelines(_cfg("llama3_405b.yaml"), 256) == [1, 64, 32, 16, 8, 4, 2]
+    assert candidates.pipelines(_cfg("llama3_70b.yaml"), 128) == [1, 16, 8, 4, 2]
 
 
 def test_a_device_batch_whose_layer_inputs_alone_exceed_a_gpu_is_not_compiled():
@@ -149,9 +149,11 @@ def test_a_device_batch_whose_layer_inputs_alone_exceed_a_gpu_is_not_compiled():
     32 layers' inputs of 131,072 x 4,096 bfloat16 values a sequence: 34.4 GB, so 2 sequences
     (68.7 GB) cannot fit an H100's 63.7 usable GB at any mesh."""
     cfg = _cfg("llama3_8b.yaml", "--model.seq_len", "131072")
-    assert advice.activation_floor(cfg, 1) == 32 * 131072 * 4096 * 2
-    assert advice.activation_floor(cfg, 2) > USABLE_H100 > advice.activation_floor(cfg, 1)
-    assert advice.activation_floor(cfg, 8, context=8) == advice.activation_floor(cfg, 1)  # split 8 ways
+    assert candidates.activation_floor(cfg, 1) == 32 * 131072 * 4096 * 2
+    assert candidates.activation_floor(cfg, 2) > USABLE_H100 > candidates.activation_floor(cfg, 1)
+    assert candidates.activation_floor(cfg, 8, context=8) == candidates.activation_floor(
+        cfg, 1
+    )  # split 8 ways
 
 
 def test_the_plan_names_the_link_inside_a_host(capsys):
@@ -191,7 +193,7 @@ LLAMA3_405B_SHAPE = ["--model.n_layer", "126", "--model.n_head", "128", "--model
 
 
 def _layout_names(cfg, devices):
-    grid = advice.layouts(cfg, devices=devices, gpus_per_host=8)
+    grid = candidates.layouts(cfg, devices=devices, gpus_per_host=8)
     return {(t, c, e, pipe): fsdps for t, c, e, pipe, fsdps in grid}
 
 
@@ -205,11 +207,59 @@ def test_the_search_tries_the_layouts_we_ship_without_a_compile():
     grid = _layout_names(big, 2048)
     assert 1 in grid[(8, 1, 1, 32)]
     rows = big.total_batch_size // big.model.seq_len  # 512 sequences: 64 a pipeline's data shard
-    floor = advice.activation_floor(big, 1, 1, 32, rows // (2048 // (8 * 32)), tensor=8)
+    floor = candidates.activation_floor(big, 1, 1, 32, rows // (2048 // (8 * 32)), tensor=8)
     assert floor == 64 * 8192 * 16384 * 2 // 8 and floor < USABLE_H100  # each tick's input split over tensor
     long = _cfg("llama3_8b.yaml", "--model.seq_len", "131072")
     assert 8 in _layout_names(long, 64)[(1, 8, 1, 1)]
-    assert advice.activation_floor(long, 1, context=8) < USABLE_H100
+    assert candidates.activation_floor(long, 1, context=8) < USABLE_H100
+
+
+def _order(cfg, devices):
+    """The search's compile order: (tensor, context, expert, pipeline) with the fsdp width and device
+    batch it tries first, fastest estimate first (candidates.ranked, no compile)."""
+    h100, rows = targets.get("h100"), candidates.rows_of(cfg)
+    out = []
+    for _, layout in candidates.ranked(cfg, candidates.layouts(cfg, devices, 8), devices, 8, h100):
+        tensor, context, _, pipe, _ = layout
+        per_shard = rows // (devices // (tensor * context * pipe))
+        batch = candidates.first_batch(cfg, tensor, context, pipe, per_shard, USABLE_H100)
+        least = candidates.memory_floor(cfg, batch, tensor, context, pipe, per_shard)
+        out.append((layout[:4], candidates.first_fsdp(cfg, layout, devices, least, USABLE_H100), batch))
+    return out
+
+
+def test_the_search_compiles_the_layouts_we_ship_within_its_budget():
+    """Issue 47: a search's 16 compiles cover a few layouts, so it compiles them in the order of an
+    estimate from the shape (candidates.py), and starts each at the fsdp width its state can fit. From
+    a base config with only the size or the window changed, the layouts we ship come among the first
+    and start where we ship them; what cannot fit is passed over without a compile."""
+    # Llama 3 405B from configs/llama3_70b.yaml by flags, Meta's 16M-token batch, on 256 x 8:
+    # pipeline 32 x tensor 8 at fsdp 1, one sequence a microbatch (configs/llama3_405b.yaml's).
+    big = _cfg("llama3_70b.yaml", *LLAMA3_405B_SHAPE, "--total_batch_size", "16777216")
+    order = _order(big, 2048)
+    assert ((8, 1, 1, 32), 1, 1) in order[:6]
+    # llama3_8b at a 131,072-token window on 8 x 8: context 8 (configs/llama3_8b_128k.yaml's) among
+    # the first; tensor 2 alone is passed over: 32 layers' inputs (34.4 GB) and the head's logits and
+    # their gradient (2 x 8.4 GB) already exceed a GPU at one sequence.
+    long = _cfg("llama3_8b.yaml", "--model.seq_len", "131072")
+    order = _order(long, 64)
+    assert (1, 8, 1, 1) in [layout for layout, _, _ in order[:5]]
+    assert candidates.memory_floor(long, 1, 2, 1, 1, 1) > USABLE_H100
+    # Llama 3 70B on 128 x 8 as shipped: tensor 2 among the first, started at its fsdp 16.
+    assert ((2, 1, 1, 1), 16, 1) in _order(_cfg("llama3_70b.yaml"), 1024)[:3]
+
+
+def test_a_widest_fsdp_that_two_compiles_say_cannot_fit_is_not_compiled():
+    """When a layout fits neither at its first fsdp width nor at twice it, the widest is compiled
+    only if it could fit, each further doubling saving at most what the last one saved. Figures
+    from the searches of bench/results: llama3_8b at 128K tokens, context 2 at fsdp 4 and 8 (76.31,
+    74.23 GB) cannot fit at 32; context 8 at 2 sequences, fsdp 1 and 2 (68.63, 61.81 GB) can at 8
+    (it did: 45.47 GB); 405B, fsdp only, 512 and 1,024 (80.49, 76.28 GB) cannot at 2,048."""
+    s = advice._Search(_cfg("llama3_8b.yaml"), (targets.get("h100"), 8, 8), 16)
+    assert not s.could_fit([76_310_000_000, 74_230_000_000], 4)
+    assert s.could_fit([68_630_000_000, 61_810_000_000], 4)
+    assert not s.could_fit([80_490_000_000, 76_280_000_000], 2)
+    assert s.could_fit([0, 61_810_000_000], 4)  # a width not compiled (its state alone): no judgement
 
 
 @pytest.mark.parametrize("config", ["llama3_8b_128k.yaml", "llama3_405b.yaml", "mixtral_8x7b.yaml"])
@@ -223,22 +273,22 @@ def test_the_search_tries_only_meshes_that_can_exist(config):
 
     cfg = _cfg(config)
     for devices in (48, 64):  # 48: a power of two past 16 does not divide it
-        grid = advice.layouts(cfg, devices=devices, gpus_per_host=8)
+        grid = candidates.layouts(cfg, devices=devices, gpus_per_host=8)
         assert grid
         for tensor, context, expert, pipe, fsdps in grid:
-            mesh = advice.mesh_overrides(cfg, tensor, context, expert, pipe)
+            mesh = candidates.mesh_overrides(cfg, tensor, context, expert, pipe)
             for fsdp in fsdps:
-                candidate = advice.with_overrides(cfg, {**mesh, "mesh.fsdp": fsdp})
+                candidate = candidates.with_overrides(cfg, {**mesh, "mesh.fsdp": fsdp})
                 check(candidate)
                 sizes = resolve_mesh(candidate.mesh, devices)
                 assert sizes.data * fsdp * tensor * context * expert * pipe == devices
     if config == "llama3_8b_128k.yaml":
-        assert advice.mesh_overrides(cfg, 8, 1, 1, 1) == {
+        assert candidates.mesh_overrides(cfg, 8, 1, 1, 1) == {
             "mesh.data": -1,
             "mesh.tensor": 8,
             "mesh.context": 1,
         }
-        assert advice.mesh_overrides(cfg, 1, 8, 1, 1) == {"mesh.data": -1, "mesh.tensor": 1}
+        assert candidates.mesh_overrides(cfg, 1, 8, 1, 1) == {"mesh.data": -1, "mesh.tensor": 1}
 
 
 def test_a_plan_whose_process_aborts_is_one_line_and_the_next_plan_goes_on(tmp_path):

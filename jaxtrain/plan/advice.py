@@ -1,4 +1,5 @@
-"""When a plan does not fit: the nearest settings that do, and the search over layouts.
+"""When a plan does not fit: the nearest settings that do, and the search over layouts (its
+candidates and their order: candidates.py).
 
     fixes = advice.fits_with(cfg, p, target, hosts, gpus_per_host)   # each one planned: it fits
     found = advice.search(cfg, target, hosts, gpus_per_host, budget=16)
@@ -9,7 +10,7 @@ advice says in words what would help (`what_would_help`), never as a list of wha
 
 from __future__ import annotations
 
-import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -17,10 +18,10 @@ import jax
 from jaxtrain.config import Config, check
 from jaxtrain.errors import UserError
 from jaxtrain.observe.memory import fits
-from jaxtrain.plan import targets
+from jaxtrain.plan import candidates, targets
+from jaxtrain.plan.candidates import inner_choice, layouts, mesh_overrides, with_overrides
 from jaxtrain.plan.compiled import usable_bytes
 from jaxtrain.plan.planner import gb, plan_guarded
-from jaxtrain.run.job import resolve_mesh
 
 # What a search keeps of each plan that fits.
 SEARCH_KEYS = (
@@ -28,18 +29,13 @@ SEARCH_KEYS = (
     "schedule_bound_s", "schedule_mfu_ceiling", "forecast",
 )  # fmt: skip
 FULL = {"model.remat": "full"}
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-
-
-def with_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
-    """cfg with dotted-key overrides (mesh.fsdp, model.remat, device_batch_size, ...)."""
-    for key, value in overrides.items():
-        if "." in key:
-            part, leaf = key.split(".")
-            cfg = dataclasses.replace(cfg, **{part: dataclasses.replace(getattr(cfg, part), **{leaf: value})})
-        else:
-            cfg = dataclasses.replace(cfg, **{key: value})
-    return cfg
+FITS_BUDGET = 8  # compiles fits_with's search may take when none of the nearest settings fits
+# How far below the device's limit the projected memory of the widest fsdp may be and still not
+# be compiled (`_Search.could_fit`): XLA's temporaries do not fall exactly as projected.
+WIDEST_MARGIN = 0.05
+# Compiles a search keeps, once a layout fits, for the fastest one's narrower fsdp widths and less
+# remat (`_Search.narrower`, `_Search.less_remat`).
+DEPTH_RESERVE = 3
 
 
 def flags(overrides: dict[str, Any]) -> str:
@@ -99,11 +95,16 @@ def _try(cfg: Config, target: targets.GpuTarget, hosts: int, gpus_per_host: int)
 
 
 def fits_with(
-    cfg: Config, p: dict[str, Any], target: targets.GpuTarget, hosts: int, gpus_per_host: int, budget: int = 8
+    cfg: Config,
+    p: dict[str, Any],
+    target: targets.GpuTarget,
+    hosts: int,
+    gpus_per_host: int,
+    budget: int = FITS_BUDGET,
 ) -> list[dict[str, Any]]:
     """For a plan `p` that does not fit: up to two settings that plan as fitting, nearest first
     (`nearer`); when none of those fits, the fastest layouts a search finds (it varies tensor and
-    expert too), within `budget` compiles. Empty when nothing was found."""
+    expert too), within `budget` compiles (0: no search). Empty when nothing was found."""
     found: list[dict[str, Any]] = []
     for overrides in nearer(cfg, p, hosts * gpus_per_host):
         verdict, q = _try(with_overrides(cfg, overrides), target, hosts, gpus_per_host)
@@ -111,7 +112,7 @@ def fits_with(
             found.append({"overrides": overrides, **{k: q[k] for k in SEARCH_KEYS}})
             if len(found) == 2:
                 break
-    if found or (not p["compiled"] and state_split(p) > hosts * gpus_per_host):
+    if found or not budget or (not p["compiled"] and state_split(p) > hosts * gpus_per_host):
         return found
     print("none of the nearest settings fits; searching layouts:", flush=True)
     return search(cfg, target, hosts, gpus_per_host, budget)[:2]
@@ -157,87 +158,6 @@ def print_fixes(p: dict[str, Any]) -> None:
         print("fits with: " + what_would_help(p))
 
 
-def activation_floor(
-    cfg: Config, device_batch: int, context: int = 1, pipeline: int = 1, rows: int = 0, tensor: int = 1
-) -> int:
-    """Bytes a device holds at least at this device batch, whatever the mesh and remat: the input
-    of every layer, saved for the backward (tensor parallelism does not split it; context
-    parallelism splits each sequence). Under a pipeline: its stage's input for each of its `rows`
-    (every microbatch's), whatever the device batch, split along the sequence over tensor where
-    context does not split it (parallel/pipeline.py: `held`)."""
-    m = cfg.model
-    per_row = m.seq_len * m.d_model * DTYPE_BYTES.get(cfg.dtype, 4) // context
-    if pipeline > 1:
-        return rows * per_row // (tensor if context == 1 else 1)
-    return m.n_layer * device_batch * per_row
-
-
-def layouts(cfg: Config, devices: int, gpus_per_host: int) -> list[tuple[int, int, int, int, list[int]]]:
-    """(tensor, context, expert, pipeline, fsdp widths) to search, only meshes that can exist:
-    tensor inside a host, largest first; context in what the host leaves, smallest first (1:
-    whole sequences); then expert, largest first (1 for a dense model); then no pipeline, then the
-    pipelines a dense scanned model's layers take (`pipelines`), deepest first; fsdp widths whose
-    mesh divides the devices (data fills the rest). Each is held to the checks a user's config
-    meets (config/checks.py: heads, key/value heads, experts, window over tensor and context) and
-    to the device count (run/job.py: resolve_mesh), the same rules, before any compile."""
-    powers = [2**i for i in range(devices.bit_length()) if devices % 2**i == 0]
-    n_experts = cfg.model.moe.n_experts
-    out = []
-    for tensor in sorted((n for n in powers if n <= gpus_per_host), reverse=True):
-        for context in [c for c in powers if c == 1 or c * tensor <= gpus_per_host]:
-            inner = tensor * context
-            experts = [e for e in powers if e * inner <= devices and n_experts % e == 0] if n_experts else [1]
-            for expert in sorted(experts, reverse=True):
-                for pipe in pipelines(cfg, devices // (inner * expert)):
-                    fsdps = [f for f in powers if devices % (f * inner * expert * pipe) == 0]
-                    if fsdps and can_exist(cfg, mesh_overrides(cfg, tensor, context, expert, pipe), devices):
-                        out.append((tensor, context, expert, pipe, fsdps))
-    return out
-
-
-def mesh_overrides(cfg: Config, tensor: int, context: int, expert: int, pipe: int) -> dict[str, Any]:
-    """A layout as the flags that set it over `cfg`: every axis the search varies that differs from
-    the config's (a context or pipeline the config sets is undone where the layout has none)."""
-    axes = {"context": context, "expert": expert, "pipeline": pipe}
-    return {"mesh.data": -1, "mesh.tensor": tensor} | {
-        f"mesh.{a}": n
-        for a, n in axes.items()
-        if n != getattr(cfg.mesh, a) or (a == "expert" and cfg.model.moe.n_experts)
-    }
-
-
-def can_exist(cfg: Config, mesh: dict[str, Any], devices: int) -> bool:
-    """Whether a mesh (overrides, fsdp 1: wider ones are its multiples) passes the config's checks
-    and multiplies to the devices: the rules a user's job meets, not a copy of them."""
-    try:
-        candidate = with_overrides(cfg, {**mesh, "mesh.fsdp": 1})
-        check(candidate)
-        resolve_mesh(candidate.mesh, devices)
-    except UserError:
-        return False
-    return True
-
-
-def inner_choice(expert: int, fsdp: int, inner: int, gpus_per_host: int) -> bool:
-    """Whether laying expert inside fsdp (`mesh.expert_inner`) changes which collectives cross
-    hosts: the expert group (with the `inner` tensor x context devices) fits a host and the fsdp
-    groups do not all fit beside it."""
-    return expert > 1 and fsdp > 1 and expert * inner <= gpus_per_host < expert * fsdp * inner
-
-
-def pipelines(cfg: Config, devices: int) -> list[int]:
-    """1, then the pipeline sizes (powers of two, at most `devices` and the layers of a dense
-    scanned model) whose stages pad the layers by at most 1/16 of them, deepest first: a stage's
-    tick runs its padding layers too (parallel/pipeline.py), so 126 layers over 32 stages cost 128,
-    and 80 over 32, 96."""
-    m = cfg.model
-    if not m.scan_layers or m.moe.n_experts:
-        return [1]
-    sizes = [2**i for i in range(1, devices.bit_length()) if devices % 2**i == 0 and 2**i <= m.n_layer]
-    deep = [p for p in sizes if 16 * (-(-m.n_layer // p) * p - m.n_layer) <= m.n_layer]
-    return [1, *sorted(deep, reverse=True)]
-
-
 class _Search:
     """One search's compiles, results and printed lines (see `search`)."""
 
@@ -245,93 +165,170 @@ class _Search:
         self.cfg, self.where, self.budget = cfg, where, budget
         self.compiles = 0
         self.results: list[dict[str, Any]] = []
+        # (device batch, tensor, context, pipeline) already said not compiled
+        self.skipped: set[tuple[int, ...]] = set()
+        self.total = 0  # the bytes per device of the last plan compiled (0: none)
+        # (a layout's result at its widest fsdp, the widths below it a first pass did not try)
+        self.between: list[tuple[dict[str, Any], list[int]]] = []
 
     def attempt(self, o: dict[str, Any]) -> str:
         verdict, p = _try(with_overrides(self.cfg, o), *self.where)
         self.compiles += p is not None and p["compiled"]
+        self.total = p["total_bytes_per_device"] if p is not None and p["compiled"] else 0
         line = verdict
         if p is not None and p["compiled"]:
             line += f", {gb(p['total_bytes_per_device'])}, floor {p['step_time_lower_bound_s']:.3g} s, "
             line += (
                 f"schedule-aware {p['schedule_bound_s']:.3g} s ({100 * p['schedule_mfu_ceiling']:.0f}% MFU)"
             )
+            if "forecast" in p:
+                f = p["forecast"]
+                line += f", forecast {f['step_time_s']:.3g} s ({100 * f['mfu']:.1f}% MFU)"
         shown = ", ".join(f"{k.split('.')[-1]} {v}" for k, v in o.items() if v != -1)
         print(f"  {shown}: {line}", flush=True)
         if verdict == "fits" and p is not None:
             self.results.append({"overrides": o, **{k: p[k] for k in SEARCH_KEYS}})
         return verdict
 
-    def narrowest(self, mesh: dict[str, Any], rest: dict[str, Any], fsdps: list[int]) -> dict[str, Any] | str:
-        """The narrowest fsdp that fits this mesh and batch (its verdict at the widest if even that
-        does not): memory falls as fsdp grows, so the widest is tried first, then bisected."""
-        found: dict[str, Any] = {**mesh, "mesh.fsdp": fsdps[-1], **rest}
-        verdict = self.attempt(found)
-        if verdict != "fits":
+    def narrowest(
+        self, mesh: dict[str, Any], rest: dict[str, Any], fsdps: list[int], start: int
+    ) -> dict[str, Any] | str:
+        """The narrowest fsdp that fits this mesh and batch, as far as a first pass looks (else the
+        verdict that stopped it): `start` (candidates.first_fsdp: no narrower width can fit), then the
+        next wider; where neither fits, the widest (if it could: `could_fit`), the widths between
+        left to `narrower` (memory falls as fsdp grows)."""
+        wider = fsdps[fsdps.index(start) + 1 :]
+        totals = []
+        for f in [start, *wider[:1]]:
+            found: dict[str, Any] = {**mesh, "mesh.fsdp": f, **rest}
+            verdict = self.attempt(found)
+            totals.append(self.total)
+            if verdict == "fits" or not _too_big(verdict) or self.compiles >= self.budget:
+                return found if verdict == "fits" else verdict
+        if len(wider) < 2 or not self.could_fit(totals, wider[-1] // wider[0]):
             return verdict
-        lo, hi = 0, len(fsdps) - 2
+        found = {**mesh, "mesh.fsdp": wider[-1], **rest}
+        verdict = self.attempt(found)
+        if verdict == "fits" and len(wider) > 2:
+            self.between.append((self.results[-1], wider[1:-1]))
+        return found if verdict == "fits" else verdict
+
+    def narrower(self) -> None:
+        """The widths a first pass left between a layout's widest, which fit, and the width below
+        that did not, bisected where that layout is the fastest found (a narrower fsdp gathers
+        over fewer devices, a wider data reduces more), while the budget lasts."""
+        if not self.between:
+            return
+        fastest, widths = min(self.between, key=lambda b: _forecast_s(b[0]))
+        if _forecast_s(fastest) > min(map(_forecast_s, self.results)):
+            return  # a slower layout's narrower widths: the budget goes to the fastest's remat
+        found = fastest["overrides"]
+        lo, hi = 0, len(widths) - 1
         while lo <= hi and self.compiles < self.budget:
             mid = (lo + hi) // 2
-            o = {**mesh, "mesh.fsdp": fsdps[mid], **rest}
-            verdict = self.attempt(o)
+            verdict = self.attempt({**found, "mesh.fsdp": widths[mid]})
             if verdict == "fits":
-                found, hi = o, mid - 1
-            elif verdict == "does not fit" or verdict.startswith("its state alone"):
+                hi = mid - 1
+            elif _too_big(verdict):
                 lo = mid + 1
             else:
                 break
-        return found
+
+    def could_fit(self, totals: list[int], widening: int) -> bool:
+        """Whether a width `widening` times the second of two compiled widths (each twice the
+        last) could fit, judged generously: each further doubling saving as much again as the
+        last one did (under ZeRO-1 memory falls about so; a state split over fsdp alone saves half
+        as much each time). Not compiled when even that, less a margin, is more than a device holds."""
+        if len(totals) < 2 or not all(totals):
+            return True
+        saved = totals[0] - totals[1]
+        least = totals[1] - saved * math.log2(widening)
+        return fits(int(least * (1 - WIDEST_MARGIN)), usable_bytes(self.where[0]))
+
+    def layout(self, layout: candidates.Layout, devices: int, gpus_per_host: int, limit: int) -> None:
+        """One layout's plan that fits, if any: the device batch from the largest (no accumulation:
+        the fewest gathers per step) down, skipping without a compile any whose saved layer inputs
+        and head's logits alone exceed a device (candidates.memory_floor) and any at which no fsdp
+        fits; at the first that fits, its narrowest fsdp (data fills the rest), with expert laid
+        inside fsdp too where that keeps the token exchange inside a host (`inner_choice`)."""
+        cfg, (tensor, context, expert, pipe, fsdps) = self.cfg, layout
+        rows, shards = candidates.rows_of(cfg), devices // (tensor * context * pipe)  # data x expert x fsdp
+        if rows % shards:
+            print(f"  tensor {tensor} x context {context} x pipeline {pipe}: {rows} sequences do not split "
+                  f"over {shards} shards")  # fmt: skip
+            return
+        # A pipeline takes one row per microbatch: the most microbatches, the smallest bubble.
+        sizes = range(rows // shards, 0, -1) if pipe == 1 else [1]
+        for b in [b for b in sizes if (rows // shards) % b == 0 and b & (b - 1) == 0]:
+            least = candidates.memory_floor(cfg, b, tensor, context, pipe, rows // shards)
+            if not fits(least, limit):
+                if (b, tensor, context, pipe) not in self.skipped:
+                    self.skipped.add((b, tensor, context, pipe))
+                    print(f"  device batch {b}, tensor {tensor} x context {context} x pipeline {pipe}: "
+                          f"its layers' saved inputs and the head's logits alone need {gb(least)}: "
+                          "not compiled")  # fmt: skip
+                continue
+            if self.compiles >= self.budget:
+                return
+            batch = {"device_batch_size": b} if cfg.total_batch_size else {
+                "gradient_accumulation_steps": rows // shards // b}  # fmt: skip
+            start = candidates.first_fsdp(cfg, layout, devices, least, limit)
+            mesh = mesh_overrides(cfg, tensor, context, expert, pipe)
+            found = self.narrowest(mesh, {**batch, **FULL}, fsdps, start)
+            if isinstance(found, dict):
+                if inner_choice(expert, found["mesh.fsdp"], tensor * context, gpus_per_host):
+                    self.attempt({**found, "mesh.expert_inner": True})  # the token exchange on NVLink
+                return
+            if found != "does not fit":  # its state alone (at any batch), or rejected by the
+                return  # config (heads not divisible by tensor, ...) or by XLA: the next layout
+
+    def less_remat(self) -> None:
+        """Less recomputation (dots, then none) where memory allows, for the layouts found, fastest
+        forecast first, while the budget lasts."""
+        for r in sorted(self.results, key=_forecast_s):
+            for remat in ("dots", "none"):
+                if (
+                    self.compiles >= self.budget
+                    or self.attempt({**r["overrides"], "model.remat": remat}) != "fits"
+                ):
+                    break
+
+
+def _too_big(verdict: str) -> bool:
+    """Whether a candidate was refused for its memory alone (a wider fsdp or smaller batch may fit)."""
+    return verdict == "does not fit" or verdict.startswith("its state alone")
 
 
 def search(
     cfg: Config, target: targets.GpuTarget, hosts: int, gpus_per_host: int, budget: int
 ) -> list[dict[str, Any]]:
-    """Layouts that fit, fastest schedule-aware bound first. For each tensor and expert size
-    (`layouts`), the device batch from the largest (no accumulation: the fewest gathers per step)
-    down, skipping without a compile any whose saved layer inputs alone exceed a device
-    (`activation_floor`) and any at which the widest fsdp does not fit; at the first that fits,
-    the narrowest fsdp that does (data fills the rest), with expert laid inside fsdp too where
-    that keeps the token exchange inside a host (`inner_choice`), then less remat where it still fits. At
-    most `budget` compiles. Prints a line per setting as it goes."""
+    """Layouts that fit, fastest forecast first, within `budget` compiles. The layouts (`layouts`)
+    are compiled in the order of an estimate from the model's shape (candidates.ranked: the ones a
+    fixed order left past the budget come first), each once at its largest device batch and
+    narrowest fsdp that can fit (`_Search.layout`), breadth before depth; the last DEPTH_RESERVE
+    compiles try the fastest found at narrower fsdp widths and less remat. Prints a line per
+    setting as it goes."""
     devices = hosts * gpus_per_host
-    rows = cfg.total_batch_size // cfg.model.seq_len if cfg.total_batch_size else cfg.batch_size
-    limit = usable_bytes(target)
     s = _Search(cfg, (target, hosts, gpus_per_host), budget)
-    skipped: set[tuple[int, int]] = set()
-    for tensor, context, expert, pipe, fsdps in layouts(cfg, devices, gpus_per_host):
-        shards = devices // (tensor * context * pipe)  # data x expert x fsdp: the batch is split over them
-        if rows % shards:
-            print(
-                f"  tensor {tensor} x context {context} x pipeline {pipe}: {rows} sequences do not split "
-                f"over {shards} shards"
-            )
-            continue
-        # A pipeline takes one row per microbatch: the most microbatches, the smallest bubble.
-        sizes = range(rows // shards, 0, -1) if pipe == 1 else [1]
-        for b in [b for b in sizes if (rows // shards) % b == 0 and b & (b - 1) == 0]:
-            floor = activation_floor(cfg, b, context, pipe, rows // shards, tensor)
-            if not fits(floor, limit):
-                if (b, context) not in skipped:
-                    skipped.add((b, context))
-                    print(f"  device batch {b}, context {context}: its layers' saved inputs alone need "
-                          f"{gb(floor)}: not compiled")  # fmt: skip
-                continue
-            if s.compiles >= budget:
-                print(f"  (search stopped after {budget} compiles: --search_budget)")
-                return sorted(s.results, key=_forecast_s)
-            batch = {"device_batch_size": b} if cfg.total_batch_size else {
-                "gradient_accumulation_steps": rows // shards // b}  # fmt: skip
-            mesh = mesh_overrides(cfg, tensor, context, expert, pipe)
-            found = s.narrowest(mesh, {**batch, **FULL}, fsdps)
-            if isinstance(found, dict):
-                if inner_choice(expert, found["mesh.fsdp"], tensor * context, gpus_per_host):
-                    s.attempt({**found, "mesh.expert_inner": True})  # the token exchange on NVLink
-                for remat in ("dots", "none"):  # less recomputation, where memory allows
-                    if s.compiles >= budget or s.attempt({**found, "model.remat": remat}) != "fits":
-                        break
-                break  # the largest device batch that fits: the fewest gathers per step
-            if found != "does not fit":  # its state alone (at any batch), or rejected by the
-                break  # config (heads not divisible by tensor, ...): the next layout
+    order = candidates.ranked(cfg, layouts(cfg, devices, gpus_per_host), devices, gpus_per_host, target)
+    shown = "; ".join(
+        f"{_layout_name(layout)} {est:.3g} s" for est, layout in order[:4] if est < float("inf")
+    )
+    print(f"  {len(order)} layouts, compiled in the order of an estimate from the shape (no compile): "
+          f"{shown}, ...", flush=True)  # fmt: skip
+    for _, layout in order:
+        if s.compiles >= budget - (DEPTH_RESERVE if s.results else 0):
+            print(f"  (layouts stopped after {s.compiles} compiles of --search_budget {budget})")
+            break
+        s.layout(layout, devices, gpus_per_host, usable_bytes(target))
+    s.narrower()
+    s.less_remat()
     return sorted(s.results, key=_forecast_s)
+
+
+def _layout_name(layout: candidates.Layout) -> str:
+    axes = zip(("tensor", "context", "expert", "pipeline"), layout[:4], strict=False)
+    return " x ".join(f"{a} {n}" for a, n in axes if n > 1) or "fsdp only"
 
 
 def _forecast_s(r: dict[str, Any]) -> float:

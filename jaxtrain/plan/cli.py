@@ -79,9 +79,11 @@ def plan_job(
             raise
         print(f"as given: {e}; searching", flush=True)
         p = {}
-    if p and not p["fits"]:
-        p["fits_with"] = advice.fits_with(cfg, p, *where)
+    if p and not p["fits"]:  # with --search, its own search is the one below (its compiles once)
+        p["fits_with"] = advice.fits_with(cfg, p, *where, 0 if search_budget else advice.FITS_BUDGET)
     if search_budget:
         print("search:", flush=True)
         p["search"] = advice.search(cfg, *where, budget=search_budget)
+        if p.get("fits_with") == []:  # what fits: the fastest the search found
+            p["fits_with"] = p["search"][:2]
     return p
