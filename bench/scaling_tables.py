@@ -33,7 +33,8 @@ DENSE = [
     "llama3_8b_h100_8x8_reduce_compute", "llama2_7b_h100x8_maxtext", "llama3_70b_h100_16x8_maxtext",
     "llama3_70b_h100_128x8",
     "gpt_70b_h100_128x8_data2_fsdp64_tensor8", "gpt_19b_h100x1", "llama3_8b_128k_h100_8x8",
-    "llama3_70b_128k_h100_32x8", "llama3_8b_1m_h100_16x8", "llama3_405b_h100_256x8",
+    "llama3_70b_128k_h100_32x8", "llama3_8b_1m_h100_16x8", "llama3_8b_1m_h100_16x8_context8",
+    "llama3_405b_h100_256x8",
     "llama3_405b_h100_256x8_fsdp64", "llama3_405b_128l_h100_256x8_pipeline32",
     "llama3_405b_128l_h100_256x8_pipeline16_fsdp2",
     "llama3_70b_h100_128x8_pipeline8",
@@ -43,7 +44,7 @@ DENSE = [
     "llama3_8b_h100x8_fp8", "llama3_70b_h100_16x8_maxtext_fp8", "llama3_70b_h100_128x8_fp8",
     "llama3_405b_h100_256x8_fp8",
     # documents masked (issue 46 item 2)
-    "llama3_8b_128k_docs_h100_8x8", "llama3_8b_1m_docs_h100_16x8", "llama3_8b_1m_docs_h100_16x8_context16",
+    "llama3_8b_128k_docs_h100_8x8", "llama3_8b_1m_docs_h100_16x8", "llama3_8b_1m_docs_h100_16x8_context8",
     # the jobs jaxtrain measured on one H200 (bench/calibration.py MEASURED_HERE)
     "gpt2_124m_h200x1_bench", "gpt2_350m_h200x1_bench", "gpt_1b_h200x1_bench", "gpt_1b_fp8_h200x1_bench",
 ]  # fmt: skip

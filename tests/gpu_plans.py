@@ -250,8 +250,15 @@ CASES = {
     "gpt2_124m_h100x8_fsdp4_tensor2": ([*GPT2, "--mesh.fsdp", "4", "--mesh.tensor", "2"], "h100", 1, 8),
     # Issue 34's long windows: 131,072 tokens, each sequence split over a host (context 8).
     "llama3_8b_128k_h100_8x8": (["--config", "configs/llama3_8b_128k.yaml"], "h100", 8, 8),
-    # A million tokens: context 8 x fsdp 16, the head, loss and MLPs over 16 pieces of the sequence.
+    # A million tokens: context 16 x fsdp 8 (each sequence over two hosts), the head, loss and MLPs
+    # over 16 pieces of the sequence; and context 8 inside a host x fsdp 16, shipped before.
     "llama3_8b_1m_h100_16x8": (["--config", "configs/llama3_8b_1m.yaml"], "h100", 16, 8),
+    "llama3_8b_1m_h100_16x8_context8": (
+        ["--config", "configs/llama3_8b_1m.yaml", "--mesh.context", "8", "--mesh.fsdp", "16"],
+        "h100",
+        16,
+        8,
+    ),
     # Issue 46: the same two with documents masked (cuDNN's packed documents, model/documents.py).
     "llama3_8b_128k_docs_h100_8x8": (
         ["--config", "configs/llama3_8b_128k.yaml", "--model.doc_eos", "128001"],
@@ -265,23 +272,22 @@ CASES = {
         16,
         8,
     ),
-    # Context 16 over two hosts' GPUs (fsdp 8): it fits with documents, but the loader cannot feed
-    # a context group that spans processes yet (docs/long_context.md).
-    "llama3_8b_1m_docs_h100_16x8_context16": (
+    # Context 8 inside a host x fsdp 16 (shipped before): with documents it does not fit.
+    "llama3_8b_1m_docs_h100_16x8_context8": (
         [
             "--config",
             "configs/llama3_8b_1m.yaml",
             "--model.doc_eos",
             "128001",
             "--mesh.context",
-            "16",
-            "--mesh.fsdp",
             "8",
+            "--mesh.fsdp",
+            "16",
         ],
         "h100",
         16,
         8,
-    ),
+    ),  # fmt: skip
     "llama3_70b_128k_h100_32x8": (
         [
             "--config",
