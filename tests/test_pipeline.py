@@ -125,6 +125,9 @@ def test_a_layer_count_the_stages_cannot_take_is_one_line():
         load_config([*LLAMA, "--mesh.pipeline", "16"])
     with pytest.raises(ConfigError, match="set model.scan_layers true"):
         load_config([*LLAMA, "--model.scan_layers", "false", "--mesh.pipeline", "2"])
+    both = ["--mesh.pipeline", "2", "--mesh.context", "2", "--mesh.tensor", "2", "--mesh.data", "1"]
+    with pytest.raises(ConfigError, match="XLA's SPMD partitioner aborts on that program; with pipeline use"):
+        load_config([*LLAMA, *both])  # before: XLA's 'Check failed', the process aborted (exit 134)
 
 
 def _lowered(argv: tuple[str, ...], manual_axes=None) -> tuple[str, str]:
