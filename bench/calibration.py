@@ -49,58 +49,57 @@ def plan(case: str) -> dict:
     return json.loads((RESULTS / f"plan_{case}.json").read_text())
 
 
+def _against(run: dict, measured_step_s: float) -> dict:
+    """`run` with its plan's bound and forecast beside the step time measured, and the error."""
+    p = plan(run["case"])
+    forecast = p["forecast"]["step_time_s"]
+    return run | {
+        "measured_step_s": measured_step_s, "bound_s": p["schedule_bound_s"], "forecast_s": forecast,
+        "error": forecast / measured_step_s - 1,
+    }  # fmt: skip
+
+
 def rows() -> list[dict]:
     """Each run with its plan's bound and forecast, and the forecast's error against the measurement."""
-    out = []
-    for run in RUNS:
-        p = plan(run["case"])
-        forecast = p["forecast"]["step_time_s"]
-        out.append(run | {
-            "bound_s": p["schedule_bound_s"], "forecast_s": forecast,
-            "error": forecast / run["measured_step_s"] - 1,
-        })  # fmt: skip
-    return out
-
-
-def table() -> str:
-    head = (
-        "| published run (measured on H100s by its authors) | measured s / step | jaxtrain bound s | "
-        "jaxtrain forecast s | forecast error | plan |\n" + "| --- " * 6 + "|"
-    )
-    lines = [
-        f"| {r['job']} ({r['source']}) | {r['measured_step_s']:.3f} | {r['bound_s']:.3f} | "
-        f"{r['forecast_s']:.3f} | {100 * r['error']:+.1f}% | `plan_{r['case']}.json` |"
-        for r in rows()
-    ]
-    return "\n".join([head, *lines])
+    return [_against(run, run["measured_step_s"]) for run in RUNS]
 
 
 def measured_rows() -> list[dict]:
-    """Each run measured here with its plan's bound and forecast and the forecast's error."""
+    """Each run measured here (its step: the tokens a step over the rate measured) beside its plan."""
     out = []
     for run in MEASURED_HERE:
         p = plan(run["case"])
-        measured = json.loads((RESULTS / run["bench"]).read_text())["runs"][run["run"]]
-        step = p["global_batch"] * p["seq_len"] / measured["tokens_per_sec"]
-        forecast = p["forecast"]["step_time_s"]
-        out.append(run | {
-            "tokens_per_s": measured["tokens_per_sec"], "measured_step_s": step,
-            "bound_s": p["schedule_bound_s"], "forecast_s": forecast, "error": forecast / step - 1,
-        })  # fmt: skip
+        rate = json.loads((RESULTS / run["bench"]).read_text())["runs"][run["run"]]["tokens_per_sec"]
+        out.append(_against(run, p["global_batch"] * p["seq_len"] / rate) | {"tokens_per_s": rate})
     return out
 
 
-def measured_table() -> str:
-    head = (
-        "| run measured by jaxtrain (bench/bench_gpu.py) | measured tokens/s | measured s / step | "
-        "jaxtrain bound s | jaxtrain forecast s | forecast error | plan |\n" + "| --- " * 7 + "|"
-    )
+def _table(first: str, middle: list[str], rows: list[tuple[dict, list[str]]]) -> str:
+    """A markdown table: `first` column (a row's job), `middle` ones (formatted cells), then the
+    measured step, the bound, the forecast, its error and the plan."""
+    columns = [first, *middle, "measured s / step", "jaxtrain bound s", "jaxtrain forecast s",
+               "forecast error", "plan"]  # fmt: skip
+    head = "| " + " | ".join(columns) + " |\n" + "| --- " * len(columns) + "|"
     lines = [
-        f"| {r['job']} (`{r['bench']}`) | {r['tokens_per_s']:,.0f} | {r['measured_step_s']:.3f} | "
-        f"{r['bound_s']:.3f} | {r['forecast_s']:.3f} | {100 * r['error']:+.1f}% | `plan_{r['case']}.json` |"
-        for r in measured_rows()
+        f"| {' | '.join(cells)} | {r['measured_step_s']:.3f} | {r['bound_s']:.3f} | {r['forecast_s']:.3f} | "
+        f"{100 * r['error']:+.1f}% | `plan_{r['case']}.json` |"
+        for r, cells in rows
     ]
     return "\n".join([head, *lines])
+
+
+def table() -> str:
+    return _table(
+        "published run (measured on H100s by its authors)", [],
+        [(r, [f"{r['job']} ({r['source']})"]) for r in rows()],
+    )  # fmt: skip
+
+
+def measured_table() -> str:
+    return _table(
+        "run measured by jaxtrain (bench/bench_gpu.py)", ["measured tokens/s"],
+        [(r, [f"{r['job']} (`{r['bench']}`)", f"{r['tokens_per_s']:,.0f}"]) for r in measured_rows()],
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
