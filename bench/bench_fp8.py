@@ -2,11 +2,16 @@
 for 300 steps each way, a few seeds; the validation loss at the end and the gap (issue 48: within 2%).
 
     nice -n 10 .venv/bin/python bench/bench_fp8.py                 # seeds 0 1 2: bench/results/fp8_cpu.json
-    .venv/bin/python bench/bench_fp8.py --seeds 0 --total_steps 20 # smoke
+    nice -n 10 .venv/bin/python bench/bench_fp8.py --seeds 3 --modes f32   # add to the results
+    .venv/bin/python bench/bench_fp8.py --seeds 0 --total_steps 20 --out /tmp/smoke.json
 
-Each run is scripts/train.py in its own process (the run a user makes), bfloat16 compute, the same
-seed (init and data order) for both; FP8 is model.matmul fp8 with the head in FP8 too
-(model.head_matmul fp8). The gap of a seed is fp8 / bf16 - 1 of its final validation loss.
+Each run is scripts/train.py in its own process (the run a user makes), the same seed (init and
+data order) in every mode: `bf16` (bfloat16 compute), `fp8` (the same, with model.matmul fp8 and
+the head in FP8 too: model.head_matmul fp8) and `f32` (float32 compute: the reference for what
+rounding alone moves, since the gap between two runs of this small model at its learning rate's
+peak can be set by where a loss spike takes each). The gap of a seed is fp8 / bf16 - 1 of its final
+validation loss; `bf16_vs_f32` and `fp8_vs_f32` likewise. A run adds its modes to the seed's record
+in --out, keeping the rest: a seed or a mode is added without rerunning the others.
 """
 
 from __future__ import annotations
@@ -21,47 +26,81 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MODES = {"bf16": [], "fp8": ["--model.matmul", "fp8", "--model.head_matmul", "fp8"]}
+MODES = {
+    "bf16": ["--dtype", "bfloat16"],
+    "fp8": ["--dtype", "bfloat16", "--model.matmul", "fp8", "--model.head_matmul", "fp8"],
+    "f32": ["--dtype", "float32"],
+}
+GAPS = {"gap": ("fp8", "bf16"), "bf16_vs_f32": ("bf16", "f32"), "fp8_vs_f32": ("fp8", "f32")}
+
+
+def git_head() -> str:
+    return subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
 
 
 def train(seed: int, mode: str, steps: int, out: Path) -> dict:
-    """One run: its final validation loss, its last logged train loss and its wall time."""
+    """One run: its final validation loss, its last logged train loss, its wall time, the code's commit."""
     run_dir = out / f"{mode}_{seed}"
     argv = [
         sys.executable, str(ROOT / "scripts" / "train.py"), "--config", "configs/llama_tiny.yaml",
-        "--dtype", "bfloat16", "--seed", str(seed), "--total_steps", str(steps),
-        "--eval_interval", str(steps), "--checkpoint_interval", str(10 * steps), "--sample_tokens", "0",
-        "--run_dir", str(run_dir), *MODES[mode],
+        "--seed", str(seed), "--total_steps", str(steps), "--eval_interval", str(steps),
+        "--checkpoint_interval", str(10 * steps), "--sample_tokens", "0", "--run_dir", str(run_dir),
+        *MODES[mode],
     ]  # fmt: skip
     t0 = time.perf_counter()
     subprocess.run(argv, cwd=ROOT, check=True, capture_output=True)
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     val = [r["val_loss"] for r in records if "val_loss" in r]
     loss = [r["loss"] for r in records if "loss" in r]
-    return {"val_loss": val[-1], "train_loss": loss[-1], "wall_s": round(time.perf_counter() - t0, 1)}
+    return {
+        "val_loss": val[-1], "train_loss": loss[-1], "wall_s": round(time.perf_counter() - t0, 1),
+        "code": git_head(),
+    }  # fmt: skip
+
+
+def summary(runs: list[dict]) -> dict:
+    """Each gap of every seed that has both of its modes, and their mean, largest and spread."""
+    out: dict = {}
+    for name, (a, b) in GAPS.items():
+        for run in runs:
+            if a in run and b in run:
+                run[name] = run[a]["val_loss"] / run[b]["val_loss"] - 1
+        gaps = [run[name] for run in runs if name in run]
+        if gaps:
+            out[name] = {
+                "seeds": len(gaps), "mean": statistics.mean(gaps), "max_abs": max(abs(g) for g in gaps),
+                "spread": max(gaps) - min(gaps),
+            }  # fmt: skip
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--modes", nargs="+", choices=sorted(MODES), default=sorted(MODES))
     parser.add_argument("--total_steps", type=int, default=300)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "fp8_cpu.json"))
     args = parser.parse_args()
-    runs = []
+    out = Path(args.out)
+    result = json.loads(out.read_text()) if out.exists() else {}
+    if result and result.get("total_steps") != args.total_steps:
+        sys.exit(f"{out} holds {result['total_steps']}-step runs, not {args.total_steps}: pass another --out")
+    by_seed = {run["seed"]: run for run in result.get("runs", [])}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
-            run = {"seed": seed} | {m: train(seed, m, args.total_steps, Path(tmp)) for m in MODES}
-            run["gap"] = run["fp8"]["val_loss"] / run["bf16"]["val_loss"] - 1
-            runs.append(run)
-            print(json.dumps(run), flush=True)
-    gaps = [r["gap"] for r in runs]
-    result = {
-        "config": "configs/llama_tiny.yaml", "dtype": "bfloat16", "total_steps": args.total_steps,
-        "runs": runs, "mean_gap": statistics.mean(gaps), "max_abs_gap": max(abs(g) for g in gaps),
-        "gap_spread": max(gaps) - min(gaps),
-    }  # fmt: skip
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k != "runs"}))
+            run = by_seed.setdefault(seed, {"seed": seed})
+            for mode in args.modes:
+                run[mode] = train(seed, mode, args.total_steps, Path(tmp))
+                print(json.dumps({"seed": seed, mode: run[mode]}), flush=True)
+            runs = [by_seed[s] for s in sorted(by_seed)]
+            result = {"config": "configs/llama_tiny.yaml", "total_steps": args.total_steps, "runs": runs}
+            result["summary"] = summary(runs)
+            out.write_text(
+                json.dumps(result, indent=1) + "\n"
+            )  # after each seed: a stopped bench keeps its runs
+    print(json.dumps(result["summary"]))
 
 
 if __name__ == "__main__":
