@@ -1,13 +1,16 @@
 """The matmul FLOPs of one MoE layer's train step (forward and backward), compiled for 8 H100 with
 the CUDA plugin and counted as the planner counts them, against the active FLOPs.
 
-    .venv/bin/python tests/grouped_flops.py [IMPL]     # JSON {case: {compiled, active}}
+    .venv/bin/python tests/grouped_flops.py [IMPL]     # JSON {case: {compiled, fp8, active, experts}}
 
 One layer (jaxtrain/model/moe.py MoeMlp, dropless) under expert parallelism, 4096 tokens a device;
 the active FLOPs are the router's (float32, 6 x tokens x d x E) and the routed copies' SwiGLU
-experts' (18 x tokens x k x d x ff). IMPL: a model.moe.grouped_matmul (default: H100's default).
+experts' (18 x tokens x k x d x ff: `experts`); `fp8`, those the planner costs at the FP8 peak.
+IMPL: a model.moe.grouped_matmul (default: H100's default); the case `qwen3_expert8_fp8` runs
+Qwen3's under model.matmul fp8 (the settled `pallas_fp8`: model/grouped_fp8.py) whatever IMPL.
 """
 
+import dataclasses
 import functools
 import json
 import sys
@@ -73,8 +76,10 @@ def flops(impl: str, n_experts: int, k: int, d: int, ff: int, ep: int) -> dict[s
     )
     text = jax.jit(step).lower(params, x).compile().as_text()
     layout = hlo.Placement(("expert",), (ep,), [0] * ep)
-    active = 6.0 * TOKENS * d * n_experts + 18.0 * TOKENS * k * d * ff
-    return {"compiled": compiled.compiled_flops(text, layout), "active": active}
+    tally = compiled._Walker(text, layout).tally()  # as the planner tallies a step
+    experts = 18.0 * TOKENS * k * d * ff
+    active = 6.0 * TOKENS * d * n_experts + experts
+    return {"compiled": tally.flops, "fp8": tally.fp8_flops, "active": active, "experts": experts}
 
 
 if __name__ == "__main__":
@@ -87,4 +92,7 @@ if __name__ == "__main__":
         if len(sys.argv) > 1
         else kernels.grouped_matmul(mixtral, device.platform, device.compute_capability)
     )
-    print(json.dumps({case: flops(impl, *shape) for case, shape in CASES.items()}))
+    counted = {case: flops(impl, *shape) for case, shape in CASES.items()}
+    settled = kernels.settle(dataclasses.replace(mixtral, matmul="fp8"), "gpu", "bfloat16", "9.0")
+    counted["qwen3_expert8_fp8"] = flops(settled.moe.grouped_matmul, *CASES["qwen3_expert8"])
+    print(json.dumps(counted))

@@ -1,18 +1,30 @@
 """model/grouped.py's Hopper grouped matmul, run on this CPU by Pallas's Mosaic-GPU interpreter
 (its TMA copies, wgmma and per-SM tile loop simulated): the routed rows as jax.lax.ragged_dot
 computes them, an empty expert, NaN in the padding rows. The interpreter has no transposed
-shared-memory operands, which both backward kernels use: those run only on a Hopper GPU.
+shared-memory operands, which the bf16 backward kernels use: those run only on a Hopper GPU. The
+FP8 kernels (model/grouped_fp8.py) transpose only wgmma's operands, which `transposed_operands`
+teaches the interpreter: their forward, dX and dW run here.
 
     pytest tests/test_grouped.py     # seconds
 """
+
+import contextlib
+import dataclasses
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+from jax._src.state.types import TransposeTransform
 
+from jaxtrain.config import load_config
+from jaxtrain.model import fp8
+from jaxtrain.model.grouped_fp8 import ragged_matmul_fp8
 from jaxtrain.model.grouped_kernels import ragged_matmul
 from jaxtrain.parallel.tensor import split_experts
+from jaxtrain.run import kernels, preflight, verdicts
 
 
 def test_pallas_forward_is_ragged_dot_over_the_routed_rows_whatever_the_rows_past_them_hold():
@@ -33,7 +45,8 @@ def test_pallas_forward_is_ragged_dot_over_the_routed_rows_whatever_the_rows_pas
     np.testing.assert_allclose(out[:routed], want[:routed], rtol=2**-8, atol=1e-2)
 
 
-def test_tensor_split_experts_differentiate_through_the_kernel():
+@pytest.mark.parametrize("impl", ["pallas", "pallas_fp8"])
+def test_tensor_split_experts_differentiate_through_the_kernel(impl):
     """Experts split over `tensor` (parallel/tensor.py split_experts) run the kernel inside a shard_map; its
     gradients must type as that shard_map's inputs (jax refused the program when the planner tried
     DeepSeek-V3 with tensor 8). Traced only: the backward kernels do not run in the interpreter."""
@@ -43,8 +56,149 @@ def test_tensor_split_experts_differentiate_through_the_kernel():
     w_in, w_out = jnp.zeros((2, 128, 2, 256), jnp.bfloat16), jnp.zeros((2, 256, 128), jnp.bfloat16)
 
     def loss(rows, w_in, w_out):
-        return split_experts(rows, sizes, w_in, w_out, "pallas").astype(jnp.float32).sum()
+        return split_experts(rows, sizes, w_in, w_out, impl).astype(jnp.float32).sum()
 
     with jax.set_mesh(mesh), nn.logical_axis_rules([("mlp", "tensor")]):
         grads = jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), rows, w_in, w_out)
     assert [g.shape for g in grads] == [rows.shape, w_in.shape, w_out.shape]
+
+
+@contextlib.contextmanager
+def transposed_operands():
+    """Pallas's GPU interpreter with wgmma operands transposed in shared memory (`transpose_ref`):
+    jax 0.10's interpreter reads only indexed operands; this reads the operand's tile and transposes
+    it, as the hardware's descriptor does. The kernels' own code runs unchanged."""
+    original = gpu_callbacks.wgmma
+
+    def wgmma(**kw):  # type: ignore[no-untyped-def]
+        perms = {}
+        for name in ("a", "b"):
+            transforms = kw[f"{name}_transforms"]
+            if transforms and isinstance(transforms[-1], TransposeTransform):
+                perms[name], kw[f"{name}_transforms"] = transforms[-1].permutation, transforms[:-1]
+        if not perms:
+            return original(**kw)
+        memory = gpu_callbacks._get_shared_memory()
+        keys = {
+            gpu_callbacks.HostAllocationKey.from_array(kw[f"{n}_allocation_key_as_array"]): p
+            for n, p in perms.items()
+        }
+        read = memory.get_buffer_content
+
+        def transposed(key, *args, **kwargs):  # type: ignore[no-untyped-def]
+            content = read(key, *args, **kwargs)
+            return (np.transpose(content[0], keys[key]), *content[1:]) if key in keys else content
+
+        memory.get_buffer_content = transposed
+        try:
+            return original(**kw)
+        finally:
+            del memory.get_buffer_content
+
+    gpu_callbacks.wgmma = wgmma
+    try:
+        yield
+    finally:
+        gpu_callbacks.wgmma = original
+
+
+def _same_roundings(rows, w, grad, sizes):
+    """model/grouped_fp8.py's output and gradients (rows, w) multiplied by jax.lax.ragged_dot in
+    float32 on the roundings it makes, written here from model/fp8.py's public rounding: rows and
+    gradient zeroed past sum(sizes) and scaled as one tensor, each expert's weights by its own
+    scale; forward e4m3, backward the gradient e5m2 against the e4m3 operands rounded to e5m2."""
+    routed = (jnp.arange(rows.shape[0]) < sizes.sum())[:, None]
+
+    def rounded(x, dtype, scale=None):
+        scale = fp8.scale_of(x, dtype) if scale is None else scale
+        return fp8.to_fp8(x, scale, dtype).astype(jnp.float32), scale
+
+    (x4, sx), (g5, sg) = (
+        rounded(jnp.where(routed, rows, 0), fp8.FORWARD),
+        rounded(jnp.where(routed, grad, 0), fp8.GRADIENT),
+    )
+    sw = jnp.stack([fp8.scale_of(we, fp8.FORWARD) for we in w])[:, None, None]
+    w4 = rounded(w, fp8.FORWARD, sw)[0]
+    x5, w5 = (a.astype(fp8.GRADIENT).astype(jnp.float32) for a in (x4, w4))
+    _, vjp = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, sizes), x5 * sx, w5 * sw)
+    return (jax.lax.ragged_dot(x4 * sx, w4 * sw, sizes), *vjp(g5 * sg))
+
+
+def _relative(got, want):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+M, ROUTED, SIZES = 300, 228, jnp.array([100, 0, 37, 91], jnp.int32)  # tiles straddle experts; one is empty
+
+
+def _fp8_problem():
+    """rows [300, 128], w [4, 128, 256] (the experts' magnitudes 0.01 to 40: their scales differ),
+    the output's gradient [300, 256]; rows past the routed 228 NaN in the rows and the gradient."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    rows = jax.random.normal(keys[0], (M, 128), jnp.float32).astype(jnp.bfloat16)
+    w = (
+        jax.random.normal(keys[1], (4, 128, 256), jnp.float32)
+        * jnp.array([1.0, 3.0, 0.01, 40.0])[:, None, None]
+    )
+    grad = jax.random.normal(keys[2], (M, 256), jnp.float32).astype(jnp.bfloat16)
+    return rows.at[ROUTED:].set(jnp.nan), w.astype(jnp.bfloat16), grad.at[ROUTED:].set(jnp.nan)
+
+
+def test_fp8_kernels_forward_and_both_gradients_are_the_same_roundings_multiplied_in_float32():
+    """model/grouped_fp8.py's three kernels (forward, dX, dW), run in the interpreter, against
+    `_same_roundings`: what is left is the kernels' float32 accumulation and bfloat16 output (2^-9 a
+    value; measured 1.7e-3 of the norm). NaN past the routed rows reaches no routed row nor the
+    weights' gradient; the empty expert's gradient is zero. Against the unrounded operands the
+    same outputs differ by FP8's rounding (measured 4e-2 to 9e-2), over ten times more: the
+    kernels did round, and by the right scales."""
+    rows, w, grad = _fp8_problem()
+    with transposed_operands():
+        out, vjp = jax.vjp(lambda r, w: ragged_matmul_fp8(r, w, SIZES, M, True), rows, w)
+        got = (out[:ROUTED], *vjp(grad))
+    got = (got[0], got[1][:ROUTED], got[2])
+    zeroed = [jnp.where((jnp.arange(M) < ROUTED)[:, None], a, 0).astype(jnp.float32) for a in (rows, grad)]
+    want = _same_roundings(zeroed[0], w.astype(jnp.float32), zeroed[1], SIZES)
+    _, vjp = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, SIZES), zeroed[0], w.astype(jnp.float32))
+    unrounded = (jax.lax.ragged_dot(zeroed[0], w.astype(jnp.float32), SIZES), *vjp(zeroed[1]))
+    assert not np.isnan(np.asarray(got[2], np.float32)).any() and not np.asarray(got[2][1], np.float32).any()
+    for name, ours, same, exact in zip(("out", "d_rows", "d_w"), got, want, unrounded, strict=True):
+        same, exact = (same[:ROUTED], exact[:ROUTED]) if name != "d_w" else (same, exact)
+        error = _relative(ours, same)
+        assert error < 4e-3 and _relative(ours, exact) > 10 * error, (name, error, _relative(ours, exact))
+
+
+def test_the_preflights_fp8_reference_is_the_kernels_roundings():
+    """run/preflight.py judges the FP8 kernels on a GPU against its own float32 reference
+    (`fp8_rounded_grads`): it must be `_same_roundings` (written here apart), or the first GPU to
+    run the kernels would fail right ones. No kernel runs: XLA on both sides."""
+    rows, w, grad = _fp8_problem()
+    rows, grad = (
+        jnp.where((jnp.arange(M) < ROUTED)[:, None], a, 0).astype(jnp.float32) for a in (rows, grad)
+    )
+    theirs = preflight.fp8_rounded_grads(rows, w.astype(jnp.float32), grad, SIZES)
+    ours = _same_roundings(rows, w.astype(jnp.float32), grad, SIZES)
+    for a, b in zip(theirs, ours, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
+def test_fp8_runs_the_pallas_kernels_on_fp8_tiles_and_falls_back_to_their_bf16_tiles():
+    """model.matmul fp8 settles the Hopper grouped matmul as `pallas_fp8` (auto or pallas by name),
+    whose preflight check is the FP8 kernels' (the GPU-only kind it belongs to: grouped_matmul);
+    the fallback of auto when that check fails is the same kernels on bf16 tiles."""
+    qwen3 = load_config(["--config", "configs/qwen3_30b_a3b.yaml"]).model
+    fp8_model = dataclasses.replace(qwen3, matmul="fp8")
+    assert kernels.settle(qwen3, "gpu", "bfloat16", "9.0").moe.grouped_matmul == "pallas"
+    settled = kernels.settle(fp8_model, "gpu", "bfloat16", "9.0")
+    assert settled.moe.grouped_matmul == "pallas_fp8"
+    named = dataclasses.replace(fp8_model, moe=dataclasses.replace(qwen3.moe, grouped_matmul="pallas"))
+    assert kernels.settle(named, "gpu", "bfloat16", "9.0").moe.grouped_matmul == "pallas_fp8"
+    assert kernels.settle(fp8_model, "gpu", "bfloat16", "8.0").moe.grouped_matmul == "ragged_dot"
+    assert kernels.settle(fp8_model, "cpu", "bfloat16").moe.grouped_matmul == "blocks"
+    assert kernels.fallen_back(settled, "grouped_matmul").moe.grouped_matmul == "pallas"
+    choices = preflight.Choices(grouped_matmul="pallas_fp8", d_model=2048, expert_dim=768)
+    names = [c.name for c in preflight.checks(choices, "gpu", "9.0")]
+    assert names == ["ragged_matmul pallas_fp8 d2048 ff768 bfloat16"]
+    assert verdicts.KIND_OF[names[0].split()[0]] == "grouped_matmul"
+    cfg = load_config(["--config", "configs/qwen3_30b_a3b.yaml", "--model.matmul", "fp8"])
+    assert verdicts.choices(cfg, settled, "bfloat16", "gpu").grouped_matmul == "pallas_fp8"

@@ -280,6 +280,11 @@ def test_flops_of_a_matmul_and_of_fused_attention():
         '"jit(f)/transpose(jvp(grouped_matmul_flops_4294967296))/body/mpmd_map"}, backend_config={module = "ML"}'
     ))  # fmt: skip
     assert hlo.flops(grouped, {}, {}) == 2 * 4096 * 1024 * 512
+    assert not hlo.fp8(grouped, {}, {})
+    # Its FP8 kernels (model/grouped_fp8.py) name their scope fp8: the same FLOPs, at the FP8 peak.
+    fp8 = hlo.Op("g8", grouped.shape, grouped.opcode, [], grouped.attrs.replace("_matmul_", "_matmul_fp8_"))
+    assert "grouped_matmul_fp8_flops_4294967296" in fp8.attrs
+    assert hlo.flops(fp8, {}, {}) == 2 * 4096 * 1024 * 512 and hlo.fp8(fp8, {}, {})
 
 
 # The microbatch loop as XLA's GPU compiler leaves it: no known_trip_count; `i < 3` from 0.

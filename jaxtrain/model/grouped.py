@@ -11,10 +11,12 @@ SM count is H100's, not read from `jax.devices()` (a CPU device when the GPU pro
 without a GPU).
 
 `grouped_kernels.ragged_matmul` is their custom_vjp: forward rows x W; dX by the same kernel
-against W transposed; dW by the transposed kernel. Each kernel call runs in a named scope carrying
-the FLOPs of the rows the caller expects routed (`routed`), which the planner reads (plan/hlo.py
-`flops`): the HLO only shows the buffer, whose rows past the routed ones the kernel skips. This
-module holds what the rest of jaxtrain reads without running the kernels: their tiles and when
+against W transposed; dW by the transposed kernel. Under model.matmul fp8 they run on FP8 tiles
+(`pallas_fp8`: model/grouped_fp8.py). Each kernel call runs in a named scope carrying the FLOPs
+of the rows the caller expects routed (`routed`; FP8_FLOPS_SCOPE for the FP8 kernels), which the
+planner reads (plan/hlo.py `flops`, `fp8`): the HLO only shows the buffer, whose rows past the
+routed ones the kernel skips. This module holds what the rest of jaxtrain reads without running
+the kernels: their tiles and when
 they cannot run. Pallas's Mosaic-GPU modules take 0.4 s of CPU to import, and every training
 process imported them; only a job that runs the kernels imports model/grouped_kernels.py.
 """
@@ -22,9 +24,11 @@ process imported them; only a job that runs the kernels imports model/grouped_ke
 from __future__ import annotations
 
 BLOCK_M, BLOCK_N, BLOCK_K, STAGES = 128, 128, 64, 4  # 160 KB of shared memory of H100's 227
+BLOCK_K_FP8 = 128  # FP8 tiles: the same 128 bytes a row (the same shared memory, 128-byte swizzle)
 SMS = 132  # H100 SXM
 HOPPER = "9.0"  # the compute capability the kernels' wgmma instructions need
 FLOPS_SCOPE = "grouped_matmul_flops_"  # + the kernel's routed FLOPs, in the HLO's op_name
+FP8_FLOPS_SCOPE = "grouped_matmul_fp8_flops_"  # the same for a kernel on FP8 tensor cores
 
 
 def refusal(platform: str, compute_capability: str, d: int, ff: int) -> str | None:

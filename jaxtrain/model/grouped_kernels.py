@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas.ops.gpu.ragged_dot_mgpu import GroupInfo
 
-from jaxtrain.model.grouped import BLOCK_K, BLOCK_M, BLOCK_N, FLOPS_SCOPE, SMS, STAGES
+from jaxtrain.model.grouped import BLOCK_K, BLOCK_K_FP8, BLOCK_M, BLOCK_N, FLOPS_SCOPE, SMS, STAGES
 
 
 def _params() -> plgpu.CompilerParams:
@@ -26,16 +26,26 @@ def _params() -> plgpu.CompilerParams:
 
 
 def ragged_dot(
-    lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, transpose_rhs: bool, interpret: bool
+    lhs: jax.Array,
+    rhs: jax.Array,
+    sizes: jax.Array,
+    transpose_rhs: bool,
+    interpret: bool,
+    scales: jax.Array | None = None,
 ) -> jax.Array:
     """lhs [m, k] (rows sorted by group) x rhs [g, k, n] ([g, n, k] if transpose_rhs) -> [m, n].
-    Rows past sum(sizes) are not written."""
+    Rows past sum(sizes) are not written. FP8 operands (both of one FP8 type: Mosaic's wgmma takes
+    no mixed pair; rhs K-major, transpose_rhs, as Hopper's FP8 wgmma needs) accumulate in float32,
+    each group's tile multiplied by `scales[group]` (float32 [g]) in the epilogue, out in bfloat16."""
     m, k = lhs.shape
     g = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     grid_m, grid_n = pl.cdiv(m, BLOCK_M) + g - 1, pl.cdiv(n, BLOCK_N)
+    fp8 = jnp.dtype(lhs.dtype).itemsize == 1
+    block_k = BLOCK_K_FP8 if fp8 else BLOCK_K  # 128 bytes a row of a tile either way
+    scales = jnp.ones((g,), jnp.float32) if scales is None else scales
 
-    def body(sizes_gmem, lhs_gmem, rhs_gmem, o_gmem):  # type: ignore[no-untyped-def]
+    def body(sizes_gmem, scales_gmem, lhs_gmem, rhs_gmem, o_gmem):  # type: ignore[no-untyped-def]
         @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
         def tile(info):  # type: ignore[no-untyped-def]
             mi, ni = plgpu.planar_snake(info.index[0], (grid_m, grid_n), 1, 1)
@@ -48,11 +58,11 @@ def ragged_dot(
                         lambda _, a, b: plgpu.wgmma(
                             acc_ref, a, plgpu.transpose_ref(b, (1, 0)) if transpose_rhs else b
                         ),
-                        grid=(k // BLOCK_K,),
+                        grid=(k // block_k,),
                         in_specs=[
-                            plgpu.BlockSpec((BLOCK_M, BLOCK_K), lambda i: (group.block, i), delay_release=1),
+                            plgpu.BlockSpec((BLOCK_M, block_k), lambda i: (group.block, i), delay_release=1),
                             plgpu.BlockSpec(
-                                (BLOCK_N, BLOCK_K) if transpose_rhs else (BLOCK_K, BLOCK_N),
+                                (BLOCK_N, block_k) if transpose_rhs else (block_k, BLOCK_N),
                                 lambda i: (ni, i) if transpose_rhs else (i, ni),
                                 delay_release=1,
                             ),
@@ -62,17 +72,19 @@ def ragged_dot(
                     return acc_ref[...]
 
                 acc = pl.run_scoped(acc_scope, plgpu.ACC((BLOCK_M, BLOCK_N)))
+                if fp8:  # the epilogue: the group's scale (a power of two: exact)
+                    acc = acc * scales_gmem[group.group_id]
                 _store(acc, o_gmem, group, ni, m)
 
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((m, n), lhs.dtype),
+        out_type=jax.ShapeDtypeStruct((m, n), jnp.bfloat16 if fp8 else lhs.dtype),
         grid=(SMS,),
         grid_names=("sm",),
         compiler_params=_params(),
         interpret=InterpretGPUParams() if interpret else None,
     )
-    return kernel(sizes, lhs, rhs)
+    return kernel(sizes, scales, lhs, rhs)
 
 
 def _store(acc, o_gmem, group, ni, m):  # type: ignore[no-untyped-def]
@@ -96,20 +108,30 @@ def _store(acc, o_gmem, group, ni, m):  # type: ignore[no-untyped-def]
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def _blocks_of(sizes: jax.Array, block: int) -> tuple[jax.Array, ...]:
+    """Each group's first and last row (starts, ends: exclusive), how many blocks of `block` rows
+    hold its rows, and the first of them (block-aligned)."""
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    block_starts = starts // block * block
+    n_blocks = (-(ends // -block) * block - block_starts) // block
+    return starts, ends, n_blocks, block_starts
+
+
+def _transforms(dtype, block):  # type: ignore[no-untyped-def]
+    """Shared memory's tiling and swizzle for tiles `block` values wide of `dtype`."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = plgpu.find_swizzle(block * itemsize * 8)
+    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
 def transposed_ragged_dot(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, interpret: bool) -> jax.Array:
     """lhs [r, m], rhs [r, n], rows sorted by group -> [g, m, n]: each group's lhs^T rhs over its
     rows (zero for an empty group). Rows past sum(sizes) may hold anything (`_keep_group_rows`)."""
     r, m = lhs.shape
     n, g = rhs.shape[1], sizes.shape[0]
-    ends = jnp.cumsum(sizes)
-    starts = ends - sizes
-    block_starts = starts // BLOCK_K * BLOCK_K
-    n_blocks = (-(ends // -BLOCK_K) * BLOCK_K - block_starts) // BLOCK_K
-    swizzle = plgpu.find_swizzle(BLOCK_K * jnp.dtype(lhs.dtype).itemsize * 8)
-    transforms = (
-        plgpu.TilingTransform((8, swizzle // jnp.dtype(lhs.dtype).itemsize)),
-        plgpu.SwizzleTransform(swizzle),
-    )
+    starts, ends, n_blocks, block_starts = _blocks_of(sizes, BLOCK_K)
+    transforms = _transforms(lhs.dtype, BLOCK_K)
     grid_m, grid_n = m // BLOCK_M, n // BLOCK_N
 
     def body(sizes_g, starts_g, ends_g, n_blocks_g, block_starts_g, lhs_g, rhs_g, o_g):  # type: ignore[no-untyped-def]
@@ -121,7 +143,7 @@ def transposed_ragged_dot(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, inte
 
             def acc_scope(acc_ref):  # type: ignore[no-untyped-def]
                 def step(block, a, b):  # type: ignore[no-untyped-def]
-                    _keep_group_rows((a, b), block[0], n_blocks_g[gi], starts_g[gi], ends_g[gi])
+                    _keep_group_rows((a, b), block[0], n_blocks_g[gi], starts_g[gi], ends_g[gi], 0, interpret)
                     plgpu.wgmma(acc_ref, plgpu.transpose_ref(a, (1, 0)), b)
 
                 @pl.when(sizes_g[gi] > 0)
@@ -154,20 +176,81 @@ def transposed_ragged_dot(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, inte
     return kernel(sizes, starts, ends, n_blocks, block_starts, lhs, rhs)
 
 
-def _keep_group_rows(smems, block, n_blocks, start, end):  # type: ignore[no-untyped-def]
-    """A group's first and last blocks of rows hold its neighbours' rows too, and the last group's
-    last block rows past the routed ones (never written: any bits, NaN among them): zeroed in both
-    operands before the matmul, by a select (a product would keep a NaN)."""
+def transposed_ragged_dot_fp8(
+    lhs_t: jax.Array, rhs_t: jax.Array, sizes: jax.Array, scales: jax.Array, interpret: bool
+) -> jax.Array:
+    """`transposed_ragged_dot` on FP8 operands stored K-major (as Hopper's FP8 wgmma needs them):
+    lhs_t [m, r], rhs_t [n, r] of one FP8 type, columns sorted by group -> [g, m, n] bfloat16, each
+    group's lhs_t rhs_t^T over its columns accumulated in float32, times `scales[group]`. Columns
+    past sum(sizes) must be finite (a neighbour's columns are zeroed in lhs_t alone: 0 x finite)."""
+    m, r = lhs_t.shape
+    n, g = rhs_t.shape[0], sizes.shape[0]
+    starts, ends, n_blocks, block_starts = _blocks_of(sizes, BLOCK_K_FP8)
+    transforms = _transforms(lhs_t.dtype, BLOCK_K_FP8)
+    grid_m, grid_n = m // BLOCK_M, n // BLOCK_N
+
+    def body(sizes_g, scales_g, starts_g, ends_g, n_blocks_g, block_starts_g, lhs_g, rhs_g, o_g):  # type: ignore[no-untyped-def]
+        @plgpu.nd_loop((g, grid_m * grid_n), collective_axes="sm")
+        def tile(info):  # type: ignore[no-untyped-def]
+            gi = info.index[0]
+            mi, ni = plgpu.planar_snake(info.index[1], (grid_m, grid_n), 1, 1)
+            cols = pl.ds(pl.multiple_of(block_starts_g[gi], BLOCK_K_FP8), r)
+
+            def acc_scope(acc_ref):  # type: ignore[no-untyped-def]
+                def step(block, a, b):  # type: ignore[no-untyped-def]
+                    _keep_group_rows((a,), block[0], n_blocks_g[gi], starts_g[gi], ends_g[gi], 1, interpret)
+                    plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(b, (1, 0)))
+
+                @pl.when(sizes_g[gi] > 0)
+                def _():  # type: ignore[no-untyped-def]
+                    spec = functools.partial(plgpu.BlockSpec, delay_release=1, transforms=transforms)
+                    plgpu.emit_pipeline(
+                        step,
+                        grid=(n_blocks_g[gi],),
+                        in_specs=[
+                            spec((BLOCK_M, BLOCK_K_FP8), lambda i: (mi, i)),
+                            spec((BLOCK_N, BLOCK_K_FP8), lambda i: (ni, i)),
+                        ],
+                        max_concurrent_steps=STAGES,
+                    )(lhs_g.at[:, cols], rhs_g.at[:, cols])
+
+                return acc_ref[...]
+
+            acc = pl.run_scoped(acc_scope, plgpu.ACC((BLOCK_M, BLOCK_N))) * scales_g[gi]
+            out = o_g.at[gi, pl.ds(mi * BLOCK_M, BLOCK_M), pl.ds(ni * BLOCK_N, BLOCK_N)]
+            _store_whole(acc, out, _transforms(jnp.bfloat16, BLOCK_N))
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((g, m, n), jnp.bfloat16),
+        grid=(SMS,),
+        grid_names=("sm",),
+        compiler_params=_params(),
+        interpret=InterpretGPUParams() if interpret else None,
+    )
+    return kernel(sizes, scales, starts, ends, n_blocks, block_starts, lhs_t, rhs_t)
+
+
+def _keep_group_rows(smems, block, n_blocks, start, end, axis, interpret):  # type: ignore[no-untyped-def]
+    """A group's first and last blocks of rows (along `axis` of the tiles) hold its neighbours' rows
+    too, and the last group's last block rows past the routed ones (never written: any bits, NaN
+    among them): zeroed before the matmul, by a select (a product would keep a NaN)."""
+    size = smems[0].shape[axis]
 
     def keep(rule):  # type: ignore[no-untyped-def]
         for smem in smems:
-            iota = plgpu.layout_cast(jax.lax.broadcasted_iota(jnp.int32, smem.shape, 0), plgpu.Layout.WGMMA)
+            iota = jax.lax.broadcasted_iota(jnp.int32, smem.shape, axis)
+            if not interpret:  # a register layout for Mosaic; the interpreter has none (nor this op)
+                iota = plgpu.layout_cast(iota, plgpu.Layout.WGMMA)
             rows = smem[...]
-            smem[...] = jnp.where(rule(iota), rows, jnp.zeros_like(rows))
+            # Mosaic selects no 8-bit values: FP8 goes through float16 (exact both ways; the hardware
+            # converts e5m2 to float16, not to bfloat16)
+            wide = rows.astype(jnp.float16) if rows.dtype.itemsize == 1 else rows
+            smem[...] = jnp.where(rule(iota), wide, jnp.zeros_like(wide)).astype(rows.dtype)
         plgpu.commit_smem()
 
-    pl.when(block == 0)(lambda: keep(lambda i: i >= jax.lax.rem(start, BLOCK_K)))
-    pl.when(block == n_blocks - 1)(lambda: keep(lambda i: i <= jax.lax.rem(end - 1, BLOCK_K)))
+    pl.when(block == 0)(lambda: keep(lambda i: i >= jax.lax.rem(start, size)))
+    pl.when(block == n_blocks - 1)(lambda: keep(lambda i: i <= jax.lax.rem(end - 1, size)))
 
 
 def _store_whole(acc, out, transforms):  # type: ignore[no-untyped-def]

@@ -5,9 +5,10 @@ a per-expert bias (selection only; moved after each step by `update_router_bias`
 groups; shared experts (model/mlp.py) see every token. Dropless: the copies are sorted by expert
 (`dispatch`, `permute`: gathers, and so are their gradients) and run as one grouped matmul
 (`moe.grouped_matmul`: `jax.lax.ragged_dot`, `blocks` of BLOCK rows per expert, or `pallas`:
-model/grouped.py's Hopper kernels, computing only the routed rows). The routed rows reach their
-experts through a `Wire`: here they stay; under expert parallelism the step's placement sends
-them to the devices that hold their experts (parallel/expert.py). Under remat the routed block
+model/grouped.py's Hopper kernels, computing only the routed rows; on FP8 tiles under model.matmul
+fp8). The routed rows reach their experts through a `Wire`: here they stay; under expert
+parallelism the step's placement sends them to the devices that hold their experts
+(parallel/expert.py). Under remat the routed block
 has a backward of its own (`_routed`: the recomputation sends nothing); the copies may travel in
 FP8 (`dispatch_dtype`), and a layer's tokens in pieces (`chunks`: one piece's exchange beside
 another's experts). The router's statistics are sown into "moe"
@@ -61,19 +62,24 @@ def expert_mlps(
     """Rows [m, d] sorted by expert, `sizes[e]` of them for expert e -> each through its expert's MLP.
 
     w_in is [E, d, 2, ff] (SwiGLU: gate and up) or [E, d, ff] (GELU); w_out [E, ff, d]. Rows past
-    sum(sizes) (exchange padding) belong to no expert: they come out zero, or under `pallas` hold
-    any bits (NaN among them: the exchange sends only routed rows back). `routed`: how many rows
-    are routed here under an even load (default m), the FLOPs the planner counts for `pallas`,
-    which computes only the routed rows whatever the buffer.
+    sum(sizes) (exchange padding) belong to no expert: they come out zero, or under `pallas` and
+    `pallas_fp8` (its FP8 tiles under model.matmul fp8: model/grouped_fp8.py) hold any bits (NaN
+    among them: the exchange sends only routed rows back). `routed`: how many rows are routed here
+    under an even load (default m), the FLOPs the planner counts for the Pallas kernels, which
+    compute only the routed rows whatever the buffer.
     """
     e, d = w_in.shape[:2]
     w_in, swiglu = w_in.reshape(e, d, -1), w_in.ndim == 4
-    if impl == "pallas":
+    if impl in ("pallas", "pallas_fp8"):
         routed = rows.shape[0] if routed is None else routed
-        from jaxtrain.model.grouped_kernels import ragged_matmul  # Pallas's modules: only where they run
+        # Pallas's modules: imported only where they run
+        if impl == "pallas_fp8":
+            from jaxtrain.model.grouped_fp8 import ragged_matmul_fp8 as matmul
+        else:
+            from jaxtrain.model.grouped_kernels import ragged_matmul as matmul
 
-        h = _activation(ragged_matmul(rows, w_in, sizes, routed), swiglu)
-        return ragged_matmul(h, w_out, sizes, routed)
+        h = _activation(matmul(rows, w_in, sizes, routed), swiglu)
+        return matmul(h, w_out, sizes, routed)
     if impl == "ragged_dot":
         h = _activation(jax.lax.ragged_dot(rows, w_in, sizes), swiglu)
         return jax.lax.ragged_dot(h, w_out, sizes)

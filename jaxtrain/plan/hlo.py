@@ -20,7 +20,9 @@ DTYPE_BYTES = {
 ARRAY = re.compile(r"([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\]")
 FP8_DTYPES = ("f8e4m3fn", "f8e5m2")  # the operands of an FP8 GEMM on Hopper
 FP8_GEMM = "__cublas$lt$matmul$f8"  # cuBLASLt's FP8 GEMM, as XLA's GEMM rewriter calls it
-GROUPED_FLOPS = "grouped_matmul_flops_"  # model/grouped.py's FLOPS_SCOPE: a scope in the op's op_name
+# model/grouped.py's FLOPS_SCOPE and FP8_FLOPS_SCOPE: a scope in the op's op_name naming the kernel's
+# routed FLOPs, and (fp8_) whether it multiplies on FP8 tensor cores.
+GROUPED_FLOPS = re.compile(r"grouped_matmul_(fp8_)?flops_(\d+)")
 COLLECTIVES = (
     "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute",
 )  # fmt: skip
@@ -229,8 +231,8 @@ def flops(op: Op, comps: dict[str, dict[str, Op]], ops: dict[str, Op]) -> float:
         causal = 0.5 if re.search(r'"mask_type":\s*"CAUSAL"', op.attrs) else 1.0
         return 4.0 * math.prod(shapes[0]) * shapes[1][1] * causal * (2.5 if "Backward" in name else 1.0)
     if name == "mosaic_gpu_v2":
-        routed = re.findall(GROUPED_FLOPS + r"(\d+)", op.attrs)
-        return float(routed[-1]) if routed else 0.0
+        routed = GROUPED_FLOPS.findall(op.attrs)
+        return float(routed[-1][1]) if routed else 0.0
     if "gemm" in name or "matmul" in name:
         lhs_contracting = re.search(r'"lhs_contracting_dimensions":\s*\[([^\]]*)\]', op.attrs)
         lhs = _dims(ops[op.operands[0]].shape) if op.operands and op.operands[0] in ops else []
@@ -246,9 +248,10 @@ def _fp8_operand(op: Op, ops: dict[str, Op]) -> bool:
 
 
 def fp8(op: Op, comps: dict[str, dict[str, Op]], ops: dict[str, Op]) -> bool:
-    """Whether a matmul op runs on FP8 tensor cores: cuBLASLt's FP8 GEMM (FP8_GEMM), or a dot whose
+    """Whether a matmul op runs on FP8 tensor cores: cuBLASLt's FP8 GEMM (FP8_GEMM), a dot whose
     operands are FP8, alone or in a GEMM fusion (XLA's Triton GEMM: what a compile without a GPU
-    to autotune on picks, tests/test_plan.py). The FLOPs are hlo.flops's either way."""
+    to autotune on picks, tests/test_plan.py), or the experts' grouped matmul kernel whose scope
+    says fp8 (the same scope `flops` reads). The FLOPs are hlo.flops's either way."""
     if op.opcode == "dot":
         return _fp8_operand(op, ops)
     if op.opcode == "fusion":
@@ -259,6 +262,9 @@ def fp8(op: Op, comps: dict[str, dict[str, Op]], ops: dict[str, Op]) -> bool:
         return False
     target = re.search(r'custom_call_target="([^"]+)"', op.attrs)
     name = target.group(1) if target else ""
+    if name == "mosaic_gpu_v2":
+        scopes = GROUPED_FLOPS.findall(op.attrs)
+        return bool(scopes) and scopes[-1][0] == "fp8_"
     return name == FP8_GEMM or (("gemm" in name or "matmul" in name) and _fp8_operand(op, ops))
 
 

@@ -64,7 +64,9 @@ def grouped_matmul(
     """The experts' grouped matmul on these devices (moe.grouped_matmul settled): `blocks` on CPUs,
     the Pallas kernels on Hopper where their tiles take the widths (each expert's hidden dim split
     over `tensor`) and the compute `dtype`, XLA's `ragged_dot` on other GPUs. An explicit pallas they
-    cannot run is refused."""
+    cannot run is refused. Under model.matmul fp8 the Pallas kernels run on FP8 tiles (`pallas_fp8`,
+    model/grouped_fp8.py): FP8 asks for the projections in FP8, and the routed experts' are most of a
+    mixture's (three quarters of Qwen3-30B-A3B's FLOPs); the other kernels stay in the compute dtype."""
     why = grouped.refusal(platform, capability, cfg.d_model, cfg.expert_dim // tensor)
     if not why and jnp.dtype(dtype).itemsize > 2:
         # The tiles fill 160 KB of H100's 227 KB of shared memory at two bytes a value (grouped.py):
@@ -75,11 +77,13 @@ def grouped_matmul(
         )
     if cfg.moe.grouped_matmul == "pallas" and why:
         raise ConfigError(why)
+    if cfg.moe.grouped_matmul == "pallas" or (cfg.moe.grouped_matmul == "auto" and platform != "cpu"):
+        pallas = capability == grouped.HOPPER and not why
+        if pallas:
+            return "pallas_fp8" if cfg.matmul == "fp8" else "pallas"
     if cfg.moe.grouped_matmul != "auto":
         return cfg.moe.grouped_matmul
-    if platform == "cpu":
-        return "blocks"
-    return "pallas" if capability == grouped.HOPPER and not why else "ragged_dot"
+    return "blocks" if platform == "cpu" else "ragged_dot"
 
 
 def exchange(cfg: ModelConfig, platform: str) -> str:
@@ -111,12 +115,15 @@ def settle(cfg: ModelConfig, platform: str, dtype: Any, capability: str = "", te
 
 def fallen_back(cfg: ModelConfig, kind: str) -> ModelConfig | None:
     """`cfg` with the kernel of `kind` (attention, grouped_matmul, exchange) set to the one proven on
-    CPU, what auto runs when the preflight finds its choice wrong on these devices (run/verdicts.py);
-    None where there is none to fall back to (it is the one that failed, or `kind` has no other)."""
+    CPU (for the FP8 grouped matmul, its bf16 kernels), what auto runs when the preflight finds its
+    choice wrong on these devices (run/verdicts.py); None where there is none to fall back to (it is
+    the one that failed, or `kind` has no other)."""
     if kind == "attention" and cfg.attention_impl != "xla":
         return dataclasses.replace(cfg, attention_impl="xla")
     if kind == "grouped_matmul" and cfg.moe.grouped_matmul != "ragged_dot":
-        return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, grouped_matmul="ragged_dot"))
+        # The FP8 kernels fall back to the same kernels on bf16 tiles (an H200 ran those: docs/moe.md)
+        bf16 = "pallas" if cfg.moe.grouped_matmul == "pallas_fp8" else "ragged_dot"
+        return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, grouped_matmul=bf16))
     if kind == "exchange" and cfg.moe.exchange != "padded":
         return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, exchange="padded"))
     return None

@@ -44,6 +44,8 @@ KERNELS = {
     "attention": ("jaxtrain.model.attention:causal_attention",),
     # (rows, w, sizes, routed, interpret): the Pallas kernels' custom_vjp
     "ragged_matmul": ("jaxtrain.model.grouped_kernels:ragged_matmul",),
+    # the same on FP8 tiles (model.matmul fp8), and the FP8 rounding (x, dtype) its reference takes
+    "ragged_matmul_fp8": ("jaxtrain.model.grouped_fp8:ragged_matmul_fp8",),
     # (rows, sizes, w_in, w_out, impl): the experts' MLPs by pallas, ragged_dot or blocks
     "expert_mlps": ("jaxtrain.model.moe:expert_mlps",),
     # ragged_all_to_all's arguments + width: XLA:CPU's stand-in for it
@@ -55,6 +57,7 @@ KERNELS = {
 # Relative-norm error allowed against the float32 reference. bfloat16 rounds each output to 2^-9,
 # about 4e-3 as a norm; the attention gradients pass through bfloat16 probabilities too.
 TOLERANCE = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-4}
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2  # model/fp8.py's forward and gradient formats
 EXPERT_SIZES = (300, 0, 137, 291)  # rows per expert: tiles straddle experts; one empty
 BUFFER_ROWS = 1024  # the grouped matmul's buffer: 296 rows past the routed 728 hold NaN
 
@@ -81,7 +84,7 @@ class Choices:
     """A job's resolved kernels ("" = not used) and the widths it runs them at."""
 
     attention: str = ""  # cudnn | xla
-    grouped_matmul: str = ""  # pallas | ragged_dot | blocks
+    grouped_matmul: str = ""  # pallas | pallas_fp8 | ragged_dot | blocks
     exchange: str = ""  # ragged | padded
     dtype: str = "bfloat16"
     heads: tuple[int, int, int, int] = (12, 12, 64, 64)  # query heads, key/value heads, head dim, value dim
@@ -193,9 +196,12 @@ def checks(choices: Choices, platform: str, capability: str) -> list[Check]:
         found.append(attention)
     if choices.grouped_matmul:
         d, ff = choices.d_model, choices.expert_dim
-        why = grouped.refusal(platform, capability, d, ff) if choices.grouped_matmul == "pallas" else None
+        pallas = choices.grouped_matmul in ("pallas", "pallas_fp8")
+        why = grouped.refusal(platform, capability, d, ff) if pallas else None
         if why:
-            found.append(refused(f"grouped_matmul pallas d{d} ff{ff}", why))
+            found.append(refused(f"grouped_matmul {choices.grouped_matmul} d{d} ff{ff}", why))
+        elif choices.grouped_matmul == "pallas_fp8":  # against the same roundings in float32
+            found.append(grouped_check(d, ff, choices.dtype, fp8=True))
         else:
             found.append(expert_check(choices.grouped_matmul, d, ff, choices.dtype, **_small(platform)))
             if choices.grouped_matmul == "pallas":
@@ -254,15 +260,16 @@ def _routed_rows(m: int, routed: int, *arrays: jax.Array) -> tuple[jax.Array, ..
 
 def grouped_check(
     d: int, ff: int, dtype: str, *, interpret: bool = False, backward: bool = True,
-    sizes: tuple[int, ...] = EXPERT_SIZES, buffer: int = BUFFER_ROWS,
+    sizes: tuple[int, ...] = EXPERT_SIZES, buffer: int = BUFFER_ROWS, fp8: bool = False,
 ) -> Check:  # fmt: skip
     """The Pallas grouped matmul alone, rows [m, d] x w [E, d, ff]: its forward, dX and dW kernels
     against `jax.lax.ragged_dot`'s. `interpret`: Pallas's GPU interpreter (on CPU), which runs the
     forward only (it has no transposed shared-memory operands). `sizes`: each expert's rows, in a
-    buffer of `buffer` rows (the rest NaN)."""
+    buffer of `buffer` rows (the rest NaN). `fp8`: its FP8 kernels (model/grouped_fp8.py) against
+    ragged_dot on the same roundings (`fp8_rounded`), in float32."""
 
     def compute(devices: Sequence[Any]) -> Compared:
-        matmul = kernel("ragged_matmul")
+        matmul = kernel("ragged_matmul_fp8" if fp8 else "ragged_matmul")
         routed, m, e = sum(sizes), buffer, len(sizes)
         group_sizes = jnp.array(sizes, jnp.int32)
         with jax.default_device(devices[0]):
@@ -281,15 +288,39 @@ def grouped_check(
                 out, want = jax.jit(ours)(rows_nan, w), _reference(ref, rows0, w)
                 return {"out": (out[:routed], want[:routed])}
             got = jax.jit(lambda r, w, c: _with_grads(ours, (r, w), c))(rows_nan, w, cot_nan)
-            want = _reference(lambda r, w, c: _with_grads(ref, (r, w), c), rows0, w, cot0)
+            if fp8:
+                want = _reference(lambda r, w, c: fp8_rounded_grads(r, w, c, group_sizes), rows0, w, cot0)
+            else:
+                want = _reference(lambda r, w, c: _with_grads(ref, (r, w), c), rows0, w, cot0)
         return {
             "out": (got[0][:routed], want[0][:routed]),
             "d_rows": (got[1][:routed], want[1][:routed]),
             "d_w": (got[2], want[2]),  # the empty expert's too: zero, never NaN
         }
 
-    name = f"ragged_matmul pallas d{d} ff{ff} {dtype}{' interpreted' if interpret else ''}"
+    impl = "pallas_fp8" if fp8 else "pallas"
+    name = f"ragged_matmul {impl} d{d} ff{ff} {dtype}{' interpreted' if interpret else ''}"
     return Check(name + ("" if backward else " forward"), compute, TOLERANCE[dtype], dtype == "float32")
+
+
+def fp8_rounded_grads(rows: jax.Array, w: jax.Array, cot: jax.Array, sizes: jax.Array) -> tuple[Any, ...]:
+    """model/grouped_fp8.py's output and gradients (rows, w), multiplied by `jax.lax.ragged_dot` in
+    the operands' dtype (float32) on the same roundings: forward, the routed rows e4m3 by their
+    scale and each expert's weights by its own; backward, the gradient's routed rows e5m2 against
+    those e4m3 operands rounded again to e5m2 (Mosaic's wgmma takes one FP8 type a GEMM)."""
+    quantize = kernel("fp8_quantize")
+    routed = (jnp.arange(rows.shape[0]) < jnp.sum(sizes))[:, None]
+
+    def rounded(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
+        q, s = quantize(x, dtype)
+        return q.astype(jnp.float32), s
+
+    (x4, sx), (g5, sg) = (rounded(jnp.where(routed, a, 0), t) for a, t in ((rows, E4M3), (cot, E5M2)))
+    w4, sw = jax.vmap(lambda we: rounded(we, E4M3))(w)
+    x5, w5 = (a.astype(E5M2).astype(jnp.float32) for a in (x4, w4))
+    out = jax.lax.ragged_dot(x4 * sx, w4 * sw[:, None, None], sizes)
+    _, vjp = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, sizes), x5 * sx, w5 * sw[:, None, None])
+    return (out, *vjp(g5 * sg))
 
 
 def expert_check(

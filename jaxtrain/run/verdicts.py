@@ -43,7 +43,8 @@ from jaxtrain.run.preflight import Check, Choices, Verdict
 
 KINDS = ("attention", "grouped_matmul", "exchange", "matmul")  # a verdict vector's order: one bit a kind
 # What auto checks: the GPU-only kernels.
-GPU_ONLY = {"attention": "cudnn", "grouped_matmul": "pallas", "exchange": "ragged", "matmul": "cublaslt"}
+GPU_ONLY = {"attention": ("cudnn",), "grouped_matmul": ("pallas", "pallas_fp8"), "exchange": ("ragged",),
+            "matmul": ("cublaslt",)}  # fmt: skip
 KEYS = {"attention": "model.attention_impl", "grouped_matmul": "model.moe.grouped_matmul",
         "exchange": "model.moe.exchange", "matmul": "model.matmul"}  # fmt: skip
 # A check's kind, by its name's first word (run/preflight.py names them so).
@@ -82,7 +83,7 @@ def choices(cfg: Config, settled: ModelConfig, dtype: Any, platform: str) -> Cho
         # FP8 projections: cuBLASLt's FP8 GEMM on GPUs (what XLA must emit), XLA's own dot on CPUs
         "matmul": ("xla" if platform == "cpu" else "cublaslt") if "fp8" in (m.matmul, m.head_matmul) else "",
     }
-    kept = {k: v if v and (cfg.preflight == "on" or v == GPU_ONLY[k]) else "" for k, v in chosen.items()}
+    kept = {k: v if v and (cfg.preflight == "on" or v in GPU_ONLY[k]) else "" for k, v in chosen.items()}
     n, kv = m.n_head, m.kv_heads  # per tensor shard: the heads one device attends over
     heads = (n // t if n % t == 0 else n, max(1, kv // t) if kv % t == 0 or kv < t else kv)
     return Choices(
