@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.disk.checkpoint import Checkpointer
 from jaxtrain.model import fp8
+from jaxtrain.model.layers import Fp8Dot, dense
 from jaxtrain.model.params import path_names
 from jaxtrain.model.transformer import GPT
 from jaxtrain.observe import peaks
@@ -211,7 +212,7 @@ def _dense_dots(argv: list[str]) -> tuple[dict, set]:
     def record(call, args, kwargs, context):
         module = context.module
         if isinstance(module, nn.DenseGeneral) and context.method_name == "__call__":
-            dots[(*module.path, "kernel")[-3:]] = module.dot_general is fp8.fp8_dot_general
+            dots[(*module.path, "kernel")[-3:]] = module.dot_general_cls is Fp8Dot
         return call(*args, **kwargs)
 
     tokens = jnp.zeros((1, cfg.model.seq_len), jnp.int32)
@@ -323,3 +324,40 @@ def test_an_fp8_checkpoint_resumes_bitwise_and_in_bf16(tmp_path):
     _, metrics = bf16.train_step(reader.restore(2, bf16.target), batch)
     assert bool(metrics["finite"]) and float(metrics["loss"]) < whole_losses[0]
     ckpt.close()
+
+
+def test_a_gathered_fp8_weight_is_multiplied_as_it_is_bitwise():
+    """fsdp's FP8 gather hands the dense its e4m3 array and scale (fp8.QUANTIZED, fp8.SCALE beside the
+    kernel): the dot multiplies them as they are, with neither the weight's max nor its rounding
+    again, and the output and both gradients are those of the dot rounding the gathered weight
+    itself, bitwise (what every FP8 run over fsdp computed before)."""
+    mesh = jax.make_mesh((8,), (mesh_lib.FSDP_AXIS,), devices=jax.devices()[:8])
+    w = (0.02 * jax.random.normal(jax.random.key(4), (64, 32), jnp.float32)).at[9, 1].set(0.3)
+    w = jax.device_put(w, jax.sharding.NamedSharding(mesh, P(mesh_lib.FSDP_AXIS)))
+    x, _ = _operands()
+    c = jax.random.normal(jax.random.key(5), (2, 16, 32), jnp.float32)
+    layer = dense(32, 0.02, jnp.bfloat16, "fc", matmul="fp8")
+
+    def loss(w: jax.Array, x: jax.Array, given: bool) -> jax.Array:
+        def per_device(shard: jax.Array, x: jax.Array) -> jax.Array:
+            whole, quantized, scale = fsdp.gather_quantized(
+                shard, mesh_lib.FSDP_AXIS, 0, jnp.bfloat16, jnp.float32, (mesh_lib.FSDP_AXIS,)
+            )
+            params = {"kernel": whole, **({fp8.QUANTIZED: quantized, fp8.SCALE: scale} if given else {})}
+            return (layer.apply({"params": params}, x).astype(jnp.float32) * c).sum()
+
+        return jax.shard_map(
+            per_device, mesh=mesh, in_specs=(P(mesh_lib.FSDP_AXIS), P()), out_specs=P(), check_vma=False
+        )(w, x)
+
+    grads = jax.jit(jax.value_and_grad(loss, (0, 1)), static_argnums=2)
+    (own, (dw_own, dx_own)), (value, (dw, dx)) = grads(w, x, False), grads(w, x, True)
+    assert float(value) == float(own)
+    np.testing.assert_array_equal(dw, dw_own)
+    np.testing.assert_array_equal(dx, dx_own)
+    # The compiled programs: the dot rounding the gathered weight itself takes its max (a reduce)
+    # and writes it again as e4m3; handed the gathered e4m3 array, neither.
+    texts = [grads.lower(w, x, g).compile().as_text() for g in (False, True)]
+    maxima = [text.count("maximum(") for text in texts]
+    rounded = [len(re.findall(r"= f8e4m3fn\[64,32\]\S* (?:convert|fusion)", text)) for text in texts]
+    assert maxima[1] < maxima[0] and rounded[1] < rounded[0], (maxima, rounded)

@@ -16,6 +16,9 @@ value): exact in bfloat16, so quantize and dequantize round only once; a batch s
 the whole batch's unless their maxima straddle a power of two (the step runs the model per batch
 shard); and rounding a rounded tensor again changes no value, so fsdp can gather a weight already
 rounded by the whole weight's scale (parallel/fsdp.py) and the dot's own rounding keeps it as it is.
+Where a weight was rounded once already (fsdp's gather, the pipeline's once-a-step cast), its e4m3
+bytes and scale (`QUANTIZED`, `SCALE` beside its kernel) are multiplied as they are
+(`fp8_dot_quantized`): the same values, without a pass over the weight in every GEMM.
 A non-finite tensor gives a non-finite scale and a non-finite result, which the step skips.
 """
 
@@ -29,6 +32,10 @@ import jax.numpy as jnp
 
 FORWARD = jnp.float8_e4m3fn
 GRADIENT = jnp.float8_e5m2
+# A projection's weight already rounded to FORWARD (the e4m3 array) and its scale, beside its kernel
+# in the variables a layer computes with (put there by parallel/fsdp.py and parallel/pipeline.py).
+QUANTIZED = "fp8_kernel"
+SCALE = "fp8_scale"
 
 # The projections model.matmul fp8 multiplies in FP8 (each `layers.dense(..., matmul=cfg.matmul)`),
 # by their param path's (module, layer) ending: what fsdp may gather as FP8 (`projection`).
@@ -107,6 +114,39 @@ def _fp8_backward(dims: Any, saved: Any, g: jax.Array) -> tuple[jax.Array, jax.A
 
 
 _fp8_dot.defvjp(_fp8_forward, _fp8_backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _quantized_dot(x: jax.Array, w: jax.Array, wq: jax.Array, sw: jax.Array, dims: Any) -> jax.Array:
+    return _quantized_forward(x, w, wq, sw, dims)[0]
+
+
+def _quantized_forward(
+    x: jax.Array, w: jax.Array, wq: jax.Array, sw: jax.Array, dims: Any
+) -> tuple[jax.Array, Any]:
+    # w's values are not read: wq and sw are its rounding (`fp8_dot_quantized`); w carries the gradient.
+    xq, sx = quantize(x, FORWARD)
+    return _dot(dequantize(xq, sx, x.dtype), dequantize(wq, sw, w.dtype), dims), (xq, sx, wq, sw)
+
+
+def _quantized_backward(dims: Any, saved: Any, g: jax.Array) -> tuple[jax.Array, ...]:
+    dx, dw = _fp8_backward(dims, saved, g)
+    _, _, wq, sw = saved
+    return dx, dw, jnp.zeros_like(wq), jnp.zeros_like(sw)  # no gradient reaches a rounding
+
+
+_quantized_dot.defvjp(_quantized_forward, _quantized_backward)
+
+
+def fp8_dot_quantized(
+    lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, quantized: jax.Array, scale: jax.Array
+) -> jax.Array:
+    """`fp8_dot_general` of lhs and rhs, where `quantized` (FORWARD) and `scale` are rhs already
+    rounded: dequantize(quantized, scale) must be rhs's FP8 rounding by some power-of-two scale
+    (the rounding `fp8_dot_general` takes of it is then the same values: `scale_for`). The dot
+    multiplies them as they are, skipping rhs's max and its rounding (a read of the whole weight, a
+    read and an e4m3 write, in every GEMM); rhs's values are not read, it takes the gradient."""
+    return _quantized_dot(lhs, rhs, quantized, scale, _hashable(dimension_numbers))
 
 
 def fp8_dot_general(

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.config import ModelConfig
-from jaxtrain.model.fp8 import fp8_dot_general
+from jaxtrain.model import fp8
 
 
 def constrain(x: jax.Array, *logical: str | None) -> jax.Array:
@@ -43,6 +43,24 @@ def cache_index(module: nn.Module, length: int) -> jax.Array:
     return start
 
 
+class Fp8Dot(nn.Module):
+    """model.matmul fp8's dot_general, made by its dense (flax's `dot_general_cls`, a child with no
+    params) so that it reads what the dense's variables carry: the weight already rounded to e4m3
+    with its scale (`fp8.QUANTIZED`, `fp8.SCALE`: fsdp's gather and the pipeline's once-a-step cast
+    put them there), multiplied as they are; else the dot rounds the weight itself. The same values
+    either way (model/fp8.py)."""
+
+    def __call__(
+        self, lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, precision: Any = None
+    ) -> jax.Array:
+        layer = self.parent
+        assert isinstance(layer, nn.Module)
+        if layer.has_variable("params", fp8.QUANTIZED):
+            given = (layer.get_variable("params", fp8.QUANTIZED), layer.get_variable("params", fp8.SCALE))
+            return fp8.fp8_dot_quantized(lhs, rhs, dimension_numbers, *given)
+        return fp8.fp8_dot_general(lhs, rhs, dimension_numbers, precision)
+
+
 def dense(
     features: int | tuple[int, ...],
     std: float,
@@ -61,7 +79,7 @@ def dense(
         dtype=dtype,
         param_dtype=jnp.float32,
         kernel_init=nn.initializers.normal(std),
-        dot_general=fp8_dot_general if matmul == "fp8" else None,
+        dot_general_cls=Fp8Dot if matmul == "fp8" else None,
         name=name,
     )
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxtrain.model import fp8
 from jaxtrain.model.params import logical_axes, path_names
@@ -47,28 +48,52 @@ def gather_param(
     is in the compute dtype, and a cast commutes with a gather: the same values, a fraction of the
     bytes); its gradient is reduce-scattered in `reduce_dtype`, then held in the param's dtype.
     `fp8_over`: the manual axes the param is split over, for a weight the layer multiplies in FP8:
-    gathered as e4m3 (`_gather_fp8`), by `fp8_scale` where its stack gives it (`Fsdp.with_scales`);
-    its gradient as any weight's (FP8's rounding passes it through)."""
+    gathered as e4m3 (`gather_quantized`, whose e4m3 array the dot can take as it is)."""
+    return gather_quantized(p, axes, dim, dtype, reduce_dtype, fp8_over, fp8_scale)[0]
+
+
+def gather_quantized(
+    p: jax.Array,
+    axes: Any,
+    dim: int,
+    dtype: Any,
+    reduce_dtype: Any,
+    fp8_over: tuple[str, ...] = (),
+    fp8_scale: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    """(`gather_param`'s whole param, and with `fp8_over` the gathered e4m3 array and its scale, else
+    None, None): each device rounds its shard to e4m3 by the whole weight's scale (`whole_scale`),
+    the gather moves the e4m3 bytes, the whole weight is dequantized after: the values are the
+    one-device dot's rounding of the whole weight (a non-finite shard makes the scale, or its own
+    values, non-finite everywhere); by `fp8_scale` where its stack gives it
+    (`Fsdp.with_scales`); its gradient as any weight's, through the whole param (FP8's rounding
+    passes it through). Where the dot takes the e4m3 array (model/fp8.py `fp8_dot_quantized`), the
+    dequantized whole param is never computed: it only carries the gradient."""
 
     def gather_all(x: jax.Array) -> jax.Array:
         return jax.lax.all_gather(x, axes, axis=dim, tiled=True)
 
     @jax.custom_vjp
-    def gather(x: jax.Array, scale: jax.Array) -> jax.Array:
+    def gather(x: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array | None]:
         x = x.astype(dtype)
-        return _gather_fp8(x, gather_all, scale) if fp8_over else gather_all(x)
+        if not fp8_over:
+            return gather_all(x), None
+        quantized = gather_all(fp8.to_fp8(x, scale, fp8.FORWARD))
+        return fp8.dequantize(quantized, scale, x.dtype), quantized
 
-    def forward(x: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def forward(x: jax.Array, scale: jax.Array) -> tuple[tuple[jax.Array, jax.Array | None], jax.Array]:
         return gather(x, scale), scale
 
-    def backward(scale: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
-        shard = jax.lax.psum_scatter(g.astype(reduce_dtype), axes, scatter_dimension=dim, tiled=True)
+    def backward(scale: jax.Array, g: tuple[jax.Array, Any]) -> tuple[jax.Array, jax.Array]:
+        shard = jax.lax.psum_scatter(g[0].astype(reduce_dtype), axes, scatter_dimension=dim, tiled=True)
         return shard.astype(p.dtype), jnp.zeros_like(scale)
 
     gather.defvjp(forward, backward)
     if fp8_over and fp8_scale is None:
         fp8_scale = whole_scale(jnp.max(jnp.abs(p.astype(dtype))), fp8_over)
-    return gather(p, jnp.float32(1) if fp8_scale is None else fp8_scale)
+    scale = jnp.float32(1) if fp8_scale is None else fp8_scale
+    whole, quantized = gather(p, scale)
+    return whole, jax.lax.stop_gradient(quantized), (jax.lax.stop_gradient(scale) if fp8_over else None)
 
 
 def whole_scale(amax: jax.Array, over: tuple[str, ...]) -> jax.Array:
@@ -78,19 +103,11 @@ def whole_scale(amax: jax.Array, over: tuple[str, ...]) -> jax.Array:
     return fp8.scale_for(jax.lax.pmax(amax, over), fp8.FORWARD)
 
 
-def _gather_fp8(x: jax.Array, gather_all: Any, scale: jax.Array) -> jax.Array:
-    """The whole weight, dequantized, from this device's shard x gathered as e4m3, rounded by the
-    whole weight's `scale` (`whole_scale`): the values are the one-device dot's rounding of the whole
-    weight, and the dot's own rounding keeps them (fp8.scale_for). A non-finite shard makes the
-    scale, or its own values, non-finite everywhere."""
-    return fp8.dequantize(gather_all(fp8.to_fp8(x, scale, fp8.FORWARD)), scale, x.dtype)
+SCALE = fp8.SCALE  # a projection's FP8 scale beside its kernel (`Fsdp.with_scales`, `Fsdp.gather`)
 
 
-SCALE = "fp8_scale"  # a projection's FP8 scale beside its kernel in a scanned stack (`Fsdp.with_scales`)
-
-
-def _beside(variables: Any, scales: list[tuple[tuple, jax.Array]]) -> Any:
-    """`variables` (nested dicts) with each (kernel's tree path, scale) put beside that kernel as `SCALE`."""
+def beside(variables: Any, entries: list[tuple[tuple, dict[str, jax.Array]]]) -> Any:
+    """`variables` (nested dicts) with each (kernel's tree path, {name: array}) put beside that kernel."""
     out = jax.tree_util.tree_map(lambda x: x, variables)  # new dicts, the same arrays
 
     def parent(tree: Any, keys: tuple) -> Any:
@@ -98,9 +115,8 @@ def _beside(variables: Any, scales: list[tuple[tuple, jax.Array]]) -> Any:
             tree = tree[key]
         return tree
 
-    for path, scale in scales:
-        keys = tuple(k.key for k in path[:-1])
-        parent(out, keys)[SCALE] = scale
+    for path, named in entries:
+        parent(out, tuple(k.key for k in path[:-1])).update(named)
     return out
 
 
@@ -158,10 +174,13 @@ class Fsdp:
     def gather(self, variables: Any, where: tuple[str, ...] = (), fp8_weights: bool = False) -> Any:
         """Whole params of one layer (or embedding) from this device's fsdp shards, in the compute
         dtype; each gather's gradient is a reduce-scatter (`gather_param`). `fp8_weights`
-        (model.matmul fp8): the projections' weights gathered as FP8 (`_gather_fp8`), by the scales
-        their stack put beside them (`with_scales`) where it did."""
+        (model.matmul fp8): the projections' weights gathered as FP8 (`gather_quantized`), by the
+        scales their stack put beside them (`with_scales`) where it did; the gathered e4m3 array and
+        its scale put beside the kernel (fp8.QUANTIZED, fp8.SCALE), which the layer's dot multiplies
+        as they are (model/layers.py `Fp8Dot`)."""
         flat = jax.tree_util.tree_flatten_with_path(variables)[0]
         scales = {path_names(path)[1:-1]: s for path, s in flat if path_names(path)[-1] == SCALE}
+        given: list[tuple[tuple, dict[str, jax.Array]]] = []
 
         def one(path: tuple, p: jax.Array) -> jax.Array:
             names = (*where, *path_names(path)[1:])  # [0]: the collection
@@ -173,14 +192,17 @@ class Fsdp:
                 return p
             over = self._fp8_over(axes, logical, p.shape) if fp8_weights and fp8.projection(names) else ()
             gather = functools.partial(
-                gather_param, axes=axes, dim=dim, dtype=self.dtype, reduce_dtype=self.reduce_dtype,
+                gather_quantized, axes=axes, dim=dim, dtype=self.dtype, reduce_dtype=self.reduce_dtype,
                 fp8_over=over, fp8_scale=scales.get(path_names(path)[1:-1]) if over else None,
             )  # fmt: skip
             # Manual over tensor too for the gather: left automatic, XLA first gathered the weight
             # whole over tensor, then over fsdp (the whole float32 weight on every device).
-            return tensor.over_tensor(gather, p, logical)
+            whole, quantized, scale = tensor.over_tensor(gather, p, logical, lambda spec: (spec, spec, P()))
+            if quantized is not None:
+                given.append((path, {fp8.QUANTIZED: quantized, SCALE: scale}))
+            return whole
 
-        return jax.tree_util.tree_map_with_path(one, variables)
+        return beside(jax.tree_util.tree_map_with_path(one, variables), given)
 
     def stack_in_for(self, matmul: str, moe: bool) -> Any:
         """The hook a scanned stack's params pass through before its layers run (Placement.stack_in):
@@ -209,7 +231,7 @@ class Fsdp:
             group = [i for i, o in picked if o == over]
             whole = whole_scale(jnp.stack([amax[i] for i in group]), over)
             scales.update({i: whole[k] for k, i in enumerate(group)})
-        return _beside(variables, [(flat[i][0], scales[i]) for i, _ in picked])
+        return beside(variables, [(flat[i][0], {SCALE: scales[i]}) for i, _ in picked])
 
     def _stack_over(self, path: tuple, p: jax.Array) -> tuple[str, ...]:
         """The manual axes a stacked projection's layers are split over, where `with_scales` gives

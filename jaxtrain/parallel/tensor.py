@@ -16,16 +16,23 @@ from jaxtrain.model.moe import expert_mlps
 from jaxtrain.parallel import mesh as mesh_lib
 
 
-def over_tensor(fn: Any, x: Any, logical: tuple[str | None, ...]) -> Any:
+def over_tensor(fn: Any, x: Any, logical: tuple[str | None, ...], out: Any = None) -> Any:
     """fn(x) manual over `tensor` too, where x (a param of `logical` axes, or its gradient) is split
     over it: left automatic, XLA moved such arrays whole over tensor around a collective over
-    another axis (all-gathers over tensor of 8 times the bytes)."""
+    another axis (all-gathers over tensor of 8 times the bytes). fn's output is laid out as x;
+    `out(x's spec)` gives its specs where it is more than one such array."""
     mesh = jax.sharding.get_abstract_mesh()
     tensor = mesh_lib.tensor_part(logical, x.shape, mesh)
     if all(entry is None for entry in tensor):
         return fn(x)
+    out_specs = tensor if out is None else out(tensor)
     return jax.shard_map(
-        fn, mesh=mesh, in_specs=tensor, out_specs=tensor, axis_names={mesh_lib.TENSOR_AXIS}, check_vma=False
+        fn,
+        mesh=mesh,
+        in_specs=tensor,
+        out_specs=out_specs,
+        axis_names={mesh_lib.TENSOR_AXIS},
+        check_vma=False,
     )(x)
 
 
