@@ -26,7 +26,7 @@ from jaxtrain.model.layers import Fp8Dot, dense
 from jaxtrain.model.params import path_names
 from jaxtrain.model.transformer import GPT
 from jaxtrain.observe import peaks
-from jaxtrain.parallel import fsdp
+from jaxtrain.parallel import fsdp, pipeline
 from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.run.build import build
 from jaxtrain.run.job import Job
@@ -361,3 +361,30 @@ def test_a_gathered_fp8_weight_is_multiplied_as_it_is_bitwise():
     maxima = [text.count("maximum(") for text in texts]
     rounded = [len(re.findall(r"= f8e4m3fn\[64,32\]\S* (?:convert|fusion)", text)) for text in texts]
     assert maxima[1] < maxima[0] and rounded[1] < rounded[0], (maxima, rounded)
+
+
+def test_the_pipelines_stage_multiplies_its_weights_rounded_once_a_step():
+    """parallel/pipeline.py under model.matmul fp8: the stage's projections rounded to e4m3 once for
+    all ticks (`_casts`), which the ticks' dots multiply as they are: the output and the float32
+    master's gradient are those of the dots rounding the weights themselves, bitwise."""
+    cfg = load_config([*LLAMA, *FP8, "--model.scan_layers", "true", "--model.n_layer", "2"]).model
+    model = GPT(cfg, jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(6), (2, cfg.seq_len, cfg.d_model), jnp.float32).astype(jnp.bfloat16)
+    stack = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]["blocks"]
+    specs = jax.tree.map(lambda _: P(mesh_lib.PIPELINE_AXIS), stack)  # each stage's own layers
+    run = pipeline._stage(model)
+
+    def loss(stack: dict, once: bool) -> jax.Array:
+        casts, rounded = pipeline._casts(model, "blocks", stack, specs)
+        assert len([q for q in jax.tree.leaves(rounded, is_leaf=pipeline._is_layers) if q]) == 5
+        if not once:
+            rounded = jax.tree.map(lambda _: None, rounded, is_leaf=pipeline._is_layers)
+        return run(pipeline._layers(stack, (casts, rounded)), x, None).astype(jnp.float32).sum()
+
+    grads = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+    (own, own_grads), (value, once_grads) = grads(stack, False), grads(stack, True)
+    assert float(value) == float(own)
+    for a, b in zip(jax.tree.leaves(once_grads), jax.tree.leaves(own_grads), strict=True):
+        assert a.dtype == np.float32
+        np.testing.assert_array_equal(a, b)
+    assert np.abs(np.asarray(once_grads["mlp"]["out"]["kernel"])).max() > 0

@@ -56,8 +56,9 @@ class Fp8Dot(nn.Module):
         layer = self.parent
         assert isinstance(layer, nn.Module)
         if layer.has_variable("params", fp8.QUANTIZED):
-            given = (layer.get_variable("params", fp8.QUANTIZED), layer.get_variable("params", fp8.SCALE))
-            return fp8.fp8_dot_quantized(lhs, rhs, dimension_numbers, *given)
+            quantized: jax.Array = layer.get_variable("params", fp8.QUANTIZED)
+            scale: jax.Array = layer.get_variable("params", fp8.SCALE)
+            return fp8.fp8_dot_quantized(lhs, rhs, dimension_numbers, quantized, scale)
         return fp8.fp8_dot_general(lhs, rhs, dimension_numbers, precision)
 
 

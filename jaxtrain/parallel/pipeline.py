@@ -22,7 +22,9 @@ zeros in this SPMD program, so the compiled program (and the planner's replay of
 With remat `full` a tick is one checkpoint: each tick saves only its stage's input, and the
 backward recomputes that tick once (the cost per-layer remat has), holding one stage's activations
 for one microbatch. Inside a tick the stage's layers run unrolled, on its weight matrices cast to
-the compute dtype once a step (`_casts`); their gradient accumulates in float32 over the ticks.
+the compute dtype once a step (`_casts`), and under model.matmul fp8 the projections' rounded to e4m3
+once a step, which every tick's dots multiply as they are; their gradient accumulates in float32
+over the ticks (straight through the cast and the rounding).
 Params used outside the stack (embeddings, final norm, head) are whole on every stage; their
 gradients are summed over the stages (each is zero where its stage does not use it).
 Planned for Llama 3 405B on 256 x 8 H100 (docs/scaling.md "Pipeline parallelism").
@@ -39,12 +41,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxtrain.model import fp8
 from jaxtrain.model.documents import Documents, packed
 from jaxtrain.model.head import mean_loss
 from jaxtrain.model.params import logical_axes, path_names
 from jaxtrain.model.transformer import GPT, block_class, layer_stack, scanned_stacks
+from jaxtrain.parallel import fsdp, tensor
 from jaxtrain.parallel import mesh as mesh_lib
-from jaxtrain.parallel import tensor
 from jaxtrain.text.format import TOKEN_BITS
 
 AXIS = mesh_lib.PIPELINE_AXIS
@@ -137,11 +140,14 @@ def _stage_tree(name: str, stack: Any, specs: Any, one: Callable[..., Any]) -> A
 
 
 def _casts(model: GPT, name: str, stack: Any, specs: Any) -> Any:
-    """The stage's weight matrices (leaves of 3+ dims: [layers, in, ...], which the layers only use
-    in the compute dtype) cast once for all ticks, one array per layer; None for the rest (norm
-    scales, biases). Cast before any regrouping (`_on_stage`), which then moves half the bytes.
-    None at all under FSDP, whose per-layer gather casts (and whose gathers overlap the layer
-    before only in a layer loop: XLA's pipelined all-gather)."""
+    """(casts, quantized): the stage's weight matrices (leaves of 3+ dims: [layers, in, ...], which
+    the layers only use in the compute dtype) cast once for all ticks, one array per layer, None for
+    the rest (norm scales, biases); under model.matmul fp8, each projection's layers also rounded to
+    e4m3 once for all ticks (a tree as casts: one (e4m3 array, scale) a layer), which the ticks' dots
+    multiply as they are (model/layers.py `Fp8Dot`; the values each dot's own rounding gave). Cast
+    before any regrouping (`_on_stage`), which then moves half the bytes. None at all under FSDP,
+    whose per-layer gather casts (and rounds: parallel/fsdp.py), and whose gathers overlap the layer
+    before only in a layer loop (XLA's pipelined all-gather)."""
     if model.placement.gather is not None:
         return None
 
@@ -149,22 +155,41 @@ def _casts(model: GPT, name: str, stack: Any, specs: Any) -> Any:
         cast = jax.lax.stop_gradient(p.astype(model.dtype))
         return tuple(_on_stage(cast, spec, logical)) if p.ndim >= 3 else None
 
-    return _stage_tree(name, stack, specs, one)
+    def rounded(path: tuple, layers: tuple[jax.Array, ...] | None) -> tuple | None:
+        if model.cfg.matmul != "fp8" or layers is None or not fp8.projection((name, *path_names(path))):
+            return None
+        return tuple(fp8.quantize(layer, fp8.FORWARD) for layer in layers)
+
+    casts = _stage_tree(name, stack, specs, one)
+    return casts, jax.tree_util.tree_map_with_path(rounded, casts, is_leaf=_is_layers)
+
+
+def _is_layers(x: Any) -> bool:
+    return x is None or isinstance(x, tuple)
 
 
 def _layers(stack: Any, casts: Any) -> Any:
     """The stage's params for `_stage`: one tree per layer, unrolled (a stage is a few layers:
     405B over 32 stages, 4; as a loop inside the tick loop XLA peeled it and copied each layer's
-    saved activations and weight slices); the stack itself where there are no casts."""
+    saved activations and weight slices), each FP8 projection's e4m3 layer and scale beside its
+    kernel (`_casts`); the stack itself where there are no casts."""
     if casts is None:
         return stack
+    casts, quantized = casts
     length = jax.tree.leaves(stack)[0].shape[0]
     per_leaf = jax.tree.map(
         lambda p, c: tuple(p) if c is None else _as_casts(p, c), stack, casts, is_leaf=lambda c: c is None
     )
-    return [
+    layers = [
         jax.tree.map(operator.itemgetter(i), per_leaf, is_leaf=lambda x: isinstance(x, tuple))
         for i in range(length)
+    ]
+    rounded = [
+        (path, q) for path, q in jax.tree_util.tree_flatten_with_path(quantized, is_leaf=_is_layers)[0] if q
+    ]
+    return [
+        fsdp.beside(layer, [(path, {fp8.QUANTIZED: q[i][0], fp8.SCALE: q[i][1]}) for path, q in rounded])
+        for i, layer in enumerate(layers)
     ]
 
 
