@@ -35,6 +35,7 @@ GRADIENT = jnp.float8_e5m2
 # A projection's weight already rounded to FORWARD (the e4m3 array) and its scale, beside its kernel
 # in the variables a layer computes with (put there by parallel/fsdp.py and parallel/pipeline.py).
 QUANTIZED = "fp8_kernel"
+TRANSPOSED = "fp8_kernel_t"  # QUANTIZED laid out for the forward GEMM (`fp8_dot_quantized`), where given
 SCALE = "fp8_scale"
 
 # The projections model.matmul fp8 multiplies in FP8 (each `layers.dense(..., matmul=cfg.matmul)`),
@@ -116,37 +117,71 @@ def _fp8_backward(dims: Any, saved: Any, g: jax.Array) -> tuple[jax.Array, jax.A
 _fp8_dot.defvjp(_fp8_forward, _fp8_backward)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _quantized_dot(x: jax.Array, w: jax.Array, wq: jax.Array, sw: jax.Array, dims: Any) -> jax.Array:
-    return _quantized_forward(x, w, wq, sw, dims)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _quantized_dot(
+    x: jax.Array, w: jax.Array, wq: jax.Array, wt: jax.Array | None, sw: jax.Array, dims: Any
+) -> jax.Array:
+    return _quantized_forward(x, w, wq, wt, sw, dims)[0]
 
 
 def _quantized_forward(
-    x: jax.Array, w: jax.Array, wq: jax.Array, sw: jax.Array, dims: Any
+    x: jax.Array, w: jax.Array, wq: jax.Array, wt: jax.Array | None, sw: jax.Array, dims: Any
 ) -> tuple[jax.Array, Any]:
     # w's values are not read: wq and sw are its rounding (`fp8_dot_quantized`); w carries the gradient.
     xq, sx = quantize(x, FORWARD)
-    return _dot(dequantize(xq, sx, x.dtype), dequantize(wq, sw, w.dtype), dims), (xq, sx, wq, sw)
+    if wt is None:
+        y = _dot(dequantize(xq, sx, x.dtype), dequantize(wq, sw, w.dtype), dims)
+    else:  # wq with its contracted dims last: the forward GEMM's layout (`fp8_dot_quantized`)
+        y = _dot(dequantize(xq, sx, x.dtype), dequantize(wt, sw, w.dtype), _contracting_last(dims, wq.ndim))
+    return y, (xq, sx, wq, sw)
 
 
-def _quantized_backward(dims: Any, saved: Any, g: jax.Array) -> tuple[jax.Array, ...]:
+def _quantized_backward(dims: Any, saved: Any, g: jax.Array) -> tuple[Any, ...]:
     dx, dw = _fp8_backward(dims, saved, g)
     _, _, wq, sw = saved
-    return dx, dw, jnp.zeros_like(wq), jnp.zeros_like(sw)  # no gradient reaches a rounding
+    return dx, dw, jnp.zeros_like(wq), None, jnp.zeros_like(sw)  # no gradient reaches a rounding
 
 
 _quantized_dot.defvjp(_quantized_forward, _quantized_backward)
 
 
+def contracted(names: tuple[str, ...], ndim: int) -> int:
+    """How many leading dims of the projection kernel at `names` (`projection`) its dense contracts:
+    an output projection's all but the last ([heads, head_dim, d]), any other's the first."""
+    return ndim - 1 if names[-2] in ("out", "shared_out") else 1
+
+
+def contracting_last(wq: jax.Array, contracted: int) -> jax.Array:
+    """A kernel with its `contracted` leading dims moved last: [in..., out...] -> [out..., in...]."""
+    return jnp.transpose(wq, (*range(contracted, wq.ndim), *range(contracted)))
+
+
+def _contracting_last(dims: Any, ndim: int) -> Any:
+    """`dims` for the kernel laid out by `contracting_last`."""
+    (lc, rc), batch = dims
+    if batch != ((), ()) or rc != tuple(range(len(rc))):
+        raise ValueError(f"an FP8 kernel given transposed must contract its leading dims, not {dims}")
+    return (lc, tuple(range(ndim - len(rc), ndim))), batch
+
+
 def fp8_dot_quantized(
-    lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, quantized: jax.Array, scale: jax.Array
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers: Any,
+    quantized: jax.Array,
+    scale: jax.Array,
+    transposed: jax.Array | None = None,
 ) -> jax.Array:
     """`fp8_dot_general` of lhs and rhs, where `quantized` (FORWARD) and `scale` are rhs already
     rounded: dequantize(quantized, scale) must be rhs's FP8 rounding by some power-of-two scale
     (the rounding `fp8_dot_general` takes of it is then the same values: `scale_for`). The dot
     multiplies them as they are, skipping rhs's max and its rounding (a read of the whole weight, a
-    read and an e4m3 write, in every GEMM); rhs's values are not read, it takes the gradient."""
-    return _quantized_dot(lhs, rhs, quantized, scale, _hashable(dimension_numbers))
+    read and an e4m3 write, in every GEMM); rhs's values are not read, it takes the gradient.
+    `transposed`: `quantized` laid out by `contracting_last`, which the forward multiplies: an FP8
+    GEMM on Hopper takes both operands contracting-dim-minor, so a kernel rounded outside a loop (the
+    pipeline's ticks) is otherwise transposed again inside it, at every use (the backward's GEMM
+    takes `quantized` as it is)."""
+    return _quantized_dot(lhs, rhs, quantized, transposed, scale, _hashable(dimension_numbers))
 
 
 def fp8_dot_general(

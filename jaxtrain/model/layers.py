@@ -47,7 +47,8 @@ class Fp8Dot(nn.Module):
     """model.matmul fp8's dot_general, made by its dense (flax's `dot_general_cls`, a child with no
     params) so that it reads what the dense's variables carry: the weight already rounded to e4m3
     with its scale (`fp8.QUANTIZED`, `fp8.SCALE`: fsdp's gather and the pipeline's once-a-step cast
-    put them there), multiplied as they are; else the dot rounds the weight itself. The same values
+    put them there; the pipeline's also laid out for the forward GEMM, `fp8.TRANSPOSED`), multiplied
+    as they are; else the dot rounds the weight itself. The same values
     either way (model/fp8.py)."""
 
     def __call__(
@@ -58,7 +59,8 @@ class Fp8Dot(nn.Module):
         if layer.has_variable("params", fp8.QUANTIZED):
             quantized: jax.Array = layer.get_variable("params", fp8.QUANTIZED)
             scale: jax.Array = layer.get_variable("params", fp8.SCALE)
-            return fp8.fp8_dot_quantized(lhs, rhs, dimension_numbers, quantized, scale)
+            transposed: jax.Array | None = layer.get_variable("params", fp8.TRANSPOSED)  # None unless given
+            return fp8.fp8_dot_quantized(lhs, rhs, dimension_numbers, quantized, scale, transposed)
         return fp8.fp8_dot_general(lhs, rhs, dimension_numbers, precision)
 
 

@@ -143,7 +143,8 @@ def _casts(model: GPT, name: str, stack: Any, specs: Any) -> Any:
     """(casts, quantized): the stage's weight matrices (leaves of 3+ dims: [layers, in, ...], which
     the layers only use in the compute dtype) cast once for all ticks, one array per layer, None for
     the rest (norm scales, biases); under model.matmul fp8, each projection's layers also rounded to
-    e4m3 once for all ticks (a tree as casts: one (e4m3 array, scale) a layer), which the ticks' dots
+    e4m3 once for all ticks (a tree as casts: one (e4m3 array, scale, the e4m3 array laid out for the
+    forward GEMM: fp8.fp8_dot_quantized) a layer), which the ticks' dots
     multiply as they are (model/layers.py `Fp8Dot`; the values each dot's own rounding gave). Cast
     before any regrouping (`_on_stage`), which then moves half the bytes. None at all under FSDP,
     whose per-layer gather casts (and rounds: parallel/fsdp.py), and whose gathers overlap the layer
@@ -158,10 +159,15 @@ def _casts(model: GPT, name: str, stack: Any, specs: Any) -> Any:
     def rounded(path: tuple, layers: tuple[jax.Array, ...] | None) -> tuple | None:
         if model.cfg.matmul != "fp8" or layers is None or not fp8.projection((name, *path_names(path))):
             return None
-        return tuple(fp8.quantize(layer, fp8.FORWARD) for layer in layers)
+        contracted = fp8.contracted((name, *path_names(path)), layers[0].ndim)
+        rounded = [fp8.quantize(layer, fp8.FORWARD) for layer in layers]
+        return tuple((q, s, fp8.contracting_last(q, contracted)) for q, s in rounded)
 
     casts = _stage_tree(name, stack, specs, one)
     return casts, jax.tree_util.tree_map_with_path(rounded, casts, is_leaf=_is_layers)
+
+
+ROUNDED = (fp8.QUANTIZED, fp8.SCALE, fp8.TRANSPOSED)  # what `_casts` gives each FP8 projection's layer
 
 
 def _is_layers(x: Any) -> bool:
@@ -188,7 +194,7 @@ def _layers(stack: Any, casts: Any) -> Any:
         (path, q) for path, q in jax.tree_util.tree_flatten_with_path(quantized, is_leaf=_is_layers)[0] if q
     ]
     return [
-        fsdp.beside(layer, [(path, {fp8.QUANTIZED: q[i][0], fp8.SCALE: q[i][1]}) for path, q in rounded])
+        fsdp.beside(layer, [(path, dict(zip(ROUNDED, q[i], strict=True))) for path, q in rounded])
         for i, layer in enumerate(layers)
     ]
 
