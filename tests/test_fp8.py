@@ -367,7 +367,7 @@ def test_the_pipelines_stage_multiplies_its_weights_rounded_once_a_step():
     """parallel/pipeline.py under model.matmul fp8: the stage's projections rounded to e4m3 once for
     all ticks (`_casts`), which the ticks' dots multiply as they are: the output and the float32
     master's gradient are those of the dots rounding the weights themselves, bitwise."""
-    cfg = load_config([*LLAMA, *FP8, "--model.scan_layers", "true", "--model.n_layer", "2"]).model
+    cfg = load_config([*LLAMA, *FP8, "--model.scan_layers", "true", "--model.n_layer", "1"]).model
     model = GPT(cfg, jnp.bfloat16)
     x = jax.random.normal(jax.random.key(6), (2, cfg.seq_len, cfg.d_model), jnp.float32).astype(jnp.bfloat16)
     stack = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]["blocks"]
