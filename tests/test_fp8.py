@@ -2,8 +2,10 @@
 gradient to e5m2 by power-of-two scales; a short run trains as bf16 does; a non-finite tensor is a
 skipped step; checkpoints are the same tree either way, and an FP8 run resumes bitwise (and in
 bf16); fsdp gathers the projections' weights as FP8, rounded by the whole weight's scale (bitwise
-the one-device rounding); on 8 devices split over context, fsdp and tensor an FP8 run trains as on
-one device (the GPU program: tests/test_gpu_compile.py).
+the one-device rounding), and a dot handed the gathered e4m3 weight, or the pipeline's weights
+rounded once a step, computes what the dot rounding them itself does, bitwise; on 8 devices split
+over context, fsdp and tensor an FP8 run trains as on one device (the GPU program:
+tests/test_gpu_compile.py).
 
     pytest tests/test_fp8.py
 """
