@@ -7,11 +7,12 @@ for 300 steps each way, a few seeds; the validation loss at the end and the gap 
 
 Each run is scripts/train.py in its own process (the run a user makes), the same seed (init and
 data order) in every mode: `bf16` (bfloat16 compute), `fp8` (the same, with model.matmul fp8 and
-the head in FP8 too: model.head_matmul fp8) and `f32` (float32 compute: the reference for what
-rounding alone moves, since the gap between two runs of this small model at its learning rate's
-peak can be set by where a loss spike takes each). The gap of a seed is fp8 / bf16 - 1 of its final
-validation loss; `bf16_vs_f32` and `fp8_vs_f32` likewise. A run adds its modes to the seed's record
-in --out, keeping the rest: a seed or a mode is added without rerunning the others.
+the head in FP8 too: model.head_matmul fp8), `fp8_proj` (the projections in FP8, the head in bf16:
+model.head_matmul's default) and `f32` (float32 compute: the reference for what rounding alone
+moves, since the gap between two runs of this small model at its learning rate's peak can be set
+by where a loss spike takes each). The gap of a seed is fp8 / bf16 - 1 of its final validation
+loss; `proj_gap` (fp8_proj / bf16 - 1) and the gaps to f32 likewise. A run adds its modes to the
+seed's record in --out, keeping the rest: a seed or a mode is added without rerunning the others.
 """
 
 from __future__ import annotations
@@ -29,9 +30,13 @@ ROOT = Path(__file__).resolve().parent.parent
 MODES = {
     "bf16": ["--dtype", "bfloat16"],
     "fp8": ["--dtype", "bfloat16", "--model.matmul", "fp8", "--model.head_matmul", "fp8"],
+    "fp8_proj": ["--dtype", "bfloat16", "--model.matmul", "fp8"],
     "f32": ["--dtype", "float32"],
 }
-GAPS = {"gap": ("fp8", "bf16"), "bf16_vs_f32": ("bf16", "f32"), "fp8_vs_f32": ("fp8", "f32")}
+GAPS = {
+    "gap": ("fp8", "bf16"), "proj_gap": ("fp8_proj", "bf16"), "bf16_vs_f32": ("bf16", "f32"),
+    "fp8_vs_f32": ("fp8", "f32"), "fp8_proj_vs_f32": ("fp8_proj", "f32"),
+}  # fmt: skip
 
 
 def git_head() -> str:
