@@ -9,7 +9,6 @@ teaches the interpreter: their forward, dX and dW run here.
 """
 
 import contextlib
-import dataclasses
 
 import flax.linen as nn
 import jax
@@ -19,7 +18,7 @@ import pytest
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 from jax._src.state.types import TransposeTransform
 
-from jaxtrain.config import load_config
+from jaxtrain.config import ConfigError, load_config
 from jaxtrain.model import fp8
 from jaxtrain.model.grouped_fp8 import ragged_matmul_fp8
 from jaxtrain.model.grouped_kernels import ragged_matmul
@@ -182,23 +181,27 @@ def test_the_preflights_fp8_reference_is_the_kernels_roundings():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
 
 
-def test_fp8_runs_the_pallas_kernels_on_fp8_tiles_and_falls_back_to_their_bf16_tiles():
-    """model.matmul fp8 settles the Hopper grouped matmul as `pallas_fp8` (auto or pallas by name),
-    whose preflight check is the FP8 kernels' (the GPU-only kind it belongs to: grouped_matmul);
-    the fallback of auto when that check fails is the same kernels on bf16 tiles."""
-    qwen3 = load_config(["--config", "configs/qwen3_30b_a3b.yaml"]).model
-    fp8_model = dataclasses.replace(qwen3, matmul="fp8")
+def test_pallas_fp8_is_asked_for_by_name_and_falls_back_to_the_bf16_tiles():
+    """`pallas_fp8` runs only when named, beside model.matmul fp8 (auto keeps the bf16 tiles, which
+    plan faster today: docs/fp8.md); named without FP8 projections, or off Hopper, it is one line.
+    Its preflight check is the FP8 kernels' (kind grouped_matmul), and a failing one falls back to
+    the same kernels on bf16 tiles."""
+    qwen3 = load_config(["--config", "configs/qwen3_30b_a3b.yaml", "--model.matmul", "fp8"]).model
     assert kernels.settle(qwen3, "gpu", "bfloat16", "9.0").moe.grouped_matmul == "pallas"
-    settled = kernels.settle(fp8_model, "gpu", "bfloat16", "9.0")
+    cfg = load_config(["--config", "configs/qwen3_30b_a3b.yaml", "--model.matmul", "fp8", *FP8_EXPERTS])
+    settled = kernels.settle(cfg.model, "gpu", "bfloat16", "9.0")
     assert settled.moe.grouped_matmul == "pallas_fp8"
-    named = dataclasses.replace(fp8_model, moe=dataclasses.replace(qwen3.moe, grouped_matmul="pallas"))
-    assert kernels.settle(named, "gpu", "bfloat16", "9.0").moe.grouped_matmul == "pallas_fp8"
-    assert kernels.settle(fp8_model, "gpu", "bfloat16", "8.0").moe.grouped_matmul == "ragged_dot"
-    assert kernels.settle(fp8_model, "cpu", "bfloat16").moe.grouped_matmul == "blocks"
+    with pytest.raises(ConfigError, match="needs Hopper GPUs"):
+        kernels.settle(cfg.model, "gpu", "bfloat16", "8.0")
+    bf16 = load_config(["--config", "configs/qwen3_30b_a3b.yaml", *FP8_EXPERTS]).model
+    with pytest.raises(ConfigError, match="add --model.matmul fp8"):
+        kernels.settle(bf16, "gpu", "bfloat16", "9.0")
     assert kernels.fallen_back(settled, "grouped_matmul").moe.grouped_matmul == "pallas"
-    choices = preflight.Choices(grouped_matmul="pallas_fp8", d_model=2048, expert_dim=768)
-    names = [c.name for c in preflight.checks(choices, "gpu", "9.0")]
+    choices = verdicts.choices(cfg, settled, "bfloat16", "gpu")
+    assert choices.grouped_matmul == "pallas_fp8"
+    names = [c.name for c in preflight.checks(choices, "gpu", "9.0") if c.name.startswith("ragged")]
     assert names == ["ragged_matmul pallas_fp8 d2048 ff768 bfloat16"]
     assert verdicts.KIND_OF[names[0].split()[0]] == "grouped_matmul"
-    cfg = load_config(["--config", "configs/qwen3_30b_a3b.yaml", "--model.matmul", "fp8"])
-    assert verdicts.choices(cfg, settled, "bfloat16", "gpu").grouped_matmul == "pallas_fp8"
+
+
+FP8_EXPERTS = ["--model.moe.grouped_matmul", "pallas_fp8"]

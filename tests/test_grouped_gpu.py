@@ -3,7 +3,7 @@ counted as the planner counts them (plan/hlo.py `flops`), are the active FLOPs w
 
 One subprocess (tests/grouped_flops.py) compiles one MoE layer's forward and backward with the CUDA
 plugin, for Mixtral-8x7B's experts (8 of 14336: one a GPU under expert 8, two under expert 4) and
-Qwen3-30B-A3B's (128 of 768: sixteen a GPU), and Qwen3's again under model.matmul fp8 (the FP8
+Qwen3-30B-A3B's (128 of 768: sixteen a GPU), and Qwen3's again with `pallas_fp8` (the FP8
 kernels lower for an H100, and the planner costs the experts' FLOPs, and only theirs, at the FP8
 peak). About a minute and a half.
 """
@@ -33,8 +33,8 @@ def counted():
 @pytest.mark.parametrize("case", ["mixtral_expert8", "mixtral_expert4", "qwen3_expert8", "qwen3_expert8_fp8"])
 def test_the_gpu_default_grouped_matmul_computes_only_the_routed_rows(counted, case):
     """ragged_dot's dense fallback computes every row against every local expert, and both it and
-    `blocks` compute the whole dropless exchange buffer (mesh.expert times the routed rows). Under
-    model.matmul fp8 the experts' kernels are FP8 (their scope says so: plan/hlo.py `fp8`), the
+    `blocks` compute the whole dropless exchange buffer (mesh.expert times the routed rows). With
+    `pallas_fp8` the experts' kernels are FP8 (their scope says so: plan/hlo.py `fp8`), the
     router's float32 matmul is not; in bf16 nothing is."""
     flops = counted[case]
     assert abs(flops["compiled"] / flops["active"] - 1) < 0.1, flops

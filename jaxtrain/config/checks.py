@@ -21,7 +21,7 @@ _CHOICES = {
     "model.remat": ("none", "full", "dots"),
     "model.attention_impl": ("auto", "xla", "cudnn"),
     "model.mlp": ("gelu", "swiglu"),
-    "model.moe.grouped_matmul": ("auto", "ragged_dot", "blocks", "pallas"),
+    "model.moe.grouped_matmul": ("auto", "ragged_dot", "blocks", "pallas", "pallas_fp8"),
     "model.moe.exchange": ("auto", "ragged", "padded"),
     "model.moe.router": ("softmax", "sigmoid"),
     "model.moe.dispatch_dtype": ("", "float8_e4m3fn"),

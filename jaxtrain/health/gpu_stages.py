@@ -67,7 +67,7 @@ TRAIN_RUNS = {
         # experts' FP8 kernels (pallas_fp8, model/grouped_fp8.py) with FP8 projections: not yet run.
         "moe_pallas_fp8": (
             "moe_ragged_dot",
-            [*MOE_GPU, "--model.moe.grouped_matmul", "pallas", "--model.matmul", "fp8"],
+            [*MOE_GPU, "--model.moe.grouped_matmul", "pallas_fp8", "--model.matmul", "fp8"],
         ),
         "gpt_xla_documents": ("", [*GPT_GPU, *DOCS, "--model.attention_impl", "xla"]),
         "gpt_cudnn_documents": ("gpt_xla_documents", [*GPT_GPU, *DOCS, "--model.attention_impl", "cudnn"]),

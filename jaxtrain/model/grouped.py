@@ -11,8 +11,8 @@ SM count is H100's, not read from `jax.devices()` (a CPU device when the GPU pro
 without a GPU).
 
 `grouped_kernels.ragged_matmul` is their custom_vjp: forward rows x W; dX by the same kernel
-against W transposed; dW by the transposed kernel. Under model.matmul fp8 they run on FP8 tiles
-(`pallas_fp8`: model/grouped_fp8.py). Each kernel call runs in a named scope carrying the FLOPs
+against W transposed; dW by the transposed kernel. `pallas_fp8` runs them on FP8 tiles (beside
+model.matmul fp8: model/grouped_fp8.py). Each kernel call runs in a named scope carrying the FLOPs
 of the rows the caller expects routed (`routed`; FP8_FLOPS_SCOPE for the FP8 kernels), which the
 planner reads (plan/hlo.py `flops`, `fp8`): the HLO only shows the buffer, whose rows past the
 routed ones the kernel skips. This module holds what the rest of jaxtrain reads without running

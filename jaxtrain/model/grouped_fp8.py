@@ -1,4 +1,4 @@
-"""The experts' grouped matmul in FP8 (`pallas_fp8`: the pallas kernel under model.matmul fp8):
+"""The experts' grouped matmul in FP8 (`pallas_fp8`, asked for beside model.matmul fp8):
 model/grouped_kernels.py's Hopper kernels on FP8 tiles, a custom_vjp as `ragged_matmul`.
 
     y = ragged_matmul_fp8(rows, w, sizes, routed)    # rows [m, k], w [E, k, n] bfloat16 -> [m, n]
@@ -13,8 +13,8 @@ the epilogue (powers of two: exact). Two departures from model/fp8.py's dense do
 - The weights' scales are per expert: a scale over a device's experts would depend on which experts
   mesh.expert puts there (a layout would change the model), and the epilogue knows its group anyway.
 The rows' scale is the device's routed rows' (as a batch shard's in fp8.py); rows past sum(sizes)
-hold any bits (NaN among them), so they are zeroed as they are rounded (`_rows`): their FP8 values
-are finite, which the dW kernel needs (it zeroes a neighbour's rows in one operand only).
+hold any bits (NaN among them), left out of the max (`_rows`) and never stored nor multiplied into
+a routed row (the dW kernel zeroes them, and a neighbour's rows, in both operands).
 Hopper's FP8 wgmma takes both operands K-major: the forward multiplies W^T [E, n, k] (an XLA
 transpose of the FP8 weights), dX W as stored, dW rows^T [k, m] and gradient^T [n, m] (transposes
 of FP8 buffers: half a bf16 transpose's bytes).
@@ -34,11 +34,13 @@ from jaxtrain.model.grouped_kernels import ragged_dot, transposed_ragged_dot_fp8
 
 
 def _rows(x: jax.Array, sizes: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
-    """Rows [m, k] -> rounded to FP8 `dtype` by the routed rows' scale (rows past sum(sizes): 0),
-    and that scale."""
+    """Rows [m, k] -> rounded to FP8 `dtype` by the routed rows' scale, and that scale. The rows
+    past sum(sizes) are left out of the max by a select inside its reduction (a product would keep
+    a NaN) and rounded as they are: any bits, which no kernel stores or multiplies into a routed
+    row. Zeroing them instead wrote the whole buffer once more in bf16 (XLA kept the select for
+    both the max and the rounding): the dropless buffer holds mesh.expert times the routed rows."""
     routed = (jnp.arange(x.shape[0]) < jnp.sum(sizes))[:, None]
-    x = jnp.where(routed, x, jnp.zeros_like(x))  # a select: a product would keep a NaN
-    scale = fp8.scale_of(x, dtype)
+    scale = fp8.scale_for(jnp.max(jnp.where(routed, jnp.abs(x), 0)), dtype)
     return fp8.to_fp8(x, scale, dtype), scale
 
 

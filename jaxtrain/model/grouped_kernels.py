@@ -182,7 +182,7 @@ def transposed_ragged_dot_fp8(
     """`transposed_ragged_dot` on FP8 operands stored K-major (as Hopper's FP8 wgmma needs them):
     lhs_t [m, r], rhs_t [n, r] of one FP8 type, columns sorted by group -> [g, m, n] bfloat16, each
     group's lhs_t rhs_t^T over its columns accumulated in float32, times `scales[group]`. Columns
-    past sum(sizes) must be finite (a neighbour's columns are zeroed in lhs_t alone: 0 x finite)."""
+    past sum(sizes) may hold anything (`_keep_group_rows`, along the tiles' columns)."""
     m, r = lhs_t.shape
     n, g = rhs_t.shape[0], sizes.shape[0]
     starts, ends, n_blocks, block_starts = _blocks_of(sizes, BLOCK_K_FP8)
@@ -198,7 +198,7 @@ def transposed_ragged_dot_fp8(
 
             def acc_scope(acc_ref):  # type: ignore[no-untyped-def]
                 def step(block, a, b):  # type: ignore[no-untyped-def]
-                    _keep_group_rows((a,), block[0], n_blocks_g[gi], starts_g[gi], ends_g[gi], 1, interpret)
+                    _keep_group_rows((a, b), block[0], n_blocks_g[gi], starts_g[gi], ends_g[gi], 1, interpret)
                     plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(b, (1, 0)))
 
                 @pl.when(sizes_g[gi] > 0)

@@ -5,15 +5,14 @@ a per-expert bias (selection only; moved after each step by `update_router_bias`
 groups; shared experts (model/mlp.py) see every token. Dropless: the copies are sorted by expert
 (`dispatch`, `permute`: gathers, and so are their gradients) and run as one grouped matmul
 (`moe.grouped_matmul`: `jax.lax.ragged_dot`, `blocks` of BLOCK rows per expert, or `pallas`:
-model/grouped.py's Hopper kernels, computing only the routed rows; on FP8 tiles under model.matmul
-fp8). The routed rows reach their experts through a `Wire`: here they stay; under expert
-parallelism the step's placement sends them to the devices that hold their experts
-(parallel/expert.py). Under remat the routed block
-has a backward of its own (`_routed`: the recomputation sends nothing); the copies may travel in
-FP8 (`dispatch_dtype`), and a layer's tokens in pieces (`chunks`: one piece's exchange beside
-another's experts). The router's statistics are sown into "moe"
-(`router_stats`) for the balancing loss (`balance_loss`). What each choice costs, measured and
-planned: docs/moe.md and docs/scaling.md.
+model/grouped.py's Hopper kernels, computing only the rows routed; `pallas_fp8`, on FP8 tiles,
+beside model.matmul fp8). The routed rows reach their experts through a `Wire`: here they stay;
+under expert parallelism the step's placement sends them to the devices that hold their experts
+(parallel/expert.py). Under remat the routed block has a backward of its own (`_routed`: the
+recomputation sends nothing); the copies may travel in FP8 (`dispatch_dtype`), and a layer's
+tokens in pieces (`chunks`: one piece's exchange beside another's experts). The router's
+statistics are sown into "moe" (`router_stats`) for the balancing loss (`balance_loss`). What each
+choice costs, measured and planned: docs/moe.md and docs/scaling.md.
 """
 
 from __future__ import annotations

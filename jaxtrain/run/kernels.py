@@ -64,9 +64,10 @@ def grouped_matmul(
     """The experts' grouped matmul on these devices (moe.grouped_matmul settled): `blocks` on CPUs,
     the Pallas kernels on Hopper where their tiles take the widths (each expert's hidden dim split
     over `tensor`) and the compute `dtype`, XLA's `ragged_dot` on other GPUs. An explicit pallas they
-    cannot run is refused. Under model.matmul fp8 the Pallas kernels run on FP8 tiles (`pallas_fp8`,
-    model/grouped_fp8.py): FP8 asks for the projections in FP8, and the routed experts' are most of a
-    mixture's (three quarters of Qwen3-30B-A3B's FLOPs); the other kernels stay in the compute dtype."""
+    cannot run is refused. `pallas_fp8` (the same kernels on FP8 tiles, model/grouped_fp8.py) is
+    asked for by name, with model.matmul fp8: auto never picks it, as it plans slower than the
+    bf16 tiles today (Qwen3-30B-A3B 4 x 8: its roundings pass over the whole dropless exchange
+    buffer, docs/fp8.md)."""
     why = grouped.refusal(platform, capability, cfg.d_model, cfg.expert_dim // tensor)
     if not why and jnp.dtype(dtype).itemsize > 2:
         # The tiles fill 160 KB of H100's 227 KB of shared memory at two bytes a value (grouped.py):
@@ -75,15 +76,19 @@ def grouped_matmul(
             f"model.moe.grouped_matmul pallas takes bfloat16 or float16, not {jnp.dtype(dtype).name} (its "
             "tiles would need twice H100's shared memory); use --dtype bfloat16 or grouped_matmul auto"
         )
-    if cfg.moe.grouped_matmul == "pallas" and why:
+    named = cfg.moe.grouped_matmul
+    if named in ("pallas", "pallas_fp8") and why:
         raise ConfigError(why)
-    if cfg.moe.grouped_matmul == "pallas" or (cfg.moe.grouped_matmul == "auto" and platform != "cpu"):
-        pallas = capability == grouped.HOPPER and not why
-        if pallas:
-            return "pallas_fp8" if cfg.matmul == "fp8" else "pallas"
-    if cfg.moe.grouped_matmul != "auto":
-        return cfg.moe.grouped_matmul
-    return "blocks" if platform == "cpu" else "ragged_dot"
+    if named == "pallas_fp8" and cfg.matmul != "fp8":
+        raise ConfigError(
+            "model.moe.grouped_matmul pallas_fp8 multiplies the experts in FP8 beside FP8 projections; "
+            "add --model.matmul fp8 --dtype bfloat16, or use grouped_matmul pallas (bf16 tiles)"
+        )
+    if named != "auto":
+        return named
+    if platform == "cpu":
+        return "blocks"
+    return "pallas" if capability == grouped.HOPPER and not why else "ragged_dot"
 
 
 def exchange(cfg: ModelConfig, platform: str) -> str:
