@@ -9,6 +9,7 @@ teaches the interpreter: their forward, dX and dW run here.
 """
 
 import contextlib
+import socket
 
 import flax.linen as nn
 import jax
@@ -24,6 +25,7 @@ from jaxtrain.model.grouped_fp8 import ragged_matmul_fp8
 from jaxtrain.model.grouped_kernels import ragged_matmul
 from jaxtrain.parallel.tensor import split_experts
 from jaxtrain.run import kernels, preflight, verdicts
+from jaxtrain.run.job import Job
 
 
 def test_pallas_forward_is_ragged_dot_over_the_routed_rows_whatever_the_rows_past_them_hold():
@@ -205,3 +207,22 @@ def test_pallas_fp8_is_asked_for_by_name_and_falls_back_to_the_bf16_tiles():
 
 
 FP8_EXPERTS = ["--model.moe.grouped_matmul", "pallas_fp8"]
+
+
+def test_a_failing_pallas_fp8_falls_back_to_the_bf16_tiles_even_when_named():
+    """The job-start preflight's decision (run/verdicts.py) when the FP8 kernels' check fails on the
+    GPUs: the run goes on with `pallas` and says so in one line, though pallas_fp8 was named (no
+    GPU had run it when it shipped); `pallas` named and failing is still refused."""
+    moe = ["--config", "configs/tiny.yaml", "--model.mlp", "swiglu", "--model.moe.n_experts", "4",
+           "--model.d_model", "128", "--model.n_head", "2", "--model.moe.d_expert", "128",
+           "--dtype", "bfloat16"]  # fmt: skip
+    job = Job.of_devices(load_config([*moe, "--model.matmul", "fp8", *FP8_EXPERTS]), jax.devices()[:1])
+    on_gpu = kernels.settle(job.cfg.model, "gpu", "bfloat16", "9.0")
+    failed = {"grouped_matmul": [(0, socket.gethostname())]}
+    model, lines = verdicts._decide(job, on_gpu, failed, [])
+    assert model.moe.grouped_matmul == "pallas" and lines == [
+        "preflight: the pallas_fp8 grouped matmul failed on cpu; running the pallas grouped matmul instead"
+    ]
+    named = Job.of_devices(load_config([*moe, "--model.moe.grouped_matmul", "pallas"]), jax.devices()[:1])
+    with pytest.raises(ConfigError, match="the pallas grouped matmul failed"):
+        verdicts._decide(named, kernels.settle(named.cfg.model, "gpu", "bfloat16", "9.0"), failed, [])
