@@ -16,7 +16,7 @@ the plain path's, layer by layer: tests/test_accumulate.py checks the two agree.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -148,5 +148,15 @@ def local_grads(
         shapes = jax.eval_shape(grad_fn, rest, zeros[1], micro[0])[1]
         start = (*zeros, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
         (rest_sum, totals, metrics), _ = jax.lax.scan(body, start, micro)
+    # The stacks' sums as their params: what stack_in put beside them (model.matmul fp8's scales,
+    # parallel/fsdp.py with_scales) took a gradient of zero, and the params have no such entry.
+    totals = {name: _like(totals[name], params[name]) for name in stacks}
     grads = jax.tree.map(lambda x: x / accum, rest_sum | totals)
     return grads, jax.tree.map(lambda x: x / accum, metrics)
+
+
+def _like(tree: Any, like: Any) -> Any:
+    """`tree`'s entries at the keys of `like` (nested dicts of the same names), the rest dropped."""
+    if not isinstance(like, Mapping):
+        return tree
+    return {key: _like(tree[key], sub) for key, sub in like.items()}
