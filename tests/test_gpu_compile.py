@@ -381,3 +381,23 @@ def test_fp8_projections_compile_to_cublaslt_fp8_gemms():
     assert gemms["operands"]["__cublas$lt$matmul"] == {"bf16 bf16": 3}, gemms
     # The arrays gathered: 2 layers x 5 projections in e4m3 (before: all 12 in bf16), wte and lm_head.
     assert gemms["gathers"] == {"f8e4m3fn": 10, "bf16": 2}, gemms
+
+
+def test_a_pipelines_fp8_gemms_stay_fp8_inside_its_tick_loop():
+    """Under a pipeline the weights are the same in every tick, and XLA's loop-invariant code motion
+    hoisted each FP8 weight's dequantize out of the tick loop as a bf16 array: the forward's GEMMs,
+    no longer fed an FP8 operand, compiled to bf16 ones (Llama 3 405B on 256 x 8: 67 of its 257;
+    here 10 of 34). model/fp8.py ties the weight to the tick's activation (`_in_step`): every GEMM,
+    the head's too (model.head_matmul fp8), is cuBLASLt's FP8 one."""
+    argv = ["--config", "configs/llama_tiny.yaml", "--dtype", "bfloat16", "--model.n_layer", "2"]
+    argv += ["--model.scan_layers", "true", "--model.matmul", "fp8", "--model.head_matmul", "fp8"]
+    argv += ["--mesh.pipeline", "2", "--mesh.data", "4", "--gpus", "8"]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "gpu_gemms.py"), *argv],
+        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    gemms = json.loads(proc.stdout.splitlines()[-1])
+    assert gemms["kinds"] == {"__cublas$lt$matmul$f8": 34}, gemms
+    # The forward GEMMs (e4m3 x e4m3): 2 before the tie, the other 10 bf16.
+    assert gemms["operands"]["__cublas$lt$matmul$f8"]["f8e4m3fn f8e4m3fn"] == 12, gemms
