@@ -359,6 +359,17 @@ def test_documents_reach_cudnn_packed_with_no_t_by_s_array_at_131072_tokens():
     assert {c["max_seg"] for c in dense["cudnn_calls"]} == {1}, dense["cudnn_calls"]
 
 
+def _gemms(argv: list[str]) -> dict:
+    """tests/gpu_gemms.py's count of the GEMMs and gathers of the job `argv` compiled for H100s, in a
+    process of its own (the CUDA plugin never enters pytest's)."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "gpu_gemms.py"), *argv],
+        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
 def test_fp8_projections_compile_to_cublaslt_fp8_gemms():
     """model.matmul fp8 on an H100 (issue 48): every projection's forward GEMM (e4m3 x e4m3) and both
     backward GEMMs (the e5m2 gradient x an e4m3 operand) are cuBLASLt FP8 GEMMs; the head, left in
@@ -367,12 +378,7 @@ def test_fp8_projections_compile_to_cublaslt_fp8_gemms():
     the embedding and the bf16 head's table are gathered in bf16."""
     argv = ["--config", "configs/llama_tiny.yaml", "--dtype", "bfloat16", "--model.n_layer", "2"]
     argv += ["--model.matmul", "fp8", "--mesh.fsdp", "8", "--mesh.data", "1", "--gpus", "8"]
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "gpu_gemms.py"), *argv],
-        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    gemms = json.loads(proc.stdout.splitlines()[-1])
+    gemms = _gemms(argv)
     # 2 layers x 5 projections (q, kv, attention out, gate_up, down), each 3 GEMMs; the head's 3.
     assert gemms["kinds"] == {"__cublas$lt$matmul$f8": 30, "__cublas$lt$matmul": 3}, gemms
     fp8 = gemms["operands"]["__cublas$lt$matmul$f8"]
@@ -392,12 +398,7 @@ def test_a_pipelines_fp8_gemms_stay_fp8_inside_its_tick_loop():
     argv = ["--config", "configs/llama_tiny.yaml", "--dtype", "bfloat16", "--model.n_layer", "2"]
     argv += ["--model.scan_layers", "true", "--model.matmul", "fp8", "--model.head_matmul", "fp8"]
     argv += ["--mesh.pipeline", "2", "--mesh.data", "4", "--gpus", "8"]
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "gpu_gemms.py"), *argv],
-        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    gemms = json.loads(proc.stdout.splitlines()[-1])
+    gemms = _gemms(argv)
     assert gemms["kinds"] == {"__cublas$lt$matmul$f8": 34}, gemms
     # The forward GEMMs (e4m3 x e4m3): 2 before the tie, the other 10 bf16.
     assert gemms["operands"]["__cublas$lt$matmul$f8"]["f8e4m3fn f8e4m3fn"] == 12, gemms
