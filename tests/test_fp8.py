@@ -131,7 +131,7 @@ def test_rounding_a_rounded_tensor_again_changes_nothing():
 
 
 def test_fsdp_gathers_a_projection_as_fp8_by_the_whole_weights_scale():
-    """fsdp.gather_param with fp8_over (model.matmul fp8): the gather moves e4m3, and the gathered
+    """fsdp.gather_quantized with fp8_over (model.matmul fp8): the gather moves e4m3, and the gathered
     weight is the one-device FP8 rounding of the whole weight, bitwise, though each shard's own
     max would give it another scale; the gradient is reduce-scattered as without FP8."""
     mesh = jax.make_mesh((8,), (mesh_lib.FSDP_AXIS,), devices=jax.devices()[:8])
@@ -141,7 +141,7 @@ def test_fsdp_gathers_a_projection_as_fp8_by_the_whole_weights_scale():
 
     def loss(w: jax.Array, over: tuple[str, ...]) -> jax.Array:
         def per_device(shard: jax.Array) -> jax.Array:
-            whole = fsdp.gather_param(shard, mesh_lib.FSDP_AXIS, 0, jnp.bfloat16, jnp.float32, over)
+            whole = fsdp.gather_quantized(shard, mesh_lib.FSDP_AXIS, 0, jnp.bfloat16, jnp.float32, over)[0]
             return whole, jax.lax.psum((whole.astype(jnp.float32) * c).sum(), mesh_lib.FSDP_AXIS)
 
         return jax.shard_map(

@@ -4,7 +4,7 @@ Under fsdp every large param, its gradient and both Adam moments are split over 
 `expert` and `context` for the params their devices share: parallel/mesh.py `param_spec`). Inside
 the step each layer's params are all-gathered as the layer runs (`Fsdp.gather`, the model's
 Placement.gather), in the compute dtype, so autodiff turns each gather into a reduce-scatter of that
-layer's gradient (`gather_param`): no full gradient is all-reduced over fsdp (tests/test_sharding.py
+layer's gradient (`gather_quantized`): no full gradient is all-reduced over fsdp (tests/test_sharding.py
 checks the compiled HLO). Why explicit collectives: GSPMD alone all-reduced the whole fsdp gradient
 and then sliced it (XLA:CPU).
 
@@ -12,7 +12,7 @@ Under model.matmul fp8 a projection's weight (model/fp8.py `projection`) is gath
 each device rounds its shard to e4m3 by the whole weight's scale (the max over the shards: in a
 scanned stack one all-reduce for every layer before they run, `Fsdp.with_scales`; else one scalar's
 all-reduce a gather), the gather moves the e4m3 bytes (half of bf16's) and the whole weight is
-dequantized after: the values the one-device FP8 dot multiplies, exactly (`gather_param`).
+dequantized after: the values the one-device FP8 dot multiplies, exactly (`gather_quantized`).
 
 With `mesh.zero1` the params and the optimizer state are also split over `data`: the step gathers a
 compute params once, before its shard_map (`Fsdp.compute_params`), and reduce-scatters the gradient over
@@ -34,24 +34,6 @@ from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.parallel import tensor
 
 
-def gather_param(
-    p: jax.Array,
-    axes: Any,
-    dim: int,
-    dtype: Any,
-    reduce_dtype: Any,
-    fp8_over: tuple[str, ...] = (),
-    fp8_scale: jax.Array | None = None,
-) -> jax.Array:
-    """The whole param from this device's shard on the manual `axes` (fsdp, and expert for a dense
-    param: mesh_lib.param_spec), gathered in `dtype` (every use of a weight
-    is in the compute dtype, and a cast commutes with a gather: the same values, a fraction of the
-    bytes); its gradient is reduce-scattered in `reduce_dtype`, then held in the param's dtype.
-    `fp8_over`: the manual axes the param is split over, for a weight the layer multiplies in FP8:
-    gathered as e4m3 (`gather_quantized`, whose e4m3 array the dot can take as it is)."""
-    return gather_quantized(p, axes, dim, dtype, reduce_dtype, fp8_over, fp8_scale)[0]
-
-
 def gather_quantized(
     p: jax.Array,
     axes: Any,
@@ -61,8 +43,12 @@ def gather_quantized(
     fp8_over: tuple[str, ...] = (),
     fp8_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
-    """(`gather_param`'s whole param, and with `fp8_over` the gathered e4m3 array and its scale, else
-    None, None): each device rounds its shard to e4m3 by the whole weight's scale (`whole_scale`),
+    """(the whole param from this device's shard on the manual `axes` (fsdp, and expert for a dense
+    param: mesh_lib.param_spec), gathered in `dtype` (every use of a weight is in the compute dtype,
+    and a cast commutes with a gather: the same values, a fraction of the bytes), its gradient
+    reduce-scattered in `reduce_dtype`, then held in the param's dtype; and with `fp8_over`, the
+    manual axes a weight the layer multiplies in FP8 is split over, the gathered e4m3 array and its
+    scale, else None, None): each device rounds its shard to e4m3 by the whole weight's scale (`whole_scale`),
     the gather moves the e4m3 bytes, the whole weight is dequantized after: the values are the
     one-device dot's rounding of the whole weight (a non-finite shard makes the scale, or its own
     values, non-finite everywhere); by `fp8_scale` where its stack gives it
@@ -173,7 +159,7 @@ class Fsdp:
 
     def gather(self, variables: Any, where: tuple[str, ...] = (), fp8_weights: bool = False) -> Any:
         """Whole params of one layer (or embedding) from this device's fsdp shards, in the compute
-        dtype; each gather's gradient is a reduce-scatter (`gather_param`). `fp8_weights`
+        dtype; each gather's gradient is a reduce-scatter (`gather_quantized`). `fp8_weights`
         (model.matmul fp8): the projections' weights gathered as FP8 (`gather_quantized`), by the
         scales their stack put beside them (`with_scales`) where it did; the gathered e4m3 array and
         its scale put beside the kernel (fp8.QUANTIZED, fp8.SCALE), which the layer's dot multiplies
