@@ -22,13 +22,8 @@ import jax.numpy as jnp
 
 from jaxtrain.model.moe import Groups, Pieces, Wire, routed
 from jaxtrain.parallel import tensor
+from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.parallel.mesh import EXPERT_AXIS
-
-
-def _platform() -> str | None:
-    """The platform the traced step compiles for ("cpu", "gpu", ...), None outside a mesh."""
-    device = jax.sharding.get_abstract_mesh().abstract_device
-    return device.platform if device is not None else None
 
 
 def padded_ragged_all_to_all(
@@ -188,7 +183,7 @@ def experts(
         return routed(recomputed)(placed, rows, gates, w_in, w_out, plans), jnp.zeros((), jnp.float32)
     # Settled where the job meets its devices (run/kernels.py); auto outside a job: by the platform
     # (XLA:CPU has no ragged all-to-all)
-    ragged = wire.exchange == "ragged" or (wire.exchange == "auto" and _platform() not in (None, "cpu"))
+    ragged = wire.exchange == "ragged" or (wire.exchange == "auto" and mesh_lib.platform() not in (None, "cpu"))
     return exchange(
         rows, gates, experts, EXPERT_AXIS, ep, w_in, w_out, wire.impl, capacity_factor, ragged,
         wire.dispatch, recomputed,

@@ -71,6 +71,12 @@ CONTEXT_RULES = (("length", CONTEXT_AXIS),)
 OPTIONAL_AXES = (PIPELINE_AXIS, EXPERT_AXIS, CONTEXT_AXIS)
 
 
+def platform() -> str | None:
+    """The platform the traced step compiles for ("cpu", "gpu", ...), None outside a mesh."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    return device.platform if device is not None else None
+
+
 def activation_rules(mesh: Any) -> tuple[tuple[str, str], ...]:
     """The logical activation axes the step places on `mesh`'s axes (those larger than 1).
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from jaxtrain.model.moe import expert_mlps
 from jaxtrain.parallel import mesh as mesh_lib
@@ -41,7 +42,10 @@ def split_experts(
 ) -> jax.Array:
     """expert_mlps with each expert's hidden dim split over the tensor axis, if the step has one:
     each device runs its slice of every expert (Megatron's column then row split) and one psum adds
-    them. Written per device because XLA's partitioner does not split a ragged_dot."""
+    them. Written per device because XLA's partitioner does not split a ragged_dot. On CPU the sums
+    over tensor (the psum, and the rows' gradient, summed as it comes in) move in float32: XLA:CPU
+    aborted on a bfloat16 all-reduce inside a shard_map manual over part of the mesh (a C++ check,
+    "Invalid binary instruction opcode copy", jax 0.10.2), every bfloat16 mixture over tensor."""
     axes = nn.logical_to_mesh_axes(("mlp",))  # the step's rules: None outside a step
     axis = axes[0] if axes else None
     mesh = jax.sharding.get_abstract_mesh()
@@ -49,8 +53,15 @@ def split_experts(
         return expert_mlps(rows, sizes, w_in, w_out, impl, routed)
     spec_in = jax.sharding.PartitionSpec(*(None,) * (w_in.ndim - 1), axis)
     spec_out = jax.sharding.PartitionSpec(None, axis, None)
+    dtype = rows.dtype
+    sums = jnp.float32 if mesh_lib.platform() == "cpu" else dtype
+
+    def part(r: jax.Array, s: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+        y = expert_mlps(r.astype(dtype), s, a, b, impl, routed)
+        return jax.lax.psum(y.astype(sums), axis).astype(y.dtype)
+
     return jax.shard_map(
-        lambda r, s, a, b: jax.lax.psum(expert_mlps(r, s, a, b, impl, routed), axis),
+        part,
         mesh=mesh,
         in_specs=(jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec(), spec_in, spec_out),
         out_specs=jax.sharding.PartitionSpec(),
@@ -58,4 +69,4 @@ def split_experts(
         # Unchecked, as the step's: the Pallas kernel's gradients vary over no axis, and jax's
         # check refused the weights' (varying over `tensor`) in the backward.
         check_vma=False,
-    )(rows, sizes, w_in, w_out)
+    )(rows.astype(sums), sizes, w_in, w_out)
