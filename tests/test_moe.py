@@ -74,7 +74,9 @@ def test_a_bfloat16_mixture_split_over_tensor_trains_as_on_one_device():
     sums there move in float32. Measured (3 steps): losses within 3.1e-5 of one device's, params
     within 0.017 (bf16's roundings in another order: tests/test_fp8.py's dense layouts, 0.012)."""
     one = train_run(["--dtype", "bfloat16"], 1, steps=3)
-    run = train_run(["--dtype", "bfloat16", "--mesh.expert", "2", "--mesh.tensor", "2", "--mesh.data", "2"], 8, 3)
+    run = train_run(
+        ["--dtype", "bfloat16", "--mesh.expert", "2", "--mesh.tensor", "2", "--mesh.data", "2"], 8, 3
+    )
     np.testing.assert_allclose(run["losses"], one["losses"], rtol=3e-4)
     for a, b in zip(jax.tree.leaves(run["params"]), jax.tree.leaves(one["params"]), strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=0.03)

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.model.moe import Groups, Pieces, Wire, routed
-from jaxtrain.parallel import tensor
 from jaxtrain.parallel import mesh as mesh_lib
+from jaxtrain.parallel import tensor
 from jaxtrain.parallel.mesh import EXPERT_AXIS
 
 
@@ -183,7 +183,8 @@ def experts(
         return routed(recomputed)(placed, rows, gates, w_in, w_out, plans), jnp.zeros((), jnp.float32)
     # Settled where the job meets its devices (run/kernels.py); auto outside a job: by the platform
     # (XLA:CPU has no ragged all-to-all)
-    ragged = wire.exchange == "ragged" or (wire.exchange == "auto" and mesh_lib.platform() not in (None, "cpu"))
+    auto_ragged = wire.exchange == "auto" and mesh_lib.platform() not in (None, "cpu")
+    ragged = wire.exchange == "ragged" or auto_ragged
     return exchange(
         rows, gates, experts, EXPERT_AXIS, ep, w_in, w_out, wire.impl, capacity_factor, ragged,
         wire.dispatch, recomputed,
