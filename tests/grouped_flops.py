@@ -31,7 +31,7 @@ from jaxtrain.config.schema import ModelConfig, MoeConfig  # noqa: E402
 from jaxtrain.model.moe import MoeMlp  # noqa: E402
 from jaxtrain.model.placement import Placement  # noqa: E402
 from jaxtrain.parallel import expert  # noqa: E402
-from jaxtrain.plan import compiled, hlo  # noqa: E402
+from jaxtrain.plan import compiled, hlo, schedule  # noqa: E402
 from jaxtrain.run import kernels  # noqa: E402
 
 TOKENS = 4096  # per device
@@ -78,7 +78,25 @@ def flops(impl: str, n_experts: int, k: int, d: int, ff: int, ep: int) -> dict[s
     tally = compiled._Walker(text, layout).tally()  # as the planner tallies a step
     experts = 18.0 * TOKENS * k * d * ff
     active = 6.0 * TOKENS * d * n_experts + experts
-    return {"compiled": tally.flops, "fp8": tally.fp8_flops, "active": active, "experts": experts}
+    return {
+        "compiled": tally.flops, "fp8": tally.fp8_flops, "active": active, "experts": experts,
+        "kinds": by_kind(schedule.trace(text, layout)),
+    }  # fmt: skip
+
+
+def by_kind(events: list, times: int = 1) -> dict[str, float]:
+    """The FLOPs of a schedule's ops (plan/schedule.py's events, loops by their trips) by their kind:
+    the peak the bound and the forecast cost them at."""
+    out: dict[str, float] = {}
+    for event in events:
+        inner = {}
+        if event[0] == "loop":
+            inner = by_kind(event[2], times * event[1])
+        elif event[0] == "op" and event[2]:
+            inner = {event[1]: float(event[2]) * event[6] * times}
+        for kind, flops in inner.items():
+            out[kind] = out.get(kind, 0.0) + flops
+    return out
 
 
 if __name__ == "__main__":

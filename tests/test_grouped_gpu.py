@@ -39,3 +39,9 @@ def test_the_gpu_default_grouped_matmul_computes_only_the_routed_rows(counted, c
     flops = counted[case]
     assert abs(flops["compiled"] / flops["active"] - 1) < 0.1, flops
     assert flops["fp8"] == (flops["experts"] if case.endswith("_fp8") else 0), flops
+    # The schedule's replay (the bound, the forecast) costs the FP8 kernels at the FP8 peak too: it
+    # costed them at bf16's before (plan/schedule.py `FP8_GROUPED`).
+    kinds = flops["kinds"]
+    assert kinds.get("grouped_fp8", 0) == (flops["experts"] if case.endswith("_fp8") else 0), kinds
+    if case.endswith("_fp8"):
+        assert "grouped" not in kinds, kinds

@@ -37,6 +37,8 @@ def test_each_op_class_at_its_measured_rate():
     assert costs.op("attention", 315e12, 0, 100, True) == pytest.approx(1.0)  # below 512: 512's
     # The experts' kernel as a GEMM, held by the most loaded expert.
     assert costs.op("grouped", 780e12, 0, 0, False) == pytest.approx(1.25)
+    # Its FP8 tiles (`pallas_fp8`) at the same fraction of the FP8 peak (1,978.9 TFLOP/s), held the same.
+    assert costs.op("grouped_fp8", 1978.9e12 * forecast.GEMM_EFFICIENCY, 0, 0, False) == pytest.approx(1.25)
 
 
 def test_each_transfer_at_its_bus_bandwidth_plus_a_latency():

@@ -11,8 +11,9 @@ Each op and transfer of the replay (schedule.py's events), at:
                 public FP8 measurement of the same shapes beside the bf16 one;
   attention     cuDNN's fused attention at ATTENTION_TFLOPS[kind, causal] for its keys' length
                 (the nearest length measured at or below it);
-  grouped       the experts' kernel as a GEMM, times the load of its most loaded expert (the slowest
-                expert holds every device), no public measurement of it by rows per expert;
+  grouped       the experts' kernel as a GEMM (its FP8 tiles, `pallas_fp8`, as an FP8 GEMM), times
+                the load of its most loaded expert (the slowest expert holds every device), no
+                public measurement of it by rows per expert;
   memory        its bytes at HBM_EFFICIENCY of the HBM bandwidth;
   a transfer    a latency and its ideal ring's bytes at the bus bandwidth nccl-tests measures on
                 its link for its kind (NVLINK_BUSBW inside a host, NETWORK_BUSBW per GPU across);
@@ -87,7 +88,7 @@ class Achievable:
         if kind in ("attention", "attention_bwd"):
             rate = attention_flops_per_s(kind, causal, keys) * self.peak / H100_PEAK
             return max(flops / rate, memory)
-        load = self.expert_load if kind == "grouped" else 1.0
+        load = self.expert_load if kind in (schedule.GROUPED, schedule.FP8_GROUPED) else 1.0
         peak = schedule.op_peak(self.target, self.peak, kind)
         return max(load * flops / (peak * GEMM_EFFICIENCY), memory)
 

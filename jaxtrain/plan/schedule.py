@@ -30,12 +30,14 @@ from jaxtrain.plan import hlo
 from jaxtrain.plan.targets import GpuTarget
 
 FP8_GEMM = "gemm_fp8"  # a GEMM on FP8 tensor cores (hlo.fp8): at the target's FP8 peak
+GROUPED, FP8_GROUPED = "grouped", "grouped_fp8"  # the experts' kernel: bf16, or FP8 (`pallas_fp8`)
+FP8_KINDS = (FP8_GEMM, FP8_GROUPED)
 
 
 def op_peak(target: GpuTarget, peak: float, kind: str) -> float:
-    """The dense peak an op of `kind` runs at: an FP8 GEMM at the target's FP8 peak (where it has
-    one), every other op at `peak`, the step's dtype's."""
-    fp8 = peaks.peak_flops(target.device_kind, peaks.FP8) if kind == FP8_GEMM else None
+    """The dense peak an op of `kind` runs at: an FP8 GEMM or grouped kernel at the target's FP8
+    peak (where it has one), every other op at `peak`, the step's dtype's."""
+    fp8 = peaks.peak_flops(target.device_kind, peaks.FP8) if kind in FP8_KINDS else None
     return fp8 or peak
 
 
@@ -69,7 +71,8 @@ class Clock:
 #   ["op", kind, flops, bytes, keys, causal, n]  n ops in a row alike: kind "gemm" (cuBLAS, a dot),
 #                           "gemm_fp8" (one on FP8 tensor cores),
 #                           "attention" / "attention_bwd" (cuDNN; keys: the keys' length), "grouped"
-#                           (the experts' kernel), "memory" (no matmul: its bytes only)
+#                           (the experts' kernel), "grouped_fp8" (its FP8 tiles), "memory" (no
+#                           matmul: its bytes only)
 #   ["start", name, xfer] / ["done", [names]] / ["sync", xfer]   xfer: [kind, size, nvlink, network]
 #   ["loop", trips, [events]] / ["cond", [[events], ...]]
 
@@ -85,7 +88,7 @@ def _kind(op: hlo.Op, flops: float) -> tuple[str, int, bool]:
         causal = bool(re.search(r'"mask_type":\s*"CAUSAL"', op.attrs))
         return ("attention_bwd" if "Backward" in name else "attention"), keys, causal
     if name == "mosaic_gpu_v2" and flops:
-        return "grouped", 0, False
+        return GROUPED, 0, False
     return ("gemm" if flops else "memory"), 0, False
 
 
@@ -95,8 +98,8 @@ def _op_event(op: hlo.Op, program: hlo.Program, ops: dict[str, hlo.Op]) -> list 
     if not (flops or written):  # written once, read once (the floor in compiled.py counts so)
         return None
     kind, keys, causal = _kind(op, flops)
-    if kind == "gemm" and hlo.fp8(op, program.comps, ops):
-        kind = FP8_GEMM
+    if kind in ("gemm", GROUPED) and hlo.fp8(op, program.comps, ops):
+        kind = FP8_GEMM if kind == "gemm" else FP8_GROUPED
     return ["op", kind, int(flops), written, keys, causal, 1]
 
 
