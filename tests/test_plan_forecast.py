@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxtrain.plan import forecast, schedule, targets
+from jaxtrain.plan import forecast, planner, schedule, targets
 
 ROOT = Path(__file__).resolve().parent.parent
 H100 = targets.get("h100")
@@ -55,6 +55,41 @@ def test_each_transfer_at_its_bus_bandwidth_plus_a_latency():
     assert costs.legs(["ragged-all-to-all", gb, 350 * gb, 0.0])["nvlink"] == pytest.approx(1.25 + 5.5e-6)
     # A small message is mostly latency.
     assert costs.legs(["all-gather", 8, 7.0, 0.0])["nvlink"] == pytest.approx(5.5e-6 + 7 / 350e9)
+
+
+class _Seconds:
+    """schedule.Costs by hand: an op takes its FLOPs in seconds; NVLink moves 4 bytes a second, the
+    network 50."""
+
+    def op(self, kind: str, flops: float, written: float, keys: int, causal: bool) -> float:
+        return flops
+
+    def legs(self, xfer: list) -> dict[str, float]:
+        return {"nvlink": xfer[2] / 4, "network": xfer[3] / 50}
+
+
+def test_the_replay_says_what_the_stream_waits_on():
+    """Each wait is charged to the transfer waited for, by kind, bytes and whether it crosses hosts;
+    the planner prints the longest (planner.forecast_waits)."""
+    events = [
+        ["start", "gather", ["all-gather", 100, 0.0, 100.0]],  # the network for 2 s
+        ["op", "gemm", 1, 0, 0, False, 1],  # 1 s: the gather's done waits 1 s more
+        ["done", ["gather"]],
+        ["sync", ["all-reduce", 2, 2.0, 0.0]],  # 0.5 s on NVLink, all of it waited
+        ["loop", 2, [["start", "sum", ["all-reduce", 2, 2.0, 0.0]], ["done", ["sum"]]]],  # 0.5 s each
+    ]
+    clock = schedule.replay(events, _Seconds())
+    assert clock.now == pytest.approx(3.5) and clock.exposed == pytest.approx(2.5)
+    assert clock.waited == {
+        ("all-gather", 100, True): (pytest.approx(1.0), 1),
+        ("all-reduce", 2, False): (pytest.approx(1.5), 3),
+    }
+    # Llama 3 70B on 128 x 8 in FP8: one-scalar all-reduces over tensor queued behind fsdp's
+    # cross-host transfers, then data's all-reduce of the float32 gradient at the step's end.
+    p = json.loads((ROOT / "bench/results/plan_llama3_70b_h100_128x8_fp8.json").read_text())
+    assert planner.forecast_waits(p).startswith(
+        "778 ms on 318 all-reduces of 2 B, 371 ms on 1 all-reduce of 8.15 GB across hosts, "
+    )
 
 
 def test_the_expert_load_is_the_capacity_factor():

@@ -246,6 +246,43 @@ def print_plan(p: dict[str, Any]) -> None:
         print_forecast(p)
 
 
+def size(n: float) -> str:
+    """Bytes in the largest unit they fill: 2 B, 134 MB, 8.15 GB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def forecast_waits(p: dict[str, Any], most: int = 3) -> str:
+    """The transfers the forecast's stream waits on longest (its replay again: schedule.Clock.waited),
+    by kind and size: where its exposed communication goes. "" for a plan with none. The replay
+    knows no mesh axis; the plan's collectives table names them."""
+    if "schedule_trace" not in p:
+        return ""
+    target = targets.get(p["target"])
+    peak = targets.peak_flops(target, p["dtype"])
+    clock = forecast.forecast(p["schedule_trace"], target, peak, p["forecast"]["expert_load"])
+    # The longest, each at least a hundredth of the exposed time (latency-sized waits say nothing)
+    waits = [
+        w
+        for w in sorted(clock.waited.items(), key=lambda item: -item[1][0])
+        if w[1][0] >= clock.exposed / 100
+    ]
+    waits = waits[:most]
+    said = [
+        f"{ms(seconds)} on {count} {kind}{'s' if count > 1 else ''} of {size(n)}"
+        + (" across hosts" if across else "")
+        for (kind, n, across), (seconds, count) in waits
+    ]
+    return ", ".join(said) + f" (of {ms(clock.exposed)} exposed)" if said else ""
+
+
+def ms(seconds: float) -> str:
+    """Milliseconds, a decimal under 10: 778 ms, 2.3 ms."""
+    return f"{1e3 * seconds:.0f} ms" if seconds >= 0.01 else f"{1e3 * seconds:.1f} ms"
+
+
 def print_forecast(p: dict[str, Any]) -> None:
     """The forecast beside the schedule-aware bound, and which is which."""
     f, load = p["forecast"], p["forecast"]["expert_load"]
@@ -260,3 +297,5 @@ def print_forecast(p: dict[str, Any]) -> None:
         print(f"{name:<26}{step:>9.3f}s {tokens:>13,.0f} {100 * mfu:>5.1f}%{note}")
     print(f"{'':<26}the bound: every op at peak, every link at line rate; the forecast: the same "
           "schedule at speeds measured on H100s (jaxtrain/plan/forecast.py), not measured here")  # fmt: skip
+    if waits := forecast_waits(p):
+        print(f"{'the forecast waits on':<26}{waits}")

@@ -50,6 +50,9 @@ class Clock:
     in_flight: dict[str, float] = field(default_factory=dict)  # async start -> its transfer's end
     busy: float = 0.0  # time the stream spent running ops
     exposed: float = 0.0  # time the stream spent waiting on collectives
+    # What it waited on: a transfer's `label` -> (seconds, how many such transfers it waited on)
+    waited: dict[tuple, tuple[float, int]] = field(default_factory=dict)
+    labels: dict[str, tuple] = field(default_factory=dict)  # async start -> its transfer's label
 
     def send(self, legs: dict[str, float]) -> float:
         """Queue a transfer issued now on the links it uses (seconds on each); when it ends."""
@@ -60,10 +63,19 @@ class Clock:
             self.links_free[link] = end
         return end
 
-    def wait(self, until: float) -> None:
+    def wait(self, until: float, label: tuple | None = None) -> None:
         if until > self.now:
             self.exposed += until - self.now
+            if label is not None:
+                seconds, count = self.waited.get(label, (0.0, 0))
+                self.waited[label] = (seconds + until - self.now, count + 1)
             self.now = until
+
+
+def label(xfer: list) -> tuple[str, int, bool]:
+    """A transfer's (kind, bytes, whether it crosses hosts): what `Clock.waited` sums waits by."""
+    kind, size, _, network = xfer
+    return kind, int(size), network > 0
 
 
 # The replay's events, JSON as the plan stores them (`schedule_trace`), so a plan is costed again
@@ -209,11 +221,12 @@ def _replay(events: list, costs: Costs, clock: Clock) -> None:
                 clock.__dict__.update(slowest.__dict__)
         elif what == "start":
             clock.in_flight[event[1]] = clock.send(costs.legs(event[2]))
+            clock.labels[event[1]] = label(event[2])
         elif what == "done":
             for name in event[1]:
-                clock.wait(clock.in_flight.pop(name, 0.0))
+                clock.wait(clock.in_flight.pop(name, 0.0), clock.labels.pop(name, None))
         elif what == "sync":
-            clock.wait(clock.send(costs.legs(event[1])))
+            clock.wait(clock.send(costs.legs(event[1])), label(event[1]))
         else:
             _, kind, flops, written, keys, causal, n = event
             seconds = n * costs.op(kind, flops, written, keys, causal)
