@@ -305,15 +305,8 @@ def test_fp8_split_over_pipeline_fsdp_and_tensor_trains_as_on_one_device():
     within 0.021, where bf16 matmuls gave 1.1e-4 and 0.012: a microbatch is one row a batch shard
     here, and each shard scales its activations and gradients by its own maximum (docs/fp8.md), so
     shards' maxima straddle a power of two more often than whole microbatches' do."""
-    layers = (
-        *FP8,
-        "--model.scan_layers",
-        "true",
-        "--model.n_layer",
-        "4",
-        "--gradient_accumulation_steps",
-        "4",
-    )
+    stack = ("--model.scan_layers", "true", "--model.n_layer", "4", "--gradient_accumulation_steps", "4")
+    layers = (*FP8, *stack)
     one_losses, one_params = _train(layers, 1)
     mesh = ("--mesh.pipeline", "2", "--mesh.fsdp", "2", "--mesh.tensor", "2", "--mesh.data", "1")
     losses, params = _train((*layers, *mesh), 8)
