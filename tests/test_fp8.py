@@ -116,6 +116,39 @@ def test_zeros_stay_zeros_and_a_non_finite_tensor_is_non_finite():
         assert not np.isfinite(np.asarray(grads[1], np.float32)).all()
 
 
+def _maxima(jaxpr) -> int:
+    """How many reduce_max a jaxpr runs, its inner jaxprs' (remat's, custom_vjp's) included."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name == "reduce_max"
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, (list, tuple)) else [value]:
+                inner = getattr(inner, "jaxpr", inner)
+                n += _maxima(inner) if hasattr(inner, "eqns") else 0
+    return n
+
+
+def test_remat_keeps_the_activations_fp8_scales_for_the_backward():
+    """Under remat (model/transformer.py, mlp.py, parallel/pipeline.py: `fp8.saving_scales`) the
+    recomputed forward rounds the activation by its saved scale, not by its max again: a max that is
+    an all-reduce where tensor splits the activation (Llama 3 70B on 128 x 8: 2 a layer, docs/fp8.md).
+    By hand: the forward takes max|x| and max|w|, the recompute max|w| (the weight's own rounding) and
+    not max|x|, the backward max|g|: 4, where remat saving nothing takes 5. The same gradients, bitwise."""
+    x, w = _operands()
+
+    def loss(x, w):
+        return fp8.fp8_dot_general(x, w, DIMS).astype(jnp.float32).sum()
+
+    grads = {}
+    for policy, maxima in ((None, 5), (fp8.saving_scales("fp8"), 4)):
+        grad = jax.grad(jax.checkpoint(loss, policy=policy), (0, 1))
+        assert _maxima(jax.make_jaxpr(grad)(x, w).jaxpr) == maxima
+        grads[maxima] = grad(x, w)
+    for a, b in zip(grads[4], grads[5], strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert fp8.saving_scales("compute") is None  # bf16 matmuls: remat as before
+
+
 def test_rounding_a_rounded_tensor_again_changes_nothing():
     """What fsdp's FP8 gathers rely on (parallel/fsdp.py): the dot rounds the gathered, already
     rounded weight again, and must get the same values. Edge cases: a max landing exactly on the

@@ -29,6 +29,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 FORWARD = jnp.float8_e4m3fn
 GRADIENT = jnp.float8_e5m2
@@ -37,6 +38,8 @@ GRADIENT = jnp.float8_e5m2
 QUANTIZED = "fp8_kernel"
 TRANSPOSED = "fp8_kernel_t"  # QUANTIZED laid out for the forward GEMM (`fp8_dot_quantized`), where given
 SCALE = "fp8_scale"
+# The name of an activation's scale (`activation_scale`) for remat: `saving_scales` keeps these.
+SAVED = "fp8_activation_scale"
 
 # The projections model.matmul fp8 multiplies in FP8 (each `layers.dense(..., matmul=cfg.matmul)`),
 # by their param path's (module, layer) ending: what fsdp may gather as FP8 (`projection`).
@@ -70,6 +73,25 @@ def scale_for(amax: jax.Array, dtype: Any) -> jax.Array:
     return jnp.where(jnp.isfinite(amax), jnp.ldexp(jnp.float32(1), e), amax)
 
 
+def activation_scale(x: jax.Array) -> jax.Array:
+    """x's FORWARD scale, named SAVED: a policy from `saving_scales` keeps it for the backward, so
+    remat's recompute of the forward rounds x by the saved scale (the same value) rather than taking
+    x's max again. Where x is split over a mesh axis that max is an all-reduce the recompute waits on
+    (tensor's row-parallel inputs: Llama 3 70B on 128 x 8, 2 of them a layer, each behind the layer's
+    fsdp reduce-scatter across hosts: docs/fp8.md). No gradient flows through a scale."""
+    return checkpoint_name(scale_of(jax.lax.stop_gradient(x), FORWARD), SAVED)
+
+
+def saving_scales(matmul: str, policy: Any = None) -> Any:
+    """The remat policy for model.matmul `matmul`: `policy` (None: save nothing), and under fp8 the
+    activations' scales too: one float32 a projection a layer, which spare the recompute their maxima
+    (`activation_scale`)."""
+    if matmul != "fp8":
+        return policy
+    names = jax.checkpoint_policies.save_only_these_names(SAVED)
+    return names if policy is None else jax.checkpoint_policies.save_from_both_policies(policy, names)
+
+
 def to_fp8(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
     """x divided by `scale` and rounded to FP8 `dtype` (a scale from `scale_of`, of x or of a whole
     tensor x is a part of)."""
@@ -91,9 +113,9 @@ def _dot(x: jax.Array, w: jax.Array, dims: Any) -> jax.Array:
     return jax.lax.dot_general(x, w, dims)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _fp8_dot(x: jax.Array, w: jax.Array, dims: Any) -> jax.Array:
-    return _fp8_forward(x, w, dims)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _fp8_dot(x: jax.Array, w: jax.Array, sx: jax.Array, dims: Any) -> jax.Array:
+    return _fp8_forward(x, w, sx, dims)[0]
 
 
 def _in_step(wq: jax.Array, sx: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -106,8 +128,8 @@ def _in_step(wq: jax.Array, sx: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jax.lax.optimization_barrier((wq, sx))
 
 
-def _fp8_forward(x: jax.Array, w: jax.Array, dims: Any) -> tuple[jax.Array, Any]:
-    (xq, sx), (wq, sw) = quantize(x, FORWARD), quantize(w, FORWARD)
+def _fp8_forward(x: jax.Array, w: jax.Array, sx: jax.Array, dims: Any) -> tuple[jax.Array, Any]:
+    xq, (wq, sw) = to_fp8(x, sx, FORWARD), quantize(w, FORWARD)
     wq, sx = _in_step(wq, sx)
     y = _dot(dequantize(xq, sx, x.dtype), dequantize(wq, sw, w.dtype), dims)
     # The FP8 operands are what the backward needs: half the bytes of saving x and w.
@@ -125,21 +147,26 @@ def _fp8_backward(dims: Any, saved: Any, g: jax.Array) -> tuple[jax.Array, jax.A
     return dx, dw
 
 
-_fp8_dot.defvjp(_fp8_forward, _fp8_backward)
+def _fp8_dot_backward(dims: Any, saved: Any, g: jax.Array) -> tuple[jax.Array, ...]:
+    dx, dw = _fp8_backward(dims, saved, g)
+    return dx, dw, jnp.zeros_like(saved[1])  # none reaches the scale
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+_fp8_dot.defvjp(_fp8_forward, _fp8_dot_backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _quantized_dot(
-    x: jax.Array, w: jax.Array, wq: jax.Array, wt: jax.Array | None, sw: jax.Array, dims: Any
+    x: jax.Array, w: jax.Array, wq: jax.Array, wt: jax.Array | None, sw: jax.Array, sx: jax.Array, dims: Any
 ) -> jax.Array:
-    return _quantized_forward(x, w, wq, wt, sw, dims)[0]
+    return _quantized_forward(x, w, wq, wt, sw, sx, dims)[0]
 
 
 def _quantized_forward(
-    x: jax.Array, w: jax.Array, wq: jax.Array, wt: jax.Array | None, sw: jax.Array, dims: Any
+    x: jax.Array, w: jax.Array, wq: jax.Array, wt: jax.Array | None, sw: jax.Array, sx: jax.Array, dims: Any
 ) -> tuple[jax.Array, Any]:
     # w's values are not read: wq and sw are its rounding (`fp8_dot_quantized`); w carries the gradient.
-    xq, sx = quantize(x, FORWARD)
+    xq = to_fp8(x, sx, FORWARD)
     if wt is None:
         wq_step, sx = _in_step(wq, sx)
         y = _dot(dequantize(xq, sx, x.dtype), dequantize(wq_step, sw, w.dtype), dims)
@@ -151,8 +178,8 @@ def _quantized_forward(
 
 def _quantized_backward(dims: Any, saved: Any, g: jax.Array) -> tuple[Any, ...]:
     dx, dw = _fp8_backward(dims, saved, g)
-    _, _, wq, sw = saved
-    return dx, dw, jnp.zeros_like(wq), None, jnp.zeros_like(sw)  # no gradient reaches a rounding
+    _, sx, wq, sw = saved
+    return dx, dw, jnp.zeros_like(wq), None, jnp.zeros_like(sw), jnp.zeros_like(sx)  # none reaches a rounding
 
 
 _quantized_dot.defvjp(_quantized_forward, _quantized_backward)
@@ -194,7 +221,9 @@ def fp8_dot_quantized(
     GEMM on Hopper takes both operands contracting-dim-minor, so a kernel rounded outside a loop (the
     pipeline's ticks) is otherwise transposed again inside it, at every use (the backward's GEMM
     takes `quantized` as it is)."""
-    return _quantized_dot(lhs, rhs, quantized, transposed, scale, _hashable(dimension_numbers))
+    return _quantized_dot(
+        lhs, rhs, quantized, transposed, scale, activation_scale(lhs), _hashable(dimension_numbers)
+    )
 
 
 def fp8_dot_general(
@@ -207,7 +236,7 @@ def fp8_dot_general(
     """`jax.lax.dot_general`'s signature (what flax's DenseGeneral calls) over FP8-rounded operands
     (module docstring); the result in the operands' dtype."""
     del precision, preferred_element_type  # FP8 GEMMs accumulate in float32 and return lhs's dtype
-    return _fp8_dot(lhs, rhs, _hashable(dimension_numbers))
+    return _fp8_dot(lhs, rhs, activation_scale(lhs), _hashable(dimension_numbers))
 
 
 def _hashable(dims: Any) -> Any:

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.config import ModelConfig
+from jaxtrain.model import fp8
 from jaxtrain.model.layers import constrain, dense, from_pieces, residual_std, to_pieces
 from jaxtrain.model.placement import LOCAL, Placement
 
@@ -54,7 +55,7 @@ class Mlp(nn.Module):
 
         # Lifted (flax) scan and remat: the params stay this module's, shared by every piece.
         scan = nn.scan(
-            nn.remat(piece, prevent_cse=False),
+            nn.remat(piece, policy=fp8.saving_scales(self.cfg.matmul), prevent_cse=False),
             variable_broadcast="params",
             split_rngs={"params": False},
             length=chunks,

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxtrain.config import ModelConfig
+from jaxtrain.model import fp8
 from jaxtrain.model.attention import Attention
 from jaxtrain.model.documents import Documents, packed
 from jaxtrain.model.head import Embedding, token_losses
@@ -85,6 +86,7 @@ def block_class(cfg: ModelConfig, placement: Placement, checkpointed: bool = Fal
     if cfg.remat == "none" or checkpointed:
         return block
     policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable if cfg.remat == "dots" else None
+    policy = fp8.saving_scales(cfg.matmul, policy)
     # Under scan the loop body already stops CSE across the recomputation; outside it,
     # prevent_cse keeps XLA from merging the recomputed forward into the saved one.
     return nn.remat(block, policy=policy, prevent_cse=not cfg.scan_layers)

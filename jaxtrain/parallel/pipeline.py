@@ -220,7 +220,8 @@ def _tick(model: GPT, share: jax.Array | None) -> tuple[Callable[..., jax.Array]
         doc = packed(cfg, inputs)
         return run(_layers(params[name], casts), jnp.where(stage == 0, fresh, held), doc)
 
-    return (jax.checkpoint(work) if cfg.remat == "full" else work), jax.checkpoint(loss)
+    tick = jax.checkpoint(work, policy=fp8.saving_scales(cfg.matmul)) if cfg.remat == "full" else work
+    return tick, jax.checkpoint(loss)
 
 
 def _held_rules(rules: Any) -> Any:
