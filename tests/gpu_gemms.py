@@ -1,5 +1,6 @@
 """The GEMMs of one job's train step compiled for one H100 (tests/test_gpu_compile.py's FP8 tests):
-each cuBLAS call's kind and operand types, and the gathered arrays' element types, as JSON on stdout.
+each cuBLAS call's kind and operand types, the gathered arrays' element types and the all-reduces of a few
+elements (maxima taken across devices), as JSON on stdout.
 
     .venv/bin/python tests/gpu_gemms.py --config configs/llama_tiny.yaml --dtype bfloat16 --model.matmul fp8
     .venv/bin/python tests/gpu_gemms.py --gpus 8 --config ... --mesh.fsdp 8     # one host of 8
@@ -10,6 +11,7 @@ Its own process: the CUDA plugin must never enter pytest's (jaxtrain/plan/target
 
 import collections
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -29,10 +31,13 @@ CALL = re.compile(r"= \(*(\w+)\[[^\n]*? custom-call\(([^)]*)\), custom_call_targ
 TRITON = re.compile(r"kind=kCustom[^\n]*?\"kind\":\"(__triton[a-z_]*gemm[a-z_]*)\"")
 # An all-gather's result (a combined one's tuple of arrays; an async one's at its -done), each array's type
 GATHER = re.compile(r"= (.*?) all-gather(?:-done)?\(")
+# An all-reduce's result (an async one's at its start), for the small ones: a max taken across devices
+REDUCE = re.compile(r"= (\w+)\[([\d,]*)\][^\n]*? all-reduce(?:-start)?\(")
 
 
 def gemms(hlo: str) -> dict:
-    """{GEMM kind: count}, {cuBLAS kind: {"lhs_type rhs_type": count}}, {element type: arrays gathered}."""
+    """{GEMM kind: count}, {cuBLAS kind: {"lhs_type rhs_type": count}}, {element type: arrays gathered},
+    {element type: all-reduces of at most 8 elements (maxima, combined or not)}."""
     types = dict(re.findall(r"%([\w.\-]+) = \(?(\w+)\[", hlo))  # each value's element type
     kinds: collections.Counter = collections.Counter()
     operands: dict = collections.defaultdict(collections.Counter)
@@ -42,10 +47,13 @@ def gemms(hlo: str) -> dict:
         operands[kind][" ".join(types.get(n, "?") for n in names)] += 1
     kinds.update(TRITON.findall(hlo))  # GEMMs XLA emitted as Triton fusions (its default, Triton on)
     gathers = collections.Counter(t for result in GATHER.findall(hlo) for t in re.findall(r"(\w+)\[", result))
+    sizes = ((t, math.prod(int(d) for d in dims.split(",") if d)) for t, dims in REDUCE.findall(hlo))
+    small = collections.Counter(t for t, n in sizes if n <= 8)
     return {
         "kinds": dict(kinds),
         "operands": {k: dict(v) for k, v in operands.items()},
         "gathers": dict(gathers),
+        "small_all_reduces": dict(small),
     }
 
 

@@ -375,9 +375,24 @@ def test_fp8_projections_compile_to_cublaslt_fp8_gemms():
     backward GEMMs (the e5m2 gradient x an e4m3 operand) are cuBLASLt FP8 GEMMs; the head, left in
     bf16 (model.head_matmul compute), is bf16 cuBLAS GEMMs. fsdp gathers the projections' weights as
     e4m3 (each shard rounded by the whole weight's scale: parallel/fsdp.py), half of bf16's bytes;
-    the embedding and the bf16 head's table are gathered in bf16."""
+    the embedding and the bf16 head's table are gathered in bf16. Over tensor 2 the activations
+    and gradients it cuts are scaled one block a device (model/fp8.py `tensor_blocks`): the GEMMs
+    stay FP8 (the blocked scale is one scalar a device once partitioned) and no bf16 max is
+    all-reduced (8 before: 2 layers x the output projections' inputs and q's, kv's and gate_up's
+    gradients)."""
     argv = ["--config", "configs/llama_tiny.yaml", "--dtype", "bfloat16", "--model.n_layer", "2"]
-    argv += ["--model.matmul", "fp8", "--mesh.fsdp", "8", "--mesh.data", "1", "--gpus", "8"]
+    argv += [
+        "--model.matmul",
+        "fp8",
+        "--mesh.fsdp",
+        "4",
+        "--mesh.tensor",
+        "2",
+        "--mesh.data",
+        "1",
+        "--gpus",
+        "8",
+    ]
     gemms = _gemms(argv)
     # 2 layers x 5 projections (q, kv, attention out, gate_up, down), each 3 GEMMs; the head's 3.
     assert gemms["kinds"] == {"__cublas$lt$matmul$f8": 30, "__cublas$lt$matmul": 3}, gemms
@@ -387,6 +402,7 @@ def test_fp8_projections_compile_to_cublaslt_fp8_gemms():
     assert gemms["operands"]["__cublas$lt$matmul"] == {"bf16 bf16": 3}, gemms
     # The arrays gathered: 2 layers x 5 projections in e4m3 (before: all 12 in bf16), wte and lm_head.
     assert gemms["gathers"] == {"f8e4m3fn": 10, "bf16": 2}, gemms
+    assert "bf16" not in gemms["small_all_reduces"], gemms  # the weights' maxima: float32, combined
 
 
 def test_a_pipelines_fp8_gemms_stay_fp8_inside_its_tick_loop():

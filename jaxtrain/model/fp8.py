@@ -55,9 +55,59 @@ def projection(names: tuple[str, ...]) -> bool:
     return names[-1:] == ("kernel",) and names[-3:-1] in PROJECTIONS
 
 
-def scale_of(x: jax.Array, dtype: Any) -> jax.Array:
-    """float32 scalar: the scale of x for FP8 `dtype` (`scale_for` its max|x|)."""
-    return scale_for(jnp.max(jnp.abs(x)), dtype)
+# A tensor's scales, one a block: (axis, n), its `axis` cut into n equal blocks; WHOLE: one scale.
+Blocks = tuple[int, int]
+WHOLE: Blocks = (0, 1)
+
+
+def scale_of(x: jax.Array, dtype: Any, blocks: Blocks = WHOLE) -> jax.Array:
+    """float32: the scale of x for FP8 `dtype` (`scale_for` its max|x|), a scalar; with `blocks`
+    (axis, n > 1) one a block, each of its block's max, shaped [1, ..., n, 1, ...] to scale x's
+    blocked view (`_view`: `axis` cut into n and the rest)."""
+    axis, n = blocks
+    if n == 1:
+        return scale_for(jnp.max(jnp.abs(x)), dtype)
+    view = x.reshape(*x.shape[:axis], n, x.shape[axis] // n, *x.shape[axis + 1 :])
+    kept = tuple(d for d in range(view.ndim) if d != axis)
+    return scale_for(jnp.max(jnp.abs(view), axis=kept, keepdims=True), dtype)
+
+
+def _view(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """x as its blocked `scale` (`scale_of`) scales it: the axis of scale's n blocks cut into n."""
+    axis = next(d for d, size in enumerate(scale.shape) if size > 1) if scale.size > 1 else 0
+    n = scale.shape[axis]
+    return x.reshape(*x.shape[:axis], n, x.shape[axis] // n, *x.shape[axis + 1 :])
+
+
+def tensor_blocks(
+    kernel_axes: tuple[str | None, ...],
+    dims: Any,
+    x_shape: tuple[int, ...],
+    w_shape: tuple[int, ...],
+    split: frozenset[str],
+    n: int,
+) -> tuple[Blocks, Blocks]:
+    """(x's blocks, the output gradient's) for a dense of kernel logical axes `kernel_axes` whose
+    `split` axes tensor parallelism cuts n ways: where it cuts a dim the dot contracts (a
+    row-parallel dot: attention's and the MLP's output projections) x is scaled one block a tensor
+    shard along x's matching dim, and where it cuts a dim the output keeps (a column-parallel dot:
+    q, kv, gate_up) so is the output's gradient along it; WHOLE elsewhere, or where n does not
+    divide the dim. Each device then takes its block's max alone: a tensor-wide max is an all-reduce
+    over tensor, which the step waits on (Llama 3 70B on 128 x 8: 3 a layer in the backward, each
+    behind the layer's fsdp reduce-scatter across hosts, docs/fp8.md)."""
+    (lc, rc), batch = dims
+    if n == 1 or batch != ((), ()):
+        return WHOLE, WHOLE
+    x_blocks = next(
+        ((i, n) for i, r in zip(lc, rc, strict=True) if kernel_axes[r] in split and x_shape[i] % n == 0),
+        WHOLE,
+    )
+    kept = [d for d in range(len(w_shape)) if d not in rc]
+    out = len(x_shape) - len(lc)  # the output: x's kept dims, then the kernel's
+    g_blocks = next(
+        ((out + j, n) for j, d in enumerate(kept) if kernel_axes[d] in split and w_shape[d] % n == 0), WHOLE
+    )
+    return x_blocks, g_blocks
 
 
 def scale_for(amax: jax.Array, dtype: Any) -> jax.Array:
@@ -73,13 +123,12 @@ def scale_for(amax: jax.Array, dtype: Any) -> jax.Array:
     return jnp.where(jnp.isfinite(amax), jnp.ldexp(jnp.float32(1), e), amax)
 
 
-def activation_scale(x: jax.Array) -> jax.Array:
-    """x's FORWARD scale, named SAVED: a policy from `saving_scales` keeps it for the backward, so
-    remat's recompute of the forward rounds x by the saved scale (the same value) rather than taking
-    x's max again. Where x is split over a mesh axis that max is an all-reduce the recompute waits on
-    (tensor's row-parallel inputs: Llama 3 70B on 128 x 8, 2 of them a layer, each behind the layer's
-    fsdp reduce-scatter across hosts: docs/fp8.md). No gradient flows through a scale."""
-    return checkpoint_name(scale_of(jax.lax.stop_gradient(x), FORWARD), SAVED)
+def activation_scale(x: jax.Array, blocks: Blocks = WHOLE) -> jax.Array:
+    """x's FORWARD scale (by `blocks`), named SAVED: a policy from `saving_scales` keeps it for the
+    backward, so remat's recompute of the forward rounds x by the saved scale (the same value)
+    rather than taking x's max again, where x is split over a mesh axis an all-reduce the recompute
+    would wait on (docs/fp8.md). No gradient flows through a scale."""
+    return checkpoint_name(scale_of(jax.lax.stop_gradient(x), FORWARD, blocks), SAVED)
 
 
 def saving_scales(matmul: str, policy: Any = None) -> Any:
@@ -94,28 +143,35 @@ def saving_scales(matmul: str, policy: Any = None) -> Any:
 
 def to_fp8(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
     """x divided by `scale` and rounded to FP8 `dtype` (a scale from `scale_of`, of x or of a whole
-    tensor x is a part of)."""
-    return (x.astype(jnp.float32) / scale).astype(dtype)
+    tensor x is a part of; a blocked one divides each block by its own)."""
+    if scale.ndim == 0:
+        return (x.astype(jnp.float32) / scale).astype(dtype)
+    return (_view(x, scale).astype(jnp.float32) / scale).astype(dtype).reshape(x.shape)
 
 
-def quantize(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
-    """x rounded to FP8 `dtype` after dividing by its scale, and the scale."""
-    scale = scale_of(x, dtype)
+def quantize(x: jax.Array, dtype: Any, blocks: Blocks = WHOLE) -> tuple[jax.Array, jax.Array]:
+    """x rounded to FP8 `dtype` after dividing by its scale (one a block: `blocks`), and the scale."""
+    scale = scale_of(x, dtype, blocks)
     return to_fp8(x, scale, dtype), scale
 
 
 def dequantize(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
-    """The pattern XLA's GPU GEMM rewriter folds into an FP8 GEMM: convert, then a scalar multiply."""
-    return q.astype(dtype) * scale.astype(dtype)
+    """The pattern XLA's GPU GEMM rewriter folds into an FP8 GEMM: convert, then a scalar multiply.
+    A blocked scale multiplies each block by its own: where the blocks are the tensor shards, each
+    device's block is one scalar after XLA's partitioner, and the pattern is the same (an H100
+    program keeps its cuBLASLt FP8 GEMMs: tests/test_gpu_compile.py)."""
+    if scale.ndim == 0:
+        return q.astype(dtype) * scale.astype(dtype)
+    return (_view(q, scale).astype(dtype) * scale.astype(dtype)).reshape(q.shape)
 
 
 def _dot(x: jax.Array, w: jax.Array, dims: Any) -> jax.Array:
     return jax.lax.dot_general(x, w, dims)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _fp8_dot(x: jax.Array, w: jax.Array, sx: jax.Array, dims: Any) -> jax.Array:
-    return _fp8_forward(x, w, sx, dims)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _fp8_dot(x: jax.Array, w: jax.Array, sx: jax.Array, dims: Any, g_blocks: Blocks) -> jax.Array:
+    return _fp8_forward(x, w, sx, dims, g_blocks)[0]
 
 
 def _in_step(wq: jax.Array, sx: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -128,7 +184,9 @@ def _in_step(wq: jax.Array, sx: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jax.lax.optimization_barrier((wq, sx))
 
 
-def _fp8_forward(x: jax.Array, w: jax.Array, sx: jax.Array, dims: Any) -> tuple[jax.Array, Any]:
+def _fp8_forward(
+    x: jax.Array, w: jax.Array, sx: jax.Array, dims: Any, g_blocks: Blocks
+) -> tuple[jax.Array, Any]:
     xq, (wq, sw) = to_fp8(x, sx, FORWARD), quantize(w, FORWARD)
     wq, sx = _in_step(wq, sx)
     y = _dot(dequantize(xq, sx, x.dtype), dequantize(wq, sw, w.dtype), dims)
@@ -136,9 +194,9 @@ def _fp8_forward(x: jax.Array, w: jax.Array, sx: jax.Array, dims: Any) -> tuple[
     return y, (xq, sx, wq, sw)
 
 
-def _fp8_backward(dims: Any, saved: Any, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _fp8_backward(dims: Any, g_blocks: Blocks, saved: Any, g: jax.Array) -> tuple[jax.Array, jax.Array]:
     xq, sx, wq, sw = saved
-    gq, sg = quantize(g, GRADIENT)
+    gq, sg = quantize(g, GRADIENT, g_blocks)
     x, w = dequantize(xq, sx, g.dtype), dequantize(wq, sw, g.dtype)
     # dot_general's own transpose rule writes both GEMMs (dx = g . w^T, dw = x^T . g) for any
     # dimension numbers; each multiplies the dequantized e5m2 gradient by a dequantized e4m3 operand.
@@ -147,23 +205,37 @@ def _fp8_backward(dims: Any, saved: Any, g: jax.Array) -> tuple[jax.Array, jax.A
     return dx, dw
 
 
-def _fp8_dot_backward(dims: Any, saved: Any, g: jax.Array) -> tuple[jax.Array, ...]:
-    dx, dw = _fp8_backward(dims, saved, g)
+def _fp8_dot_backward(dims: Any, g_blocks: Blocks, saved: Any, g: jax.Array) -> tuple[jax.Array, ...]:
+    dx, dw = _fp8_backward(dims, g_blocks, saved, g)
     return dx, dw, jnp.zeros_like(saved[1])  # none reaches the scale
 
 
 _fp8_dot.defvjp(_fp8_forward, _fp8_dot_backward)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def _quantized_dot(
-    x: jax.Array, w: jax.Array, wq: jax.Array, wt: jax.Array | None, sw: jax.Array, sx: jax.Array, dims: Any
+    x: jax.Array,
+    w: jax.Array,
+    wq: jax.Array,
+    wt: jax.Array | None,
+    sw: jax.Array,
+    sx: jax.Array,
+    dims: Any,
+    g_blocks: Blocks,
 ) -> jax.Array:
-    return _quantized_forward(x, w, wq, wt, sw, sx, dims)[0]
+    return _quantized_forward(x, w, wq, wt, sw, sx, dims, g_blocks)[0]
 
 
 def _quantized_forward(
-    x: jax.Array, w: jax.Array, wq: jax.Array, wt: jax.Array | None, sw: jax.Array, sx: jax.Array, dims: Any
+    x: jax.Array,
+    w: jax.Array,
+    wq: jax.Array,
+    wt: jax.Array | None,
+    sw: jax.Array,
+    sx: jax.Array,
+    dims: Any,
+    g_blocks: Blocks,
 ) -> tuple[jax.Array, Any]:
     # w's values are not read: wq and sw are its rounding (`fp8_dot_quantized`); w carries the gradient.
     xq = to_fp8(x, sx, FORWARD)
@@ -176,8 +248,8 @@ def _quantized_forward(
     return y, (xq, sx, wq, sw)
 
 
-def _quantized_backward(dims: Any, saved: Any, g: jax.Array) -> tuple[Any, ...]:
-    dx, dw = _fp8_backward(dims, saved, g)
+def _quantized_backward(dims: Any, g_blocks: Blocks, saved: Any, g: jax.Array) -> tuple[Any, ...]:
+    dx, dw = _fp8_backward(dims, g_blocks, saved, g)
     _, sx, wq, sw = saved
     return dx, dw, jnp.zeros_like(wq), None, jnp.zeros_like(sw), jnp.zeros_like(sx)  # none reaches a rounding
 
@@ -211,6 +283,7 @@ def fp8_dot_quantized(
     quantized: jax.Array,
     scale: jax.Array,
     transposed: jax.Array | None = None,
+    blocks: tuple[Blocks, Blocks] = (WHOLE, WHOLE),
 ) -> jax.Array:
     """`fp8_dot_general` of lhs and rhs, where `quantized` (FORWARD) and `scale` are rhs already
     rounded: dequantize(quantized, scale) must be rhs's FP8 rounding by some power-of-two scale
@@ -220,10 +293,10 @@ def fp8_dot_quantized(
     `transposed`: `quantized` laid out by `contracting_last`, which the forward multiplies: an FP8
     GEMM on Hopper takes both operands contracting-dim-minor, so a kernel rounded outside a loop (the
     pipeline's ticks) is otherwise transposed again inside it, at every use (the backward's GEMM
-    takes `quantized` as it is)."""
-    return _quantized_dot(
-        lhs, rhs, quantized, transposed, scale, activation_scale(lhs), _hashable(dimension_numbers)
-    )
+    takes `quantized` as it is). `blocks`: as `fp8_dot_general`'s."""
+    x_blocks, g_blocks = blocks
+    sx = activation_scale(lhs, x_blocks)
+    return _quantized_dot(lhs, rhs, quantized, transposed, scale, sx, _hashable(dimension_numbers), g_blocks)
 
 
 def fp8_dot_general(
@@ -232,11 +305,14 @@ def fp8_dot_general(
     dimension_numbers: Any,
     precision: Any = None,
     preferred_element_type: Any = None,
+    blocks: tuple[Blocks, Blocks] = (WHOLE, WHOLE),
 ) -> jax.Array:
     """`jax.lax.dot_general`'s signature (what flax's DenseGeneral calls) over FP8-rounded operands
-    (module docstring); the result in the operands' dtype."""
+    (module docstring); the result in the operands' dtype. `blocks`: (lhs's, the output gradient's)
+    scales one a block (`tensor_blocks`), else one a tensor."""
     del precision, preferred_element_type  # FP8 GEMMs accumulate in float32 and return lhs's dtype
-    return _fp8_dot(lhs, rhs, activation_scale(lhs), _hashable(dimension_numbers))
+    x_blocks, g_blocks = blocks
+    return _fp8_dot(lhs, rhs, activation_scale(lhs, x_blocks), _hashable(dimension_numbers), g_blocks)
 
 
 def _hashable(dims: Any) -> Any:

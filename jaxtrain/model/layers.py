@@ -12,6 +12,8 @@ import jax.numpy as jnp
 
 from jaxtrain.config import ModelConfig
 from jaxtrain.model import fp8
+from jaxtrain.model.params import logical_axes
+from jaxtrain.model.placement import LOCAL
 
 
 def constrain(x: jax.Array, *logical: str | None) -> jax.Array:
@@ -49,19 +51,36 @@ class Fp8Dot(nn.Module):
     with its scale (`fp8.QUANTIZED`, `fp8.SCALE`: fsdp's gather and the pipeline's once-a-step cast
     put them there; the pipeline's also laid out for the forward GEMM, `fp8.TRANSPOSED`), multiplied
     as they are; else the dot rounds the weight itself. The same values
-    either way (model/fp8.py)."""
+    either way (model/fp8.py). Where tensor parallelism cuts the activation or the output's gradient
+    (the placement of the module the dense belongs to), each is scaled one block a tensor shard
+    (`fp8.tensor_blocks`)."""
 
     def __call__(
         self, lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, precision: Any = None
     ) -> jax.Array:
         layer = self.parent
         assert isinstance(layer, nn.Module)
+        owner: Any = layer.parent  # the attention, MLP or mixture whose projection this is
+        while isinstance(owner, nn.Module) and not hasattr(owner, "placement"):
+            owner = owner.parent
+        placement = getattr(owner, "placement", LOCAL)
+        blocks = (fp8.WHOLE, fp8.WHOLE)
+        if placement.tensor_split > 1:
+            kernel_axes = logical_axes((*layer.path, "kernel"), rhs.ndim)
+            blocks = fp8.tensor_blocks(
+                kernel_axes,
+                dimension_numbers,
+                lhs.shape,
+                rhs.shape,
+                placement.tensor_axes,
+                placement.tensor_split,
+            )
         if layer.has_variable("params", fp8.QUANTIZED):
             quantized: jax.Array = layer.get_variable("params", fp8.QUANTIZED)
             scale: jax.Array = layer.get_variable("params", fp8.SCALE)
             transposed: jax.Array | None = layer.get_variable("params", fp8.TRANSPOSED)  # None unless given
-            return fp8.fp8_dot_quantized(lhs, rhs, dimension_numbers, quantized, scale, transposed)
-        return fp8.fp8_dot_general(lhs, rhs, dimension_numbers, precision)
+            return fp8.fp8_dot_quantized(lhs, rhs, dimension_numbers, quantized, scale, transposed, blocks)
+        return fp8.fp8_dot_general(lhs, rhs, dimension_numbers, precision, blocks=blocks)
 
 
 def dense(

@@ -31,6 +31,10 @@ class Placement:
     experts: Callable[..., Any] | None = None
     expert_split: int = 1  # devices a layer's experts are split over: each declares its share
     length_split: int = 1  # devices each sequence is split over (pieces of a sequence: layers.to_pieces)
+    # Devices tensor parallelism splits the `tensor_axes` logical axes over: model.matmul fp8 scales
+    # an activation or gradient cut along one of them one block a device (model/fp8.py tensor_blocks)
+    tensor_split: int = 1
+    tensor_axes: frozenset[str] = frozenset()
 
 
 LOCAL = Placement()  # as on one device

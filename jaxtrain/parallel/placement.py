@@ -55,6 +55,7 @@ class Layout:
         self.expert_split = int(mesh.shape[mesh_lib.EXPERT_AXIS])
         context_size = int(mesh.shape[mesh_lib.CONTEXT_AXIS])
         self.length_split = context_size if context_size > 1 else 1  # mesh_lib.CONTEXT_RULES
+        self.tensor_split = int(mesh.shape[mesh_lib.TENSOR_AXIS])
 
     def place(self, model: GPT) -> GPT:
         """`model` placed on the mesh: its layers gathered a layer at a time (fsdp), its attention
@@ -67,5 +68,9 @@ class Layout:
             experts=functools.partial(expert.experts, ep=self.expert_split),
             expert_split=self.expert_split,
             length_split=self.length_split,
+            tensor_split=self.tensor_split,
+            tensor_axes=frozenset(
+                name for name, axis in mesh_lib.ACTIVATION_RULES if axis == mesh_lib.TENSOR_AXIS
+            ),
         )
         return model.clone(placement=placement)
