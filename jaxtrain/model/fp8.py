@@ -19,6 +19,9 @@ rounded by the whole weight's scale (parallel/fsdp.py) and the dot's own roundin
 Where a weight was rounded once already (fsdp's gather, the pipeline's once-a-step cast), its e4m3
 bytes and scale (`QUANTIZED`, `SCALE` beside its kernel) are multiplied as they are
 (`fp8_dot_quantized`): the same values, without a pass over the weight in every GEMM.
+Where tensor parallelism cuts an activation or a gradient, each device's block of it has a scale
+of its own (`tensor_blocks`): no max is taken across devices. Under remat the activations' scales
+are saved for the recompute (`saving_scales`).
 A non-finite tensor gives a non-finite scale and a non-finite result, which the step skips.
 """
 
