@@ -137,6 +137,9 @@ def test_a_dot_split_over_tensor_scales_each_devices_block_by_its_own_max():
     # format's range under the larger half's scale (e4m3 spans 18 octaves, e5m2 32).
     assert not np.array_equal(xq, _rounded(x, fp8.FORWARD))
     assert not np.array_equal(gq, _rounded(g, fp8.GRADIENT))
+    # A non-finite value makes its block's scale non-finite, and so the output (a skipped step).
+    bad = fp8.fp8_dot_general(x.at[0, 0, 40].set(jnp.inf), w, DIMS, blocks=blocks)
+    assert not np.isfinite(np.asarray(bad, np.float32)).all()
 
 
 def test_zeros_stay_zeros_and_a_non_finite_tensor_is_non_finite():
