@@ -87,7 +87,9 @@ def restore(run_dir: Path, fsdp: int, flags: list[str]) -> None:
 
 def save(run_dir: Path, flags: list[str]) -> None:
     run = _setup(2, flags)
-    ckpt = Checkpointer(run_dir, keep=1)
+    # Process 0 alone records the checksums, as a run's (run/loop.py): two writers raced in CI (one
+    # hashed the step dir while the other's temporary checksums file came and went).
+    ckpt = Checkpointer(run_dir, keep=1, primary=jax.process_index() == 0)
     state = run.init_state()
     # Random moments, as after training: zeros would compress to nothing on disk.
     rng = jax.random.key(1)

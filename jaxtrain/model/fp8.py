@@ -75,9 +75,15 @@ def scale_of(x: jax.Array, dtype: Any, blocks: Blocks = WHOLE) -> jax.Array:
     return scale_for(jnp.max(jnp.abs(view), axis=kept, keepdims=True), dtype)
 
 
+def _blocked(x: jax.Array, scale: jax.Array) -> bool:
+    """Whether `scale` is x's blocked scale (`scale_of` with blocks): one dim more than x, the view's.
+    Any other scale broadcasts against x as it is (a scalar; the experts' [E, 1, 1])."""
+    return scale.ndim == x.ndim + 1
+
+
 def _view(x: jax.Array, scale: jax.Array) -> jax.Array:
     """x as its blocked `scale` (`scale_of`) scales it: the axis of scale's n blocks cut into n."""
-    axis = next(d for d, size in enumerate(scale.shape) if size > 1) if scale.size > 1 else 0
+    axis = next(d for d, size in enumerate(scale.shape) if size > 1)
     n = scale.shape[axis]
     return x.reshape(*x.shape[:axis], n, x.shape[axis] // n, *x.shape[axis + 1 :])
 
@@ -146,8 +152,9 @@ def saving_scales(matmul: str, policy: Any = None) -> Any:
 
 def to_fp8(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
     """x divided by `scale` and rounded to FP8 `dtype` (a scale from `scale_of`, of x or of a whole
-    tensor x is a part of; a blocked one divides each block by its own)."""
-    if scale.ndim == 0:
+    tensor x is a part of, or any scale that broadcasts against x; a blocked one, `_blocked`, divides
+    each block by its own)."""
+    if not _blocked(x, scale):
         return (x.astype(jnp.float32) / scale).astype(dtype)
     return (_view(x, scale).astype(jnp.float32) / scale).astype(dtype).reshape(x.shape)
 
@@ -163,7 +170,7 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
     A blocked scale multiplies each block by its own: where the blocks are the tensor shards, each
     device's block is one scalar after XLA's partitioner, and the pattern is the same (an H100
     program keeps its cuBLASLt FP8 GEMMs: tests/test_gpu_compile.py)."""
-    if scale.ndim == 0:
+    if not _blocked(q, scale):
         return q.astype(dtype) * scale.astype(dtype)
     return (_view(q, scale).astype(dtype) * scale.astype(dtype)).reshape(q.shape)
 
