@@ -118,7 +118,8 @@ def test_a_failure_stops_every_process(how, tmp_path):
         assert launcher.returncode == 128 + signal.SIGKILL, err.decode()[-3000:]
         assert f"error: rank 1 (pid {workers[0]}) was killed by SIGKILL" in err.decode()
     else:
-        assert launcher.returncode == 128 + signal.SIGINT
+        # Its stderr on failure: once in CI (the machine loaded) the launcher ended 1, not 130.
+        assert launcher.returncode == 128 + signal.SIGINT, err.decode()[-3000:]
         # Every rank saved the same step first, as on SIGTERM.
         saving = r"^\S+ WARNING stop signal \(SIGTERM\): saving step (\d+)$"
         said = [
