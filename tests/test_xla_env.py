@@ -19,7 +19,7 @@ def test_the_users_flag_wins_and_ours_fill_in_the_rest():
     assert len(flags) == len(CPU_FLAGS) + len(GPU_FLAGS) + 1
 
 
-def test_only_a_mixture_of_experts_in_pieces_on_gpus_starts_collectives_early_and_in_fp8_does_not_pipeline_reduce_scatters():
+def test_a_mixture_in_pieces_on_gpus_starts_collectives_early_and_in_fp8_keeps_reduce_scatters_in():
     """The options go to that job's compiles alone (xla_env.compiler_options): starting early slows
     a dense job's plan (Llama-3-70B on 128 x 8 H100, 58.2 -> 53.7%), and XLA:CPU has no use for
     them. Four collectives in flight, not GPU_FLAGS' two: the pieces' exchanges leave room."""
