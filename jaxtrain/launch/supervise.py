@@ -41,6 +41,7 @@ from jaxtrain.errors import EXIT_PREEMPTED, ArgumentError, UserError
 from jaxtrain.parser import Parser
 
 _SETTLE_S = 1.0  # after a first failure, how long the others get to report theirs
+_KILLED_DRAIN_S = 0.5  # how long the killed ones' output pumps get, together, before the verdict
 # After a crash (a first failure that is not a pre-emption), what the others get of the grace: a
 # checkpoint needs every process, so theirs cannot complete; they need only flush their logs.
 # (They waited out the whole grace, 10 s, blocked on the dead peer.)
@@ -279,12 +280,15 @@ def _after_failure(
             order.append(ended.get(timeout=left))
         except queue.Empty:
             break
-    # Their last lines before our verdict, which ends the output. Only of those that exited: a
-    # killed one's pipe stays open while its orphans live, and waiting there delays this
-    # launcher's own exit behind another host's report.
+    # Their last lines before our verdict, which ends the output. A killed one's pipe stays open
+    # while its orphans live, so the killed share one short wait: enough for the lines already in
+    # their pipes (a loaded CI machine printed a killed rank's line after the verdict), never a
+    # wait behind another host's report.
+    killed_until = time.monotonic() + _KILLED_DRAIN_S
     for c in order:
-        if c.proc.pid in pumps and c.proc.returncode >= 0:
-            pumps[c.proc.pid].join(timeout=0.5)
+        if c.proc.pid in pumps:
+            wait = 0.5 if c.proc.returncode >= 0 else max(0.0, killed_until - time.monotonic())
+            pumps[c.proc.pid].join(timeout=wait)
     code = _first_failure(children, order)
     _stop_all(children, grace if code == EXIT_PREEMPTED else min(grace, _CRASH_GRACE_S))
     return code
