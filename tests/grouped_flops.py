@@ -7,7 +7,8 @@ One layer (jaxtrain/model/moe.py MoeMlp, dropless) under expert parallelism, 409
 the active FLOPs are the router's (float32, 6 x tokens x d x E) and the routed copies' SwiGLU
 experts' (18 x tokens x k x d x ff: `experts`); `fp8`, those the planner costs at the FP8 peak.
 IMPL: a model.moe.grouped_matmul (default: H100's default); the case `qwen3_expert8_fp8` runs
-Qwen3's with `pallas_fp8` (the kernels on FP8 tiles: model/grouped_fp8.py) whatever IMPL.
+Qwen3's with `pallas_fp8` (the kernels on FP8 tiles: model/grouped_fp8.py) whatever IMPL, under
+remat as Qwen3's config (the experts' forward twice: `experts` counts it).
 """
 
 import functools
@@ -44,11 +45,13 @@ CASES = {
 }
 
 
-def flops(impl: str, n_experts: int, k: int, d: int, ff: int, ep: int) -> dict[str, float]:
+def flops(
+    impl: str, n_experts: int, k: int, d: int, ff: int, ep: int, remat: str = "none"
+) -> dict[str, float]:
     moe = MoeConfig(n_experts=n_experts, experts_per_token=k, d_expert=ff, grouped_matmul=impl)
     # The step's placement of the experts: exchanged over `expert` (parallel/expert.py).
     placement = Placement(experts=functools.partial(expert.experts, ep=ep), expert_split=ep)
-    model = MoeMlp(ModelConfig(d_model=d, mlp="swiglu", moe=moe), jnp.bfloat16, placement)
+    model = MoeMlp(ModelConfig(d_model=d, mlp="swiglu", moe=moe, remat=remat), jnp.bfloat16, placement)
     mesh = Mesh(np.array(targets.target_devices(targets.get("h100"), 1, 8)[:ep]), ("expert",))
     rules = [("expert", "expert")]
 
@@ -76,7 +79,8 @@ def flops(impl: str, n_experts: int, k: int, d: int, ff: int, ep: int) -> dict[s
     text = jax.jit(step).lower(params, x).compile().as_text()
     layout = hlo.Placement(("expert",), (ep,), [0] * ep)
     tally = compiled._Walker(text, layout).tally()  # as the planner tallies a step
-    experts = 18.0 * TOKENS * k * d * ff
+    # Under remat the routed block's own backward (model/moe.py `_routed`) runs the experts' forward again
+    experts = (24.0 if remat != "none" else 18.0) * TOKENS * k * d * ff
     active = 6.0 * TOKENS * d * n_experts + experts
     return {
         "compiled": tally.flops, "fp8": tally.fp8_flops, "active": active, "experts": experts,
@@ -110,5 +114,7 @@ if __name__ == "__main__":
         else kernels.grouped_matmul(mixtral, device.platform, device.compute_capability)
     )
     counted = {case: flops(impl, *shape) for case, shape in CASES.items()}
-    counted["qwen3_expert8_fp8"] = flops("pallas_fp8", *CASES["qwen3_expert8"])
+    # As Qwen3's config runs it (remat dots: the routed block's own backward, the copies sent to the
+    # experts rounded to e4m3: model/moe.py `Wire.rows_out`)
+    counted["qwen3_expert8_fp8"] = flops("pallas_fp8", *CASES["qwen3_expert8"], remat="dots")
     print(json.dumps(counted))

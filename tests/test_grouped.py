@@ -148,15 +148,25 @@ def _fp8_problem():
 
 def test_fp8_kernels_forward_and_both_gradients_are_the_same_roundings_multiplied_in_float32():
     """model/grouped_fp8.py's three kernels (forward, dX, dW), run in the interpreter, against
-    `_same_roundings`: what is left is the kernels' float32 accumulation and bfloat16 output (2^-9 a
-    value; measured 1.7e-3 of the norm). NaN past the routed rows reaches no routed row nor the
+    `_same_roundings`, and the same bits from the rows given already rounded (`rounded`): what is
+    left is the kernels' float32 accumulation and bfloat16 output (2^-9 a value; measured 1.7e-3
+    of the norm). NaN past the routed rows reaches no routed row nor the
     weights' gradient; the empty expert's gradient is zero. Against the unrounded operands the
     same outputs differ by FP8's rounding (measured 4e-2 to 9e-2), over ten times more: the
     kernels did round, and by the right scales."""
     rows, w, grad = _fp8_problem()
+    # The rows already rounded, as the exchange delivers them (model/moe.py `Wire.rows_out`): the
+    # kernels multiply those, never `rows` (zeros here), and give the same bits
+    rounded = fp8.quantize(jnp.where((jnp.arange(M) < ROUTED)[:, None], rows, 0), fp8.FORWARD)
     with transposed_operands():
         out, vjp = jax.vjp(lambda r, w: ragged_matmul_fp8(r, w, SIZES, M, True), rows, w)
         got = (out[:ROUTED], *vjp(grad))
+        out, vjp = jax.vjp(lambda r, w: ragged_matmul_fp8(r, w, SIZES, M, True, rounded), 0 * rows, w)
+        given = (out[:ROUTED], *vjp(grad))
+    for ours, theirs in zip(got, given, strict=True):
+        np.testing.assert_array_equal(
+            np.asarray(ours[:ROUTED], np.float32), np.asarray(theirs[:ROUTED], np.float32)
+        )
     got = (got[0], got[1][:ROUTED], got[2])
     zeroed = [jnp.where((jnp.arange(M) < ROUTED)[:, None], a, 0).astype(jnp.float32) for a in (rows, grad)]
     want = _same_roundings(zeroed[0], w.astype(jnp.float32), zeroed[1], SIZES)

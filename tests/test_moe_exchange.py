@@ -17,8 +17,9 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxtrain.model import fp8
 from jaxtrain.model.moe import _dequantize, _quantize
-from jaxtrain.parallel.expert import exchange, padded_ragged_all_to_all, receive_bound
+from jaxtrain.parallel.expert import Exchange, _plan, exchange, padded_ragged_all_to_all, receive_bound
 
 
 def _shard_map(fn, n_devices, n_in):
@@ -261,3 +262,52 @@ def test_the_exchanges_own_backward_is_the_routed_experts_gradient(dispatch, pie
             np.testing.assert_allclose(np.linalg.norm(g), np.linalg.norm(w), rtol=0.03, err_msg=name)
         else:
             np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_fp8_experts_copies_travel_rounded_by_one_scale_shared_over_the_expert_axis():
+    """`pallas_fp8` under remat: the copies go to their experts already in e4m3 (half the bytes), by
+    one power-of-two scale for the layer's pieces and every sender (`Wire.rows_scale`: the max over
+    the expert axis, as a receiver's buffer holds every peer's rows and its kernel multiplies it
+    by one scale), and land as the bf16 exchange would land them, rounded by that scale: the
+    kernel's operand (model/grouped_fp8.py `rounded`). On 4 devices whose rows' magnitudes differ
+    (the largest on the last), in 2 pieces."""
+    ep, local, n, d = 4, 2, 16, 8
+    rng = np.random.default_rng(5)
+    experts = np.sort(rng.integers(0, ep * local, (ep, 2, n)), axis=2).astype(np.int32)
+    magnitude = np.array([0.5, 1.0, 2.0, 60.0])[:, None, None, None]
+    rows = jnp.asarray(rng.normal(size=(ep, 2, n, d)) * magnitude, jnp.bfloat16)
+    bound = receive_bound(n, ep, 0.0)
+    wire = Exchange("pallas_fp8", n, "", bound, "padded", "x", n)
+
+    def device(r, e):
+        pieces = tuple(r[0])
+        scale = wire.rows_scale(pieces)
+        plans = [_plan(e[0, i], "x", ep, local, bound) for i in range(2)]
+        out = [wire.rows_out(p, plan, None, scale) for p, plan in zip(pieces, plans, strict=True)]
+        as_bf16 = [wire.out(p, plan) for p, plan in zip(pieces, plans, strict=True)]
+        stack = lambda xs: jnp.stack(xs)[None]  # noqa: E731
+        return (
+            scale[None], stack([o[0] for o in out]), stack([o[1][0] for o in out]),
+            stack([o[1][1] for o in out]), stack(as_bf16), stack([plan.sizes.sum() for plan in plans]),
+        )  # fmt: skip
+
+    mesh = Mesh(np.array(jax.devices()[:ep]), ("x",))
+    fn = jax.jit(jax.shard_map(device, mesh=mesh, in_specs=(P("x"),) * 2, out_specs=P("x"), check_vma=False))
+    scale, recv, landed, scales, as_bf16, received = fn(rows, experts)
+    want = fp8.scale_for(jnp.max(jnp.abs(rows.astype(jnp.float32))), fp8.FORWARD)
+    assert landed.dtype == fp8.FORWARD and float(want) > 0
+    np.testing.assert_array_equal(np.asarray(scale), float(want))  # every device's, both pieces'
+    np.testing.assert_array_equal(np.asarray(scales), float(want))
+    for dev in range(ep):
+        for piece in range(2):
+            got = int(received[dev, piece])
+            assert got > 0
+            keep = slice(0, got)  # rows past the received ones belong to no expert
+            np.testing.assert_array_equal(
+                np.asarray(landed[dev, piece, keep].astype(jnp.float32)),
+                np.asarray(fp8.to_fp8(as_bf16[dev, piece, keep], want, fp8.FORWARD).astype(jnp.float32)),
+            )
+            np.testing.assert_array_equal(
+                np.asarray(recv[dev, piece, keep]),
+                np.asarray(fp8.dequantize(landed[dev, piece, keep], want, jnp.bfloat16)),
+            )

@@ -61,15 +61,24 @@ def _scoped(flops: float):  # type: ignore[no-untyped-def]
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def ragged_matmul_fp8(
-    rows: jax.Array, w: jax.Array, sizes: jax.Array, routed: int, interpret: bool = False
+    rows: jax.Array,
+    w: jax.Array,
+    sizes: jax.Array,
+    routed: int,
+    interpret: bool = False,
+    rounded: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """`grouped_kernels.ragged_matmul` (its arguments, its rows past sum(sizes)) in FP8 (module
-    docstring): rows [m, k] sorted by expert x w [E, k, n] -> [m, n] bfloat16."""
-    return _forward(rows, w, sizes, routed, interpret)[0]
+    docstring): rows [m, k] sorted by expert x w [E, k, n] -> [m, n] bfloat16. `rounded`: the rows
+    already in e4m3 and their scale (rows == their product), as the exchange delivers them
+    (model/moe.py `Wire.rows_out`): multiplied as they are, no pass over the rows, which the
+    forward then never reads (XLA drops what made them). The rows' gradient still goes to `rows`."""
+    return _forward(rows, w, sizes, routed, interpret, rounded)[0]
 
 
-def _forward(rows, w, sizes, routed, interpret):  # type: ignore[no-untyped-def]
-    (xq, sx), (wq, sw) = _rows(rows, sizes, fp8.FORWARD), _experts(w, fp8.FORWARD)
+def _forward(rows, w, sizes, routed, interpret, rounded=None):  # type: ignore[no-untyped-def]
+    xq, sx = _rows(rows, sizes, fp8.FORWARD) if rounded is None else rounded
+    wq, sw = _experts(w, fp8.FORWARD)
     with _scoped(2.0 * routed * w.shape[1] * w.shape[2]):
         out = ragged_dot(xq, jnp.swapaxes(wq, 1, 2), sizes, True, interpret, sx * sw)
     # The FP8 operands are what the backward needs: half the bytes of rows and w.
@@ -86,7 +95,7 @@ def _backward(routed, interpret, saved, grad):  # type: ignore[no-untyped-def]
         d_w = transposed_ragged_dot_fp8(
             _again(xq).T, gq.T, sizes, jnp.broadcast_to(sx * sg, sizes.shape), interpret
         )
-    return d_rows, d_w, None
+    return d_rows, d_w, None, None  # no gradient through the rounded rows: it went to `rows`
 
 
 ragged_matmul_fp8.defvjp(_forward, _backward)

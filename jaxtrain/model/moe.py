@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.config import ModelConfig, MoeConfig
+from jaxtrain.model import fp8
 from jaxtrain.model.layers import constrain, dense, residual_std
 from jaxtrain.model.mlp import mlp
 from jaxtrain.model.placement import LOCAL, Placement
@@ -56,7 +57,13 @@ def _activation(h: jax.Array, swiglu: bool) -> jax.Array:
 
 
 def expert_mlps(
-    rows: jax.Array, sizes: jax.Array, w_in: jax.Array, w_out: jax.Array, impl: str, routed: int | None = None
+    rows: jax.Array,
+    sizes: jax.Array,
+    w_in: jax.Array,
+    w_out: jax.Array,
+    impl: str,
+    routed: int | None = None,
+    rounded: Any = None,
 ) -> jax.Array:
     """Rows [m, d] sorted by expert, `sizes[e]` of them for expert e -> each through its expert's MLP.
 
@@ -65,7 +72,8 @@ def expert_mlps(
     `pallas_fp8` (its FP8 tiles under model.matmul fp8: model/grouped_fp8.py) hold any bits (NaN
     among them: the exchange sends only routed rows back). `routed`: how many rows are routed here
     under an even load (default m), the FLOPs the planner counts for the Pallas kernels, which
-    compute only the routed rows whatever the buffer.
+    compute only the routed rows whatever the buffer. `rounded`: under `pallas_fp8`, the rows in
+    e4m3 and their scale, as they travelled (`Wire.rows_out`), which its first kernel multiplies.
     """
     e, d = w_in.shape[:2]
     w_in, swiglu = w_in.reshape(e, d, -1), w_in.ndim == 4
@@ -77,7 +85,8 @@ def expert_mlps(
         else:
             from jaxtrain.model.grouped_kernels import ragged_matmul as matmul
 
-        h = _activation(matmul(rows, w_in, sizes, routed), swiglu)
+        first = functools.partial(matmul, rounded=rounded) if rounded is not None else matmul
+        h = _activation(first(rows, w_in, sizes, routed), swiglu)
         return matmul(h, w_out, sizes, routed)
     if impl == "ragged_dot":
         h = _activation(jax.lax.ragged_dot(rows, w_in, sizes), swiglu)
@@ -192,14 +201,43 @@ class Wire:
         q, scale = _quantize(x, jnp.dtype(self.dispatch))
         return _dequantize(self._out(q, plan, None), self._out(scale, plan, None), x.dtype)
 
+    def _shared(self, amax: jax.Array) -> jax.Array:
+        """A max over the devices whose rows may land here (none: the rows stay)."""
+        return amax
+
+    def rows_scale(self, rows: Pieces) -> jax.Array | None:
+        """The scale the layer's copies (every piece's) go to FP8 experts by, rounded before they
+        travel (`rows_out`): `pallas_fp8`'s e4m3 rows, one power-of-two scale over every device
+        that may send rows to the same experts (the kernel multiplies a buffer by one scale), from
+        the max of all their copies (dropped ones too). None: the copies go as they are."""
+        if self.impl != "pallas_fp8":
+            return None
+        amax = jnp.max(jnp.stack([jnp.max(jnp.abs(r)) for r in rows]))
+        return fp8.scale_for(self._shared(amax), fp8.FORWARD)
+
+    def rows_out(
+        self, rows: jax.Array, plan: Any, buffer: jax.Array | None, scale: jax.Array | None
+    ) -> tuple[jax.Array, Any]:
+        """Our copies [n, d] -> (the rows the experts here take, as `out`; the FP8 rows as they
+        landed and `scale`, or None): with a `scale` (`rows_scale`) the copies travel rounded to
+        e4m3, half the bytes, and the experts' kernel multiplies them as they landed, with no pass
+        over the buffer (model/grouped_fp8.py `rounded`); the rows in bf16 are their exact product,
+        which that kernel never reads (XLA drops it)."""
+        if scale is None:
+            return self.out(rows, plan, buffer), None
+        landed = self._out(fp8.to_fp8(rows, scale, fp8.FORWARD), plan, buffer)
+        return fp8.dequantize(landed, scale, rows.dtype), (landed, scale)
+
     def back(self, y: jax.Array, buffer: jax.Array, plan: Any) -> tuple[jax.Array, jax.Array]:
         """The experts' rows y [bound, ...] (as `out` grouped them) -> (each to its row of ours
         [n, ...], rows a receiver dropped 0; the buffer they landed in), landing in `buffer`
         [n, ...] (dead after: no zeroed buffer written)."""
         return y, y
 
-    def experts(self, rows: jax.Array, w_in: jax.Array, w_out: jax.Array, *, plan: Any) -> jax.Array:
-        return expert_mlps(rows, plan.sizes, w_in, w_out, self.impl, self.routed)
+    def experts(
+        self, rows: jax.Array, w_in: jax.Array, w_out: jax.Array, *, plan: Any, rounded: Any = None
+    ) -> jax.Array:
+        return expert_mlps(rows, plan.sizes, w_in, w_out, self.impl, self.routed, rounded)
 
 
 Pieces = tuple[jax.Array, ...]
@@ -236,7 +274,13 @@ def _pipelined(pieces: Any, arrive: Any, compute: Any, finish: Any) -> list[Any]
 
 
 def _routed_fwd(
-    wire: Wire, rows: Pieces, gates: Pieces, w_in: jax.Array, w_out: jax.Array, plans: Any
+    wire: Wire,
+    rows: Pieces,
+    gates: Pieces,
+    w_in: jax.Array,
+    w_out: jax.Array,
+    plans: Any,
+    rounds: bool = True,
 ) -> tuple[Pieces, Any]:
     # Buffers of pieces before, dead by then, in place of zeroed ones (each a full write): each
     # piece's rows arrive in the receive buffer of the piece two before (`_pipelined` sends piece
@@ -246,17 +290,18 @@ def _routed_fwd(
     # (measured on Qwen3's plan: 7 a layer, the bytes of the zeroed ones they replace).
     spare: list[jax.Array] = []
     landed: list[jax.Array] = []
+    scale = wire.rows_scale(rows) if rounds else None
 
     def arrive(piece: Any) -> Any:
         r, _, plan = piece
         # The groups are known from the tiny all-to-alls, before the rows arrive; left free, XLA
         # starts the grouped matmul's set-up (`blocks` gathers each block's expert weights) during
         # the exchange: 2.9 GB more a GPU on Qwen3-30B-A3B's 4 x 8 plan (55.1 against 52.2).
-        return jax.lax.optimization_barrier((wire.out(r, plan, _spare(spare, wire.bound)), plan))
+        return jax.lax.optimization_barrier((*wire.rows_out(r, plan, _spare(spare, wire.bound), scale), plan))
 
     def compute(piece: Any, got: Any) -> tuple[jax.Array, jax.Array]:
-        recv, plan = got
-        return wire.experts(recv, w_in, w_out, plan=plan), recv
+        recv, rounded, plan = got
+        return wire.experts(recv, w_in, w_out, plan=plan, rounded=rounded), _landed(recv, rounded)
 
     def finish(piece: Any, made: tuple[jax.Array, jax.Array]) -> jax.Array:
         r, g, plan = piece
@@ -275,18 +320,21 @@ def _routed_fwd(
 def _routed_bwd(wire: Wire, saved: Any, dys: Pieces) -> tuple[Any, ...]:
     rows, gates, w_in, w_out, plans = saved
     spare: list[jax.Array] = []  # dead receive buffers, as in the forward (`_routed_fwd`)
+    scale = wire.rows_scale(rows)  # the forward's (the same rows)
 
     def arrive(piece: Any) -> Any:
         r, g, plan, dy = piece
-        recv, recv_dy = (wire.out(a, plan, _spare(spare, wire.bound)) for a in (r, dy))
-        return jax.lax.optimization_barrier((recv, recv_dy, wire.out(g, plan), plan))
+        recv, rounded = wire.rows_out(r, plan, _spare(spare, wire.bound), scale)
+        recv_dy = wire.out(dy, plan, _spare(spare, wire.bound))
+        return jax.lax.optimization_barrier((recv, rounded, recv_dy, wire.out(g, plan), plan))
 
     def compute(piece: Any, got: Any) -> tuple[Any, ...]:
-        recv, recv_dy, recv_gates, plan = got
-        out, vjp = jax.vjp(functools.partial(wire.experts, plan=plan), recv, w_in, w_out)
+        recv, rounded, recv_dy, recv_gates, plan = got
+        experts = functools.partial(wire.experts, plan=plan, rounded=rounded)
+        out, vjp = jax.vjp(experts, recv, w_in, w_out)
         dg = jnp.sum(out.astype(jnp.float32) * recv_dy.astype(jnp.float32), axis=-1).astype(piece[1].dtype)
         drecv, dw_in, dw_out = vjp((recv_gates[:, None] * recv_dy).astype(out.dtype))
-        return drecv, dw_in, dw_out, dg, (recv, recv_dy)
+        return drecv, dw_in, dw_out, dg, (_landed(recv, rounded), recv_dy)
 
     def finish(piece: Any, grads: tuple[Any, ...]) -> tuple[jax.Array, ...]:
         _, g, plan, dy = piece
@@ -303,6 +351,11 @@ def _routed_bwd(wire: Wire, saved: Any, dys: Pieces) -> tuple[Any, ...]:
 _routed.defvjp(_routed_fwd, _routed_bwd)
 
 
+def _landed(recv: jax.Array, rounded: Any) -> jax.Array:
+    """The buffer received rows landed in (`Wire.rows_out`): the FP8 one where they travelled rounded."""
+    return recv if rounded is None else rounded[0]
+
+
 def _spare(spare: list[jax.Array], rows: int) -> jax.Array | None:
     """The oldest dead buffer of a piece before, of `rows` rows (None: there is none). Its values
     are only overwritten: no gradient goes to them (jax's backward, without remat)."""
@@ -312,8 +365,17 @@ def _spare(spare: list[jax.Array], rows: int) -> jax.Array | None:
 def routed(recomputed: bool) -> Any:
     """`_routed` for a block remat recomputes; without remat, where jax's backward saves what the
     forward made (4 transfers of the copies, the experts run once forward), its forward, as autodiff
-    sees it."""
-    return _routed if recomputed else lambda *args: _routed_fwd(*args)[0]
+    sees it, with the copies sent as they are: autodiff would carry their gradient back through the
+    FP8 rows (`Wire.rows_out`), in FP8."""
+    if recomputed:
+        return _routed
+
+    def autodiff(
+        wire: Wire, rows: Pieces, gates: Pieces, w_in: jax.Array, w_out: jax.Array, plans: Any
+    ) -> Pieces:
+        return _routed_fwd(wire, rows, gates, w_in, w_out, plans, rounds=False)[0]
+
+    return autodiff
 
 
 def route(moe: MoeConfig, logits: jax.Array, bias: jax.Array | None) -> tuple[jax.Array, ...]:

@@ -135,8 +135,10 @@ class Placed(Wire):
     """The experts on a step's devices without expert parallelism: the rows stay, each expert's
     hidden dim split over `tensor` if the step has one (parallel/tensor.py `split_experts`)."""
 
-    def experts(self, rows: jax.Array, w_in: jax.Array, w_out: jax.Array, *, plan: Any) -> jax.Array:
-        return tensor.split_experts(rows, plan.sizes, w_in, w_out, self.impl, self.routed)
+    def experts(
+        self, rows: jax.Array, w_in: jax.Array, w_out: jax.Array, *, plan: Any, rounded: Any = None
+    ) -> jax.Array:
+        return tensor.split_experts(rows, plan.sizes, w_in, w_out, self.impl, self.routed, rounded)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +153,9 @@ class Exchange(Placed):
         if self.exchange == "ragged":
             return jax.lax.ragged_all_to_all(*args, axis_name=self.axis)
         return padded_ragged_all_to_all(*args, axis_name=self.axis, width=self.width)
+
+    def _shared(self, amax: jax.Array) -> jax.Array:
+        return jax.lax.pmax(amax, self.axis)  # every peer's rows may land in one buffer
 
     def _out(self, x: jax.Array, plan: Any, buffer: jax.Array | None) -> jax.Array:
         shape = (self.bound, *x.shape[1:])

@@ -38,11 +38,18 @@ def over_tensor(fn: Any, x: Any, logical: tuple[str | None, ...], out: Any = Non
 
 
 def split_experts(
-    rows: jax.Array, sizes: jax.Array, w_in: jax.Array, w_out: jax.Array, impl: str, routed: int | None = None
+    rows: jax.Array,
+    sizes: jax.Array,
+    w_in: jax.Array,
+    w_out: jax.Array,
+    impl: str,
+    routed: int | None = None,
+    rounded: Any = None,
 ) -> jax.Array:
     """expert_mlps with each expert's hidden dim split over the tensor axis, if the step has one:
     each device runs its slice of every expert (Megatron's column then row split) and one psum adds
-    them. Written per device because XLA's partitioner does not split a ragged_dot. On CPU the sums
+    them (`rounded`, FP8 rows as they travelled: whole on each). Written per device because XLA's
+    partitioner does not split a ragged_dot. On CPU the sums
     over tensor (the psum, and the rows' gradient, summed as it comes in) move in float32: XLA:CPU
     aborted on a bfloat16 all-reduce inside a shard_map manual over part of the mesh (a C++ check,
     "Invalid binary instruction opcode copy", jax 0.10.2), every bfloat16 mixture over tensor."""
@@ -50,23 +57,24 @@ def split_experts(
     axis = axes[0] if axes else None
     mesh = jax.sharding.get_abstract_mesh()
     if axis is None or mesh.empty or axis in mesh.manual_axes or mesh.shape[axis] == 1:
-        return expert_mlps(rows, sizes, w_in, w_out, impl, routed)
+        return expert_mlps(rows, sizes, w_in, w_out, impl, routed, rounded)
     spec_in = jax.sharding.PartitionSpec(*(None,) * (w_in.ndim - 1), axis)
     spec_out = jax.sharding.PartitionSpec(None, axis, None)
+    whole = jax.sharding.PartitionSpec()
     dtype = rows.dtype
     sums = jnp.float32 if mesh_lib.platform() == "cpu" else dtype
 
-    def part(r: jax.Array, s: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
-        y = expert_mlps(r.astype(dtype), s, a, b, impl, routed)
+    def part(r: jax.Array, s: jax.Array, a: jax.Array, b: jax.Array, q: Any) -> jax.Array:
+        y = expert_mlps(r.astype(dtype), s, a, b, impl, routed, q)
         return jax.lax.psum(y.astype(sums), axis).astype(y.dtype)
 
     return jax.shard_map(
         part,
         mesh=mesh,
-        in_specs=(jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec(), spec_in, spec_out),
-        out_specs=jax.sharding.PartitionSpec(),
+        in_specs=(whole, whole, spec_in, spec_out, whole),
+        out_specs=whole,
         axis_names={axis},
         # Unchecked, as the step's: the Pallas kernel's gradients vary over no axis, and jax's
         # check refused the weights' (varying over `tensor`) in the backward.
         check_vma=False,
-    )(rows.astype(sums), sizes, w_in, w_out)
+    )(rows.astype(sums), sizes, w_in, w_out, rounded)
