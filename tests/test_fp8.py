@@ -278,6 +278,62 @@ def test_a_scanned_stack_hands_its_layers_the_whole_weights_fp8_scales():
     assert run.lower(w).as_text().count("all_reduce") == 4
 
 
+def test_fsdp_gathers_fp8_experts_weights_by_each_experts_scale():
+    """Under model.moe.grouped_matmul pallas_fp8 (`Fsdp.gather_fp8_experts`, the stack's hook
+    `experts_and_their_scales`): a routed experts' stack is gathered as e4m3, each expert rounded by
+    its own whole weight's scale (the max over its fsdp shards: one expert's max sits on one shard
+    here, and the experts' magnitudes differ 40 times), bitwise what the gather computing its own
+    scales gives; the e4m3 values and scales [E] beside the kernel, which is their product; the
+    gather moves e4m3. Without pallas_fp8 (`gather_fp8`) the experts are gathered as bf16."""
+    mesh = jax.make_mesh((1, 1, 1, 8, 1, 1), mesh_lib.MESH_AXES, devices=jax.devices()[:8])
+    spec = P(None, None, None, mesh_lib.FSDP_AXIS)  # [layers, expert, mlp, embed]: embed over fsdp
+    layers = fsdp.Fsdp({"params": {"moe": {"out": {"kernel": spec}}}}, jnp.bfloat16, jnp.float32, False)
+    w = 0.02 * jax.random.normal(jax.random.key(4), (2, 4, 16, 64), jnp.float32)
+    w = w.at[0, 2, 3, 60].set(0.9).at[1, 1].multiply(40.0)
+    w = jax.device_put(w, jax.sharding.NamedSharding(mesh, spec))
+    out = lambda v: v["params"]["moe"]["out"]  # noqa: E731
+    stacked = lambda x: {"params": {"moe": {"out": x}}}  # noqa: E731
+
+    def per_device(stack: jax.Array) -> tuple[jax.Array, ...]:
+        scales = out(layers.experts_and_their_scales(stacked({"kernel": stack})))[fsdp.SCALE]
+        given = [
+            out(layers.gather_fp8_experts(stacked({"kernel": stack[i], fsdp.SCALE: scales[i]})))
+            for i in range(2)
+        ]
+        own = [out(layers.gather_fp8_experts(stacked({"kernel": stack[i]}))) for i in range(2)]
+        bf16 = out(layers.gather_fp8(stacked({"kernel": stack[0]})))
+        pick = lambda vs, name: jnp.stack([v[name] for v in vs])  # noqa: E731
+        return (
+            pick(given, "kernel"), pick(given, fp8.QUANTIZED), pick(given, fsdp.SCALE),
+            pick(own, fp8.QUANTIZED), pick(own, fsdp.SCALE), jnp.float32(fp8.QUANTIZED in bf16),
+        )  # fmt: skip
+
+    run = jax.jit(
+        jax.shard_map(
+            per_device,
+            mesh=mesh,
+            in_specs=spec,
+            out_specs=P(),
+            axis_names={mesh_lib.FSDP_AXIS},
+            check_vma=False,
+        )
+    )
+    kernel, quantized, scales, own_quantized, own_scales, bf16_has = run(w)
+    assert quantized.dtype == fp8.FORWARD and scales.shape == (2, 4) and not bf16_has
+    np.testing.assert_array_equal(quantized.astype(jnp.float32), own_quantized.astype(jnp.float32))
+    np.testing.assert_array_equal(scales, own_scales)
+    for i in range(2):
+        for e in range(4):
+            whole = w[i, e].astype(jnp.bfloat16)
+            assert float(scales[i, e]) == float(fp8.scale_of(whole, fp8.FORWARD)), (i, e)
+            np.testing.assert_array_equal(
+                kernel[i, e], fp8.dequantize(*fp8.quantize(whole, fp8.FORWARD), jnp.bfloat16)
+            )
+    assert len(set(np.asarray(scales).ravel().tolist())) > 2  # the experts' own scales, not one
+    text = run.lower(w).as_text()
+    assert re.search(r"all_gather.*tensor<4x16x8xf8E4M3FN>\) -> tensor<4x16x64xf8E4M3FN>", text), text
+
+
 def _dense_dots(argv: list[str]) -> tuple[dict, set]:
     """The model of `argv` under model.matmul fp8, initialised: {each dense's kernel path (its last 3
     names): whether its dot is the FP8 one}, and every param's path."""

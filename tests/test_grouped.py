@@ -9,6 +9,7 @@ teaches the interpreter: their forward, dX and dW run here.
 """
 
 import contextlib
+import functools
 import socket
 
 import flax.linen as nn
@@ -148,20 +149,23 @@ def _fp8_problem():
 
 def test_fp8_kernels_forward_and_both_gradients_are_the_same_roundings_multiplied_in_float32():
     """model/grouped_fp8.py's three kernels (forward, dX, dW), run in the interpreter, against
-    `_same_roundings`, and the same bits from the rows given already rounded (`rounded`): what is
+    `_same_roundings`, and the same bits from the rows and weights given already rounded: what is
     left is the kernels' float32 accumulation and bfloat16 output (2^-9 a value; measured 1.7e-3
     of the norm). NaN past the routed rows reaches no routed row nor the
     weights' gradient; the empty expert's gradient is zero. Against the unrounded operands the
     same outputs differ by FP8's rounding (measured 4e-2 to 9e-2), over ten times more: the
     kernels did round, and by the right scales."""
     rows, w, grad = _fp8_problem()
-    # The rows already rounded, as the exchange delivers them (model/moe.py `Wire.rows_out`): the
-    # kernels multiply those, never `rows` (zeros here), and give the same bits
+    # The rows already rounded, as the exchange delivers them (model/moe.py `Wire.rows_out`), and
+    # the weights, as fsdp gathers them (one scale an expert): the kernels multiply those, never
+    # `rows` and `w` (zeros here), and give the same bits
     rounded = fp8.quantize(jnp.where((jnp.arange(M) < ROUTED)[:, None], rows, 0), fp8.FORWARD)
+    w_rounded = jax.vmap(lambda we: fp8.quantize(we, fp8.FORWARD))(w)
     with transposed_operands():
         out, vjp = jax.vjp(lambda r, w: ragged_matmul_fp8(r, w, SIZES, M, True), rows, w)
         got = (out[:ROUTED], *vjp(grad))
-        out, vjp = jax.vjp(lambda r, w: ragged_matmul_fp8(r, w, SIZES, M, True, rounded), 0 * rows, w)
+        given = functools.partial(ragged_matmul_fp8, rounded=rounded, w_rounded=w_rounded)
+        out, vjp = jax.vjp(lambda r, w: given(r, w, SIZES, M, True), 0 * rows, 0 * w)
         given = (out[:ROUTED], *vjp(grad))
     for ours, theirs in zip(got, given, strict=True):
         np.testing.assert_array_equal(

@@ -58,6 +58,16 @@ def projection(names: tuple[str, ...]) -> bool:
     return names[-1:] == ("kernel",) and names[-3:-1] in PROJECTIONS
 
 
+# A mixture's routed experts' stacked weights [E, ...] (model/moe.py `_Stack`): FP8 under
+# model.moe.grouped_matmul pallas_fp8, one scale an expert (model/grouped_fp8.py).
+EXPERTS = frozenset({("moe", name) for name in ("gate_up", "fc", "out")})
+
+
+def experts(names: tuple[str, ...]) -> bool:
+    """Whether the param at path `names` is a stack of routed experts' weights (`EXPERTS`)."""
+    return names[-1:] == ("kernel",) and names[-3:-1] in EXPERTS
+
+
 # A tensor's scales, one a block: (axis, n), its `axis` cut into n equal blocks; WHOLE: one scale.
 Blocks = tuple[int, int]
 WHOLE: Blocks = (0, 1)

@@ -67,18 +67,21 @@ def ragged_matmul_fp8(
     routed: int,
     interpret: bool = False,
     rounded: tuple[jax.Array, jax.Array] | None = None,
+    w_rounded: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """`grouped_kernels.ragged_matmul` (its arguments, its rows past sum(sizes)) in FP8 (module
     docstring): rows [m, k] sorted by expert x w [E, k, n] -> [m, n] bfloat16. `rounded`: the rows
     already in e4m3 and their scale (rows == their product), as the exchange delivers them
     (model/moe.py `Wire.rows_out`): multiplied as they are, no pass over the rows, which the
-    forward then never reads (XLA drops what made them). The rows' gradient still goes to `rows`."""
-    return _forward(rows, w, sizes, routed, interpret, rounded)[0]
+    forward then never reads (XLA drops what made them). The rows' gradient still goes to `rows`.
+    `w_rounded`: the same for the weights, e4m3 [E, k, n] and each expert's scale [E] (fsdp's FP8
+    gather: parallel/fsdp.py); w's gradient still goes to `w`."""
+    return _forward(rows, w, sizes, routed, interpret, rounded, w_rounded)[0]
 
 
-def _forward(rows, w, sizes, routed, interpret, rounded=None):  # type: ignore[no-untyped-def]
+def _forward(rows, w, sizes, routed, interpret, rounded=None, w_rounded=None):  # type: ignore[no-untyped-def]
     xq, sx = _rows(rows, sizes, fp8.FORWARD) if rounded is None else rounded
-    wq, sw = _experts(w, fp8.FORWARD)
+    wq, sw = _experts(w, fp8.FORWARD) if w_rounded is None else w_rounded
     with _scoped(2.0 * routed * w.shape[1] * w.shape[2]):
         out = ragged_dot(xq, jnp.swapaxes(wq, 1, 2), sizes, True, interpret, sx * sw)
     # The FP8 operands are what the backward needs: half the bytes of rows and w.
@@ -95,7 +98,7 @@ def _backward(routed, interpret, saved, grad):  # type: ignore[no-untyped-def]
         d_w = transposed_ragged_dot_fp8(
             _again(xq).T, gq.T, sizes, jnp.broadcast_to(sx * sg, sizes.shape), interpret
         )
-    return d_rows, d_w, None, None  # no gradient through the rounded rows: it went to `rows`
+    return d_rows, d_w, None, None, None  # none through the rounded operands: to `rows` and `w`
 
 
 ragged_matmul_fp8.defvjp(_forward, _backward)

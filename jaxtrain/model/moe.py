@@ -64,6 +64,7 @@ def expert_mlps(
     impl: str,
     routed: int | None = None,
     rounded: Any = None,
+    weights: Any = None,
 ) -> jax.Array:
     """Rows [m, d] sorted by expert, `sizes[e]` of them for expert e -> each through its expert's MLP.
 
@@ -72,22 +73,30 @@ def expert_mlps(
     `pallas_fp8` (its FP8 tiles under model.matmul fp8: model/grouped_fp8.py) hold any bits (NaN
     among them: the exchange sends only routed rows back). `routed`: how many rows are routed here
     under an even load (default m), the FLOPs the planner counts for the Pallas kernels, which
-    compute only the routed rows whatever the buffer. `rounded`: under `pallas_fp8`, the rows in
-    e4m3 and their scale, as they travelled (`Wire.rows_out`), which its first kernel multiplies.
+    compute only the routed rows whatever the buffer. Under `pallas_fp8`, what its kernels multiply
+    as it is: `rounded`, the rows in e4m3 and their scale, as they travelled (`Wire.rows_out`);
+    `weights`, w_in's and w_out's e4m3 values and scales (one an expert), as fsdp gathered them.
     """
     e, d = w_in.shape[:2]
     w_in, swiglu = w_in.reshape(e, d, -1), w_in.ndim == 4
     if impl in ("pallas", "pallas_fp8"):
         routed = rows.shape[0] if routed is None else routed
         # Pallas's modules: imported only where they run
+        first: Any
+        second: Any
         if impl == "pallas_fp8":
-            from jaxtrain.model.grouped_fp8 import ragged_matmul_fp8 as matmul
-        else:
-            from jaxtrain.model.grouped_kernels import ragged_matmul as matmul
+            from jaxtrain.model.grouped_fp8 import ragged_matmul_fp8
 
-        first = functools.partial(matmul, rounded=rounded) if rounded is not None else matmul
+            q_in, q_out = (None, None) if weights is None else weights
+            q_in = None if q_in is None else (q_in[0].reshape(e, d, -1), q_in[1])
+            first = functools.partial(ragged_matmul_fp8, rounded=rounded, w_rounded=q_in)
+            second = functools.partial(ragged_matmul_fp8, w_rounded=q_out)
+        else:
+            from jaxtrain.model.grouped_kernels import ragged_matmul
+
+            first = second = ragged_matmul
         h = _activation(first(rows, w_in, sizes, routed), swiglu)
-        return matmul(h, w_out, sizes, routed)
+        return second(h, w_out, sizes, routed)
     if impl == "ragged_dot":
         h = _activation(jax.lax.ragged_dot(rows, w_in, sizes), swiglu)
         return jax.lax.ragged_dot(h, w_out, sizes)
@@ -235,25 +244,35 @@ class Wire:
         return y, y
 
     def experts(
-        self, rows: jax.Array, w_in: jax.Array, w_out: jax.Array, *, plan: Any, rounded: Any = None
+        self,
+        rows: jax.Array,
+        w_in: jax.Array,
+        w_out: jax.Array,
+        *,
+        plan: Any,
+        rounded: Any = None,
+        weights: Any = None,
     ) -> jax.Array:
-        return expert_mlps(rows, plan.sizes, w_in, w_out, self.impl, self.routed, rounded)
+        return expert_mlps(rows, plan.sizes, w_in, w_out, self.impl, self.routed, rounded, weights)
 
 
 Pieces = tuple[jax.Array, ...]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _routed(wire: Wire, rows: Pieces, gates: Pieces, w_in: jax.Array, w_out: jax.Array, plans: Any) -> Pieces:
+def _routed(
+    wire: Wire, rows: Pieces, gates: Pieces, w_in: jax.Array, w_out: jax.Array, plans: Any, fp8_weights: Any
+) -> Pieces:
     """Our routed copies, in pieces (each rows [n, d] sorted by expert, its gates [n] and `plans`)
-    -> each piece's gates x its experts' outputs, computed where the experts are (`wire`).
+    -> each piece's gates x its experts' outputs, computed where the experts are (`wire`);
+    `fp8_weights`: the weights as the FP8 experts multiply them (`expert_mlps` `weights`), or None.
 
     Its backward sends the copies again with their gradient and runs the experts there: what it
     saves is the copies (ours) alone, so a step under remat recomputes no exchange (jax's own
     backward saved the exchanged rows and results, and remat re-sent both): 5 transfers of the
     copies a layer, not 6. Pieces go one after another (`_pipelined`), so one piece's exchange
     runs beside another's experts."""
-    return _routed_fwd(wire, rows, gates, w_in, w_out, plans)[0]
+    return _routed_fwd(wire, rows, gates, w_in, w_out, plans, fp8_weights)[0]
 
 
 def _pipelined(pieces: Any, arrive: Any, compute: Any, finish: Any) -> list[Any]:
@@ -280,6 +299,7 @@ def _routed_fwd(
     w_in: jax.Array,
     w_out: jax.Array,
     plans: Any,
+    fp8_weights: Any,
     rounds: bool = True,
 ) -> tuple[Pieces, Any]:
     # Buffers of pieces before, dead by then, in place of zeroed ones (each a full write): each
@@ -301,7 +321,8 @@ def _routed_fwd(
 
     def compute(piece: Any, got: Any) -> tuple[jax.Array, jax.Array]:
         recv, rounded, plan = got
-        return wire.experts(recv, w_in, w_out, plan=plan, rounded=rounded), _landed(recv, rounded)
+        out = wire.experts(recv, w_in, w_out, plan=plan, rounded=rounded, weights=fp8_weights)
+        return out, _landed(recv, rounded)
 
     def finish(piece: Any, made: tuple[jax.Array, jax.Array]) -> jax.Array:
         r, g, plan = piece
@@ -314,11 +335,11 @@ def _routed_fwd(
         return ours * g[:, None]
 
     ys = _pipelined(zip(rows, gates, plans, strict=True), arrive, compute, finish)
-    return tuple(ys), (rows, gates, w_in, w_out, plans)
+    return tuple(ys), (rows, gates, w_in, w_out, plans, fp8_weights)
 
 
 def _routed_bwd(wire: Wire, saved: Any, dys: Pieces) -> tuple[Any, ...]:
-    rows, gates, w_in, w_out, plans = saved
+    rows, gates, w_in, w_out, plans, fp8_weights = saved
     spare: list[jax.Array] = []  # dead receive buffers, as in the forward (`_routed_fwd`)
     scale = wire.rows_scale(rows)  # the forward's (the same rows)
 
@@ -330,7 +351,7 @@ def _routed_bwd(wire: Wire, saved: Any, dys: Pieces) -> tuple[Any, ...]:
 
     def compute(piece: Any, got: Any) -> tuple[Any, ...]:
         recv, rounded, recv_dy, recv_gates, plan = got
-        experts = functools.partial(wire.experts, plan=plan, rounded=rounded)
+        experts = functools.partial(wire.experts, plan=plan, rounded=rounded, weights=fp8_weights)
         out, vjp = jax.vjp(experts, recv, w_in, w_out)
         dg = jnp.sum(out.astype(jnp.float32) * recv_dy.astype(jnp.float32), axis=-1).astype(piece[1].dtype)
         drecv, dw_in, dw_out = vjp((recv_gates[:, None] * recv_dy).astype(out.dtype))
@@ -345,7 +366,7 @@ def _routed_bwd(wire: Wire, saved: Any, dys: Pieces) -> tuple[Any, ...]:
 
     done = _pipelined(zip(rows, gates, plans, dys, strict=True), arrive, compute, finish)
     drows, dgates, dw_in, dw_out = zip(*done, strict=True)
-    return drows, dgates, sum(dw_in), sum(dw_out), None
+    return drows, dgates, sum(dw_in), sum(dw_out), None, None
 
 
 _routed.defvjp(_routed_fwd, _routed_bwd)
@@ -371,9 +392,15 @@ def routed(recomputed: bool) -> Any:
         return _routed
 
     def autodiff(
-        wire: Wire, rows: Pieces, gates: Pieces, w_in: jax.Array, w_out: jax.Array, plans: Any
+        wire: Wire,
+        rows: Pieces,
+        gates: Pieces,
+        w_in: jax.Array,
+        w_out: jax.Array,
+        plans: Any,
+        fp8_weights: Any,
     ) -> Pieces:
-        return _routed_fwd(wire, rows, gates, w_in, w_out, plans, rounds=False)[0]
+        return _routed_fwd(wire, rows, gates, w_in, w_out, plans, fp8_weights, rounds=False)[0]
 
     return autodiff
 
@@ -421,14 +448,19 @@ def update_router_bias(params: Any, load: jax.Array, rate: jax.Array | float) ->
 
 class _Stack(nn.Module):
     """The experts' matrices of one kind stacked [E, ...], as one float32 param named `kernel`:
-    decayed and given to Muon like a dense layer's (run/optim.py reads param names)."""
+    decayed and given to Muon like a dense layer's (run/optim.py reads param names). -> (the
+    kernel, and its e4m3 values and each expert's scale where fsdp gathered it as FP8
+    (fp8.QUANTIZED, fp8.SCALE: parallel/fsdp.py, for `pallas_fp8`), else None)."""
 
     shape: tuple[int, ...]
     std: float
 
     @nn.compact
-    def __call__(self) -> jax.Array:
-        return self.param("kernel", nn.initializers.normal(self.std), self.shape, jnp.float32)
+    def __call__(self) -> tuple[jax.Array, Any]:
+        kernel = self.param("kernel", nn.initializers.normal(self.std), self.shape, jnp.float32)
+        if not self.has_variable("params", fp8.QUANTIZED):
+            return kernel, None
+        return kernel, (self.get_variable("params", fp8.QUANTIZED), self.get_variable("params", fp8.SCALE))
 
 
 def _copies(tokens: jax.Array, weights: jax.Array, experts: jax.Array, dtype: Any) -> tuple[jax.Array, ...]:
@@ -460,9 +492,9 @@ class MoeMlp(nn.Module):
         if moe.router == "sigmoid":
             bias = self.param("router_bias", nn.initializers.zeros, (moe.n_experts,), jnp.float32)
         weights, experts, probs = route(moe, logits, bias)  # [N, k], [N, k], [N, E]
-        w_in, w_out = self._stacks(d)
+        w_in, w_out, fp8_weights = self._stacks(d)
         flat = experts.reshape(-1)  # [N * k]: token i's copies at i*k .. i*k + k-1
-        y, dropped = self._experts(tokens, weights, experts, w_in, w_out)
+        y, dropped = self._experts(tokens, weights, experts, w_in, w_out, fp8_weights)
         y = y.astype(self.dtype).reshape(b, t, d)
         if moe.n_shared_experts:
             shared = mlp(
@@ -479,21 +511,30 @@ class MoeMlp(nn.Module):
         self.sow("moe", "dropped", dropped)
         return constrain(y, "batch", "length", "embed")
 
-    def _stacks(self, d: int) -> tuple[jax.Array, jax.Array]:
+    def _stacks(self, d: int) -> tuple[jax.Array, jax.Array, Any]:
         """The routed experts' weights in the compute dtype, w_in [E, d, (2,) ff] and w_out [E, ff, d]:
-        declared as this device's share (E / expert_split), as each device sees only its experts."""
+        declared as this device's share (E / expert_split), as each device sees only its experts;
+        and both as fsdp gathered them in FP8 (`_Stack`), or None."""
         cfg = self.cfg
         n_experts, ff = cfg.moe.n_experts // self.placement.expert_split, cfg.expert_dim
         shape_in = (n_experts, d, 2, ff) if cfg.mlp == "swiglu" else (n_experts, d, ff)
-        w_in = _Stack(shape_in, cfg.init_std, name="gate_up" if cfg.mlp == "swiglu" else "fc")()
-        w_out = _Stack((n_experts, ff, d), residual_std(cfg), name="out")()
-        return w_in.astype(self.dtype), w_out.astype(self.dtype)
+        w_in, q_in = _Stack(shape_in, cfg.init_std, name="gate_up" if cfg.mlp == "swiglu" else "fc")()
+        w_out, q_out = _Stack((n_experts, ff, d), residual_std(cfg), name="out")()
+        fp8_weights = None if q_in is None or q_out is None else (q_in, q_out)
+        return w_in.astype(self.dtype), w_out.astype(self.dtype), fp8_weights
 
     def _experts(
-        self, tokens: jax.Array, weights: jax.Array, experts: jax.Array, w_in: jax.Array, w_out: jax.Array
+        self,
+        tokens: jax.Array,
+        weights: jax.Array,
+        experts: jax.Array,
+        w_in: jax.Array,
+        w_out: jax.Array,
+        fp8_weights: Any = None,
     ) -> tuple[jax.Array, jax.Array]:
         """Tokens [N, d] through the experts `experts` [N, k] picked, weighted by `weights` -> [N, d]
-        in float32 (each token's copies summed), and the share of copies dropped (capacity)."""
+        in float32 (each token's copies summed), and the share of copies dropped (capacity);
+        `fp8_weights`: w_in's and w_out's e4m3 values and scales, as fsdp gathered them (`_stacks`)."""
         moe, k, d = self.cfg.moe, self.cfg.moe.experts_per_token, tokens.shape[1]
         # Settled where the job meets its devices (run/kernels.py); a model applied outside a job: XLA's
         impl = "ragged_dot" if moe.grouped_matmul == "auto" else moe.grouped_matmul
@@ -511,12 +552,12 @@ class MoeMlp(nn.Module):
         if self.placement.experts is None:
             plans = tuple(Groups(jnp.zeros(moe.n_experts, jnp.int32).at[e].add(1)) for e in piece_experts)
             outs, dropped = (
-                routed(recomputed)(wire, rows, gates, w_in, w_out, plans),
+                routed(recomputed)(wire, rows, gates, w_in, w_out, plans, fp8_weights),
                 jnp.zeros((), jnp.float32),
             )
         else:  # where the experts are on the step's devices (parallel/expert.py)
             outs, dropped = self.placement.experts(
-                rows, gates, piece_experts, w_in, w_out, wire, moe.capacity_factor, recomputed
+                rows, gates, piece_experts, w_in, w_out, wire, moe.capacity_factor, recomputed, fp8_weights
             )
         # Each token's copies summed (in float32, as the einsum with the weights did)
         y = jnp.concatenate(

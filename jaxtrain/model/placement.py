@@ -26,7 +26,8 @@ class Placement:
     # attend(kernel, q, k, v, segments, impl) -> kernel's output, run on each device's own rows and
     # heads, whole sequences where context splits them (parallel/context.py)
     attend: Callable[..., Any] | None = None
-    # experts(rows, gates, experts, w_in, w_out, wire) -> (each piece's outputs, share dropped):
+    # experts(rows, gates, experts, w_in, w_out, wire, capacity_factor, recomputed, fp8_weights) ->
+    # (each piece's outputs, share dropped):
     # a mixture of experts' routed rows to wherever their experts are (parallel/expert.py)
     experts: Callable[..., Any] | None = None
     expert_split: int = 1  # devices a layer's experts are split over: each declares its share

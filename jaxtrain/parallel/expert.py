@@ -136,9 +136,16 @@ class Placed(Wire):
     hidden dim split over `tensor` if the step has one (parallel/tensor.py `split_experts`)."""
 
     def experts(
-        self, rows: jax.Array, w_in: jax.Array, w_out: jax.Array, *, plan: Any, rounded: Any = None
+        self,
+        rows: jax.Array,
+        w_in: jax.Array,
+        w_out: jax.Array,
+        *,
+        plan: Any,
+        rounded: Any = None,
+        weights: Any = None,
     ) -> jax.Array:
-        return tensor.split_experts(rows, plan.sizes, w_in, w_out, self.impl, self.routed, rounded)
+        return tensor.split_experts(rows, plan.sizes, w_in, w_out, self.impl, self.routed, rounded, weights)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,22 +184,25 @@ def experts(
     wire: Wire,
     capacity_factor: float,
     recomputed: bool,
+    fp8_weights: Any = None,
     *,
     ep: int,
 ) -> tuple[Pieces, jax.Array]:
     """The Placement's `experts` hook (model/moe.py MoeMlp): each piece's routed rows through their
-    experts, exchanged over `expert` where it splits them over `ep` devices; (outputs, share dropped)."""
+    experts, exchanged over `expert` where it splits them over `ep` devices; (outputs, share dropped).
+    `fp8_weights`: the weights as the FP8 experts multiply them (model/moe.py `expert_mlps`)."""
     if ep == 1:
         plans = tuple(Groups(jnp.zeros(w_in.shape[0], jnp.int32).at[e].add(1)) for e in experts)
         placed = Placed(wire.impl, wire.routed, wire.dispatch)
-        return routed(recomputed)(placed, rows, gates, w_in, w_out, plans), jnp.zeros((), jnp.float32)
+        outs = routed(recomputed)(placed, rows, gates, w_in, w_out, plans, fp8_weights)
+        return outs, jnp.zeros((), jnp.float32)
     # Settled where the job meets its devices (run/kernels.py); auto outside a job: by the platform
     # (XLA:CPU has no ragged all-to-all)
     auto_ragged = wire.exchange == "auto" and mesh_lib.platform() not in (None, "cpu")
     ragged = wire.exchange == "ragged" or auto_ragged
     return exchange(
         rows, gates, experts, EXPERT_AXIS, ep, w_in, w_out, wire.impl, capacity_factor, ragged,
-        wire.dispatch, recomputed,
+        wire.dispatch, recomputed, fp8_weights,
     )  # fmt: skip
 
 
@@ -209,6 +219,7 @@ def exchange(
     ragged: bool,
     dispatch: str = "",
     recomputed: bool = True,
+    fp8_weights: Any = None,
 ) -> tuple[Pieces, jax.Array]:
     """Rows [n, d] sorted by global expert id `experts` [n], and their `gates` [n], in pieces ->
     (each piece's gates x its experts' outputs, computed on the devices along `axis` (ep of them)
@@ -218,11 +229,11 @@ def exchange(
     Each device sends each peer exactly the rows it admits, by `ragged_all_to_all` (ragged) or its
     padded stand-in; both land them in the same places, so the routing is the same.
     `recomputed`: the block is recomputed in the backward (remat), where model/moe.py `routed`'s own
-    backward saves a transfer; else jax's."""
+    backward saves a transfer; else jax's. `fp8_weights`: as `experts`."""
     n = rows[0].shape[0]
     bound = receive_bound(n, ep, capacity_factor)
     plans = tuple(_plan(e, axis, ep, w_in.shape[0], bound) for e in experts)
     wire = Exchange(impl, n, dispatch, bound, "ragged" if ragged else "padded", axis, min(n, bound))
     admitted = sum(plan.send_sizes.sum() for plan in plans)
-    outs = routed(recomputed)(wire, tuple(rows), tuple(gates), w_in, w_out, plans)
+    outs = routed(recomputed)(wire, tuple(rows), tuple(gates), w_in, w_out, plans, fp8_weights)
     return outs, 1.0 - admitted / (n * len(rows))

@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.model import fp8
@@ -42,6 +43,7 @@ def gather_quantized(
     reduce_dtype: Any,
     fp8_over: tuple[str, ...] = (),
     fp8_scale: jax.Array | None = None,
+    fp8_kept: int = 0,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """(the whole param from this device's shard on the manual `axes` (fsdp, and expert for a dense
     param: mesh_lib.param_spec), gathered in `dtype` (every use of a weight is in the compute dtype,
@@ -53,7 +55,9 @@ def gather_quantized(
     one-device dot's rounding of the whole weight (a non-finite shard makes the scale, or its own
     values, non-finite everywhere); by `fp8_scale` where its stack gives it
     (`Fsdp.with_scales`); its gradient as any weight's, through the whole param (FP8's rounding
-    passes it through). Where the dot takes the e4m3 array (model/fp8.py `fp8_dot_quantized`), the
+    passes it through). `fp8_kept`: the leading dims whose every index has a scale of its own (1: a
+    stack of experts [E, ...], one an expert; the scale then [E]).
+    Where the dot takes the e4m3 array (model/fp8.py `fp8_dot_quantized`), the
     dequantized whole param is never computed: it only carries the gradient."""
 
     def gather_all(x: jax.Array) -> jax.Array:
@@ -64,6 +68,7 @@ def gather_quantized(
         x = x.astype(dtype)
         if not fp8_over:
             return gather_all(x), None
+        scale = scale.reshape(*scale.shape, *(1,) * (x.ndim - scale.ndim))  # each kept index's own
         quantized = gather_all(fp8.to_fp8(x, scale, fp8.FORWARD))
         return fp8.dequantize(quantized, scale, x.dtype), quantized
 
@@ -76,7 +81,9 @@ def gather_quantized(
 
     gather.defvjp(forward, backward)
     if fp8_over and fp8_scale is None:
-        fp8_scale = whole_scale(jnp.max(jnp.abs(p.astype(dtype))), fp8_over)
+        fp8_scale = whole_scale(
+            jnp.max(jnp.abs(p.astype(dtype)), axis=tuple(range(fp8_kept, p.ndim))), fp8_over
+        )
     scale = jnp.float32(1) if fp8_scale is None else fp8_scale
     whole, quantized = gather(p, scale)
     return whole, jax.lax.stop_gradient(quantized), (jax.lax.stop_gradient(scale) if fp8_over else None)
@@ -148,22 +155,46 @@ class Fsdp:
 
         return jax.tree_util.tree_map_with_path(one, params)
 
-    def gather_for(self, matmul: str) -> Any:
-        """The layers' gather for model.matmul `matmul`: with fp8, the projections' weights as FP8.
-        Bound methods (not a new partial each time): two placements of one layout compare equal."""
-        return self.gather_fp8 if matmul == "fp8" else self.gather
+    def gather_for(self, matmul: str, fp8_experts: bool = False) -> Any:
+        """The layers' gather for model.matmul `matmul`: with fp8, the projections' weights as FP8,
+        and the routed experts' with `fp8_experts` (model.moe.grouped_matmul pallas_fp8). Bound
+        methods (not a new partial each time): two placements of one layout compare equal."""
+        if matmul != "fp8":
+            return self.gather
+        return self.gather_fp8_experts if fp8_experts else self.gather_fp8
 
     def gather_fp8(self, variables: Any, where: tuple[str, ...] = ()) -> Any:
         """`gather` with the projections' weights gathered as FP8 (model.matmul fp8)."""
         return self.gather(variables, where, fp8_weights=True)
 
-    def gather(self, variables: Any, where: tuple[str, ...] = (), fp8_weights: bool = False) -> Any:
+    def gather_fp8_experts(self, variables: Any, where: tuple[str, ...] = ()) -> Any:
+        """`gather_fp8` with the routed experts' weights gathered as FP8 too, one scale an expert:
+        the FP8 experts' kernels multiply them as they are (model/grouped_fp8.py), and the gather
+        moves half the bytes (on Qwen3-30B-A3B's 4 x 8 plan, the experts' weights are most of what
+        each layer gathers across the hosts)."""
+        return self.gather(variables, where, fp8_weights=True, fp8_experts=True)
+
+    def _fp8_rounded(self, names: tuple[str, ...], fp8_weights: bool, fp8_experts: bool) -> int | None:
+        """How a gathered param is rounded to FP8: None (it is not), 0 (one scale: a projection under
+        model.matmul fp8), 1 (one scale an expert: the routed experts' stacks under pallas_fp8)."""
+        if fp8_weights and fp8.projection(names):
+            return 0
+        return 1 if fp8_experts and fp8.experts(names) else None
+
+    def gather(
+        self,
+        variables: Any,
+        where: tuple[str, ...] = (),
+        fp8_weights: bool = False,
+        fp8_experts: bool = False,
+    ) -> Any:
         """Whole params of one layer (or embedding) from this device's fsdp shards, in the compute
         dtype; each gather's gradient is a reduce-scatter (`gather_quantized`). `fp8_weights`
         (model.matmul fp8): the projections' weights gathered as FP8 (`gather_quantized`), by the
         scales their stack put beside them (`with_scales`) where it did; the gathered e4m3 array and
         its scale put beside the kernel (fp8.QUANTIZED, fp8.SCALE), which the layer's dot multiplies
-        as they are (model/layers.py `Fp8Dot`)."""
+        as they are (model/layers.py `Fp8Dot`); with `fp8_experts` the routed experts' weights too,
+        one scale an expert (model/moe.py `_Stack`)."""
         flat = jax.tree_util.tree_flatten_with_path(variables)[0]
         scales = {path_names(path)[1:-1]: s for path, s in flat if path_names(path)[-1] == SCALE}
         given: list[tuple[tuple, dict[str, jax.Array]]] = []
@@ -176,10 +207,12 @@ class Fsdp:
             dim, axes = self._gathered(names, p.ndim)
             if dim is None or axes is None:
                 return p
-            over = self._fp8_over(axes, logical, p.shape) if fp8_weights and fp8.projection(names) else ()
+            kept = self._fp8_rounded(names, fp8_weights, fp8_experts)
+            over = self._fp8_over(axes, logical, p.shape) if kept is not None else ()
             gather = functools.partial(
                 gather_quantized, axes=axes, dim=dim, dtype=self.dtype, reduce_dtype=self.reduce_dtype,
                 fp8_over=over, fp8_scale=scales.get(path_names(path)[1:-1]) if over else None,
+                fp8_kept=kept or 0,
             )  # fmt: skip
             # Manual over tensor too for the gather: left automatic, XLA first gathered the weight
             # whole over tensor, then over fsdp (the whole float32 weight on every device).
@@ -190,48 +223,66 @@ class Fsdp:
 
         return beside(jax.tree_util.tree_map_with_path(one, variables), given)
 
-    def stack_in_for(self, matmul: str, moe: bool) -> Any:
+    def stack_in_for(self, matmul: str, moe: bool, fp8_experts: bool = False) -> Any:
         """The hook a scanned stack's params pass through before its layers run (Placement.stack_in):
-        a mixture's experts cast (`whole_experts`), model.matmul fp8's scales (`with_scales`)."""
+        a mixture's experts cast (`whole_experts`), model.matmul fp8's scales (`with_scales`; the
+        routed experts' too with `fp8_experts`, as `gather_for`)."""
         if matmul == "fp8":
-            return self.experts_and_scales if moe else self.with_scales
+            if not moe:
+                return self.with_scales
+            return self.experts_and_their_scales if fp8_experts else self.experts_and_scales
         return self.whole_experts if moe else None
 
     def experts_and_scales(self, variables: Any) -> Any:
         """`whole_experts`, then `with_scales`."""
         return self.with_scales(self.whole_experts(variables))
 
-    def with_scales(self, variables: Any) -> Any:
-        """A scanned stack's params with each gathered projection's FP8 scale, one a layer, beside
-        its kernel (`SCALE`), for `gather`: every layer's maxima in one all-reduce before the layers
-        run, not one a layer that its gather waits on (docs/fp8.md). No gradient flows through a scale."""
+    def experts_and_their_scales(self, variables: Any) -> Any:
+        """`whole_experts`, then `with_scales` with the routed experts' scales too."""
+        return self.with_scales(self.whole_experts(variables), fp8_experts=True)
+
+    def with_scales(self, variables: Any, fp8_experts: bool = False) -> Any:
+        """A scanned stack's params with each gathered projection's FP8 scale, one a layer (with
+        `fp8_experts` each routed expert's too: [layers, E]), beside its kernel (`SCALE`), for
+        `gather`: every layer's maxima in one all-reduce before the layers run, not one a layer that
+        its gather waits on (docs/fp8.md). No gradient flows through a scale."""
         flat = jax.tree_util.tree_flatten_with_path(variables)[0]
-        picked = [(i, over) for i, (path, p) in enumerate(flat) if (over := self._stack_over(path, p))]
+        picked = {i: self._stack_over(path, p, fp8_experts) for i, (path, p) in enumerate(flat)}
+        picked = {i: (over, kept) for i, (over, kept) in picked.items() if over}
         if not picked:
             return variables
-        # Each layer's max of each weight, then the max over the manual axes, every weight's at once.
-        amax = {i: jnp.max(jnp.abs(flat[i][1].astype(self.dtype)), axis=tuple(range(1, flat[i][1].ndim)))
-                for i, _ in picked}  # fmt: skip
+        # Each layer's (each expert's) max of each weight, then the max over the manual axes, every
+        # weight's at once.
+        amax = {}
+        for i, (_, kept) in picked.items():
+            p = flat[i][1]
+            amax[i] = jnp.max(jnp.abs(p.astype(self.dtype)), axis=tuple(range(1 + kept, p.ndim)))
         scales = {}
-        for over in {over for _, over in picked}:
-            group = [i for i, o in picked if o == over]
-            whole = whole_scale(jnp.stack([amax[i] for i in group]), over)
-            scales.update({i: whole[k] for k, i in enumerate(group)})
-        return beside(variables, [(flat[i][0], {SCALE: scales[i]}) for i, _ in picked])
+        for over in {over for over, _ in picked.values()}:
+            group = [i for i, (o, _) in picked.items() if o == over]
+            whole = whole_scale(jnp.concatenate([amax[i].reshape(-1) for i in group]), over)
+            ends = np.cumsum([amax[i].size for i in group])
+            for i, part in zip(group, jnp.split(whole, ends[:-1]), strict=True):
+                scales[i] = part.reshape(amax[i].shape)
+        return beside(variables, [(flat[i][0], {SCALE: scales[i]}) for i in picked])
 
-    def _stack_over(self, path: tuple, p: jax.Array) -> tuple[str, ...]:
-        """The manual axes a stacked projection's layers are split over, where `with_scales` gives
-        its scales; () for any other param. Not a weight split over tensor: its gather runs manual
-        over tensor (`tensor.over_tensor`, one array in), where a value from here cannot enter; it
-        takes its own all-reduce there."""
+    def _stack_over(
+        self, path: tuple, p: jax.Array, fp8_experts: bool = False
+    ) -> tuple[tuple[str, ...], int]:
+        """(The manual axes a stacked projection's layers are split over, where `with_scales` gives
+        its scales, or () for any other param; its leading dims past the layers' with a scale each:
+        `_fp8_rounded`). Not a weight split over tensor: its gather runs manual over tensor
+        (`tensor.over_tensor`, one array in), where a value from here cannot enter; it takes its
+        own all-reduce there."""
         names = path_names(path)[1:]  # [0]: the collection
-        if not fp8.projection(names):
-            return ()
+        kept = self._fp8_rounded(names, True, fp8_experts)
+        if kept is None:
+            return (), 0
         dim, axes = self._gathered(names, p.ndim - 1)
         if dim is None or axes is None:
-            return ()
+            return (), 0
         over = self._fp8_over(axes, logical_axes(names, p.ndim), p.shape)
-        return () if mesh_lib.TENSOR_AXIS in over else over
+        return (() if mesh_lib.TENSOR_AXIS in over else over), kept
 
     @staticmethod
     def _fp8_over(axes: Any, logical: tuple[str | None, ...], shape: tuple[int, ...]) -> tuple[str, ...]:
@@ -258,7 +309,7 @@ class Fsdp:
 
         def one(path: tuple, p: jax.Array) -> jax.Array:
             names = path_names(path)[1:]  # [0]: the collection
-            if names[-3:-1] not in (("moe", "gate_up"), ("moe", "fc"), ("moe", "out")):
+            if not fp8.experts(names):
                 return p
             dim, axes = self._gathered(names, p.ndim - 1)
             return p.astype(self.dtype) if dim is None or axes is None else p

@@ -61,9 +61,11 @@ class Layout:
         """`model` placed on the mesh: its layers gathered a layer at a time (fsdp), its attention
         kernel run per device (context), its experts exchanged (expert)."""
         moe = model.cfg.moe.n_experts > 0
+        # The experts' FP8 kernels (settled by the job: run/kernels.py) take their weights gathered as FP8
+        fp8_experts = moe and model.cfg.moe.grouped_matmul == "pallas_fp8"
         placement = Placement(
-            gather=self.fsdp.gather_for(model.cfg.matmul) if self.gathers else None,
-            stack_in=self.fsdp.stack_in_for(model.cfg.matmul, moe),
+            gather=self.fsdp.gather_for(model.cfg.matmul, fp8_experts) if self.gathers else None,
+            stack_in=self.fsdp.stack_in_for(model.cfg.matmul, moe, fp8_experts),
             attend=context.attend,
             experts=functools.partial(expert.experts, ep=self.expert_split),
             expert_split=self.expert_split,
