@@ -24,6 +24,7 @@ from jaxtrain.config import ConfigError, load_config
 from jaxtrain.model import fp8
 from jaxtrain.model.grouped_fp8 import ragged_matmul_fp8
 from jaxtrain.model.grouped_kernels import ragged_matmul
+from jaxtrain.model.moe import Groups, Wire, routed
 from jaxtrain.parallel.tensor import split_experts
 from jaxtrain.run import kernels, preflight, verdicts
 from jaxtrain.run.job import Job
@@ -149,24 +150,28 @@ def _fp8_problem():
 
 def test_fp8_kernels_forward_and_both_gradients_are_the_same_roundings_multiplied_in_float32():
     """model/grouped_fp8.py's three kernels (forward, dX, dW), run in the interpreter, against
-    `_same_roundings`, and the same bits from the rows and weights given already rounded: what is
+    `_same_roundings`, and the same bits from the operands given already rounded: what is
     left is the kernels' float32 accumulation and bfloat16 output (2^-9 a value; measured 1.7e-3
     of the norm). NaN past the routed rows reaches no routed row nor the
     weights' gradient; the empty expert's gradient is zero. Against the unrounded operands the
     same outputs differ by FP8's rounding (measured 4e-2 to 9e-2), over ten times more: the
     kernels did round, and by the right scales."""
     rows, w, grad = _fp8_problem()
-    # The rows already rounded, as the exchange delivers them (model/moe.py `Wire.rows_out`), and
-    # the weights, as fsdp gathers them (one scale an expert): the kernels multiply those, never
-    # `rows` and `w` (zeros here), and give the same bits
-    rounded = fp8.quantize(jnp.where((jnp.arange(M) < ROUTED)[:, None], rows, 0), fp8.FORWARD)
+    # The rows and the output's gradient already rounded, as the exchange delivers them (model/moe.py
+    # `Wire.rows_out`), and the weights, as fsdp gathers them (one scale an expert): the kernels
+    # multiply those, never `rows`, `w` and the cotangent (zeros here), and give the same bits
+    routed = (jnp.arange(M) < ROUTED)[:, None]
+    rounded = fp8.quantize(jnp.where(routed, rows, 0), fp8.FORWARD)
+    g_rounded = fp8.quantize(jnp.where(routed, grad, 0), fp8.GRADIENT)
     w_rounded = jax.vmap(lambda we: fp8.quantize(we, fp8.FORWARD))(w)
     with transposed_operands():
         out, vjp = jax.vjp(lambda r, w: ragged_matmul_fp8(r, w, SIZES, M, True), rows, w)
         got = (out[:ROUTED], *vjp(grad))
-        given = functools.partial(ragged_matmul_fp8, rounded=rounded, w_rounded=w_rounded)
+        given = functools.partial(
+            ragged_matmul_fp8, rounded=rounded, w_rounded=w_rounded, g_rounded=g_rounded
+        )
         out, vjp = jax.vjp(lambda r, w: given(r, w, SIZES, M, True), 0 * rows, 0 * w)
-        given = (out[:ROUTED], *vjp(grad))
+        given = (out[:ROUTED], *vjp(0 * grad))
     for ours, theirs in zip(got, given, strict=True):
         np.testing.assert_array_equal(
             np.asarray(ours[:ROUTED], np.float32), np.asarray(theirs[:ROUTED], np.float32)
@@ -240,3 +245,45 @@ def test_a_failing_pallas_fp8_falls_back_to_the_bf16_tiles_even_when_named():
     named = Job.of_devices(load_config([*moe, "--model.moe.grouped_matmul", "pallas"]), jax.devices()[:1])
     with pytest.raises(ConfigError, match="the pallas grouped matmul failed"):
         verdicts._decide(named, kernels.settle(named.cfg.model, "gpu", "bfloat16", "9.0"), failed, [])
+
+
+def test_the_routed_blocks_own_fp8_backward_is_autodiffs_of_the_same_kernels():
+    """model/moe.py `_routed` (remat's own backward) under pallas_fp8, run in the interpreter: the
+    copies travel in e4m3, rounded where they are sent, and each copy's gradient times its gate is
+    rounded to e5m2 where it lands, both by scales from every sender's copies. One piece on one
+    device, where those scales are the kernels' own: the output and the gradients of the rows and
+    both expert matrices are jax's autodiff of the same kernels (`routed(False)`: the kernels round
+    by their own maxima), bitwise; the gates' within bf16's rounding of autodiff's sum."""
+    # d 256: a kernel of one 128 x 128 tile crashes XLA:CPU's compile of the interpreter (a remainder
+    # by zero folded in LLVM, jax 0.10.2), which no GPU program has
+    n, d, ff = 256, 256, 128
+    keys = jax.random.split(jax.random.key(7), 5)
+    rows = jax.random.normal(keys[0], (n, d), jnp.float32).astype(jnp.bfloat16)
+    gates = jax.random.uniform(keys[1], (n,), jnp.float32, 0.05, 1.0).astype(jnp.bfloat16)
+    w_in = (0.1 * jax.random.normal(keys[2], (2, d, 2, ff), jnp.float32)).astype(jnp.bfloat16)
+    w_out = (0.1 * jax.random.normal(keys[3], (2, ff, d), jnp.float32)).astype(jnp.bfloat16)
+    ct = jax.random.normal(keys[4], (n, d), jnp.float32)
+    plans = (Groups(jnp.array([100, 156], jnp.int32)),)
+    wire = Wire("pallas_fp8", n, interpret=True)
+
+    def loss(recomputed, r, g, a, b):
+        (y,) = routed(recomputed)(wire, (r,), (g,), a, b, plans, None)
+        return jnp.sum(y.astype(jnp.float32) * ct), y
+
+    with transposed_operands():
+        got = [
+            jax.value_and_grad(functools.partial(loss, remat), (0, 1, 2, 3), has_aux=True)(
+                rows, gates, w_in, w_out
+            )
+            for remat in (True, False)
+        ]
+    (_, ours), our_grads = got[0]
+    (_, theirs), their_grads = got[1]
+    np.testing.assert_array_equal(np.asarray(ours, np.float32), np.asarray(theirs, np.float32))
+    for name, a, b in zip(("rows", "gates", "w_in", "w_out"), our_grads, their_grads, strict=True):
+        assert np.isfinite(np.asarray(a, np.float32)).all() and np.asarray(a, np.float32).any(), name
+        if name != "gates":
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+    # The gates' gradient <out, dy>: summed in float32 by `_routed`'s backward, from bf16 products by
+    # autodiff's (measured 8e-3 of the norm), as before FP8
+    assert _relative(our_grads[1], their_grads[1]) < 2e-2

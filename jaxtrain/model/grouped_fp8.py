@@ -68,6 +68,7 @@ def ragged_matmul_fp8(
     interpret: bool = False,
     rounded: tuple[jax.Array, jax.Array] | None = None,
     w_rounded: tuple[jax.Array, jax.Array] | None = None,
+    g_rounded: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """`grouped_kernels.ragged_matmul` (its arguments, its rows past sum(sizes)) in FP8 (module
     docstring): rows [m, k] sorted by expert x w [E, k, n] -> [m, n] bfloat16. `rounded`: the rows
@@ -75,22 +76,25 @@ def ragged_matmul_fp8(
     (model/moe.py `Wire.rows_out`): multiplied as they are, no pass over the rows, which the
     forward then never reads (XLA drops what made them). The rows' gradient still goes to `rows`.
     `w_rounded`: the same for the weights, e4m3 [E, k, n] and each expert's scale [E] (fsdp's FP8
-    gather: parallel/fsdp.py); w's gradient still goes to `w`."""
-    return _forward(rows, w, sizes, routed, interpret, rounded, w_rounded)[0]
+    gather: parallel/fsdp.py); w's gradient still goes to `w`. `g_rounded`: the gradient the
+    output will get, already in e5m2 with its scale (model/moe.py `_routed_bwd`: by a scale
+    shared over the devices it comes from): the backward multiplies it, not its cotangent (the
+    same values: their product)."""
+    return _forward(rows, w, sizes, routed, interpret, rounded, w_rounded, g_rounded)[0]
 
 
-def _forward(rows, w, sizes, routed, interpret, rounded=None, w_rounded=None):  # type: ignore[no-untyped-def]
+def _forward(rows, w, sizes, routed, interpret, rounded=None, w_rounded=None, g_rounded=None):  # type: ignore[no-untyped-def]
     xq, sx = _rows(rows, sizes, fp8.FORWARD) if rounded is None else rounded
     wq, sw = _experts(w, fp8.FORWARD) if w_rounded is None else w_rounded
     with _scoped(2.0 * routed * w.shape[1] * w.shape[2]):
         out = ragged_dot(xq, jnp.swapaxes(wq, 1, 2), sizes, True, interpret, sx * sw)
     # The FP8 operands are what the backward needs: half the bytes of rows and w.
-    return out, (xq, sx, wq, sw, sizes)
+    return out, (xq, sx, wq, sw, sizes, g_rounded)
 
 
 def _backward(routed, interpret, saved, grad):  # type: ignore[no-untyped-def]
-    xq, sx, wq, sw, sizes = saved
-    gq, sg = _rows(grad, sizes, fp8.GRADIENT)
+    xq, sx, wq, sw, sizes, g_rounded = saved
+    gq, sg = _rows(grad, sizes, fp8.GRADIENT) if g_rounded is None else g_rounded
     flops = 2.0 * routed * wq.shape[1] * wq.shape[2]
     with _scoped(flops):  # w [E, k, n] is [E, N, K] for dX = g w^T: K-major as stored
         d_rows = ragged_dot(gq, _again(wq), sizes, True, interpret, sg * sw)
@@ -98,7 +102,7 @@ def _backward(routed, interpret, saved, grad):  # type: ignore[no-untyped-def]
         d_w = transposed_ragged_dot_fp8(
             _again(xq).T, gq.T, sizes, jnp.broadcast_to(sx * sg, sizes.shape), interpret
         )
-    return d_rows, d_w, None, None, None  # none through the rounded operands: to `rows` and `w`
+    return d_rows, d_w, None, None, None, None  # none through the rounded operands: to `rows` and `w`
 
 
 ragged_matmul_fp8.defvjp(_forward, _backward)

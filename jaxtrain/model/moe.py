@@ -65,6 +65,8 @@ def expert_mlps(
     routed: int | None = None,
     rounded: Any = None,
     weights: Any = None,
+    grad_rounded: Any = None,
+    interpret: bool = False,
 ) -> jax.Array:
     """Rows [m, d] sorted by expert, `sizes[e]` of them for expert e -> each through its expert's MLP.
 
@@ -75,7 +77,9 @@ def expert_mlps(
     under an even load (default m), the FLOPs the planner counts for the Pallas kernels, which
     compute only the routed rows whatever the buffer. Under `pallas_fp8`, what its kernels multiply
     as it is: `rounded`, the rows in e4m3 and their scale, as they travelled (`Wire.rows_out`);
-    `weights`, w_in's and w_out's e4m3 values and scales (one an expert), as fsdp gathered them.
+    `weights`, w_in's and w_out's e4m3 values and scales (one an expert), as fsdp gathered them;
+    `grad_rounded`, the output's gradient in e5m2 and its scale (`_routed_bwd`).
+    `interpret`: the Pallas kernels in their GPU interpreter (tests on CPU).
     """
     e, d = w_in.shape[:2]
     w_in, swiglu = w_in.reshape(e, d, -1), w_in.ndim == 4
@@ -90,13 +94,13 @@ def expert_mlps(
             q_in, q_out = (None, None) if weights is None else weights
             q_in = None if q_in is None else (q_in[0].reshape(e, d, -1), q_in[1])
             first = functools.partial(ragged_matmul_fp8, rounded=rounded, w_rounded=q_in)
-            second = functools.partial(ragged_matmul_fp8, w_rounded=q_out)
+            second = functools.partial(ragged_matmul_fp8, w_rounded=q_out, g_rounded=grad_rounded)
         else:
             from jaxtrain.model.grouped_kernels import ragged_matmul
 
             first = second = ragged_matmul
-        h = _activation(first(rows, w_in, sizes, routed), swiglu)
-        return second(h, w_out, sizes, routed)
+        h = _activation(first(rows, w_in, sizes, routed, interpret), swiglu)
+        return second(h, w_out, sizes, routed, interpret)
     if impl == "ragged_dot":
         h = _activation(jax.lax.ragged_dot(rows, w_in, sizes), swiglu)
         return jax.lax.ragged_dot(h, w_out, sizes)
@@ -196,6 +200,8 @@ class Wire:
     dispatch: str = ""
     bound: int = 0
     exchange: str = "auto"  # moe.exchange: ragged | padded (auto: by the platform, parallel/expert.py)
+    # The Pallas kernels in their GPU interpreter (tests on CPU: model/grouped_kernels.py)
+    interpret: bool = dataclasses.field(default=False, kw_only=True)
 
     def _out(self, x: jax.Array, plan: Any, buffer: jax.Array | None) -> jax.Array:
         return x
@@ -214,15 +220,16 @@ class Wire:
         """A max over the devices whose rows may land here (none: the rows stay)."""
         return amax
 
-    def rows_scale(self, rows: Pieces) -> jax.Array | None:
-        """The scale the layer's copies (every piece's) go to FP8 experts by, rounded before they
-        travel (`rows_out`): `pallas_fp8`'s e4m3 rows, one power-of-two scale over every device
-        that may send rows to the same experts (the kernel multiplies a buffer by one scale), from
-        the max of all their copies (dropped ones too). None: the copies go as they are."""
+    def rows_scale(self, rows: Pieces, dtype: Any = fp8.FORWARD) -> jax.Array | None:
+        """The scale the layer's copies (every piece's) go to FP8 experts by, rounded to `dtype`
+        before they travel (`rows_out`): `pallas_fp8`'s e4m3 rows (and, where they land, the e5m2
+        gradients of `_routed_bwd`), one power-of-two scale over every device that may send rows
+        to the same experts (the kernel multiplies a buffer by one scale), from the max of all
+        their copies (dropped ones too). None: the copies go as they are."""
         if self.impl != "pallas_fp8":
             return None
         amax = jnp.max(jnp.stack([jnp.max(jnp.abs(r)) for r in rows]))
-        return fp8.scale_for(self._shared(amax), fp8.FORWARD)
+        return fp8.scale_for(self._shared(amax), dtype)
 
     def rows_out(
         self, rows: jax.Array, plan: Any, buffer: jax.Array | None, scale: jax.Array | None
@@ -252,8 +259,20 @@ class Wire:
         plan: Any,
         rounded: Any = None,
         weights: Any = None,
+        grad_rounded: Any = None,
     ) -> jax.Array:
-        return expert_mlps(rows, plan.sizes, w_in, w_out, self.impl, self.routed, rounded, weights)
+        return expert_mlps(
+            rows,
+            plan.sizes,
+            w_in,
+            w_out,
+            self.impl,
+            self.routed,
+            rounded,
+            weights,
+            grad_rounded,
+            self.interpret,
+        )
 
 
 Pieces = tuple[jax.Array, ...]
@@ -342,6 +361,13 @@ def _routed_bwd(wire: Wire, saved: Any, dys: Pieces) -> tuple[Any, ...]:
     rows, gates, w_in, w_out, plans, fp8_weights = saved
     spare: list[jax.Array] = []  # dead receive buffers, as in the forward (`_routed_fwd`)
     scale = wire.rows_scale(rows)  # the forward's (the same rows)
+    # Under FP8 rows, each copy's gradient times its gate (what the experts' backward multiplies in
+    # e5m2) is rounded where it lands by one scale from every sender's copies, as the rows: one
+    # pass where it lands (a max there wrote it whole in bf16 first). The gates' gradient is
+    # <out, dy> as it came, unrounded (the router stays in high precision).
+    cot_scale = wire.rows_scale(
+        tuple((g[:, None] * dy).astype(dy.dtype) for g, dy in zip(gates, dys, strict=True)), fp8.GRADIENT
+    )
 
     def arrive(piece: Any) -> Any:
         r, g, plan, dy = piece
@@ -351,10 +377,14 @@ def _routed_bwd(wire: Wire, saved: Any, dys: Pieces) -> tuple[Any, ...]:
 
     def compute(piece: Any, got: Any) -> tuple[Any, ...]:
         recv, rounded, recv_dy, recv_gates, plan = got
-        experts = functools.partial(wire.experts, plan=plan, rounded=rounded, weights=fp8_weights)
+        cot = (recv_gates[:, None] * recv_dy).astype(recv_dy.dtype)
+        cot_rounded = None if cot_scale is None else (fp8.to_fp8(cot, cot_scale, fp8.GRADIENT), cot_scale)
+        experts = functools.partial(
+            wire.experts, plan=plan, rounded=rounded, weights=fp8_weights, grad_rounded=cot_rounded
+        )
         out, vjp = jax.vjp(experts, recv, w_in, w_out)
         dg = jnp.sum(out.astype(jnp.float32) * recv_dy.astype(jnp.float32), axis=-1).astype(piece[1].dtype)
-        drecv, dw_in, dw_out = vjp((recv_gates[:, None] * recv_dy).astype(out.dtype))
+        drecv, dw_in, dw_out = vjp(cot)
         return drecv, dw_in, dw_out, dg, (_landed(recv, rounded), recv_dy)
 
     def finish(piece: Any, grads: tuple[Any, ...]) -> tuple[jax.Array, ...]:

@@ -144,8 +144,11 @@ class Placed(Wire):
         plan: Any,
         rounded: Any = None,
         weights: Any = None,
+        grad_rounded: Any = None,
     ) -> jax.Array:
-        return tensor.split_experts(rows, plan.sizes, w_in, w_out, self.impl, self.routed, rounded, weights)
+        return tensor.split_experts(
+            rows, plan.sizes, w_in, w_out, self.impl, self.routed, rounded, weights, grad_rounded
+        )
 
 
 @dataclasses.dataclass(frozen=True)
