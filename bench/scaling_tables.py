@@ -51,8 +51,8 @@ DENSE = [
 # The mixtures of experts, each with the words of its model column.
 MOE = {
     "qwen3_30b_a3b_h100_4x8": "Qwen3-30B-A3B, as shipped (experts inside each host, grouped matmul `pallas`)",
-    "qwen3_30b_a3b_h100_4x8_fp8": "the same, model.matmul fp8 (attention, head FP8; experts bf16)",
-    "qwen3_30b_a3b_h100_4x8_fp8_experts": "the same, the experts' kernels FP8 too (`pallas_fp8`)",
+    "qwen3_30b_a3b_h100_4x8_fp8": "the same, model.matmul fp8, experts bf16 (`pallas` named)",
+    "qwen3_30b_a3b_h100_4x8_fp8_experts": "the same, experts FP8 too (`pallas_fp8`: auto's pick)",
     "qwen3_30b_a3b_h100_4x8_data4_zero1": "data across the hosts, ZeRO-1 (shipped before)",
     "qwen3_30b_a3b_h100_4x8_expert8_fsdp4": "experts spread over the 4 hosts (shipped before that)",
     "qwen3_30b_a3b_h100x8": "one host",

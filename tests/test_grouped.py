@@ -9,6 +9,7 @@ teaches the interpreter: their forward, dX and dW run here.
 """
 
 import contextlib
+import dataclasses
 import functools
 import socket
 
@@ -202,13 +203,16 @@ def test_the_preflights_fp8_reference_is_the_kernels_roundings():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
 
 
-def test_pallas_fp8_is_asked_for_by_name_and_falls_back_to_the_bf16_tiles():
-    """`pallas_fp8` runs only when named, beside model.matmul fp8 (auto keeps the bf16 tiles, which
-    plan faster today: docs/fp8.md); named without FP8 projections, or off Hopper, it is one line.
-    Its preflight check is the FP8 kernels' (kind grouped_matmul), and a failing one falls back to
-    the same kernels on bf16 tiles."""
-    qwen3 = load_config(["--config", "configs/qwen3_30b_a3b.yaml", "--model.matmul", "fp8"]).model
+def test_pallas_fp8_is_autos_pick_beside_fp8_projections_and_falls_back_to_the_bf16_tiles():
+    """`pallas_fp8` is what auto runs on Hopper beside model.matmul fp8 (it plans faster than the
+    bf16 tiles there: docs/fp8.md), the bf16 tiles without FP8 projections; named without FP8
+    projections, or off Hopper, it is one line. Its preflight check is the FP8 kernels' (kind
+    grouped_matmul), and a failing one falls back to the same kernels on bf16 tiles."""
+    qwen3 = load_config(["--config", "configs/qwen3_30b_a3b.yaml"]).model
     assert kernels.settle(qwen3, "gpu", "bfloat16", "9.0").moe.grouped_matmul == "pallas"
+    fp8_auto = dataclasses.replace(qwen3, matmul="fp8")
+    assert kernels.settle(fp8_auto, "gpu", "bfloat16", "9.0").moe.grouped_matmul == "pallas_fp8"
+    assert kernels.settle(fp8_auto, "gpu", "bfloat16", "8.0").moe.grouped_matmul == "ragged_dot"
     cfg = load_config(["--config", "configs/qwen3_30b_a3b.yaml", "--model.matmul", "fp8", *FP8_EXPERTS])
     settled = kernels.settle(cfg.model, "gpu", "bfloat16", "9.0")
     assert settled.moe.grouped_matmul == "pallas_fp8"

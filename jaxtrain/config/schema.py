@@ -54,8 +54,8 @@ class MoeConfig:
     # 0 = every peer's (dropless, mesh.expert x its own); c > 0: c x its own, the rest dropped
     capacity_factor: float = 0.0
     # auto | ragged_dot | blocks | pallas | pallas_fp8: the experts' grouped matmul (auto: blocks on
-    # CPUs, the Pallas kernels on Hopper GPUs, ragged_dot elsewhere; pallas_fp8: the Pallas kernels on
-    # FP8 tiles beside model.matmul fp8, by name only: it plans slower today, docs/fp8.md)
+    # CPUs, the Pallas kernels on Hopper GPUs, on FP8 tiles (pallas_fp8) beside model.matmul fp8,
+    # ragged_dot elsewhere; docs/moe.md, docs/fp8.md)
     grouped_matmul: str = "auto"
     # Under mesh.expert, how the copies reach their experts' devices: ragged (XLA's ragged all-to-all,
     # each peer exactly its rows: GPUs), padded (an all-to-all of each peer's rows padded to the
@@ -128,7 +128,7 @@ class ModelConfig:
     # The projections' matmuls (attention in and out, MLA's, the MLP, the shared experts): compute =
     # in the compute dtype; fp8 = e4m3 operands, e5m2 gradients, each tensor scaled by its current
     # max (needs dtype bfloat16; master weights, gradients and the optimizer stay float32; the router
-    # stays in the compute dtype, the routed experts too unless moe.grouped_matmul pallas_fp8: docs/fp8.md)
+    # stays in the compute dtype; the routed experts FP8 on Hopper (moe.grouped_matmul): docs/fp8.md)
     matmul: str = "compute"
     head_matmul: str = "compute"  # the output head's logits matmul: compute | fp8 (as model.matmul)
 

@@ -65,9 +65,10 @@ def grouped_matmul(
     the Pallas kernels on Hopper where their tiles take the widths (each expert's hidden dim split
     over `tensor`) and the compute `dtype`, XLA's `ragged_dot` on other GPUs. An explicit pallas they
     cannot run is refused. `pallas_fp8` (the same kernels on FP8 tiles, model/grouped_fp8.py) is
-    asked for by name, with model.matmul fp8: auto never picks it, as it plans slower than the
-    bf16 tiles today (Qwen3-30B-A3B 4 x 8: its roundings pass over the whole dropless exchange
-    buffer, docs/fp8.md)."""
+    auto's pick on Hopper beside model.matmul fp8 (Qwen3-30B-A3B on 4 x 8 plans 1.19x the bf16
+    tiles there, docs/fp8.md), and only there: named without FP8 projections it is refused.
+    Never run on a GPU when it shipped: the job-start preflight checks it, and a failing one falls
+    back to the bf16 tiles (`fallen_back`)."""
     why = grouped.refusal(platform, capability, cfg.d_model, cfg.expert_dim // tensor)
     if not why and jnp.dtype(dtype).itemsize > 2:
         # The tiles fill 160 KB of H100's 227 KB of shared memory at two bytes a value (grouped.py):
@@ -88,7 +89,9 @@ def grouped_matmul(
         return named
     if platform == "cpu":
         return "blocks"
-    return "pallas" if capability == grouped.HOPPER and not why else "ragged_dot"
+    if capability != grouped.HOPPER or why:
+        return "ragged_dot"
+    return "pallas_fp8" if cfg.matmul == "fp8" else "pallas"
 
 
 def exchange(cfg: ModelConfig, platform: str) -> str:
