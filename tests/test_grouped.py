@@ -53,14 +53,24 @@ def test_pallas_forward_is_ragged_dot_over_the_routed_rows_whatever_the_rows_pas
 def test_tensor_split_experts_differentiate_through_the_kernel(impl):
     """Experts split over `tensor` (parallel/tensor.py split_experts) run the kernel inside a shard_map; its
     gradients must type as that shard_map's inputs (jax refused the program when the planner tried
-    DeepSeek-V3 with tensor 8). Traced only: the backward kernels do not run in the interpreter."""
+    DeepSeek-V3 with tensor 8); so with the FP8 operands given as they travel. Traced only."""
     auto = (jax.sharding.AxisType.Auto,)  # as the step's mesh (parallel/mesh.py)
     mesh = jax.make_mesh((2,), ("tensor",), axis_types=auto, devices=jax.devices()[:2])
     rows, sizes = jnp.zeros((256, 128), jnp.bfloat16), jnp.array([200, 56], jnp.int32)
     w_in, w_out = jnp.zeros((2, 128, 2, 256), jnp.bfloat16), jnp.zeros((2, 256, 128), jnp.bfloat16)
 
+    # pallas_fp8 as the routed block runs it: the rows and the output's gradient rounded where they
+    # were sent, the weights as fsdp gathered them (model/moe.py `_routed`), whole or split as theirs
+    scale = jnp.float32(1)
+    given = {
+        "rounded": (rows.astype(fp8.FORWARD), scale),
+        "weights": tuple((w.astype(fp8.FORWARD), jnp.ones(2, jnp.float32)) for w in (w_in, w_out)),
+        "grad_rounded": (jnp.zeros((256, 128), fp8.GRADIENT), scale),
+    }
+
     def loss(rows, w_in, w_out):
-        return split_experts(rows, sizes, w_in, w_out, impl).astype(jnp.float32).sum()
+        fp8_given = given if impl == "pallas_fp8" else {}
+        return split_experts(rows, sizes, w_in, w_out, impl, **fp8_given).astype(jnp.float32).sum()
 
     with jax.set_mesh(mesh), nn.logical_axis_rules([("mlp", "tensor")]):
         grads = jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), rows, w_in, w_out)
