@@ -25,7 +25,7 @@ from jaxtrain.config import ConfigError, load_config
 from jaxtrain.model import fp8
 from jaxtrain.model.grouped_fp8 import ragged_matmul_fp8
 from jaxtrain.model.grouped_kernels import ragged_matmul
-from jaxtrain.model.moe import Groups, Wire, routed
+from jaxtrain.model.moe import Given, Groups, Wire, routed
 from jaxtrain.parallel.tensor import split_experts
 from jaxtrain.run import kernels, preflight, verdicts
 from jaxtrain.run.job import Job
@@ -61,16 +61,17 @@ def test_tensor_split_experts_differentiate_through_the_kernel(impl):
 
     # pallas_fp8 as the routed block runs it: the rows and the output's gradient rounded where they
     # were sent, the weights as fsdp gathered them (model/moe.py `_routed`), whole or split as theirs
-    scale = jnp.float32(1)
-    given = {
-        "rounded": (rows.astype(fp8.FORWARD), scale),
-        "weights": tuple((w.astype(fp8.FORWARD), jnp.ones(2, jnp.float32)) for w in (w_in, w_out)),
-        "grad_rounded": (jnp.zeros((256, 128), fp8.GRADIENT), scale),
-    }
+    scale, scales = jnp.float32(1), jnp.ones(2, jnp.float32)
+    given = Given(
+        rows=(rows.astype(fp8.FORWARD), scale),
+        w_in=(w_in.astype(fp8.FORWARD), scales),
+        w_out=(w_out.astype(fp8.FORWARD), scales),
+        grad=(jnp.zeros((256, 128), fp8.GRADIENT), scale),
+    )
 
     def loss(rows, w_in, w_out):
-        fp8_given = given if impl == "pallas_fp8" else {}
-        return split_experts(rows, sizes, w_in, w_out, impl, **fp8_given).astype(jnp.float32).sum()
+        fp8_given = given if impl == "pallas_fp8" else None
+        return split_experts(rows, sizes, w_in, w_out, impl, given=fp8_given).astype(jnp.float32).sum()
 
     with jax.set_mesh(mesh), nn.logical_axis_rules([("mlp", "tensor")]):
         grads = jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), rows, w_in, w_out)

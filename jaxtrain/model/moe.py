@@ -56,6 +56,18 @@ def _activation(h: jax.Array, swiglu: bool) -> jax.Array:
     return nn.gelu(h)
 
 
+class Given(NamedTuple):
+    """What `pallas_fp8`'s kernels multiply as given, each (FP8 values, scale) or None (the kernel
+    rounds it itself): the rows as they travelled (`Wire.rows_out`), w_in's and w_out's as fsdp
+    gathered them (one scale an expert: parallel/fsdp.py), the output's gradient rounded where it
+    landed (`_routed_bwd`)."""
+
+    rows: Any = None
+    w_in: Any = None
+    w_out: Any = None
+    grad: Any = None
+
+
 def expert_mlps(
     rows: jax.Array,
     sizes: jax.Array,
@@ -63,9 +75,7 @@ def expert_mlps(
     w_out: jax.Array,
     impl: str,
     routed: int | None = None,
-    rounded: Any = None,
-    weights: Any = None,
-    grad_rounded: Any = None,
+    given: Given | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Rows [m, d] sorted by expert, `sizes[e]` of them for expert e -> each through its expert's MLP.
@@ -75,11 +85,9 @@ def expert_mlps(
     `pallas_fp8` (its FP8 tiles under model.matmul fp8: model/grouped_fp8.py) hold any bits (NaN
     among them: the exchange sends only routed rows back). `routed`: how many rows are routed here
     under an even load (default m), the FLOPs the planner counts for the Pallas kernels, which
-    compute only the routed rows whatever the buffer. Under `pallas_fp8`, what its kernels multiply
-    as it is: `rounded`, the rows in e4m3 and their scale, as they travelled (`Wire.rows_out`);
-    `weights`, w_in's and w_out's e4m3 values and scales (one an expert), as fsdp gathered them;
-    `grad_rounded`, the output's gradient in e5m2 and its scale (`_routed_bwd`).
-    `interpret`: the Pallas kernels in their GPU interpreter (tests on CPU).
+    compute only the routed rows whatever the buffer. `given`: under `pallas_fp8`, the operands its
+    kernels multiply as they are (`Given`). `interpret`: the Pallas kernels in their GPU
+    interpreter (tests on CPU).
     """
     e, d = w_in.shape[:2]
     w_in, swiglu = w_in.reshape(e, d, -1), w_in.ndim == 4
@@ -91,10 +99,10 @@ def expert_mlps(
         if impl == "pallas_fp8":
             from jaxtrain.model.grouped_fp8 import ragged_matmul_fp8
 
-            q_in, q_out = (None, None) if weights is None else weights
-            q_in = None if q_in is None else (q_in[0].reshape(e, d, -1), q_in[1])
-            first = functools.partial(ragged_matmul_fp8, rounded=rounded, w_rounded=q_in)
-            second = functools.partial(ragged_matmul_fp8, w_rounded=q_out, g_rounded=grad_rounded)
+            given = given or Given()
+            q_in = None if given.w_in is None else (given.w_in[0].reshape(e, d, -1), given.w_in[1])
+            first = functools.partial(ragged_matmul_fp8, rounded=given.rows, w_rounded=q_in)
+            second = functools.partial(ragged_matmul_fp8, w_rounded=given.w_out, g_rounded=given.grad)
         else:
             from jaxtrain.model.grouped_kernels import ragged_matmul
 
@@ -257,22 +265,9 @@ class Wire:
         w_out: jax.Array,
         *,
         plan: Any,
-        rounded: Any = None,
-        weights: Any = None,
-        grad_rounded: Any = None,
+        given: Given | None = None,
     ) -> jax.Array:
-        return expert_mlps(
-            rows,
-            plan.sizes,
-            w_in,
-            w_out,
-            self.impl,
-            self.routed,
-            rounded,
-            weights,
-            grad_rounded,
-            self.interpret,
-        )
+        return expert_mlps(rows, plan.sizes, w_in, w_out, self.impl, self.routed, given, self.interpret)
 
 
 Pieces = tuple[jax.Array, ...]
@@ -284,7 +279,7 @@ def _routed(
 ) -> Pieces:
     """Our routed copies, in pieces (each rows [n, d] sorted by expert, its gates [n] and `plans`)
     -> each piece's gates x its experts' outputs, computed where the experts are (`wire`);
-    `fp8_weights`: the weights as the FP8 experts multiply them (`expert_mlps` `weights`), or None.
+    `fp8_weights`: the weights as the FP8 experts multiply them (a `Given` of w_in and w_out), or None.
 
     Its backward sends the copies again with their gradient and runs the experts there: what it
     saves is the copies (ours) alone, so a step under remat recomputes no exchange (jax's own
@@ -340,7 +335,9 @@ def _routed_fwd(
 
     def compute(piece: Any, got: Any) -> tuple[jax.Array, jax.Array]:
         recv, rounded, plan = got
-        out = wire.experts(recv, w_in, w_out, plan=plan, rounded=rounded, weights=fp8_weights)
+        out = wire.experts(
+            recv, w_in, w_out, plan=plan, given=(fp8_weights or Given())._replace(rows=rounded)
+        )
         return out, _landed(recv, rounded)
 
     def finish(piece: Any, made: tuple[jax.Array, jax.Array]) -> jax.Array:
@@ -379,9 +376,8 @@ def _routed_bwd(wire: Wire, saved: Any, dys: Pieces) -> tuple[Any, ...]:
         recv, rounded, recv_dy, recv_gates, plan = got
         cot = (recv_gates[:, None] * recv_dy).astype(recv_dy.dtype)
         cot_rounded = None if cot_scale is None else (fp8.to_fp8(cot, cot_scale, fp8.GRADIENT), cot_scale)
-        experts = functools.partial(
-            wire.experts, plan=plan, rounded=rounded, weights=fp8_weights, grad_rounded=cot_rounded
-        )
+        given = (fp8_weights or Given())._replace(rows=rounded, grad=cot_rounded)
+        experts = functools.partial(wire.experts, plan=plan, given=given)
         out, vjp = jax.vjp(experts, recv, w_in, w_out)
         dg = jnp.sum(out.astype(jnp.float32) * recv_dy.astype(jnp.float32), axis=-1).astype(piece[1].dtype)
         drecv, dw_in, dw_out = vjp(cot)
@@ -541,16 +537,16 @@ class MoeMlp(nn.Module):
         self.sow("moe", "dropped", dropped)
         return constrain(y, "batch", "length", "embed")
 
-    def _stacks(self, d: int) -> tuple[jax.Array, jax.Array, Any]:
+    def _stacks(self, d: int) -> tuple[jax.Array, jax.Array, Given | None]:
         """The routed experts' weights in the compute dtype, w_in [E, d, (2,) ff] and w_out [E, ff, d]:
         declared as this device's share (E / expert_split), as each device sees only its experts;
-        and both as fsdp gathered them in FP8 (`_Stack`), or None."""
+        and both as fsdp gathered them in FP8 (`_Stack`: a `Given` of w_in and w_out), or None."""
         cfg = self.cfg
         n_experts, ff = cfg.moe.n_experts // self.placement.expert_split, cfg.expert_dim
         shape_in = (n_experts, d, 2, ff) if cfg.mlp == "swiglu" else (n_experts, d, ff)
         w_in, q_in = _Stack(shape_in, cfg.init_std, name="gate_up" if cfg.mlp == "swiglu" else "fc")()
         w_out, q_out = _Stack((n_experts, ff, d), residual_std(cfg), name="out")()
-        fp8_weights = None if q_in is None or q_out is None else (q_in, q_out)
+        fp8_weights = None if q_in is None or q_out is None else Given(w_in=q_in, w_out=q_out)
         return w_in.astype(self.dtype), w_out.astype(self.dtype), fp8_weights
 
     def _experts(

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxtrain.model.moe import Groups, Pieces, Wire, routed
+from jaxtrain.model.moe import Given, Groups, Pieces, Wire, routed
 from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.parallel import tensor
 from jaxtrain.parallel.mesh import EXPERT_AXIS
@@ -142,13 +142,9 @@ class Placed(Wire):
         w_out: jax.Array,
         *,
         plan: Any,
-        rounded: Any = None,
-        weights: Any = None,
-        grad_rounded: Any = None,
+        given: Given | None = None,
     ) -> jax.Array:
-        return tensor.split_experts(
-            rows, plan.sizes, w_in, w_out, self.impl, self.routed, rounded, weights, grad_rounded
-        )
+        return tensor.split_experts(rows, plan.sizes, w_in, w_out, self.impl, self.routed, given)
 
 
 @dataclasses.dataclass(frozen=True)

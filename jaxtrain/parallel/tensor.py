@@ -13,7 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxtrain.model.moe import expert_mlps
+from jaxtrain.model.moe import Given, expert_mlps
 from jaxtrain.parallel import mesh as mesh_lib
 
 
@@ -44,15 +44,12 @@ def split_experts(
     w_out: jax.Array,
     impl: str,
     routed: int | None = None,
-    rounded: Any = None,
-    weights: Any = None,
-    grad_rounded: Any = None,
+    given: Given | None = None,
 ) -> jax.Array:
     """expert_mlps with each expert's hidden dim split over the tensor axis, if the step has one:
     each device runs its slice of every expert (Megatron's column then row split) and one psum adds
-    them (`rounded`, FP8 rows as they travelled, and `grad_rounded`, the output's FP8 gradient:
-    whole on each; `weights`, FP8 weights as fsdp gathered them: split as w_in and w_out, each
-    expert's scale whole). Written per device because XLA's
+    them (`given`, pallas_fp8's operands as given: the rows and the output's gradient whole on each,
+    the weights split as w_in and w_out, each expert's scale whole). Written per device because XLA's
     partitioner does not split a ragged_dot. On CPU the sums
     over tensor (the psum, and the rows' gradient, summed as it comes in) move in float32: XLA:CPU
     aborted on a bfloat16 all-reduce inside a shard_map manual over part of the mesh (a C++ check,
@@ -61,32 +58,27 @@ def split_experts(
     axis = axes[0] if axes else None
     mesh = jax.sharding.get_abstract_mesh()
     if axis is None or mesh.empty or axis in mesh.manual_axes or mesh.shape[axis] == 1:
-        return expert_mlps(rows, sizes, w_in, w_out, impl, routed, rounded, weights, grad_rounded)
+        return expert_mlps(rows, sizes, w_in, w_out, impl, routed, given)
     spec_in = jax.sharding.PartitionSpec(*(None,) * (w_in.ndim - 1), axis)
     spec_out = jax.sharding.PartitionSpec(None, axis, None)
     whole = jax.sharding.PartitionSpec()
+    given = given or Given()
+    specs = Given(rows=whole, w_in=(spec_in, whole), w_out=(spec_out, whole), grad=whole)
+    given_specs = Given(*(None if value is None else spec for value, spec in zip(given, specs, strict=True)))
     dtype = rows.dtype
     sums = jnp.float32 if mesh_lib.platform() == "cpu" else dtype
 
-    def part(r: jax.Array, s: jax.Array, a: jax.Array, b: jax.Array, q: Any, qw: Any, qg: Any) -> jax.Array:
-        y = expert_mlps(r.astype(dtype), s, a, b, impl, routed, q, qw, qg)
+    def part(r: jax.Array, s: jax.Array, a: jax.Array, b: jax.Array, q: Any) -> jax.Array:
+        y = expert_mlps(r.astype(dtype), s, a, b, impl, routed, q)
         return jax.lax.psum(y.astype(sums), axis).astype(y.dtype)
 
     return jax.shard_map(
         part,
         mesh=mesh,
-        in_specs=(
-            whole,
-            whole,
-            spec_in,
-            spec_out,
-            whole,
-            None if weights is None else ((spec_in, whole), (spec_out, whole)),
-            whole,
-        ),
+        in_specs=(whole, whole, spec_in, spec_out, given_specs),
         out_specs=whole,
         axis_names={axis},
         # Unchecked, as the step's: the Pallas kernel's gradients vary over no axis, and jax's
         # check refused the weights' (varying over `tensor`) in the backward.
         check_vma=False,
-    )(rows.astype(sums), sizes, w_in, w_out, rounded, weights, grad_rounded)
+    )(rows.astype(sums), sizes, w_in, w_out, given)
