@@ -362,9 +362,10 @@ def _routed_bwd(wire: Wire, saved: Any, dys: Pieces) -> tuple[Any, ...]:
     # e5m2) is rounded where it lands by one scale from every sender's copies, as the rows: one
     # pass where it lands (a max there wrote it whole in bf16 first). The gates' gradient is
     # <out, dy> as it came, unrounded (the router stays in high precision).
-    cot_scale = wire.rows_scale(
-        tuple((g[:, None] * dy).astype(dy.dtype) for g, dy in zip(gates, dys, strict=True)), fp8.GRADIENT
-    )
+    cot_scale = None
+    if scale is not None:  # the gradient is rounded so exactly where the rows are
+        cots = tuple((g[:, None] * dy).astype(dy.dtype) for g, dy in zip(gates, dys, strict=True))
+        cot_scale = wire.rows_scale(cots, fp8.GRADIENT)
 
     def arrive(piece: Any) -> Any:
         r, g, plan, dy = piece
