@@ -402,6 +402,7 @@ def test_an_expert_axis_across_hosts_is_warned_of_once(sizes, inner, crosses):
         axis_names=mesh_lib.MESH_AXES,
     )
     assert mesh_lib.expert_inner(mesh) == (inner and sizes[2] > 1)
+    assert mesh_lib.spans_hosts(mesh, mesh_lib.FSDP_AXIS) == inner  # xla_env.compiler_options reads it
     said = mesh_lib.host_warnings(mesh)
     expected = [
         f"mesh expert {sizes[1]} spans hosts (4 devices per process): each MoE layer's token "

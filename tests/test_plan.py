@@ -263,6 +263,19 @@ def test_the_schedule_hides_only_what_runs_beside_it():
     assert clock.now >= clock.busy
 
 
+def test_a_start_xla_runs_synchronously_is_traced_as_one():
+    """`"is_sync":true` on an async start (XLA's mark for a collective it runs on the compute stream)."""
+    text = SCHEDULE_HLO.replace(
+        "%ar = f32[1048576]{0} all-reduce(%g), channel_id=2, replica_groups=[1,8]<=[8], to_apply=%add",
+        '%ars = f32[1048576]{0} all-reduce-start(%g), channel_id=2, replica_groups=[1,8]<=[8], to_apply=%add, '
+        'backend_config={"collective_backend_config":{"is_sync":true}}\n  %ar = f32[1048576]{0} all-reduce-done(%ars)',
+    )
+    layout = hlo.Placement(("data", "fsdp", "tensor"), (1, 8, 1), [0] * 8)
+    events = schedule.trace(text, layout)
+    assert [e[0] for e in events if e[0] != "op"] == ["start", "done", "sync", "done"]
+    assert schedule.trace(text.replace('"is_sync":true', '"is_sync":false'), layout)[-3][0] == "start"
+
+
 def test_flops_of_a_matmul_and_of_fused_attention():
     program = hlo.Program(SCHEDULE_HLO)
     entry = program.comps[program.entry]

@@ -92,6 +92,22 @@ def test_the_replay_says_what_the_stream_waits_on():
     )
 
 
+def test_a_synchronous_collective_runs_beside_the_async_ones_and_shares_their_links():
+    """XLA runs a synchronous collective on the compute stream, not behind the async stream's
+    transfers: it starts at once; one in flight bound by a link it uses ends its time there later."""
+    gather = ["start", "gather", ["reduce-scatter", 100, 4.0, 100.0]]  # 1 s of NVLink, 2 s of network
+    tensor = ["sync", ["all-reduce", 2, 2.0, 0.0]]  # 0.5 s on NVLink: the gather's spare link
+    scale = ["sync", ["all-reduce", 1, 0.0, 5.0]]  # 0.1 s across hosts: the gather's own bound
+    clock = schedule.replay([gather, tensor, scale, ["done", ["gather"]]], _Seconds())
+    # 0.5 s, then 0.1 s, then the gather's 2 s plus the scale's 0.1 s, from 0: 2.1 s in all.
+    assert clock.now == pytest.approx(2.1) and clock.busy == 0.0
+    assert clock.waited[("all-reduce", 2, False)] == (pytest.approx(0.5), 1)
+    assert clock.waited[("reduce-scatter", 100, True)] == (pytest.approx(1.5), 1)
+    # Queued behind the gather as an async one, the same all-reduce would wait for all of it.
+    queued = [gather, ["start", "sum", tensor[1]], ["done", ["sum"]], ["done", ["gather"]]]
+    assert schedule.replay(queued, _Seconds()).now == pytest.approx(2.5)
+
+
 def test_the_expert_load_is_the_capacity_factor():
     assert forecast.expert_load(1.25, 128) == 1.25 and forecast.expert_load(2.0, 8) == 2.0
     assert forecast.expert_load(0.0, 8) == forecast.DROPLESS_LOAD and forecast.expert_load(1.25, 0) == 1.0

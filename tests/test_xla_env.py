@@ -43,6 +43,19 @@ def test_a_mixture_in_pieces_on_gpus_starts_collectives_early_and_in_fp8_keeps_r
     assert dense_fp8 == xla_env.FP8_OPTIONS
 
 
+def test_tensor_beside_fsdp_across_hosts_runs_its_all_reduces_on_the_compute_stream():
+    """Only where tensor's all-reduces would queue behind fsdp's cross-host transfers (xla_env
+    says why); the planner compiles a job with the options its run would get (tests/test_gpu_compile.py)."""
+    seventy = load_config(["--config", "configs/llama3_70b.yaml"])  # fsdp 16 x tensor 2
+    assert compiler_options(seventy, "gpu", fsdp_across_hosts=True) == xla_env.SYNC_TENSOR_OPTIONS
+    assert compiler_options(seventy, "gpu", fsdp_across_hosts=False) is None
+    assert compiler_options(seventy, "cpu", fsdp_across_hosts=True) is None
+    fsdp_only = load_config(["--config", "configs/llama3_70b.yaml", "--mesh.tensor", "1"])
+    assert compiler_options(fsdp_only, "gpu", fsdp_across_hosts=True) is None
+    fp8 = load_config(["--config", "configs/llama3_70b.yaml", "--model.matmul", "fp8"])
+    assert compiler_options(fp8, "gpu", True) == {**xla_env.FP8_OPTIONS, **xla_env.SYNC_TENSOR_OPTIONS}
+
+
 def test_flags_this_xla_does_not_know_are_left_out_or_refused(monkeypatch, tmp_path):
     """XLA aborts at its start on a flag it does not know (jaxtrain's are jax 0.10.2's XLA's; later
     ones drop flags): ours are left out, and said; the user's own is a one-line UserError."""

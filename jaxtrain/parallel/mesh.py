@@ -148,14 +148,19 @@ def host_warnings(mesh: Mesh) -> list[str]:
             "inside a host, though a wider fsdp can still be faster (a smaller data all-reduce): "
             "scripts/plan.py --search ranks the layouts"
         )
-    expert = mesh.axis_names.index(EXPERT_AXIS)
-    if (hosts != hosts.take([0], axis=expert)).any():
+    if spans_hosts(mesh, EXPERT_AXIS):
         said.append(
             f"mesh expert {mesh.shape[EXPERT_AXIS]} spans hosts ({per_process} devices per process): each "
             "MoE layer's token all-to-alls (forward and backward) cross the network; keep expert x fsdp "
             f"x tensor <= {per_process} (experts inside a host) with data across hosts"
         )
     return said
+
+
+def spans_hosts(mesh: Mesh, axis: str) -> bool:
+    """Whether a group of `axis` has devices in more than one process (host)."""
+    hosts = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
+    return bool((hosts != hosts.take([0], axis=mesh.axis_names.index(axis))).any())
 
 
 def check_mesh(mesh: Mesh) -> None:

@@ -10,7 +10,12 @@ gives a schedule-aware LOWER BOUND on the step (still never a prediction):
                 NVLink and the network are two queues: a transfer starts when it is issued and
                 the transfers before it on the links it uses are done;
   waiting       a synchronous collective stalls the stream for all of it; an async one only at its
-                `-done`, for what is left of the transfer then: the exposed communication.
+                `-done`, for what is left of the transfer then: the exposed communication;
+  synchronous   XLA runs one (a plain collective, or a `-start` marked `"is_sync":true`) on the
+                compute stream itself, not on the async collectives' stream (its CollectiveThunk:
+                "Launch collective operation on a main stream"), so it does not queue behind the
+                async transfers in flight: it starts at once, and delays each of them whose slowest
+                leg is on a link it uses by its own time there (the two share that link).
 Loops run their body trip-count times in order (so a gather a pipelined loop starts in one trip
 and waits for in the next overlaps that trip's work); a conditional takes its slower branch. No
 run of this program on this target is faster: every op runs at the speed its FLOPs and bytes
@@ -53,6 +58,7 @@ class Clock:
     # What it waited on: a transfer's `label` -> (seconds, how many such transfers it waited on)
     waited: dict[tuple, tuple[float, int]] = field(default_factory=dict)
     labels: dict[str, tuple] = field(default_factory=dict)  # async start -> its transfer's label
+    slowest: dict[str, str] = field(default_factory=dict)  # async start -> the link its transfer is bound by
 
     def send(self, legs: dict[str, float]) -> float:
         """Queue a transfer issued now on the links it uses (seconds on each); when it ends."""
@@ -62,6 +68,18 @@ class Clock:
         for link in used:
             self.links_free[link] = end
         return end
+
+    def beside(self, legs: dict[str, float]) -> float:
+        """Run a synchronous transfer now, beside the async ones in flight (the module docstring):
+        each of those bound by a link this one uses ends its time on that link later; when it ends."""
+        for name, link in self.slowest.items():
+            end = self.in_flight.get(name, 0.0)
+            if legs.get(link, 0.0) > 0 and end > self.now:
+                self.in_flight[name] = end + legs[link]
+        for link, seconds in legs.items():
+            if seconds > 0 and self.links_free.get(link, 0.0) > self.now:
+                self.links_free[link] += seconds
+        return self.now + max(legs.values(), default=0.0)
 
     def wait(self, until: float, label: tuple | None = None) -> None:
         if until > self.now:
@@ -136,13 +154,13 @@ def trace(text: str, layout: hlo.Placement) -> list:
             elif code == "async-start" and callee:
                 inner = program.comps[callee][program.roots[callee]]
                 if inner.opcode in hlo.COLLECTIVES:
-                    events.append(["start", op.name, xfer(inner, program.comps[callee])])
+                    events.append(_started(op, xfer(inner, program.comps[callee])))
                 else:  # async compute: counted on the one stream, a bound that stays a bound
                     events += walk(callee)
             elif code == "call" and callee:
                 events += walk(callee)
             elif code.endswith("-start") and code.removesuffix("-start") in hlo.COLLECTIVES:
-                events.append(["start", op.name, xfer(op, ops)])
+                events.append(_started(op, xfer(op, ops)))
             elif code.endswith("-done"):
                 events.append(["done", op.operands])
             elif code in hlo.COLLECTIVES:
@@ -152,6 +170,12 @@ def trace(text: str, layout: hlo.Placement) -> list:
         return _merged(events)
 
     return walk(program.entry)
+
+
+def _started(op: hlo.Op, xfer: list) -> list:
+    """An async start's event: "sync" where XLA runs it synchronously (`"is_sync":true`, which its
+    `-done` then waits on at once: that done's wait finds nothing in flight)."""
+    return ["sync", xfer] if '"is_sync":true' in op.attrs else ["start", op.name, xfer]
 
 
 def _merged(events: list) -> list:
@@ -220,13 +244,16 @@ def _replay(events: list, costs: Costs, clock: Clock) -> None:
                 slowest = max(runs, key=lambda c: c.now)
                 clock.__dict__.update(slowest.__dict__)
         elif what == "start":
-            clock.in_flight[event[1]] = clock.send(costs.legs(event[2]))
+            legs = costs.legs(event[2])
+            clock.in_flight[event[1]] = clock.send(legs)
             clock.labels[event[1]] = label(event[2])
+            clock.slowest[event[1]] = max(legs, key=legs.__getitem__)
         elif what == "done":
             for name in event[1]:
+                clock.slowest.pop(name, None)
                 clock.wait(clock.in_flight.pop(name, 0.0), clock.labels.pop(name, None))
         elif what == "sync":
-            clock.wait(clock.send(costs.legs(event[1])), label(event[1]))
+            clock.wait(clock.beside(costs.legs(event[1])), label(event[1]))
         else:
             _, kind, flops, written, keys, causal, n = event
             seconds = n * costs.op(kind, flops, written, keys, causal)

@@ -116,7 +116,8 @@ class Run:
 
     @property
     def compiler_options(self) -> dict[str, str | bool] | None:
-        return xla_env.compiler_options(self.cfg, self.mesh.devices.flat[0].platform)
+        fsdp_across_hosts = mesh_lib.spans_hosts(self.mesh, mesh_lib.FSDP_AXIS)
+        return xla_env.compiler_options(self.cfg, self.mesh.devices.flat[0].platform, fsdp_across_hosts)
 
     def out_of_memory(self, error: BaseException, where: str, peak_bytes: int) -> memory_lib.OutOfMemory:
         """One line for a device out of memory at `where`, with the settings that lower the peak."""
