@@ -158,7 +158,9 @@ def unknown_flags(flags: str) -> list[str]:
     return unknown
 
 
-def compiler_options(cfg: Config, platform: str, fsdp_across_hosts: bool = False) -> dict[str, str | bool] | None:
+def compiler_options(
+    cfg: Config, platform: str, fsdp_across_hosts: bool = False
+) -> dict[str, str | bool] | None:
     """XLA options for one job's steps, on top of XLA_FLAGS (given to each compile: XLA reads
     XLA_FLAGS once a process, and a plan or test compiles several jobs in one). A mixture of
     experts exchanging its tokens in pieces (model.moe.chunks > 1) on GPUs: every collective starts

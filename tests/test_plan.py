@@ -267,7 +267,7 @@ def test_a_start_xla_runs_synchronously_is_traced_as_one():
     """`"is_sync":true` on an async start (XLA's mark for a collective it runs on the compute stream)."""
     text = SCHEDULE_HLO.replace(
         "%ar = f32[1048576]{0} all-reduce(%g), channel_id=2, replica_groups=[1,8]<=[8], to_apply=%add",
-        '%ars = f32[1048576]{0} all-reduce-start(%g), channel_id=2, replica_groups=[1,8]<=[8], to_apply=%add, '
+        "%ars = f32[1048576]{0} all-reduce-start(%g), channel_id=2, replica_groups=[1,8]<=[8], to_apply=%add, "
         'backend_config={"collective_backend_config":{"is_sync":true}}\n  %ar = f32[1048576]{0} all-reduce-done(%ars)',
     )
     layout = hlo.Placement(("data", "fsdp", "tensor"), (1, 8, 1), [0] * 8)
