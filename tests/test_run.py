@@ -4,6 +4,7 @@ The real-process tests (test_train_script.py, test_launch.py, ...) run the same 
 scripts/train.py; these run it in-process, so a failure shows its own traceback.
 """
 
+import contextlib
 import json
 import math
 import shutil
@@ -14,9 +15,10 @@ import pytest
 from jaxtrain.cluster.detect import detect
 from jaxtrain.config import DistConfig, load_config
 from jaxtrain.disk import checkpoint as ckpt_lib
+from jaxtrain.observe.goodput import Timeline
 from jaxtrain.run.build import build
 from jaxtrain.run.job import Job
-from jaxtrain.run.loop import train
+from jaxtrain.run.loop import _Saver, train
 
 TINY = ["--config", "configs/tiny.yaml", "--log_interval", "1", "--eval_interval", "2", "--eval_batches", "1"]
 SINGLE = detect(DistConfig(), {})
@@ -52,9 +54,10 @@ def test_pure_tensor_parallelism_compiles():
 
 
 @pytest.mark.slow
-def test_a_whole_run_in_process_then_its_resume(tmp_path):
+def test_a_whole_run_in_process_then_its_resume(tmp_path, capsys):
     """Four steps through the builder and the loop; with its last checkpoint gone, a relaunch
-    resumes at step 2 and trains steps 3 and 4 to the same losses, bit for bit."""
+    resumes at step 2 and trains steps 3 and 4 to the same losses, bit for bit; a third launch
+    finds it complete."""
     run_dir = tmp_path / "run"
     cfg = load_config([*TINY, "--total_steps", "4", "--checkpoint_interval", "2", "--run_dir", str(run_dir)])
 
@@ -73,6 +76,26 @@ def test_a_whole_run_in_process_then_its_resume(tmp_path):
     assert losses() == unbroken  # steps 3 and 4 again, equal to the last bit
     launches = [r for r in map(json.loads, (run_dir / "metrics.jsonl").open()) if r.get("event") == "launch"]
     assert [r["step"] for r in launches] == [0, 2]
+
+    # Relaunched once more, after its last step: complete, nothing compiled or written.
+    def files():
+        return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in run_dir.rglob("*") if p.is_file()}
+
+    before = files()
+    done = train(cfg, SINGLE)
+    assert done.final_step == 4 and done.last_loss is None and files() == before
+    assert f"{run_dir} is complete at step 4" in capsys.readouterr().out
+    # A launch that resumed from its own step 4 and ends there (a stop before its first step)
+    # saves nothing again: orbax refused the step it already holds (StepAlreadyExistsError).
+    ckpt = ckpt_lib.Checkpointer(run_dir / "checkpoints", 3)
+    saver = _Saver(None, ckpt, _NoWatchdog(), Timeline(), 4)
+    saver.save_last(4, None, None)
+    assert files() == before
+
+
+class _NoWatchdog:
+    def phase(self, what):
+        return contextlib.nullcontext()
 
 
 def test_eval_takes_the_train_steps_microbatches():

@@ -47,6 +47,18 @@ def test_whole_script_has_a_pulse(tmp_path):
     for p in [run_dir, *run_dir.rglob("*")]:
         if p.is_file() or p.is_dir():
             assert not p.stat().st_mode & stat.S_IWOTH, f"{p} is world-writable"
+    # A second launch of the same command (make train twice, a SLURM requeue): one line, exit 0,
+    # nothing written (orbax's StepAlreadyExistsError and a 40-line traceback, before).
+    files = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()}
+    again = _train(run_dir, "--use_wandb", "--wandb_mode", "offline", "--sample_tokens", "20")
+    assert again.returncode == 0 and not again.stderr, again.stderr[-3000:]
+    said = again.stdout.splitlines()
+    assert len(said) == 2 and said[0].startswith("distributed: ")  # every launch's first line
+    assert said[1:] == [
+        f"run {run_dir} is complete at step 20 (total_steps 20): nothing to train; to train longer "
+        "relaunch with --total_steps above 20, to start afresh pass another --run_dir or --overwrite"
+    ]
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()} == files
     plot = _run("scripts/plot_metrics.py", str(run_dir))
     assert plot.returncode == 0 and (run_dir / "loss.png").stat().st_size > 1000
 

@@ -79,6 +79,11 @@ def train(cfg: Config, launch: LaunchSpec, launch_time: float | None = None) -> 
     # Process 0 locks the run dir before anything is written into it, and holds it to the end.
     with lock.held(launch.process_id == 0):
         job = Job.join(cfg, launch)
+        done = start.finished_step(cfg, job)
+        if done is not None:  # relaunched after its last step: one line, nothing written
+            if job.is_main:
+                print(start.complete_line(cfg, done), flush=True)
+            return RunResult(done, None, None, cfg.resolved_run_dir)
         log_path = metrics.process_log_path(cfg.resolved_run_dir, job.process_index)
         # From here on barriers, restore and compile get the absolute limit, steps a tighter one.
         watchdog = Watchdog(cfg.watchdog_factor, cfg.watchdog_timeout, log_path)
@@ -119,7 +124,7 @@ def _train(
     reporter, peak_bytes = _reporter(run, step, train_step, compile_s, waited_s)
     batches = _Batches(run, data.train, step)
     evaluator = _Evaluator(run, data.val)
-    saver = _Saver(run, ckpt, watchdog, timeline)
+    saver = _Saver(run, ckpt, watchdog, timeline, step)
     tracker = metrics.StepTracker(cfg, reporter, watchdog, job.local_devices[0], step)
     profiler = Profiler(cfg, run_dir, job.process_index)
     faults = run.host_faults
@@ -414,9 +419,13 @@ class _Evaluator:
 class _Saver:
     """Checkpoint saves in the background, their failures and hangs named, their time on the timeline."""
 
-    def __init__(self, run: Run, ckpt: ckpt_lib.Checkpointer, watchdog: Watchdog, timeline: Timeline) -> None:
+    def __init__(
+        self, run: Run, ckpt: ckpt_lib.Checkpointer, watchdog: Watchdog, timeline: Timeline, start_step: int
+    ) -> None:
         self.run, self.ckpt, self.watchdog, self.timeline = run, ckpt, watchdog, timeline
-        self.saved = -1
+        # The step this launch resumed from, where it is one of this run's own checkpoints: a save
+        # of it again (a stop before the first step) would meet orbax's StepAlreadyExistsError.
+        self.saved = start_step if start_step in ckpt.all_steps() else -1
 
     def save(self, step: int, state: Any, faults: Faults | None) -> None:
         t0 = time.perf_counter()

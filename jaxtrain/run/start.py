@@ -2,6 +2,7 @@
 state with --init_from's params; and the one rule for what a --init_from / --resume_from path
 names (a Hugging Face model dir, hf:DIR, or a checkpoint of ours).
 
+    done = finished_step(cfg, job)           # a relaunch of a complete run: nothing to do
     found = find_start(run, ckpt)            # refused here if it is the wrong checkpoint
     state, step = start_state(run, found)    # restored into run.target's shardings
 """
@@ -12,6 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any, Protocol
 
+from jaxtrain.config import Config
 from jaxtrain.disk import rundir
 from jaxtrain.disk.checkpoint import Checkpointer, open_checkpoint
 from jaxtrain.errors import UserError
@@ -21,6 +23,36 @@ from jaxtrain.run.build import Run
 from jaxtrain.run.job import Job
 
 log = logging.getLogger(__name__)
+
+
+def finished_step(cfg: Config, job: Job) -> int | None:
+    """The step of the run dir's newest checkpoint where it is readable and at or past total_steps:
+    the run is complete and a relaunch (a second `make train`, a SLURM requeue) has nothing to
+    train. None otherwise (with --overwrite too). Process 0 judges as find_start does, all follow;
+    nothing is written or moved (a damaged one is left for find_start to move aside)."""
+    directory = cfg.resolved_run_dir / "checkpoints"
+    if cfg.overwrite or not directory.is_dir():
+        return None
+    ckpt = Checkpointer(directory, 1, read_only=True)
+    try:
+        newest = max(ckpt.all_steps(), default=-1)
+        done = -1
+        if job.is_main and newest >= cfg.total_steps and ckpt.damage(newest, job.local_devices[0]) is None:
+            done = newest
+    finally:
+        ckpt.close()
+    done = job.broadcast(done)
+    return done if done >= 0 else None
+
+
+def complete_line(cfg: Config, step: int) -> str:
+    """What a relaunch of a complete run says: where it ended, and how to train on."""
+    more = "a larger --epochs" if cfg.epochs else f"--total_steps above {step}"
+    return (
+        f"run {cfg.resolved_run_dir} is complete at step {step} (total_steps {cfg.total_steps}): "
+        f"nothing to train; to train longer relaunch with {more}, to start afresh pass another "
+        "--run_dir or --overwrite"
+    )
 
 
 def find_start(run: Run, ckpt: Checkpointer) -> tuple[Checkpointer, int] | None:
