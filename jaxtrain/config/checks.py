@@ -6,6 +6,10 @@ jaxtrain/run/job.py's; what needs the data or a checkpoint, jaxtrain/run/resolve
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
+from typing import Any
+
 from jaxtrain.config.data import TOKEN_DTYPES, parse_spec
 from jaxtrain.config.schema import MESH_AXES, SOURCE_LISTS, Config, ConfigError, ModelConfig, get
 
@@ -69,6 +73,24 @@ def check(cfg: Config) -> None:
     profile_range(cfg.profile_steps)
     profile_processes(cfg.profile_processes)
     _check_mesh_values(cfg)
+
+
+# A path key is one whose name ends so: run_dir, train_data_path, resume_from, prompt_file, ...
+_PATH_KEYS = ("_path", "_dir", "_from", "_file")
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s,'\"\]}]*")
+
+
+def refuse_urls(flat: Mapping[str, Any]) -> None:
+    """No path key (dotted keys to values) names a URL: gs://, s3://, https://, ... read as a local
+    path made a folder `gs:/bucket` and failed at the first save. Anywhere in the value (a comma
+    list, a YAML list of sources, hf:DIR), before anything reads it."""
+    for key, value in flat.items():
+        url = _URL.search(value) if isinstance(value, str) and key.endswith(_PATH_KEYS) else None
+        if url:
+            raise ConfigError(
+                f"{key} names a URL ({url.group()}): object storage is not supported yet; use a local "
+                "or shared filesystem path (copy the files there first)"
+            )
 
 
 def _check_keys(cfg: Config) -> None:

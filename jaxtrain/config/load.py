@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from jaxtrain.config.checks import check
+from jaxtrain.config.checks import check, refuse_urls
 from jaxtrain.config.schema import (
     SOURCE_LISTS,
     Config,
@@ -231,6 +231,7 @@ def from_dict(values: dict[str, Any], fill: Fill | None = None) -> Config:
         path = _resolve_key(key)
         flat[path] = _convert(path, _PATHS[path], value)
     flat = _sized_by_depth(flat)
+    refuse_urls(flat)  # before `fill` reads an hf:DIR
     if fill is not None:
         flat = fill(flat)
     cfg = _build(Config, flat)
