@@ -200,7 +200,6 @@ def analyze(train: Any, evaluate: Any | None, facts: Facts, compile_s: float) ->
     bound = max(times.values())
     events = schedule.trace(text, layout)
     replay = schedule.replay(events, schedule.Roofline(t, peak))
-    likely = forecast.forecast(events, t, peak, facts.expert_load)
     return {
         "state_bytes_per_device": mem["argument_bytes"],
         "temp_bytes_per_device": mem["temp_bytes"],
@@ -231,10 +230,10 @@ def analyze(train: Any, evaluate: Any | None, facts: Facts, compile_s: float) ->
         # the replay is at least the compute floor (tests/test_plan.py checks every plan).
         "schedule_mfu_ceiling": times["compute"] / replay.now,
         # forecast.py: the same replay at the speeds measured on real GPUs, a forecast, not a bound.
-        "forecast": forecast.figures(
-            likely.now, facts.tokens_per_step, n_devices, facts.model_flops_per_step, peak_flops(t, mfu_dtype)
-        )
-        | {"busy_s": likely.busy, "exposed_comm_s": likely.exposed, "expert_load": facts.expert_load},
+        "forecast": forecast.block(
+            events, t, peak, facts.expert_load, facts.tokens_per_step, n_devices,
+            facts.model_flops_per_step, peak_flops(t, mfu_dtype),
+        ),  # fmt: skip
         "schedule_tokens_per_s_per_gpu": facts.tokens_per_step / replay.now / n_devices,
         "compile_s": round(compile_s, 2),
         # The replay's events (schedule.trace): the plan costed again without a compile.

@@ -92,7 +92,7 @@ class Clock:
 
 def label(xfer: list) -> tuple[str, int, bool]:
     """A transfer's (kind, bytes, whether it crosses hosts): what `Clock.waited` sums waits by."""
-    kind, size, _, network = xfer
+    kind, size, _, network = xfer[:4]
     return kind, int(size), network > 0
 
 
@@ -104,6 +104,7 @@ def label(xfer: list) -> tuple[str, int, bool]:
 #                           (the experts' kernel), "grouped_fp8" (its FP8 tiles), "memory" (no
 #                           matmul: its bytes only)
 #   ["start", name, xfer] / ["done", [names]] / ["sync", xfer]   xfer: [kind, size, nvlink, network]
+#                           (a ragged all-to-all's: then its (update, peer) slots)
 #   ["loop", trips, [events]] / ["cond", [[events], ...]]
 
 
@@ -140,7 +141,14 @@ def trace(text: str, layout: hlo.Placement) -> list:
 
     def xfer(op: hlo.Op, ops: dict[str, hlo.Op]) -> list:
         t = hlo.transfer(op, ops, layout)
-        return [t.kind, t.size, t.nvlink, t.network]
+        if t.kind != "ragged-all-to-all":
+            return [t.kind, t.size, t.nvlink, t.network]
+        # Its (update, peer) slots, which XLA's GPU runtime sends one by one (forecast.RAGGED): the
+        # length of its input offsets (operand 2), peers x updates a peer.
+        offsets = (
+            hlo._dims(ops[op.operands[2]].shape) if len(op.operands) > 2 and op.operands[2] in ops else []
+        )
+        return [t.kind, t.size, t.nvlink, t.network, *offsets[:1]]
 
     def walk(comp: str) -> list:
         events: list = []
@@ -201,6 +209,11 @@ class Costs(Protocol):
 
     def legs(self, xfer: list) -> dict[str, float]: ...
 
+    def host_wait(self, xfer: list) -> float:
+        """Seconds the host holds the stream before `xfer` starts, after draining every transfer in
+        flight (XLA's ragged all-to-all across processes: forecast.RAGGED); 0 for most."""
+        ...
+
 
 @dataclass(frozen=True)
 class Roofline:
@@ -214,11 +227,14 @@ class Roofline:
         return max(flops / op_peak(self.target, self.peak, kind), written / self.target.hbm_bytes_per_s)
 
     def legs(self, xfer: list) -> dict[str, float]:
-        _, _, nvlink, network = xfer
+        _, _, nvlink, network = xfer[:4]
         return {
             "nvlink": nvlink / self.target.nvlink_bytes_per_s,
             "network": network / self.target.network_bytes_per_s,
         }
+
+    def host_wait(self, xfer: list) -> float:
+        return 0.0  # a bound: no host in it
 
 
 def replay(events: list, costs: Costs) -> Clock:
@@ -243,17 +259,23 @@ def _replay(events: list, costs: Costs, clock: Clock) -> None:
             if runs:
                 slowest = max(runs, key=lambda c: c.now)
                 clock.__dict__.update(slowest.__dict__)
-        elif what == "start":
-            legs = costs.legs(event[2])
+        elif what in ("start", "sync"):
+            xfer = event[-1]
+            if held := costs.host_wait(xfer):
+                # The host drains the collectives' stream, then holds the compute stream `held` more.
+                clock.wait(max(clock.in_flight.values(), default=0.0), label(xfer))
+                clock.wait(clock.now + held, label(xfer))
+            if what == "sync":
+                clock.wait(clock.beside(costs.legs(xfer)), label(xfer))
+                continue
+            legs = costs.legs(xfer)
             clock.in_flight[event[1]] = clock.send(legs)
-            clock.labels[event[1]] = label(event[2])
+            clock.labels[event[1]] = label(xfer)
             clock.slowest[event[1]] = max(legs, key=legs.__getitem__)
         elif what == "done":
             for name in event[1]:
                 clock.slowest.pop(name, None)
                 clock.wait(clock.in_flight.pop(name, 0.0), clock.labels.pop(name, None))
-        elif what == "sync":
-            clock.wait(clock.beside(costs.legs(event[1])), label(event[1]))
         else:
             _, kind, flops, written, keys, causal, n = event
             seconds = n * costs.op(kind, flops, written, keys, causal)
