@@ -72,13 +72,19 @@ def test_bench_torch(bench, tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_gpu_jaxtrain_side_on_cpu(bench, tmp_path):
-    """The orchestrator, its child process and the jaxtrain run it times (on the CPU here)."""
-    out = tmp_path / "gpu.json"
+def test_bench_gpu_times_exactly_the_steps_it_counts(bench, tmp_path):
+    """The orchestrator, its child process and the jaxtrain run it times (on the CPU here, 3 steps
+    after 2): the run's metrics.jsonl holds a record a step, the timed ones exactly the steps
+    counted, each starting where the one before ended; tokens/s is the tokens a step over their
+    median; a window one step short, or a record of two steps, is refused. The report names its
+    command, commit and log."""
+    import statistics
+
+    gpu, out = bench("bench_gpu"), tmp_path / "gpu.json"
     tiny = ["--model.n_layer", "1", "--model.d_model", "64", "--model.n_head", "2", "--model.seq_len", "64",
             "--total_batch_size", "512", "--device_batch_size", "1"]  # fmt: skip
-    report = bench("bench_gpu").main(
-        ["--runs", "124m/auto/none", "--steps", "2", "--warmup", "1", "--data_tokens", "65536",
+    report = gpu.main(
+        ["--runs", "124m/auto/none", "--steps", "3", "--warmup", "2", "--data_tokens", "65536",
          "--work", str(tmp_path), "--out", str(out), *tiny]
     )  # fmt: skip
     run = report["runs"]["124m/auto/none"]
@@ -86,6 +92,80 @@ def test_bench_gpu_jaxtrain_side_on_cpu(bench, tmp_path):
     _positive(run["tokens_per_sec"], run["step_time_s"], run["loss_last"], run["wall_s"])
     assert run["device_kind"] == "cpu" and run["batch"] == [8, 1, 64]  # 512 tokens / seq 64, 8 devices
     assert json.loads(out.read_text())["runs"]["124m/auto/none"]["tokens_per_sec"] == run["tokens_per_sec"]
+    lines = (Path(run["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+    records = [r for r in map(json.loads, lines) if "loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5] and run["timed_steps"] == [3, 5]
+    assert run["step_times_s"] == [r["step_time_s"] for r in records[2:]]
+    assert run["step_time_s"] == statistics.median(run["step_times_s"])
+    assert run["tokens_per_sec"] == 512 / run["step_time_s"] == gpu.rate(run)
+    # The window is the steps counted, end to end: from step 2's end to step 5's, by the wall clock.
+    assert abs(records[-1]["t"] - records[1]["t"] - run["window_s"]) <= gpu.WINDOW_SLACK_S
+    with pytest.raises(ValueError, match="timed window: steps"):
+        gpu.figures(records[:2] + records[3:], 2, 3, 512)  # one timed step not recorded
+    with pytest.raises(ValueError, match="timed window: steps"):
+        gpu.figures(records[:-1], 2, 3, 512)  # the window one step short
+    both = (records[3]["step_time_s"] + records[4]["step_time_s"]) / 2
+    with pytest.raises(ValueError, match="timed window: steps"):
+        gpu.figures([*records[:3], records[4] | {"step_time_s": both}], 2, 3, 512)  # steps 4, 5 as one
+    assert report["command"].endswith(f"--out {out} {' '.join(tiny)}")
+    assert report["log"] == str(tmp_path / "gpu.log") and len(report["commit"]) >= 40
+    assert "=== 124m/auto/none\n$ " in (tmp_path / "gpu.log").read_text()
+
+
+def test_bench_gpu_figures_share_the_median_step_and_refuse_a_gap(bench):
+    """Written records (a GPU's, with a peak): tokens/s, MFU and step time all from the median step
+    (not the mean: one fast step moves none of them); a step that starts 5 ms after the previous
+    one's end leaves time uncounted, and is refused."""
+    gpu = bench("bench_gpu")
+    per_token, peak, tokens = 6e8, 1e15, 65536  # model FLOPs a token per device, the device's peak
+    steps, t = [0.5, 0.6, 0.62, 0.3, 0.61], [100.0]
+    for d in steps:
+        t.append(t[-1] + d)
+    records = [{"step": i, "step_time_s": d, "t": round(t[i], 3), "loss": 3.0, "data_wait_frac": 0.01,
+                "tokens_per_sec": tokens / d, "mfu": tokens / d * per_token / peak,
+                "flops_per_sec_per_device": tokens / d * per_token}
+               for i, d in enumerate(steps, 1)]  # fmt: skip
+    out = gpu.figures(records, 1, 4, tokens)
+    assert out["step_time_s"] == 0.605 and out["step_times_s"] == steps[1:]  # median of 0.6, 0.62, 0.3, 0.61
+    assert out["tokens_per_sec"] == pytest.approx(tokens / 0.605, rel=1e-12)
+    assert out["mfu"] == pytest.approx(tokens * per_token / peak / 0.605, rel=1e-12)
+    assert out["flops_per_step_per_device"] == pytest.approx(tokens * per_token)
+    assert out["peak_flops_per_device"] == pytest.approx(peak)
+    late = [*records[:3], records[3] | {"t": records[3]["t"] + 0.005}, records[4]]
+    with pytest.raises(ValueError, match=r"step 4 starts \+5.0 ms from step 3's end"):
+        gpu.figures(late, 1, 4, tokens)
+    # A committed run (its tokens_per_sec of another statistic) read by its median step.
+    committed = {"batch": [512, 32, 1024], "step_time_s": 1.0148120627999986}
+    assert gpu.rate(committed) == pytest.approx(516636, abs=1)
+
+
+def test_bench_gpu_reports_say_what_made_them(bench, tmp_path):
+    """A new report's command, commit, versions and log (bench_gpu.provenance); every GPU result in
+    bench/results (a file with an H200's runs) names its command, commit, versions and log, or says
+    which are missing, and each of its jaxtrain runs has its median step and batch."""
+    gpu = bench("bench_gpu")
+    made = gpu.provenance(["--runs", "124m/auto/none"], "", tmp_path / "gpu.log")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    head = head.stdout.strip()
+    assert made["commit"].startswith(head) and len(head) == 40
+    assert made["command"].endswith("bench/bench_gpu.py --runs 124m/auto/none")
+    assert made["versions"]["jax"] and made["versions"]["jaxlib"] and "driver" in made["versions"]
+    assert made["log"] == str(tmp_path / "gpu.log")
+    found = 0
+    for path in sorted((ROOT / "bench" / "results").rglob("*.json")):
+        report = json.loads(path.read_text())
+        runs = report.get("runs") if isinstance(report.get("runs"), dict) else {}
+        if not any(isinstance(r, dict) and "H200" in str(r.get("device_kind")) for r in runs.values()):
+            continue
+        found += 1
+        said = {k: report.get(k) for k in ("command", "commit", "versions", "log")}
+        missing = [k for k, v in said.items() if not v]
+        assert not missing or all(k in report.get("provenance", "") for k in missing), (path, missing)
+        assert report.get("statistic"), path
+        for name, run in runs.items():
+            if "device_kind" in run and not name.startswith("torch/"):
+                assert run["step_time_s"] > 0 and len(run["batch"]) == 3, (path, name)
+    assert found == 3  # gpu_bench_h200.json, gpu_check_h200_1/bench.json, gpu_check_h200_2/bench_fp8.json
 
 
 def test_bench_export(bench, tmp_path):
