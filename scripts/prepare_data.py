@@ -25,8 +25,9 @@ rows) and at least the last one, so one-line documents are never cut. With --sha
 splits are train_00000.bin, ... and val_00000.bin, ... of N tokens each with the llm.c header.
 manifest.json (token counts, tokenizer, each shard's size and largest id, each source file's size
 and sha256) is written last: train with --train_data_path OUT_DIR/manifest.json (its val shards
-become the validation data). On bad input (not UTF-8, a missing field or column, an empty or
-unreadable file) one line names the file, the exit code is 2, and nothing in OUT_DIR changes.
+become the validation data; the vocabulary is read from it). On bad input (not UTF-8, a missing
+field or column, an empty or unreadable file) one line names the file, the exit code is 2, nothing
+in OUT_DIR changes, and an OUT_DIR it made is removed.
 """
 
 import sys

@@ -26,13 +26,14 @@ def _own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
 
-def _prepare(*args: str) -> subprocess.CompletedProcess[str]:
+def _prepare(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, str(REPO / "scripts" / "prepare_data.py"), *args],
         capture_output=True,
         text=True,
         timeout=120,
         env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=cwd,
     )
 
 
@@ -73,7 +74,17 @@ def test_text_round_trip_flat_files(tmp_path: Path) -> None:
     out = tmp_path / "out"
     r = _prepare(str(tmp_path / "in"), "--out_dir", str(out), "--val_fraction", "0.1", "--workers", "1")
     assert r.returncode == 0, r.stderr
-    assert f"--train_data_path {out / 'manifest.json'}" in r.stdout and "--model.vocab_size 256" in r.stdout
+    # This interpreter (a bare `python` has no jaxtrain), a run dir of its own, no vocabulary (training
+    # reads the manifest's): as run from the repo.
+    python = (
+        Path(sys.executable).relative_to(Path.cwd())
+        if Path(sys.executable).is_relative_to(Path.cwd())
+        else sys.executable
+    )
+    assert (
+        f"\n  {python} scripts/train.py --run_dir runs/out --train_data_path {out / 'manifest.json'}\n"
+        in r.stdout
+    )
     assert "tokens/s" in r.stdout
     train, val = _read_split(out, "train"), _read_split(out, "val")
     assert (out / "train.bin").stat().st_size == 2 * len(train)  # flat nanoGPT file, no header
@@ -272,6 +283,19 @@ def test_one_line_documents_split_whole_and_a_single_one_is_refused(tmp_path: Pa
     assert not (tmp_path / "o1").exists()
 
 
+def test_a_failed_prepare_leaves_no_folder_it_made(tmp_path: Path) -> None:
+    _corpus(tmp_path / "in")
+    (tmp_path / "in" / "sub" / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
+    with pytest.raises(UserError, match="not UTF-8"):  # met while tokenizing, after the folders were made
+        prepare_corpus([tmp_path / "in"], tmp_path / "new" / "out", workers=1)
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("the user's")
+    with pytest.raises(UserError, match="not UTF-8"):
+        prepare_corpus([tmp_path / "in"], tmp_path / "mine", workers=1)
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
+
+
 def test_prepare_knows_train_pys_default_window() -> None:
     from jaxtrain.config.schema import ModelConfig
     from jaxtrain.prepare.cli import TRAIN_SEQ_LEN
@@ -285,14 +309,14 @@ def test_the_printed_train_command_runs_on_a_small_corpus(tmp_path: Path) -> Non
     # than one sequence of train.py's default window, so the printed command says a shorter one.
     docs = _one_line_documents(tmp_path / "c60", [20 + (i * 37) % 281 for i in range(59)] + [20])
     out = tmp_path / "o60"
-    r = _prepare(str(tmp_path / "c60"), "--out_dir", str(out))
+    r = _prepare(str(tmp_path / "c60"), "--out_dir", str(out), cwd=REPO)
     assert r.returncode == 0, r.stderr
     assert ByteTokenizer().decode(_read_split(out, "val")) == docs[-1]
     assert f"note: val holds {len(docs[-1])} tokens" in r.stdout and "--model.seq_len 64" in r.stdout
     printed = r.stdout.split("train with:\n")[1].split()
-    assert printed[:2] == ["python", "scripts/train.py"], r.stdout
-    run_dir = tmp_path / "run"
-    cmd = [sys.executable, *printed[1:], "--run_dir", str(run_dir), "--total_steps", "2",
+    assert printed[1:4] == ["scripts/train.py", "--run_dir", "runs/o60"], r.stdout
+    run_dir = tmp_path / "run"  # the last --run_dir wins: not the repo's runs/o60
+    cmd = [*printed, "--run_dir", str(run_dir), "--total_steps", "2",
            "--eval_interval", "1", "--eval_batches", "1", "--progress_bar", "false"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=clean_env())
     assert done.returncode == 0, done.stderr[-3000:]

@@ -84,6 +84,16 @@ def test_boundary_tokens_are_checked_against_the_vocabulary_the_data_and_documen
     assert (off.model.doc_bos, off.model.doc_eos) == (-1, -1)
 
 
+def test_the_vocabulary_comes_from_the_manifest_where_the_config_has_fewer(qwen_framed):
+    """prepare_data.py's printed command gives no --model.vocab_size: tiny.yaml's 256 is raised to
+    the manifest's tokenizer's; a larger (padded) one stays."""
+    manifest, tok = qwen_framed
+    base = ["--config", "configs/tiny.yaml", "--model.seq_len", "16", "--train_data_path", str(manifest)]
+    assert tok.vocab_size > 256 and resolve(load_config(base)).cfg.model.vocab_size == tok.vocab_size
+    padded = resolve(load_config([*base, "--model.vocab_size", str(tok.vocab_size + 50)])).cfg
+    assert padded.model.vocab_size == tok.vocab_size + 50
+
+
 @pytest.fixture(scope="module")
 def chat_run(tmp_path_factory) -> tuple[Path, BPETokenizer]:
     """A tiny run on Llama-3-style conversations (framed, masked), its checkpoint at step 2."""
@@ -102,6 +112,20 @@ def chat_run(tmp_path_factory) -> tuple[Path, BPETokenizer]:
     ])  # fmt: skip
     train(cfg, detect(DistConfig(), {}))
     return root / "run", tok
+
+
+def test_a_run_on_framed_data_is_relaunched_against_its_resolved_config(chat_run, capsys):
+    """The run dir is compared with the config as resolved from the data, as it was saved: a relaunch
+    was refused as a different config (model.doc_bos: its begin-of-text -> -1, set from the manifest).
+    Without --model.vocab_size (the manifest's) and complete at step 2: one line, nothing written."""
+    run_dir, tok = chat_run
+    cfg = load_config([
+        "--config", "configs/tiny.yaml", "--train_data_path", str(run_dir.parent / "data" / "manifest.json"),
+        "--model.seq_len", "32", "--model.n_layer", "1", "--batch_size", "8", "--total_steps", "2",
+        "--eval_interval", "0", "--checkpoint_interval", "2", "--run_dir", str(run_dir),
+    ])  # fmt: skip
+    assert train(cfg, detect(DistConfig(), {})).final_step == 2
+    assert f"{run_dir} is complete at step 2" in capsys.readouterr().out
 
 
 def test_task_test_takes_the_runs_mask_and_boundaries_and_builds_once(chat_run, monkeypatch):

@@ -355,6 +355,22 @@ def _validate(
     return infos
 
 
+def manifest_vocab(spec: str, key: str) -> int:
+    """The largest vocabulary the manifests of a data path setting (`key`) record, their
+    tokenizer's; 0 where it names none (token files and globs record none). A manifest that cannot
+    be read is left to open_sources to name."""
+    sizes = [0]
+    for source in parse_spec(spec, key):
+        for item in (s.strip() for s in source.path.split(",")):
+            if not item.endswith(".json") or not os.path.isfile(item):
+                continue
+            try:
+                sizes.append(int(json.loads(Path(item).read_text())["tokenizer"]["vocab_size"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+    return max(sizes)
+
+
 def open_sources(spec: str, role: str, vocab_size: int, token_dtype: str, seq_len: int) -> list[Source]:
     """Every source of a data path setting (role: 'train' or 'val' picks a manifest's split)."""
     key = "train_data_path" if role == "train" else "valid_data_path"

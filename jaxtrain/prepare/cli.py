@@ -1,5 +1,6 @@
 """The command line of scripts/prepare_data.py (whose docstring is its --help): the flags, what it
-prints, and a train command that runs on what was written.
+prints, and a train command that runs on what was written (with this interpreter, into a run dir
+of its own; the vocabulary is read from the manifest).
 
 The printed command takes train.py's default window (TRAIN_SEQ_LEN) unless a split's longest file
 is shorter than one sequence of it; then it names the largest power of two that fits both splits,
@@ -10,6 +11,7 @@ a copy of ModelConfig.seq_len; tests/test_prepare.py holds them equal.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from jaxtrain.errors import UserError
@@ -87,13 +89,25 @@ def main(argv: list[str] | None = None, usage: str = "") -> None:
         f"tokenized {total:,} tokens in {result.tokenize_seconds:.2f} s: {rate:,.0f} tokens/s "
         f"({result.workers} workers)"
     )
-    print(f"train with:\n  python scripts/train.py {train_flags(result, args.shard_tokens)}")
+    print(f"train with:\n  {train_command(args.out_dir)} {train_flags(result, args.shard_tokens)}")
+
+
+def train_command(out_dir: str) -> str:
+    """The start of the printed train command: the interpreter running this (the one with jaxtrain
+    installed; relative where it is under the working folder) and a run dir named after the data
+    (runs/<out_dir's name>: `make train`'s runs/default holds another run)."""
+    python = Path(sys.executable)
+    if python.is_relative_to(Path.cwd()):
+        python = python.relative_to(Path.cwd())
+    name = Path(out_dir).resolve().name or "data"
+    return f"{python} scripts/train.py --run_dir runs/{name}"
 
 
 def train_flags(result: PreparedData, shard_tokens: int) -> str:
     """The flags of a train command that runs on `result`, after a note on any window it shortens."""
-    # Absolute: the command runs from the repo, wherever prepare ran.
-    flags = f"--train_data_path {Path(result.manifest_path).resolve()} --model.vocab_size {result.vocab_size}"
+    # Absolute: the command runs from the repo, wherever prepare ran. Training reads the vocabulary
+    # from the manifest (run/resolve.py: with_data_vocab).
+    flags = f"--train_data_path {Path(result.manifest_path).resolve()}"
     if not result.val_paths:
         flags += " --eval_interval 0"
     split = min(["train", "val"] if result.val_paths else ["train"], key=lambda s: result.longest[s])
@@ -137,5 +151,5 @@ def _chat(args: argparse.Namespace) -> None:
     print(f"rendered, tokenized and packed in {r.seconds:.2f} s")
     if r.cut:
         print(f"{r.cut:,} conversation(s) longer than a window were cut across windows")
-    flags = f"--train_data_path {r.manifest_path} --model.seq_len {args.seq_len}"
-    print(f"train with:\n  python scripts/train.py {flags} --model.vocab_size {r.vocab_size}")
+    flags = f"--train_data_path {Path(r.manifest_path).resolve()} --model.seq_len {args.seq_len}"
+    print(f"train with:\n  {train_command(args.out_dir)} {flags}")

@@ -227,14 +227,23 @@ def _is_output(name: str) -> bool:
 @contextlib.contextmanager
 def staged(out_dir: Path) -> Iterator[Path]:
     """A hidden folder inside out_dir to write a set into, whole or not at all: commit_outputs
-    moves what it holds into place; whatever is left (a failure's) is removed."""
+    moves what it holds into place; whatever is left (a failure's) is removed, and so are the
+    folders made for it (out_dir and its missing parents), where a failure left them empty."""
+    made = [d for d in (out_dir, *out_dir.parents) if not d.exists()]  # innermost first
     out_dir.mkdir(parents=True, exist_ok=True)
     staging = out_dir / f".prepare.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     staging.mkdir()
+    done = False
     try:
         yield staging
+        done = True
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        for folder in made if not done else []:
+            try:
+                folder.rmdir()  # only an empty one: never what anyone else put there meanwhile
+            except OSError:
+                break
 
 
 def commit_outputs(staging: Path, out_dir: Path, manifest: dict[str, Any]) -> None:

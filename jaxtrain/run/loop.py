@@ -68,11 +68,13 @@ def train(cfg: Config, launch: LaunchSpec, launch_time: float | None = None) -> 
     # Every process checks what it can alone before any connection: the same error everywhere.
     # (A process that fails after joining leaves while its peers may still be starting their
     # backends, and they die in JAX's own abort instead of saying the same line.)
-    rundir.check(cfg)
     rundir.restrict_umask()  # nothing it writes into the run dir is world-writable
     check_launch(cfg, launch)
     metrics.check_wandb(cfg)
     data = resolve(cfg)
+    # Against the resolved config, as it was saved: what the data's manifests set (the vocabulary,
+    # the documents' boundary tokens) is in both.
+    rundir.check(data.cfg)
     sources.check_run_data(cfg.resolved_run_dir, cfg.overwrite, data.train + data.val)
     cfg = data.cfg
     lock = runlock.RunLock(cfg.resolved_run_dir, cfg.lock_stale_s)

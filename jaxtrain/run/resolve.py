@@ -10,7 +10,7 @@ hf/config.py: with_hf_model). `resolve` adds, in this order:
 1. the model of the checkpoint a task reads (--task test|predict|chat, scripts/export_hf.py), in
    the window given (--model.seq_len);
 2. the data: training's (or --task test's) sources opened and checked, --epochs' step count,
-   and the documents' framing and loss mask their manifests record (data/framing.py).
+   the vocabulary, documents' framing and loss mask their manifests record (data/framing.py).
 
 Training (loop.py), --task test|predict|chat (tasks.py) and the GPU planner (scripts/plan.py) call
 `resolve`, so the planner compiles the program training runs for the same data.
@@ -108,6 +108,7 @@ def resolve(cfg: Config, default_data: bool = True) -> Resolved:
     path = ""
     if cfg.task == "train" and (default_data or cfg.train_data_path):
         path, val_path = run_paths(cfg)
+        cfg = with_data_vocab(cfg, path, val_path)
         train, val = _open(cfg, path, "train"), _open(cfg, val_path, "val")
         cfg = with_epochs(cfg, loader.epoch_windows(train))
     elif cfg.task == "test":
@@ -117,6 +118,20 @@ def resolve(cfg: Config, default_data: bool = True) -> Resolved:
     if train or val:
         cfg = framing.with_framing(cfg, train + val, framing.model_tokenizer(cfg))
     return Resolved(cfg, train, val, path, trained)
+
+
+def with_data_vocab(cfg: Config, train_path: str, val_path: str) -> Config:
+    """model.vocab_size raised to the vocabulary the data's manifests record where it is smaller:
+    the model embeds every id of the data's tokenizer, so prepare_data.py's command needs no
+    --model.vocab_size. A larger one stays (padded, e.g. GPT-2's 50304 for its 50257), and so does
+    --init_from's, which its params fix (the data's ids are checked against it)."""
+    vocab = max(
+        sources.manifest_vocab(train_path, "train_data_path"),
+        sources.manifest_vocab(val_path, "valid_data_path"),
+    )
+    if cfg.init_from or vocab <= cfg.model.vocab_size:
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
 
 
 def _open(cfg: Config, path: str, role: str) -> list[sources.Source]:
