@@ -189,26 +189,62 @@ def forecast(
     return schedule.replay(events, Achievable(target, peak, load, padded))
 
 
-def has_ragged(events: list) -> bool:
-    """Whether a trace holds a ragged all-to-all (an expert exchange XLA runs ragged)."""
+def exchange_seconds(target: GpuTarget, xfer: list, load: float) -> dict[str, float]:
+    """One expert exchange (a ragged all-to-all's transfer) forecast both ways: as XLA runs the
+    ragged one (its slower link and its host wait) and as the padded all-to-all in its place."""
+    ragged, padded = Achievable(target, 0.0, load), Achievable(target, 0.0, load, padded=True)
+    return {
+        "ragged": max(ragged.legs(xfer).values()) + ragged.host_wait(xfer),
+        "padded": max(padded.legs(xfer).values()),
+    }
+
+
+def pick_exchange(target: GpuTarget, xfer: list, load: float) -> str:
+    """auto's expert exchange: the one `exchange_seconds` forecasts faster for the job's exchange
+    (run/kernels.py at job start, and the plan: the same rule)."""
+    seconds = exchange_seconds(target, xfer, load)
+    return "ragged" if seconds["ragged"] <= seconds["padded"] else "padded"
+
+
+def exchange_xfer(size: float, peers: int, per_host: int, local_experts: int) -> list:
+    """The transfer of one expert exchange as the trace holds it (hlo.transfer, schedule.trace):
+    `size` bytes a device routes, to `peers` devices `per_host` to a host, slots peers x local experts."""
+    nvlink, network = (per_host - 1) / peers * size, (peers - per_host) / peers * size
+    return [RAGGED, size, nvlink, network, peers * local_experts]
+
+
+def _largest_exchange(events: list) -> list | None:
+    """The trace's ragged exchange of the most bytes (the rows of a piece, not the tiny plans')."""
+    found: list | None = None
     for event in events:
-        if event[0] == "loop" and has_ragged(event[2]):
-            return True
-        if event[0] == "cond" and any(has_ragged(branch) for branch in event[1]):
-            return True
-        if event[0] in ("start", "sync") and event[-1][0] == RAGGED:
-            return True
-    return False
+        inner = [event[2]] if event[0] == "loop" else event[1] if event[0] == "cond" else []
+        for xfer in [_largest_exchange(branch) for branch in inner]:
+            if xfer is not None and (found is None or xfer[1] > found[1]):
+                found = xfer
+        if (
+            event[0] in ("start", "sync")
+            and event[-1][0] == RAGGED
+            and (found is None or event[-1][1] > found[1])
+        ):
+            found = event[-1]
+    return found
 
 
 def exchanges(events: list, target: GpuTarget, peak: float, load: float) -> dict[str, Any]:
-    """The expert exchange of a trace that runs XLA's ragged all-to-all, forecast both ways: as
-    compiled (ragged) and with the padded all-to-all in its place, and which `auto` takes (the
-    faster; run/kernels.py reads the same rule). {} for a trace with no ragged exchange."""
-    if not has_ragged(events):
+    """The expert exchange of a trace that runs XLA's ragged all-to-all: the step forecast both ways
+    (as compiled, and with the padded all-to-all in its place), its largest exchange both ways, and
+    which auto takes (`pick_exchange` on that exchange). {} for a trace with no ragged exchange."""
+    xfer = _largest_exchange(events)
+    if xfer is None:
         return {}
-    ragged, padded = forecast(events, target, peak, load).now, forecast(events, target, peak, load, True).now
-    return {"ragged_s": ragged, "padded_s": padded, "auto": "ragged" if ragged <= padded else "padded"}
+    one = exchange_seconds(target, xfer, load)
+    return {
+        "ragged_s": forecast(events, target, peak, load).now,
+        "padded_s": forecast(events, target, peak, load, padded=True).now,
+        "one_ragged_s": one["ragged"],
+        "one_padded_s": one["padded"],
+        "auto": pick_exchange(target, xfer, load),
+    }
 
 
 def figures(
