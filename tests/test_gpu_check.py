@@ -4,6 +4,7 @@ run on a lent GPU: docs/gpu_check.md), and run/preflight.py's verdicts on kernel
     pytest tests/test_gpu_check.py      # about 30 s on 2 cores
 """
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -15,7 +16,8 @@ import pytest
 from processes import clean_env
 
 from jaxtrain.errors import ArgumentError
-from jaxtrain.health.gpu_check import judge_train, parse_args
+from jaxtrain.health import gpu_rules
+from jaxtrain.health.gpu_check import judge_train, name_rules, parse_args, summary, table
 from jaxtrain.run import preflight as pf
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +37,8 @@ def test_the_check_runs_end_to_end_on_cpu_and_reports_every_stage(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["passed"] and list(report["stages"]) == ["device", "kernels", "train"]
-    assert {s["status"] for s in report["stages"].values()} == {"pass"}
+    assert {s["status"] for s in report["stages"].values()} == {"passed"}
+    assert report["rules_version"] == gpu_rules.RULES_VERSION == report["rules"]["version"]
     device = report["stages"]["device"]["parts"]
     assert device["versions"]["devices"][0]["platform"] == "cpu" and device["matmul"]["tflops"] > 0
     assert device["fp8_matmul"]["gemm_tflops"] > 0 and device["fp8_matmul"]["scaled_tflops"] > 0
@@ -53,7 +56,8 @@ def test_the_check_runs_end_to_end_on_cpu_and_reports_every_stage(tmp_path):
         "train.log",
     ]
     lines = done.stdout.splitlines()  # the table comes last: a stage a row, then a part a row
-    table = lines[lines.index("gpu_check: PASSED") + 1 :]
+    verdict = f"gpu_check: PASSED, judged by rules v{gpu_rules.RULES_VERSION} (jaxtrain/health/gpu_rules.py)"
+    table = lines[lines.index(verdict) + 1 :]
     assert table[0].startswith("stage") and [x.split()[0] for x in table[1:4]] == [
         "device",
         "kernels",
@@ -94,7 +98,7 @@ def test_train_runs_are_judged_against_their_reference():
     one step drifts (bf16 routing flips: an H200's Pallas run was 1.17% off at one step)."""
     runs = {name: ("ref", []) for name in ("ok", "drifts", "first", "off", "fat")} | {"ref": ("", [])}
     ref = [5.0, 4.0, 3.0, 3.0, 3.0, 3.0, 3.0]
-    stage = {"status": "pass", "parts": {
+    stage = {"status": "passed", "parts": {
         "ref": {"passed": True, "losses": ref, "memory_ratio": 1.02},
         "ok": {"passed": True, "losses": [5.0, 4.01, 3.0, 3.0, 3.0, 3.0, 3.01], "memory_ratio": 0.97},
         "drifts": {"passed": True, "losses": [5.0, 4.0, 3.0, 3.04, 2.97, 3.0, 3.0], "memory_ratio": None},
@@ -104,21 +108,85 @@ def test_train_runs_are_judged_against_their_reference():
     }}  # fmt: skip
     judge_train(stage, runs)
     parts = stage["parts"]
-    assert parts["ref"]["passed"] and parts["ok"]["passed"] and stage["status"] == "fail"
+    assert parts["ref"]["passed"] and parts["ok"]["passed"] and stage["status"] == "failed"
     assert parts["drifts"]["passed"] and abs(parts["drifts"]["loss_vs_reference"] - 0.04 / 3) < 1e-9
     assert parts["first"]["failed"] == "first loss 0.20% off ref's"
     assert parts["off"]["failed"] == "last 5 losses' mean 3.33% off ref's"
     assert parts["fat"]["failed"] == "peak memory 1.30 x the compiled step's"
+    assert [parts[p]["rules_failed"] for p in ("ok", "first", "off", "fat")] == [
+        [],
+        ["train.first_step"],
+        ["train.late_mean"],
+        ["train.memory"],
+    ]
     # FP8 is held to training no worse than bf16 by 2%: 2.5% below passes (an H200's run), above fails.
     fp8 = {"llama_fp8": ("llama_bf16", [])}
     for late, passed in ((2.925, True), (3.075, False)):
-        stage = {"status": "pass", "parts": {
+        stage = {"status": "passed", "parts": {
             "llama_bf16": {"passed": True, "losses": ref, "memory_ratio": None},
             "llama_fp8": {"passed": True, "losses": [5.02, 4.0, *[late] * 5], "memory_ratio": None},
         }}  # fmt: skip
         judge_train(stage, fp8)
         assert stage["parts"]["llama_fp8"]["passed"] is passed, stage
     assert stage["parts"]["llama_fp8"]["failed"] == "last 5 losses' mean 2.50% above llama_bf16's"
+    assert stage["parts"]["llama_fp8"]["rules_failed"] == ["train.fp8_late_mean"]
+
+
+def _train_stage(late: float) -> dict:
+    ref = [5.0, 4.0, 3.0, 3.0, 3.0, 3.0, 3.0]
+    return {"status": "passed", "seconds": 1.0, "not_run": [], "error": "", "parts": {
+        "ref": {"passed": True, "losses": ref, "memory_ratio": None},
+        "run": {"passed": True, "losses": [5.0, 4.0, *[late] * 5], "memory_ratio": None},
+    }}  # fmt: skip
+
+
+def test_the_rules_table_is_the_one_source_of_the_verdict_the_json_and_the_summary(monkeypatch):
+    """A threshold changed in health/gpu_rules.py alone changes the verdict, the rules the report
+    records and the words its summary prints."""
+    runs = {"ref": ("", []), "run": ("ref", [])}
+    stage = _train_stage(3.045)  # 1.5% above the reference
+    judge_train(stage, runs)
+    assert stage["parts"]["run"]["rules_failed"] == ["train.late_mean"] and stage["status"] == "failed"
+    looser = gpu_rules.Rule("train", "the last {late} steps' mean within {threshold:.1%}", 0.02, "a test")
+    monkeypatch.setitem(gpu_rules.RULES, "train.late_mean", looser)
+    stage = _train_stage(3.045)
+    judge_train(stage, runs)
+    assert stage["parts"]["run"]["passed"] and stage["status"] == "passed"
+    assert gpu_rules.record()["rules"]["train.late_mean"] == {
+        "stage": "train", "text": looser.text, "threshold": 0.02, "set": "a test",
+        "says": "the last 5 steps' mean within 2.0%",
+    }  # fmt: skip
+    monkeypatch.setitem(gpu_rules.RULES, "train.late_mean", dataclasses.replace(looser, threshold=0.001))
+    stage = _train_stage(3.0045)
+    judge_train(stage, runs)
+    name_rules("train", stage)
+    report = {
+        "passed": False,
+        "rules": gpu_rules.record(),
+        "stages": {"train": stage | {"summary": summary("train", stage)}},
+    }
+    assert stage["parts"]["run"]["rules_failed"] == ["train.late_mean"]  # 0.15% off
+    assert "rule train.late_mean broken: the last 5 steps' mean within 0.1%" in table(report)
+
+
+def test_a_stage_that_fails_says_failed_in_the_json_and_the_summary():
+    """The stage's status, its summary line, the part's rule and the table's first line."""
+    stage = _train_stage(3.1)
+    judge_train(stage, {"ref": ("", []), "run": ("ref", [])})
+    name_rules("train", stage)
+    stage["summary"] = summary("train", stage)
+    assert stage["status"] == "failed" and stage["rules_failed"] == ["train.late_mean"]
+    assert stage["summary"] == "failed (rule train.late_mean): run: last 5 losses' mean 3.33% off ref's"
+    report = {"passed": False, "rules": gpu_rules.record(), "stages": {"train": stage}}
+    lines = table(report).splitlines()
+    assert (
+        lines[1]
+        == f"gpu_check: FAILED, judged by rules v{gpu_rules.RULES_VERSION} (jaxtrain/health/gpu_rules.py)"
+    )
+    assert lines[3].startswith("train    failed") and "failed (rule train.late_mean)" in lines[3]
+    assert "  train   FAIL  run  " in table(report) and "[rule train.late_mean]" in lines[-2]
+    said = gpu_rules.RULES["train.late_mean"].says()
+    assert lines[-1] == f"  rule train.late_mean broken: {said}" and "within 1%" in said
 
 
 @pytest.mark.parametrize(
@@ -140,7 +208,7 @@ def test_a_part_that_kills_its_process_fails_alone_and_the_stage_goes_on(tmp_pat
     )  # fmt: skip
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     stage = json.loads((out / "gpu_check.json").read_text())["stages"]["device"]
-    assert stage["status"] == "fail" and list(stage["parts"]) == [
+    assert stage["status"] == "failed" and list(stage["parts"]) == [
         "versions",
         "planted abort",
         "matmul",

@@ -24,24 +24,19 @@ from pathlib import Path
 from typing import Any
 
 from jaxtrain.errors import ArgumentError
-from jaxtrain.health.gpu_stages import PART_MARK, ROOT, TOLERANCES, TRAIN_RUNS
+from jaxtrain.health import gpu_rules
+from jaxtrain.health.gpu_rules import FP8_RUNS, LATE_STEPS, RULES_VERSION
+from jaxtrain.health.gpu_stages import PART_MARK, ROOT, TRAIN_RUNS
 from jaxtrain.parser import Parser
 
 STAGES = ("device", "kernels", "train", "bench")
 STAGE_LIMIT_S = {"device": 120, "kernels": 240, "train": 330, "bench": 420}
 PART_LIMIT_S = {"device": 90, "kernels": 150, "train": 240, "bench": 420}  # then the part counts as hung
 MIN_START_S = 20  # a stage starts only with this much of the budget left
-# A run against its reference kernel's: the first step (the same params and batch: the kernels'
-# forward alone) within FIRST_STEP_TOLERANCE, the mean of the last LATE_STEPS within LOSS_TOLERANCE.
-# Not every step within 1%: a bf16 mixture of experts' losses drift apart by routing flips, and on
-# an H200 (2026-11-28) the two CPU-proven kernels, blocks and ragged_dot, were 0.85% apart at step
-# 20 and the Pallas kernels 1.17% at step 18, while their first steps agreed to 1e-7 and their
-# last five steps' means to 0.14% and 0.22%.
-FIRST_STEP_TOLERANCE = 1e-3
-LOSS_TOLERANCE = 0.01
-LATE_STEPS = 5
-MEMORY_TOLERANCE = 0.10  # peak bytes in use against the compiled step's figure
 REPORT = "gpu_check.json"
+# The rule a failed part of a stage broke, where its judge names none (health/gpu_rules.py).
+STAGE_RULE = {"device": "part.ran", "kernels": "kernels.within_tolerance", "train": "part.ran",
+              "bench": "bench.finished"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -98,7 +93,9 @@ def main(argv: list[str], usage: str = "") -> int:
     work = Path(opts.work or tempfile.mkdtemp(prefix="gpu_check-"))
     work.mkdir(parents=True, exist_ok=True)
     deadline = time.time() + opts.budget_s
-    report: dict[str, Any] = {"argv": argv, "budget_s": opts.budget_s, "work": str(work), "stages": {}}
+    report: dict[str, Any] = {"argv": argv, "budget_s": opts.budget_s, "work": str(work),
+                              "rules_version": RULES_VERSION, "rules": gpu_rules.record(),
+                              "stages": {}}  # fmt: skip
     platform = ""
     for stage in opts.stages:
         left = deadline - time.time()
@@ -106,7 +103,8 @@ def main(argv: list[str], usage: str = "") -> int:
             report["stages"][stage] = {
                 "status": "skipped",
                 "seconds": 0,
-                "summary": f"{left:.0f} s of budget left",
+                "summary": f"failed: not started, {left:.0f} s of budget left (rule part.ran)",
+                "rules_failed": ["part.ran"],
             }
             continue
         if stage in ("train", "bench") and not platform:
@@ -120,10 +118,11 @@ def main(argv: list[str], usage: str = "") -> int:
             platform = devices[0].get("platform", "")
         if stage == "train":
             judge_train(result, TRAIN_RUNS["cpu" if platform == "cpu" else "gpu"])
+        name_rules(stage, result)
         result["summary"] = result.get("summary") or summary(stage, result)
         report["stages"][stage] = result
         _write(opts.out / REPORT, report)
-    report["passed"] = all(s["status"] == "pass" for s in report["stages"].values())
+    report["passed"] = all(s["status"] == "passed" for s in report["stages"].values())
     _write(opts.out / REPORT, report)
     print(table(report), flush=True)
     return 0 if report["passed"] else 1
@@ -182,14 +181,15 @@ def run_stage(stage: str, out: Path, work: Path, options: dict[str, Any]) -> dic
                 (e["start"] for e in events if e.get("part") == running and "start" in e), time.time()
             )
             results[running] = {"passed": False, "failed": f"its process {how} in it: {note}",
-                                "seconds": round(time.time() - began, 1)}  # fmt: skip
+                                "seconds": round(time.time() - began, 1),
+                                "rules_failed": ["part.ran"]}  # fmt: skip
     _cap(out / f"{stage}.log")
     parts = parts or []
     missing = [p for p in parts if p not in results]
     judged = [r for r in results.values() if not r.get("informational")]
     passed = bool(parts) and not missing and not error and all(r.get("passed") for r in judged)
-    return {"status": "pass" if passed else "fail", "seconds": round(time.time() - t0, 1), "parts": results,
-            "not_run": missing, "error": error}  # fmt: skip
+    return {"status": "passed" if passed else "failed", "seconds": round(time.time() - t0, 1),
+            "parts": results, "not_run": missing, "error": error}  # fmt: skip
 
 
 def _watch(proc: subprocess.Popen, progress: Path, deadline: float, part_limit: float) -> str:
@@ -264,61 +264,86 @@ def _write(path: Path, report: dict[str, Any]) -> None:
 
 
 def judge_train(stage: dict[str, Any], runs: dict[str, tuple[str, list[str]]]) -> None:
-    """Each run against its reference run: its first loss within FIRST_STEP_TOLERANCE and the mean
-    of its last LATE_STEPS within LOSS_TOLERANCE (the worst step's difference recorded beside), and
-    every run's peak bytes in use within MEMORY_TOLERANCE of its compiled step's (where the device
-    says: GPUs). Adds the figures and the verdict to each run's result, and to the stage's status."""
+    """Each run against its reference run by the train rules (health/gpu_rules.py): its first loss
+    and the mean of its last LATE_STEPS (the worst step's difference recorded beside, not judged),
+    and every run's peak bytes in use against its compiled step's (where the device says: GPUs).
+    Adds the figures, the verdict and the rules broken to each run's result, and to the stage's."""
     parts = stage["parts"]
     for name, result in parts.items():
+        broken = list(result.get("rules_failed", []))
         failed = [result["failed"]] if result.get("failed") else []
         ratio = result.get("memory_ratio")
-        if ratio is not None and abs(ratio - 1) > MEMORY_TOLERANCE:
+        if ratio is not None and abs(ratio - 1) > gpu_rules.threshold("train.memory"):
             failed.append(f"peak memory {ratio:.2f} x the compiled step's")
+            broken.append("train.memory")
         reference = runs.get(name, ("", []))[0]
         if reference and result.get("losses"):
             want = parts.get(reference, {}).get("losses")
             if not want:
                 failed.append(f"no losses of its reference {reference}")
+                broken.append("part.ran")
             else:
-                tolerances = TOLERANCES.get(name, (FIRST_STEP_TOLERANCE, LOSS_TOLERANCE, False))
-                failed += _judge_losses(result, result["losses"], want, reference, tolerances)
+                said, rules = _judge_losses(result, result["losses"], want, reference, name in FP8_RUNS)
+                failed, broken = failed + said, broken + rules
         result["passed"], result["failed"] = not failed, "; ".join(failed)
+        result["rules_failed"] = list(dict.fromkeys(broken)) or (["part.ran"] if failed else [])
     if any(not r["passed"] for r in parts.values()):
-        stage["status"] = "fail"
+        stage["status"] = "failed"
 
 
 def _judge_losses(
-    result: dict[str, Any],
-    got: list[float],
-    want: list[float],
-    reference: str,
-    tolerances: tuple[float, float, bool],
-) -> list[str]:
-    """What is wrong with a run's losses `got` against its reference's `want` (figures into `result`).
-    `tolerances`: the first step's, the last steps' mean's, and whether only a mean above the
-    reference's counts (a run held to training no worse)."""
+    result: dict[str, Any], got: list[float], want: list[float], reference: str, fp8: bool
+) -> tuple[list[str], list[str]]:
+    """What is wrong with a run's losses `got` against its reference's `want`, and the rules broken
+    (figures into `result`); `fp8`: an FP8 run against bf16, held by the fp8 rules."""
     pairs = [(a, b) for a, b in zip(got, want, strict=True) if a and b]
     if not pairs:
-        return [f"no losses to compare with {reference}'s"]
+        return [f"no losses to compare with {reference}'s"], ["train.finite"]
     late = pairs[-LATE_STEPS:]
     first = abs(pairs[0][0] / pairs[0][1] - 1)
     change = sum(a for a, _ in late) / sum(b for _, b in late) - 1
     result["loss_vs_reference"] = max(abs(a / b - 1) for a, b in pairs)  # the worst step: a figure
     result["first_loss_vs_reference"], result["late_mean_vs_reference"] = first, abs(change)
     result["late_mean_change"] = change  # signed: below the reference's is negative
-    failed = []
-    if not first <= tolerances[0]:
+    first_rule, late_rule = ("train.fp8_first_step", "train.fp8_late_mean") if fp8 else (
+        "train.first_step", "train.late_mean")  # fmt: skip
+    failed, broken = [], []
+    if not first <= gpu_rules.threshold(first_rule):
         failed.append(f"first loss {first:.2%} off {reference}'s")
-    if tolerances[2] and not change <= tolerances[1]:
+        broken.append(first_rule)
+    if fp8 and not change <= gpu_rules.threshold(late_rule):
         failed.append(f"last {len(late)} losses' mean {change:.2%} above {reference}'s")
-    elif not tolerances[2] and not abs(change) <= tolerances[1]:
+        broken.append(late_rule)
+    elif not fp8 and not abs(change) <= gpu_rules.threshold(late_rule):
         failed.append(f"last {len(late)} losses' mean {abs(change):.2%} off {reference}'s")
-    return failed
+        broken.append(late_rule)
+    return failed, broken
+
+
+def name_rules(stage: str, result: dict[str, Any]) -> None:
+    """Each failed part of a stage names the rules it broke (its judge's, else the stage's rule)."""
+    for part in result["parts"].values():
+        if not part.get("passed") and not part.get("informational") and not part.get("rules_failed"):
+            part["rules_failed"] = [STAGE_RULE[stage]]
+    broken = [r for p in result["parts"].values() for r in p.get("rules_failed", []) if not p.get("passed")]
+    if result.get("error") or result.get("not_run"):
+        broken.append("part.ran")
+    result["rules_failed"] = list(dict.fromkeys(broken))
 
 
 def summary(stage: str, result: dict[str, Any]) -> str:
-    """The stage's one line of figures (or the first failure) for the table."""
+    """The stage's one line for the table: 'failed (rules ...): ' and its first failure where it
+    failed, else its figures or its count of checks passed."""
     parts = result["parts"]
+    bad = [f"{name}: {r.get('failed')}" for name, r in parts.items() if not r.get("passed")
+           and not r.get("informational")]  # fmt: skip
+    if result.get("error"):
+        bad.insert(0, result["error"])
+    bad += [f"{name}: not run" for name in result.get("not_run", [])]
+    judged = [r for r in parts.values() if not r.get("informational")]
+    line = f"{sum(bool(r.get('passed')) for r in judged)}/{len(judged)} passed"
+    if len(judged) < len(parts):
+        line += f" (+{len(parts) - len(judged)} informational)"
     if stage == "device" and "versions" in parts:
         v = parts["versions"]
         d = (v.get("devices") or [{}])[0]
@@ -326,34 +351,25 @@ def summary(stage: str, result: dict[str, Any]) -> str:
             parts.get("matmul", {}).get("tflops"),
             parts.get("copy", {}).get("tb_per_s_read_and_written"),
         )
-        figures = [f"{len(v.get('devices') or [])} x {d.get('kind')} cc {d.get('compute_capability') or '-'}",
-                   f"jax {v['versions'].get('jax')}"]  # fmt: skip
         fp8 = parts.get("fp8_matmul", {}).get("gemm_tflops")
-        figures += [
-            f"bf16 matmul {rate:.3g} TFLOP/s" if rate else "",
-            f"FP8 {fp8:.3g}" if fp8 else "",
-            f"copy {copy:.3g} TB/s" if copy else "",
-        ]
-        return ", ".join(f for f in figures if f)
-    bad = [
-        f"{name}: {r.get('failed')}"
-        for name, r in parts.items()
-        if not r.get("passed") and not r.get("informational")
-    ]
-    if result.get("error"):
-        bad.insert(0, result["error"])
-    judged = [r for r in parts.values() if not r.get("informational")]
-    counted = f"{sum(bool(r.get('passed')) for r in judged)}/{len(judged)} passed"
-    if len(judged) < len(parts):
-        counted += f" (+{len(parts) - len(judged)} informational)"
-    return f"{counted}; {bad[0]}" if bad else counted
+        figures = [f"{len(v.get('devices') or [])} x {d.get('kind')} cc {d.get('compute_capability') or '-'}",
+                   f"jax {v['versions'].get('jax')}", f"bf16 matmul {rate:.3g} TFLOP/s" if rate else "",
+                   f"FP8 {fp8:.3g}" if fp8 else "", f"copy {copy:.3g} TB/s" if copy else ""]  # fmt: skip
+        line = ", ".join(f for f in figures if f)
+    if result["status"] == "passed":
+        return line
+    rules = ", ".join(result.get("rules_failed", [])) or "part.ran"
+    return f"failed (rule {rules}): {bad[0] if bad else line}"
 
 
 def table(report: dict[str, Any]) -> str:
-    """The summary for people: one row per stage, then each part's line."""
+    """The summary for people: the verdict and the rules' version, one row per stage, each part's
+    line, then each rule broken in the words of the report's rules (health/gpu_rules.py)."""
+    rules = report["rules"]
     rows = [
         "",
-        "gpu_check: " + ("PASSED" if report.get("passed") else "FAILED"),
+        f"gpu_check: {'PASSED' if report.get('passed') else 'FAILED'}, judged by rules v{rules['version']} "
+        f"({rules['source']})",
         f"{'stage':<9}{'status':<9}{'s':>6}  summary",
     ]
     for stage, r in report["stages"].items():
@@ -363,6 +379,8 @@ def table(report: dict[str, Any]) -> str:
             state = "pass" if part.get("passed") else ("info" if part.get("informational") else "FAIL")
             rows.append(f"  {stage:<8}{state:<5} {name}  {_figures(part)}"[:400])
         rows += [f"  {stage:<8}NOT RUN {name}" for name in r.get("not_run", [])]
+    broken = dict.fromkeys(x for r in report["stages"].values() for x in r.get("rules_failed", []))
+    rows += [f"  rule {name} broken: {rules['rules'][name]['says']}" for name in broken]
     return "\n".join(rows)
 
 
@@ -381,5 +399,7 @@ def _figures(part: dict[str, Any]) -> str:
         shown += [f"{k} {v.get('tokens_per_sec') or 0:,.0f} tok/s" for k, v in part["runs"].items()]
     if part.get("failed"):
         shown.append(str(part["failed"])[:250])
+    if part.get("rules_failed") and not part.get("passed"):
+        shown.append(f"[rule {', '.join(part['rules_failed'])}]")
     shown.append(f"({part.get('seconds', 0):.1f} s)")
     return "  ".join(shown)
