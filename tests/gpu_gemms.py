@@ -5,6 +5,9 @@ elements (maxima taken across devices), as JSON on stdout.
     .venv/bin/python tests/gpu_gemms.py --config configs/llama_tiny.yaml --dtype bfloat16 --model.matmul fp8
     .venv/bin/python tests/gpu_gemms.py --gpus 8 --config ... --mesh.fsdp 8     # one host of 8
     .venv/bin/python tests/gpu_gemms.py --hosts 16 --gpus 8 --config ...       # 16 hosts of 8
+    .venv/bin/python tests/gpu_gemms.py --without_fp8_options --config ...    # the job's start refuses it
+
+"census": observe/gemms.py's counts; "refused": the line the job's start gives its step, or null.
 
 Its own process: the CUDA plugin must never enter pytest's (jaxtrain/plan/targets.py use_plugin).
 """
@@ -22,7 +25,9 @@ from jaxtrain.plan import targets  # noqa: E402
 
 targets.use_plugin()
 
-from jaxtrain.config import load_config  # noqa: E402
+from jaxtrain import xla_env  # noqa: E402
+from jaxtrain.config import ConfigError, load_config  # noqa: E402
+from jaxtrain.observe import gemms as census  # noqa: E402
 from jaxtrain.run.build import build  # noqa: E402
 from jaxtrain.run.job import Job  # noqa: E402
 
@@ -58,6 +63,8 @@ def gemms(hlo: str) -> dict:
 
 
 def main(argv: list[str]) -> None:
+    without = tuple(xla_env.FP8_OPTIONS) if "--without_fp8_options" in argv else ()
+    argv = [a for a in argv if a != "--without_fp8_options"]
     sizes = {}
     for flag in ("--hosts", "--gpus"):  # hosts x GPUs a host, 1 x 1 unless given
         sizes[flag] = int(argv.pop(argv.index(flag) + 1)) if flag in argv else 1
@@ -65,9 +72,16 @@ def main(argv: list[str]) -> None:
     target = targets.get("h100")
     devices = targets.target_devices(target, sizes["--hosts"], sizes["--gpus"])
     run = build(Job.of_devices(load_config(argv), devices))
+    options = {k: v for k, v in (run.compiler_options or {}).items() if k not in without} or None
     with targets.cudnn_gates(target):
-        hlo = run.compile_train().as_text()
-    print(json.dumps(gemms(hlo)))
+        compiled = run.train_step.lower(run.target, run.batch_shape).compile(options)  # as compile_train
+    refused = None
+    try:
+        run.check_gemms(compiled)  # what the job's start checks of its step (run/build.py compile_train)
+    except ConfigError as e:
+        refused = str(e)
+    hlo = compiled.as_text()
+    print(json.dumps(gemms(hlo) | {"census": census.counts(census.census(hlo)), "refused": refused}))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from jaxtrain.model import fp8
 from jaxtrain.model.layers import Fp8Dot, dense
 from jaxtrain.model.params import path_names
 from jaxtrain.model.transformer import GPT
-from jaxtrain.observe import peaks
+from jaxtrain.observe import gemms, peaks
 from jaxtrain.parallel import fsdp, pipeline
 from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.run.build import build
@@ -537,3 +537,45 @@ def test_the_pipelines_stage_multiplies_its_weights_rounded_once_a_step():
         assert a.dtype == np.float32
         np.testing.assert_array_equal(a, b)
     assert np.abs(np.asarray(once_grads["mlp"]["out"]["kernel"])).max() > 0
+
+
+# Three GEMMs of an H100 program (tests/gpu_gemms.py's llama_tiny, trimmed): an FP8 projection that is
+# cuBLASLt's FP8 GEMM, one XLA left as a bf16 cuBLAS GEMM (as it does without jaxtrain's FP8
+# options), and the bf16 head's.
+_CALL = "  %{} = (bf16[64,64]{{1,0}}, s8[0]{{0}}) custom-call({}), " + 'custom_call_target="{}", '
+_CALL += 'metadata={{op_name="jit(train_step)/jvp(GPT)/{}"}}'
+H100_GEMMS = "\n".join([
+    "ENTRY %main (x: f8e4m3fn[64,128], w: f8e4m3fn[128,64]) -> bf16[64,64] {",
+    "  %x = f8e4m3fn[64,128]{1,0} parameter(0)",
+    "  %w = f8e4m3fn[128,64]{1,0} parameter(1)",
+    _CALL.format("g", "%x, %w", "__cublas$lt$matmul$f8", "mlp/out/Fp8Dot_0/fp8_dot/dot"),
+    "  %xb = bf16[64,128]{1,0} fusion(%x), kind=kLoop, calls=%dequantize",
+    _CALL.format("h", "%xb, %xb", "__cublas$lt$matmul", "attn/q/Fp8Dot_0/fp8_dot/dot"),
+    _CALL.format("head", "%xb, %xb", "__cublas$gemm", "lm_head/dot_general"),
+    "}",
+])  # fmt: skip
+
+
+def test_the_gemm_census_counts_fp8_gemms_and_refuses_only_a_gpus_projections_left_in_bf16():
+    """observe/gemms.py, the check an FP8 job's step passes where it starts (run/build.py
+    compile_train): on a CPU the FP8 dot's three GEMMs are XLA's dots over the rounded operands (the
+    emulation, never refused); on a GPU a projection that is not an FP8 GEMM is refused in one line
+    naming how many and which."""
+    x, w = _operands()
+    dot = functools.partial(fp8.fp8_dot_general, dimension_numbers=(((2,), (0,)), ((), ())))
+
+    def forward_and_back(x: jax.Array, w: jax.Array, dy: jax.Array) -> tuple[jax.Array, ...]:
+        y, vjp = jax.vjp(dot, x, w)
+        return (y, *vjp(dy))  # the forward's GEMM and the backward's two
+
+    found = gemms.census(jax.jit(forward_and_back).lower(x, w, x[..., :32]).compile().as_text())
+    assert gemms.counts(found) == {"fp8": 0, "cublas": 0, "other": 3, "asked_fp8": 3, "not_fp8": 3}
+    assert gemms.refusal(found, "cpu") is None
+    h100 = gemms.census(H100_GEMMS)
+    assert gemms.counts(h100) == {"fp8": 1, "cublas": 2, "other": 0, "asked_fp8": 2, "not_fp8": 1}
+    assert gemms.summary(gemms.counts(h100)).endswith("; 1 of the 2 rounded to FP8 are FP8 GEMMs")
+    assert gemms.summary(gemms.counts(found)).startswith("0 FP8, 0 other cuBLAS, 3 XLA's own")
+    line = gemms.refusal(h100, "gpu")
+    assert line is not None and "\n" not in line
+    assert line.startswith("model.matmul fp8: 1 of the train step's 2 FP8 GEMMs compiled to other GEMMs ")
+    assert "(1 __cublas$lt$matmul; the first: jit(train_step)/jvp(GPT)/attn/q/Fp8Dot_0/fp8_dot/dot)" in line

@@ -403,6 +403,22 @@ def test_fp8_projections_compile_to_cublaslt_fp8_gemms():
     # The arrays gathered: 2 layers x 5 projections in e4m3 (before: all 12 in bf16), wte and lm_head.
     assert gemms["gathers"] == {"f8e4m3fn": 10, "bf16": 2}, gemms
     assert "bf16" not in gemms["small_all_reduces"], gemms  # the weights' maxima: float32, combined
+    # The job's start counts the same (observe/gemms.py) and lets the step run
+    assert gemms["census"] == {"fp8": 30, "cublas": 3, "other": 0, "asked_fp8": 30, "not_fp8": 0}, gemms
+    assert gemms["refused"] is None, gemms
+
+
+def test_an_fp8_step_compiled_without_the_fp8_options_is_refused_by_the_jobs_start_check():
+    """Without xla_env.FP8_OPTIONS (Triton GEMMs on) the compiler for an H100 emits the projections'
+    FP8 dots as Triton GEMM fusions over bf16 operands: none of one layer's 15 FP8 products is an
+    FP8 GEMM. run/build.py's check (what compile_train runs where a job starts) refuses the step in
+    one line naming how many and which."""
+    argv = ["--config", "configs/llama_tiny.yaml", "--dtype", "bfloat16", "--model.n_layer", "1"]
+    gemms = _gemms([*argv, "--model.matmul", "fp8", "--without_fp8_options"])
+    assert gemms["census"] == {"fp8": 0, "cublas": 0, "other": 18, "asked_fp8": 15, "not_fp8": 15}, gemms
+    line = gemms["refused"]
+    assert line.startswith("model.matmul fp8: 15 of the train step's 15 FP8 GEMMs compiled to other "), line
+    assert "(15 __triton_nested_gemm_fusion; the first: jit(train_step)/" in line and "\n" not in line, line
 
 
 def test_a_pipelines_fp8_gemms_stay_fp8_inside_its_tick_loop():

@@ -11,10 +11,13 @@ import socket
 import time
 
 import jax
+import ml_dtypes
+import numpy as np
 import pytest
 from processes import TINY, ok, run_train
 
 from jaxtrain.config import ConfigError, load_config
+from jaxtrain.model import fp8
 from jaxtrain.run import kernels, verdicts
 from jaxtrain.run import preflight as pf
 from jaxtrain.run.job import Job
@@ -96,6 +99,11 @@ def test_fp8_matmuls_are_checked_on_gpus_at_the_jobs_widths_and_refused_by_name(
     (check,) = [c for c in pf.checks(picked, "cpu", "") if c.name.startswith("fp8_matmul")]
     assert check.name == "fp8_matmul m32 k64 n48"
     assert pf.run_check(check, jax.devices()[:1]).passed
+    # Its reference rounds with numpy (ml_dtypes), not model/fp8.py: the two agree bitwise
+    x = jax.random.normal(jax.random.key(0), (32, 64), "float32").astype("bfloat16") * 1e-4
+    for ours, theirs in ((fp8.FORWARD, ml_dtypes.float8_e4m3fn), (fp8.GRADIENT, ml_dtypes.float8_e5m2)):
+        q, scale = fp8.quantize(x, ours)
+        np.testing.assert_array_equal(pf.numpy_rounded(x, theirs), np.asarray(q.astype("float32") * scale))
     skewed = pf.run_check(verdicts._skewed(check), jax.devices()[:1])
     assert not skewed.passed and skewed.failed.startswith("out off by")
     with pytest.raises(ConfigError) as refused:  # asked for by name: no fallback

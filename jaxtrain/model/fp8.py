@@ -43,6 +43,9 @@ TRANSPOSED = "fp8_kernel_t"  # QUANTIZED laid out for the forward GEMM (`fp8_dot
 SCALE = "fp8_scale"
 # The name of an activation's scale (`activation_scale`) for remat: `saving_scales` keeps these.
 SAVED = "fp8_activation_scale"
+# The name scope of every product rounded to FP8 here, forward and backward: a compiled program's
+# GEMMs under it must be FP8 GEMMs on a GPU (observe/gemms.py, checked where a job starts).
+SCOPE = "fp8_dot"
 
 # The projections model.matmul fp8 multiplies in FP8 (each `layers.dense(..., matmul=cfg.matmul)`),
 # by their param path's (module, layer) ending: what fsdp may gather as FP8 (`projection`).
@@ -315,8 +318,11 @@ def fp8_dot_quantized(
     pipeline's ticks) is otherwise transposed again inside it, at every use (the backward's GEMM
     takes `quantized` as it is). `blocks`: as `fp8_dot_general`'s."""
     x_blocks, g_blocks = blocks
-    sx = activation_scale(lhs, x_blocks)
-    return _quantized_dot(lhs, rhs, quantized, transposed, scale, sx, _hashable(dimension_numbers), g_blocks)
+    with jax.named_scope(SCOPE):
+        sx = activation_scale(lhs, x_blocks)
+        return _quantized_dot(
+            lhs, rhs, quantized, transposed, scale, sx, _hashable(dimension_numbers), g_blocks
+        )
 
 
 def fp8_dot_general(
@@ -332,7 +338,8 @@ def fp8_dot_general(
     scales one a block (`tensor_blocks`), else one a tensor."""
     del precision, preferred_element_type  # FP8 GEMMs accumulate in float32 and return lhs's dtype
     x_blocks, g_blocks = blocks
-    return _fp8_dot(lhs, rhs, activation_scale(lhs, x_blocks), _hashable(dimension_numbers), g_blocks)
+    with jax.named_scope(SCOPE):
+        return _fp8_dot(lhs, rhs, activation_scale(lhs, x_blocks), _hashable(dimension_numbers), g_blocks)
 
 
 def _hashable(dims: Any) -> Any:

@@ -13,13 +13,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxtrain.observe.gemms import FP8_GEMM
+
 DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
     "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 1, "u4": 1,
 }  # fmt: skip
 ARRAY = re.compile(r"([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\]")
 FP8_DTYPES = ("f8e4m3fn", "f8e5m2")  # the operands of an FP8 GEMM on Hopper
-FP8_GEMM = "__cublas$lt$matmul$f8"  # cuBLASLt's FP8 GEMM, as XLA's GEMM rewriter calls it
 # model/grouped.py's FLOPS_SCOPE and FP8_FLOPS_SCOPE: a scope in the op's op_name naming the kernel's
 # routed FLOPs, and (fp8_) whether it multiplies on FP8 tensor cores.
 GROUPED_FLOPS = re.compile(r"grouped_matmul_(fp8_)?flops_(\d+)")

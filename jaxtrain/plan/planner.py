@@ -26,6 +26,7 @@ import jax
 from jaxtrain.config import Config
 from jaxtrain.config.checks import mesh_str
 from jaxtrain.errors import UserError
+from jaxtrain.observe import gemms
 from jaxtrain.observe.memory import fits
 from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.parallel import pipeline
@@ -100,7 +101,10 @@ def plan_one(cfg: Config, target: targets.GpuTarget, hosts: int, gpus_per_host: 
         tokens_per_step=f["global_batch"] * f["cfg"].model.seq_len,
         expert_load=forecast.expert_load(f["cfg"].model.moe.capacity_factor, f["cfg"].model.moe.n_experts),
     )  # fmt: skip
-    return head | {"compiled": True} | plan.analyze(train, evaluate, facts, time.perf_counter() - t0)
+    analyzed = plan.analyze(train, evaluate, facts, time.perf_counter() - t0)
+    # The train step's GEMMs by kind, as the job's start counts them (an FP8 one that did not
+    # become an FP8 GEMM was refused there: run/build.py compile_train, observe/gemms.py)
+    return head | {"compiled": True} | analyzed | {"gemms": gemms.counts(gemms.census(train.as_text() or ""))}
 
 
 class Refused(UserError):
@@ -220,6 +224,7 @@ def print_plan(p: dict[str, Any]) -> None:
                             f"{gb(p.get('reserve_bytes_per_device', 0))} of it kept for autotuning and "
                             "workspaces: " + ("FITS" if p["fits"] else "DOES NOT FIT")),
         ("attention", p["attention"]),
+        *([("GEMMs", gemms.summary(p["gemms"]))] if "gemms" in p else []),
         ("compile", f"{p['compile_s']:.1f} s"),
     ]  # fmt: skip
     for k, v in rows:

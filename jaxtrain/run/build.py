@@ -23,13 +23,13 @@ from jax.sharding import Mesh
 
 from jaxtrain import faults as faults_lib
 from jaxtrain import xla_env
-from jaxtrain.config import Config
+from jaxtrain.config import Config, ConfigError
 from jaxtrain.faults import FaultPlan, Faults
 from jaxtrain.model.moe import active_params
 from jaxtrain.model.params import param_count
 from jaxtrain.model.transformer import GPT, flops_per_token
+from jaxtrain.observe import gemms, peaks
 from jaxtrain.observe import memory as memory_lib
-from jaxtrain.observe import peaks
 from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.run import kernels, verdicts
 from jaxtrain.run.job import Job
@@ -101,15 +101,28 @@ class Run:
         return mesh_lib.bytes_per_device(self.abstract, specs, self.mesh)
 
     def compile_train(self) -> jax.stages.Compiled:
-        """The train step compiled ahead of time (no stall in step 1); out of memory is one line."""
+        """The train step compiled ahead of time (no stall in step 1); out of memory is one line; an
+        FP8 step whose FP8 products are not FP8 GEMMs is refused (`check_gemms`)."""
         try:
             if self.host_faults:
                 self.host_faults.out_of_memory("compile")
-            return self.train_step.lower(self.target, self.batch_shape).compile(self.compiler_options)
+            compiled = self.train_step.lower(self.target, self.batch_shape).compile(self.compiler_options)
         except jax.errors.JaxRuntimeError as e:
             if not memory_lib.is_out_of_memory(e):
                 raise
             raise self.out_of_memory(e, "compiling the step", 0) from None
+        self.check_gemms(compiled)
+        return compiled
+
+    def check_gemms(self, compiled: jax.stages.Compiled) -> None:
+        """A ConfigError in one line where an FP8 job's step (model.matmul or head_matmul fp8),
+        compiled for GPUs, multiplies some of its FP8-rounded products in other GEMMs: at bf16's
+        speed (observe/gemms.py; a CPU's dots are the emulation, never refused)."""
+        if "fp8" not in (self.cfg.model.matmul, self.cfg.model.head_matmul):
+            return
+        why = gemms.refusal(gemms.census(compiled.as_text() or ""), self.mesh.devices.flat[0].platform)
+        if why:
+            raise ConfigError(why)
 
     def compile_eval(self) -> jax.stages.Compiled:
         return self.eval_step.lower(self.target.params, self.batch_shape).compile(self.compiler_options)

@@ -29,12 +29,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain import xla_env
 from jaxtrain.model import grouped
+from jaxtrain.observe import gemms
 
 # The kernels and references checked, by module attribute in this one place: model/ and parallel/
 # are refactored often, and a rename is then a one-line fix here (meanwhile only the checks using it
@@ -486,15 +488,17 @@ def exchange_check(
 
 def fp8_check(m: int, k: int, n: int, *, scale: float = 1e-4) -> Check:
     """The FP8 projection (model/fp8.py: e4m3 operands, e5m2 gradient, each tensor scaled) on rows
-    [m, k] x w [k, n], its output and both gradients, against the same roundings multiplied in
-    float32: only the GEMMs differ, so a scale applied twice or not at all, an operand read in the
-    wrong layout or products accumulated short is what it finds. Compiled as a job's FP8 step is
-    (xla_env.FP8_OPTIONS); on a GPU all three GEMMs must come out as cuBLASLt's FP8 GEMM, or the
-    projections would multiply in bf16, at bf16's speed. The gradient is `scale` small, as a
-    step's are: its own scale must bring it into e5m2's range."""
+    [m, k] x w [k, n], its output and both gradients, against the same roundings made by numpy
+    (`numpy_rounded`: not model/fp8.py's, so a rounding or scale wrong there differs here) and
+    multiplied in float32: a scale applied twice or not at all, an operand read in the wrong layout
+    or products accumulated short is what it finds. Compiled as a job's FP8 step is
+    (xla_env.FP8_OPTIONS); on a GPU all three GEMMs must come out as FP8 GEMMs (observe/gemms.py,
+    the check a job's step passes where it starts), or the projections would multiply in bf16, at
+    bf16's speed. The gradient is `scale` small, as a step's are: its own scale must bring it into
+    e5m2's range."""
 
     def compute(devices: Sequence[Any]) -> Compared:
-        matmul, quantize = kernel("fp8_matmul"), kernel("fp8_quantize")
+        matmul = kernel("fp8_matmul")
         dims = (((1,), (0,)), ((), ()))
         gpu = devices[0].platform != "cpu"
         with jax.default_device(devices[0]):
@@ -503,18 +507,28 @@ def fp8_check(m: int, k: int, n: int, *, scale: float = 1e-4) -> Check:
             cot = _normal(r[2], (m, n), "bfloat16", scale)
             ours = jax.jit(lambda x, w, c: _with_grads(lambda x, w: matmul(x, w, dims), (x, w), c))
             compiled = ours.lower(x, w, cot).compile(xla_env.FP8_OPTIONS if gpu else None)
-            gemms = (compiled.as_text() or "").count("__cublas$lt$matmul$f8")
-            if gpu and gemms < 3:
-                raise ValueError(f"{gemms} of 3 GEMMs compiled to cuBLASLt's FP8 GEMM: the rest run in bf16")
+            fp8 = gemms.counts(gemms.census(compiled.as_text() or ""))["fp8"]
+            if gpu and fp8 < 3:
+                raise ValueError(f"{fp8} of 3 GEMMs compiled to FP8 GEMMs: the rest run in bf16")
             got = compiled(x, w, cot)
-
-            def rounded(a: jax.Array, dtype: Any) -> jax.Array:
-                q, s = quantize(a, dtype)
-                return q.astype(jnp.float32) * s
-
-            xq, wq = rounded(x, jnp.float8_e4m3fn), rounded(w, jnp.float8_e4m3fn)
-            gq = rounded(cot, jnp.float8_e5m2)
+            xq, wq = numpy_rounded(x, ml_dtypes.float8_e4m3fn), numpy_rounded(w, ml_dtypes.float8_e4m3fn)
+            gq = numpy_rounded(cot, ml_dtypes.float8_e5m2)
             want = _reference(lambda x, w, g: (x @ w, g @ w.T, x.T @ g), xq, wq, gq)
         return dict(zip(("out", "d_x", "d_w"), zip(got, want, strict=True), strict=True))
 
     return Check(f"fp8_matmul m{m} k{k} n{n}", compute, TOLERANCE["bfloat16"])
+
+
+def numpy_rounded(x: jax.Array, dtype: Any) -> np.ndarray:
+    """x rounded to FP8 `dtype` (ml_dtypes' e4m3 or e5m2, round to nearest even) by numpy alone, as
+    model/fp8.py's rule says it should be, float32: scaled by the smallest power of two at or above
+    max|x| over the format's largest value (1 for zeros), rounded, scaled back."""
+    a = np.asarray(jax.device_get(x), np.float32)
+    amax, largest = float(np.max(np.abs(a))) or 1.0, float(ml_dtypes.finfo(dtype).max)
+    e = math.frexp(amax / largest)[1]  # then made exact: largest * 2^e >= amax > largest * 2^(e-1)
+    while math.ldexp(largest, e - 1) >= amax:
+        e -= 1
+    while math.ldexp(largest, e) < amax:
+        e += 1
+    scale = np.float32(math.ldexp(1.0, e))
+    return (a / scale).astype(dtype).astype(np.float32) * scale
