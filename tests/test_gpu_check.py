@@ -218,3 +218,27 @@ def test_a_part_that_kills_its_process_fails_alone_and_the_stage_goes_on(tmp_pat
     assert stage["parts"]["planted abort"]["failed"].startswith("its process died of SIGABRT in it")
     assert all(stage["parts"][p]["passed"] for p in ("versions", "matmul", "fp8_matmul", "copy"))
     assert "  device  FAIL  planted abort  its process died of SIGABRT in it" in done.stdout
+
+
+def test_an_observation_is_no_check_even_when_it_kills_its_process(tmp_path):
+    """What run/preflight.py marks informational (the exchange's landing-buffer gradient) is recorded
+    under the stage's observations, never among its checks: one planted that aborts its process
+    leaves the stage passed, its checks counted without it."""
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, "scripts/gpu_check.py", "--out", str(out), "--stages", "device", "--budget_s", "60"],
+        cwd=ROOT, env=clean_env(JAXTRAIN_GPU_CHECK_FAULT="observe"), capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    stage = json.loads((out / "gpu_check.json").read_text())["stages"]["device"]
+    assert stage["status"] == "passed" and list(stage["parts"]) == [
+        "versions",
+        "matmul",
+        "fp8_matmul",
+        "copy",
+    ]
+    assert list(stage["observations"]) == ["planted observation"] and not stage["not_run"]
+    assert stage["observations"]["planted observation"]["failed"].startswith("its process died of SIGABRT")
+    assert "  device  seen  planted observation  its process died of SIGABRT" in done.stdout
+    assert "FAIL" not in done.stdout and "rule " not in done.stdout.split("gpu_check: PASSED")[1]

@@ -152,6 +152,7 @@ def run_stage(stage: str, out: Path, work: Path, options: dict[str, Any]) -> dic
     t0 = time.time()
     progress = work / f"{stage}.jsonl"  # each process's own: it announces the parts again
     parts: list[str] | None = None
+    seen: list[str] = []  # the parts that are observations, not checks (as the stage announced them)
     results: dict[str, dict[str, Any]] = {}
     error = ""
     with (out / f"{stage}.log").open("a") as log:
@@ -169,6 +170,7 @@ def run_stage(stage: str, out: Path, work: Path, options: dict[str, Any]) -> dic
             ended = _watch(proc, progress, options["deadline"], PART_LIMIT_S[stage])
             events = _events(progress)
             parts = next((e["parts"] for e in reversed(events) if "parts" in e), parts)
+            seen = next((e.get("observations", []) for e in reversed(events) if "parts" in e), seen)
             results.update({e["part"]: e["result"] for e in events if "result" in e})
             if ended == "exited" and proc.returncode == 0:
                 break
@@ -182,14 +184,17 @@ def run_stage(stage: str, out: Path, work: Path, options: dict[str, Any]) -> dic
             )
             results[running] = {"passed": False, "failed": f"its process {how} in it: {note}",
                                 "seconds": round(time.time() - began, 1),
-                                "rules_failed": ["part.ran"]}  # fmt: skip
+                                "rules_failed": [] if running in seen else ["part.ran"]}  # fmt: skip
     _cap(out / f"{stage}.log")
     parts = parts or []
-    missing = [p for p in parts if p not in results]
-    judged = [r for r in results.values() if not r.get("informational")]
-    passed = bool(parts) and not missing and not error and all(r.get("passed") for r in judged)
+    # An observation is no check (rule kernels.observations): recorded apart, never judged or
+    # counted among the checks, whether it ran, failed or was not reached.
+    missing = [p for p in parts if p not in results and p not in seen]
+    checks = {name: r for name, r in results.items() if name not in seen}
+    observed = {name: r for name, r in results.items() if name in seen}
+    passed = bool(checks) and not missing and not error and all(r.get("passed") for r in checks.values())
     return {"status": "passed" if passed else "failed", "seconds": round(time.time() - t0, 1),
-            "parts": results, "not_run": missing, "error": error}  # fmt: skip
+            "parts": checks, "observations": observed, "not_run": missing, "error": error}  # fmt: skip
 
 
 def _watch(proc: subprocess.Popen, progress: Path, deadline: float, part_limit: float) -> str:
@@ -323,7 +328,7 @@ def _judge_losses(
 def name_rules(stage: str, result: dict[str, Any]) -> None:
     """Each failed part of a stage names the rules it broke (its judge's, else the stage's rule)."""
     for part in result["parts"].values():
-        if not part.get("passed") and not part.get("informational") and not part.get("rules_failed"):
+        if not part.get("passed") and not part.get("rules_failed"):
             part["rules_failed"] = [STAGE_RULE[stage]]
     broken = [r for p in result["parts"].values() for r in p.get("rules_failed", []) if not p.get("passed")]
     if result.get("error") or result.get("not_run"):
@@ -335,15 +340,13 @@ def summary(stage: str, result: dict[str, Any]) -> str:
     """The stage's one line for the table: 'failed (rules ...): ' and its first failure where it
     failed, else its figures or its count of checks passed."""
     parts = result["parts"]
-    bad = [f"{name}: {r.get('failed')}" for name, r in parts.items() if not r.get("passed")
-           and not r.get("informational")]  # fmt: skip
+    bad = [f"{name}: {r.get('failed')}" for name, r in parts.items() if not r.get("passed")]
     if result.get("error"):
         bad.insert(0, result["error"])
     bad += [f"{name}: not run" for name in result.get("not_run", [])]
-    judged = [r for r in parts.values() if not r.get("informational")]
-    line = f"{sum(bool(r.get('passed')) for r in judged)}/{len(judged)} passed"
-    if len(judged) < len(parts):
-        line += f" (+{len(parts) - len(judged)} informational)"
+    line = f"{sum(bool(r.get('passed')) for r in parts.values())}/{len(parts)} checks passed"
+    if result.get("observations"):
+        line += f" ({len(result['observations'])} observations recorded, not judged)"
     if stage == "device" and "versions" in parts:
         v = parts["versions"]
         d = (v.get("devices") or [{}])[0]
@@ -376,9 +379,15 @@ def table(report: dict[str, Any]) -> str:
         rows.append(f"{stage:<9}{r['status']:<9}{r['seconds']:>6.0f}  {r.get('summary', '')[:300]}")
     for stage, r in report["stages"].items():
         for name, part in r.get("parts", {}).items():
-            state = "pass" if part.get("passed") else ("info" if part.get("informational") else "FAIL")
-            rows.append(f"  {stage:<8}{state:<5} {name}  {_figures(part)}"[:400])
+            rows.append(
+                f"  {stage:<8}{'pass' if part.get('passed') else 'FAIL':<5} {name}  {_figures(part)}"[:400]
+            )
         rows += [f"  {stage:<8}NOT RUN {name}" for name in r.get("not_run", [])]
+    for stage, r in report["stages"].items():  # no checks: what they measured, no verdict
+        rows += [
+            f"  {stage:<8}seen  {name}  {_figures(part)}"[:400]
+            for name, part in r.get("observations", {}).items()
+        ]
     broken = dict.fromkeys(x for r in report["stages"].values() for x in r.get("rules_failed", []))
     rows += [f"  rule {name} broken: {rules['rules'][name]['says']}" for name in broken]
     return "\n".join(rows)

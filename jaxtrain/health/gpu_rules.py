@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-RULES_VERSION = 3
+RULES_VERSION = 4
 LATE_STEPS = 5  # the train rules' "last steps"
 FP8_RUNS = ("llama_fp8", "moe_pallas_fp8")  # train runs in FP8 against a bf16 reference run
 
@@ -52,13 +52,19 @@ RULES: dict[str, Rule] = {
         None,
         "d95395b 2026-11-28, before the first GPU run (FP8's check 5fe3330, before the second)",
     ),
-    "kernels.informational": Rule(
+    "kernels.observations": Rule(
         "kernels",
-        "a check run_check marks informational is run and recorded, not judged: the Pallas matmul "
-        "in float32 (tiles past the shared memory) and the exchange's landing-buffer gradient",
+        "no check: what run/preflight.py marks informational runs and is recorded under the stage's "
+        "observations, neither judged nor counted among its checks: the exchange's landing-buffer "
+        "gradient, the Pallas matmul in float32, an expert width past what a kernel supports",
         None,
-        "d06986d 2026-11-28, AFTER the first GPU run failed the landing buffer's gradient (0.70 "
-        "off), judged until then; the float32 tiles informational from d95395b",
+        "rules v4, 2026-12-07, before any run judged by it. The landing buffer's gradient is jax's "
+        "transpose of ragged_all_to_all (0.70 off on an H200 in both runs), which no jaxtrain "
+        "program takes: parallel/expert.py lands the copies in zeros or stopped values. Judged, it "
+        "fails every run for a gradient jaxtrain never computes; counted as an 'informational' check "
+        "(v2, v3: after the first run failed it) it read as a check. Float32 tiles and widths past a "
+        "kernel's support are no configuration jaxtrain runs (Mosaic refuses the float32 tiles on "
+        "Hopper: 262 KB of shared memory of 227 KB)",
     ),
     "train.finite": Rule(
         "train",

@@ -111,8 +111,20 @@ BENCH = {  # bench/bench_gpu.py's flags: a short run list; on CPU its documented
 }  # fmt: skip
 
 PART_MARK = "=== part: "
-FAULT_ENV = "JAXTRAIN_GPU_CHECK_FAULT"  # tests only: "abort" adds a part that aborts its process
+# tests only: "abort" adds a part that aborts its process, "observe" an observation that does
+FAULT_ENV = "JAXTRAIN_GPU_CHECK_FAULT"
 Part = tuple[str, Callable[[], dict[str, Any]]]  # name, what it measures (its result has "passed")
+
+
+class Observation:
+    """A part that measures and is no check: recorded apart, never judged (gpu_rules.py
+    kernels.observations). Announced as such before it runs, so one that kills its process stays one."""
+
+    def __init__(self, measure: Callable[[], dict[str, Any]]) -> None:
+        self.measure = measure
+
+    def __call__(self) -> dict[str, Any]:
+        return self.measure()
 
 
 def run_stage(stage: str, work: Path, options: dict[str, Any], skip: set[str]) -> None:
@@ -121,8 +133,11 @@ def run_stage(stage: str, work: Path, options: dict[str, Any], skip: set[str]) -
     found = parts[stage](work, options)
     if os.environ.get(FAULT_ENV) == "abort":  # tests: a part that kills its process, second
         found.insert(1, ("planted abort", os.abort))
+    if os.environ.get(FAULT_ENV) == "observe":
+        found.insert(1, ("planted observation", Observation(os.abort)))
     progress = work / f"{stage}.jsonl"
-    _append(progress, {"parts": [name for name, _ in found]})
+    seen = [name for name, measure in found if isinstance(measure, Observation)]
+    _append(progress, {"parts": [name for name, _ in found], "observations": seen})
     for name, measure in found:
         if name in skip:
             continue
@@ -268,7 +283,7 @@ def _copy_bandwidth() -> dict[str, Any]:
 
 def kernel_checks(platform: str, capability: str) -> list[Any]:
     """run/preflight.py's checks the GPU check runs: on GPUs the GPU-only kernels at the shipped
-    widths, float32 tiles last (informational: they may not fit shared memory); on CPUs the
+    widths, float32 tiles last (an observation: they may not fit shared memory); on CPUs the
     references and the Pallas forward in its interpreter, small."""
     from jaxtrain.model import grouped
     from jaxtrain.run import preflight as pf
@@ -329,7 +344,8 @@ def _kernel_parts(work: Path, options: dict[str, Any]) -> list[Part]:
 
         return run
 
-    return [(c.name, measure(c)) for c in kernel_checks(devices[0].platform, capability)]
+    found = kernel_checks(devices[0].platform, capability)
+    return [(c.name, Observation(measure(c)) if c.informational else measure(c)) for c in found]
 
 
 # ---------------------------------------------------------------------------------- train
