@@ -2,9 +2,10 @@
 health/gpu_check.py and health/gpu_stages.py read their thresholds here, the JSON report records
 the version and the rules it was judged by, and its summary names the rule each failure broke.
 
-A rule is fixed before the run it judges. A change is its own commit, with its reason, and a new
-RULES_VERSION; a run judged by earlier rules stays judged by them (docs/gpu_check.md reports each
-GPU run by the version in force when it ran). `set` says when each rule took its present form.
+A rule is fixed before the run it judges. A change is its own commit, with its reason; a change
+to what passes is a new RULES_VERSION. A run judged by earlier rules stays judged by them
+(docs/gpu_check.md reports each GPU run by the version in force when it ran). `set` says when
+each rule took its present form, and why.
 """
 
 from __future__ import annotations
@@ -77,13 +78,19 @@ RULES: dict[str, Rule] = {
         "the first step's loss (the same params and batch) within {threshold:.1%} of the reference run's",
         1e-3,
         "d06986d 2026-11-28, AFTER the first GPU run failed 'every step within 1%' (moe_pallas "
-        "1.17% off at one step)",
+        "1.17% off at one step); kept 2026-12-07, before any later run (see train.late_mean)",
     ),
     "train.late_mean": Rule(
         "train",
-        "the mean of the last {late} steps' losses within {threshold:.0%} of the reference run's",
+        "the mean of the last {late} steps' losses within {threshold:.0%} of the reference run's (the "
+        "worst single step recorded, not judged)",
         0.01,
-        "d06986d 2026-11-28, AFTER the first GPU run failed 'every step within 1%'",
+        "d06986d 2026-11-28, AFTER the first GPU run failed 'every step within 1%'; kept 2026-12-07, "
+        "before any later run: single steps of a bf16 mixture of experts part by routing flips, so "
+        "'every step' fails kernels proven right (the second run: blocks, proven on CPU, 2.99% off "
+        "ragged_dot at its worst step, pallas 3.18%, both with first steps equal and last-five means "
+        "0.44% and 0.40% apart). The first step, same params and batch, holds the kernels' forward "
+        "to 0.1%; the last steps' mean holds training to 1%",
     ),
     "train.fp8_first_step": Rule(
         "train",
