@@ -103,7 +103,11 @@ RULES: dict[str, Rule] = {
         "an FP8 run's mean of the last {late} steps' losses at most {threshold:.0%} above its bf16 "
         "reference's (below passes)",
         0.02,
-        "03848d8 2026-11-28, AFTER the second GPU run failed it as 'within 2%' (2.54% below bf16)",
+        "03848d8 2026-11-28, AFTER the second GPU run failed it as 'within 2%' (2.54% below bf16); "
+        "kept 2026-12-07, before any later run: FP8 is another number format (3 mantissa bits, 2 in "
+        "the gradients), whose GEMMs the kernels stage holds to the same roundings in float32; a "
+        "train run asks whether it trains no worse than bf16, by issue 48's 2%. A lower loss is no "
+        "fault of FP8's (in the second run bf16 spiked at the learning rate's peak, steps 18-20)",
     ),
     "train.memory": Rule(
         "train",
