@@ -18,6 +18,7 @@ from processes import clean_env
 from jaxtrain.errors import ArgumentError
 from jaxtrain.health import gpu_rules
 from jaxtrain.health.gpu_check import judge_train, name_rules, parse_args, summary, table
+from jaxtrain.health.gpu_stages import judge_bench
 from jaxtrain.run import preflight as pf
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -242,3 +243,27 @@ def test_an_observation_is_no_check_even_when_it_kills_its_process(tmp_path):
     assert stage["observations"]["planted observation"]["failed"].startswith("its process died of SIGABRT")
     assert "  device  seen  planted observation  its process died of SIGABRT" in done.stdout
     assert "FAIL" not in done.stdout and "rule " not in done.stdout.split("gpu_check: PASSED")[1]
+
+
+def test_the_bench_is_judged_by_its_rules():
+    """A run bench_gpu.py refused for its timed window breaks bench.window, one that did not finish
+    bench.finished, a rate past the peak bench.under_peak; figures from a good window pass."""
+    good = {"tokens_per_sec": 516636.0, "mfu": 0.42, "step_time_s": 1.0148}
+    short = {"error": "Traceback ...\nValueError: timed window: step 7 starts +880.0 ms from step 6's end"}
+    past = {"tokens_per_sec": 9e5, "mfu": 1.76}  # as the first run's 2-step bench read 124m
+    runs = {"124m/auto/none": good, "350m/auto/none": short, "1b/auto/none": {"error": "timed out"}}
+    report = {"runs": runs | {"torch/124m": past}}
+    judged = judge_bench(report, 0, "")
+    assert not judged["passed"] and judged["rules_failed"] == [
+        "bench.window",
+        "bench.finished",
+        "bench.under_peak",
+    ]
+    assert judged["failed"] == (
+        "350m/auto/none: ValueError: timed window: step 7 starts +880.0 ms from step 6's end; "
+        "1b/auto/none: timed out; torch/124m: MFU 176% is past the peak"
+    )
+    assert judge_bench({"runs": {"124m/auto/none": good}}, 0, "") == {
+        "passed": True, "runs": {"124m/auto/none": good | {"mem_peak_gb": None, "error": None}}, "failed": "",
+        "rules_failed": [],
+    }  # fmt: skip

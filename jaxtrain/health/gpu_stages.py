@@ -433,19 +433,29 @@ def _bench_parts(work: Path, options: dict[str, Any]) -> list[Part]:
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         print(f"--- {' '.join(cmd)}\n{done.stdout[-6000:]}{done.stderr[-6000:]}", flush=True)
         report = json.loads(out.read_text()) if out.exists() else {"runs": {}}
-        runs = {
-            name: {k: r.get(k) for k in ("tokens_per_sec", "mfu", "mem_peak_gb", "step_time_s", "error")}
-            for name, r in report["runs"].items()
-        }
-        failed = [f"{name}: {_last_line(str(r['error']))}" for name, r in runs.items() if r["error"]]
-        if done.returncode != 0 or not runs:
-            failed.append(f"bench_gpu.py exited {done.returncode}: {_last_line(done.stderr)}")
-        broken = ["bench.finished"] if failed else []
-        peak = gpu_rules.threshold("bench.under_peak")  # past the peak is no rate
-        past = [f"{name}: MFU {r['mfu']:.0%} is past the peak" for name, r in runs.items()
-                if (r["mfu"] or 0) > peak]  # fmt: skip
-        broken += ["bench.under_peak"] if past else []
-        failed += past
-        return {"passed": not failed, "runs": runs, "failed": "; ".join(failed), "rules_failed": broken}
+        result = judge_bench(report, done.returncode, done.stderr)
+        result["provenance"] = {k: report.get(k) for k in ("command", "commit", "versions", "log")}
+        return result
 
     return [("bench_gpu", run)]
+
+
+def judge_bench(report: dict[str, Any], returncode: int, stderr: str) -> dict[str, Any]:
+    """bench_gpu.py's report judged by the bench rules (health/gpu_rules.py): each run's figures,
+    the verdict, what failed and the rules broken."""
+    runs = {
+        name: {k: r.get(k) for k in ("tokens_per_sec", "mfu", "mem_peak_gb", "step_time_s", "error")}
+        for name, r in report["runs"].items()
+    }
+    failed = [f"{name}: {_last_line(str(r['error']))}" for name, r in runs.items() if r["error"]]
+    if returncode != 0 or not runs:
+        failed.append(f"bench_gpu.py exited {returncode}: {_last_line(stderr)}")
+    window = [x for x in failed if "timed window:" in x]  # bench_gpu.timed_window refused the run
+    broken = ["bench.window"] * bool(window) + ["bench.finished"] * (len(failed) > len(window))
+    peak = gpu_rules.threshold("bench.under_peak")  # past the peak is no rate
+    past = [
+        f"{name}: MFU {r['mfu']:.0%} is past the peak" for name, r in runs.items() if (r["mfu"] or 0) > peak
+    ]
+    broken += ["bench.under_peak"] if past else []
+    failed += past
+    return {"passed": not failed, "runs": runs, "failed": "; ".join(failed), "rules_failed": broken}
