@@ -69,7 +69,7 @@ def test_the_ragged_exchange_as_xla_runs_it_and_the_padded_one_beside_it():
     host's two waits; the padded all-to-all: peers x the bytes at NCCL's rate, no slots, no wait,
     no load. The slots and peers come from the trace (peers from the bytes: 7/8 of 8 MiB sent)."""
     costs = forecast.Achievable(H100, PEAK, expert_load=1.25)
-    padded = forecast.Achievable(H100, PEAK, expert_load=1.25, padded=True)
+    padded = forecast.Achievable(H100, PEAK, expert_load=1.25, exchange="padded")
     mib8 = 8 * 2**20
     local = ["ragged-all-to-all", mib8, 7 / 8 * mib8, 0.0, 128]  # 8 peers x 16 experts each
     assert forecast.peers(local) == 8 and forecast.slots(local) == 128
@@ -87,6 +87,14 @@ def test_the_ragged_exchange_as_xla_runs_it_and_the_padded_one_beside_it():
     assert costs.host_wait(across) == pytest.approx(24e-6 + 2 * forecast.KERNEL_S)
     assert padded.host_wait(across) == 0.0
     assert padded.legs(across)["network"] == pytest.approx(24e-6 + 128 * 127 * 2**20 / 25e9)
+    # A program compiled with the padded exchange (schedule.PADDED) costs the same either way.
+    compiled_padded = ["padded-exchange", 8 * mib8, 7 * mib8, 0.0, 128]
+    assert forecast.as_run(local, "padded") == pytest.approx(compiled_padded)
+    assert forecast.as_run(compiled_padded, "ragged") == pytest.approx(local)
+    for way in ("ragged", "padded"):
+        costs_way = forecast.Achievable(H100, PEAK, 1.25, way)
+        assert costs_way.legs(compiled_padded) == pytest.approx(costs_way.legs(local))
+    assert forecast.Achievable(H100, PEAK, 1.25).legs(compiled_padded) == padded.legs(local)
     # A trace from before the slots were stored: one update a peer.
     assert forecast.slots(across[:4]) == 128
     # auto's pick at job start, from the job's shape alone: the same transfers, the faster way.

@@ -24,6 +24,7 @@ from jaxtrain.model.moe import Given, Groups, Pieces, Wire, routed
 from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.parallel import tensor
 from jaxtrain.parallel.mesh import EXPERT_AXIS
+from jaxtrain.plan.schedule import PADDED_SCOPE
 
 
 def padded_ragged_all_to_all(
@@ -56,7 +57,10 @@ def padded_ragged_all_to_all(
         return jnp.where(which < sizes.shape[1], where, past)
 
     send = operand.at[at(send_sizes, input_offsets, operand.shape[0])].get(mode="fill", fill_value=0)
-    got = jax.lax.all_to_all(send, axis_name, 0, 0, tiled=True)  # [peers, width, ...]
+    # Named with the ragged one's (update, peer) slots, so the planner knows this all-to-all for the
+    # expert exchange and can cost the ragged one in its place (plan/forecast.py PADDED).
+    with jax.named_scope(f"{PADDED_SCOPE}_slots_{send_sizes.shape[0]}"):
+        got = jax.lax.all_to_all(send, axis_name, 0, 0, tiled=True)  # [peers, width, ...]
     landing = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # as the ragged one does
     to = at(recv_sizes, landing, output.shape[0])
     return output.at[to.reshape(-1)].set(got.reshape(peers * width, *got.shape[2:]), mode="drop")

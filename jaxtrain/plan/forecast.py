@@ -17,8 +17,10 @@ Each op and transfer of the replay (schedule.py's events), at:
   memory        its bytes at HBM_EFFICIENCY of the HBM bandwidth;
   a transfer    a latency and its ideal ring's bytes at the bus bandwidth nccl-tests measures on
                 its link for its kind (NVLINK_BUSBW inside a host, NETWORK_BUSBW per GPU across);
-  the exchange  XLA's ragged all-to-all as XLA's GPU runtime runs it (`ragged`, below), not as
-                NCCL's all-to-all; `padded_exchange` costs the padded all-to-all that would stand in.
+  the exchange  an expert exchange (schedule.trace marks it: XLA's ragged all-to-all, or the padded
+                all-to-all that stands in for it) either way, whichever the program was compiled
+                with: the ragged one as XLA's GPU runtime runs it (RAGGED below), not as NCCL's
+                all-to-all; the padded one as NCCL's all-to-all of peers x the ragged one's bytes.
 Message size enters by the latency: a small transfer is mostly latency. The fractions are of the
 H100's figures; on another target the same fractions of its own figures: an assumption.
 
@@ -94,6 +96,9 @@ NETWORK_LATENCY_S = 24e-6
 RAGGED_ONE_SHOT_BYTES_PER_S = 16.42 * 2**30
 RAGGED_SLOT_S = 12e-6
 RAGGED = "ragged-all-to-all"
+# The padded stand-in's all-to-all of the rows, as the trace names it (schedule.PADDED): [PADDED,
+# size, nvlink, network, the slots of the ragged one it stands in for].
+PADDED = schedule.PADDED
 # An expert's load when the config gives no capacity factor (dropless): the shipped configs' 1.25.
 DROPLESS_LOAD = 1.25
 
@@ -113,22 +118,33 @@ def peers(xfer: list) -> int:
 
 
 def slots(xfer: list) -> int:
-    """A ragged all-to-all's (update, peer) slots: XLA sends and receives once for each. The trace
-    stores them (schedule.trace: its offsets' length); a trace without them: one update a peer."""
+    """An expert exchange's (update, peer) slots: XLA sends and receives once for each. The trace
+    stores them (schedule.trace); a trace without them: one update a peer."""
     return int(xfer[4]) if len(xfer) > 4 else peers(xfer)
+
+
+def as_run(xfer: list, way: str) -> list:
+    """An expert exchange's transfer as `way` ("ragged" or "padded") runs it: the padded all-to-all
+    gives each peer a buffer of as many rows as the ragged one sends in all (parallel/expert.py), so
+    peers x its bytes. Any other transfer as it is."""
+    kind, size, nvlink, network = xfer[:4]
+    if kind not in (RAGGED, PADDED) or not way or (kind == RAGGED) == (way == "ragged"):
+        return xfer
+    n = peers(xfer)
+    times = 1 / n if kind == PADDED else n
+    return [RAGGED if kind == PADDED else PADDED, size * times, nvlink * times, network * times, slots(xfer)]
 
 
 @dataclass(frozen=True)
 class Achievable:
-    """The forecast's costs (schedule.Costs): the module docstring's, on `target`. `padded`: the
-    expert exchange as the padded all-to-all that stands in for the ragged one (parallel/expert.py:
-    each peer a buffer of as many rows as the sender routes, so `peers` times the ragged one's
-    bytes, NCCL's all-to-all, no host wait, the same whatever the load)."""
+    """The forecast's costs (schedule.Costs): the module docstring's, on `target`. `exchange`:
+    "ragged" or "padded" costs every expert exchange that way, whichever the program holds ("": as
+    compiled)."""
 
     target: GpuTarget
     peak: float  # the dense peak of the step's dtype
     expert_load: float = 1.0  # the most loaded expert's rows over an even share
-    padded: bool = False
+    exchange: str = ""
     gemm_efficiency: float = GEMM_EFFICIENCY
     kernel_s: float = KERNEL_S
 
@@ -142,17 +158,17 @@ class Achievable:
         return self.kernel_s + max(load * flops / (peak * self.gemm_efficiency), memory)
 
     def legs(self, xfer: list) -> dict[str, float]:
-        kind, _, nvlink, network = xfer[:4]
+        kind, _, nvlink, network = as_run(xfer, self.exchange)[:4]
         scale_in = self.target.nvlink_bytes_per_s / 450e9  # the H100's NVLink, per direction
         scale_out = self.target.network_bytes_per_s / 50e9  # the H100's 400 Gb/s NIC
         legs = {"nvlink": 0.0, "network": 0.0}
-        if kind == RAGGED and self.padded:
-            kind, nvlink, network = "all-to-all", nvlink * peers(xfer), network * peers(xfer)
-        elif kind == RAGGED and not network:  # the one-shot kernel (RAGGED)
+        if kind == RAGGED and not network:  # the one-shot kernel (RAGGED)
             if nvlink:
                 legs["nvlink"] = NVLINK_LATENCY_S + self.expert_load * nvlink / RAGGED_ONE_SHOT_BYTES_PER_S
             return legs
+        # The ragged one's bytes follow the most loaded receiver; the padded one's buffers are fixed.
         load = self.expert_load if kind == RAGGED else 1.0
+        kind = "all-to-all" if kind == PADDED else kind
         if nvlink:
             legs["nvlink"] = NVLINK_LATENCY_S + load * nvlink / (
                 NVLINK_BUSBW.get(kind, NVLINK_BUSBW_OTHER) * scale_in
@@ -169,9 +185,8 @@ class Achievable:
         """Seconds the host holds the stream before a transfer starts (schedule.Costs): XLA's ragged
         all-to-all across processes waits twice (RAGGED), on the offsets' all-to-all across the
         hosts, and each wait costs the next kernel a launch."""
-        if xfer[0] == RAGGED and xfer[3] and not self.padded:
-            return NETWORK_LATENCY_S + 2 * self.kernel_s
-        return 0.0
+        kind, _, _, network = as_run(xfer, self.exchange)[:4]
+        return NETWORK_LATENCY_S + 2 * self.kernel_s if kind == RAGGED and network else 0.0
 
 
 def expert_load(capacity_factor: float, n_experts: int) -> float:
@@ -182,67 +197,61 @@ def expert_load(capacity_factor: float, n_experts: int) -> float:
     return capacity_factor if capacity_factor > 0 else DROPLESS_LOAD
 
 
-def forecast(
-    events: list, target: GpuTarget, peak: float, load: float, padded: bool = False
-) -> schedule.Clock:
-    """The trace `events` replayed at achievable speeds (`padded`: its ragged exchange as the padded one)."""
-    return schedule.replay(events, Achievable(target, peak, load, padded))
+def forecast(events: list, target: GpuTarget, peak: float, load: float, exchange: str = "") -> schedule.Clock:
+    """The trace `events` replayed at achievable speeds (`exchange`: its expert exchanges run that way)."""
+    return schedule.replay(events, Achievable(target, peak, load, exchange))
 
 
 def exchange_seconds(target: GpuTarget, xfer: list, load: float) -> dict[str, float]:
-    """One expert exchange (a ragged all-to-all's transfer) forecast both ways: as XLA runs the
-    ragged one (its slower link and its host wait) and as the padded all-to-all in its place."""
-    ragged, padded = Achievable(target, 0.0, load), Achievable(target, 0.0, load, padded=True)
-    return {
-        "ragged": max(ragged.legs(xfer).values()) + ragged.host_wait(xfer),
-        "padded": max(padded.legs(xfer).values()),
-    }
+    """One expert exchange forecast both ways: its slower link, and the host's wait."""
+    out = {}
+    for way in ("ragged", "padded"):
+        costs = Achievable(target, 0.0, load, way)
+        out[way] = max(costs.legs(xfer).values()) + costs.host_wait(xfer)
+    return out
 
 
 def pick_exchange(target: GpuTarget, xfer: list, load: float) -> str:
     """auto's expert exchange: the one `exchange_seconds` forecasts faster for the job's exchange
-    (run/kernels.py at job start, and the plan: the same rule)."""
+    (run/kernels.py at job start, and so the plan: the same rule)."""
     seconds = exchange_seconds(target, xfer, load)
     return "ragged" if seconds["ragged"] <= seconds["padded"] else "padded"
 
 
 def exchange_xfer(size: float, peers: int, per_host: int, local_experts: int) -> list:
-    """The transfer of one expert exchange as the trace holds it (hlo.transfer, schedule.trace):
-    `size` bytes a device routes, to `peers` devices `per_host` to a host, slots peers x local experts."""
+    """One ragged expert exchange's transfer as the trace holds it (hlo.transfer, schedule.trace):
+    `size` bytes a device routes, to `peers` devices `per_host` on a host, peers x local experts slots."""
     nvlink, network = (per_host - 1) / peers * size, (peers - per_host) / peers * size
     return [RAGGED, size, nvlink, network, peers * local_experts]
 
 
 def _largest_exchange(events: list) -> list | None:
-    """The trace's ragged exchange of the most bytes (the rows of a piece, not the tiny plans')."""
+    """The trace's expert exchange of the most bytes (the rows of a piece, not the plans' tables)."""
     found: list | None = None
     for event in events:
         inner = [event[2]] if event[0] == "loop" else event[1] if event[0] == "cond" else []
-        for xfer in [_largest_exchange(branch) for branch in inner]:
+        candidates = [_largest_exchange(branch) for branch in inner]
+        if event[0] in ("start", "sync") and event[-1][0] in (RAGGED, PADDED):
+            candidates.append(event[-1])
+        for xfer in candidates:
             if xfer is not None and (found is None or xfer[1] > found[1]):
                 found = xfer
-        if (
-            event[0] in ("start", "sync")
-            and event[-1][0] == RAGGED
-            and (found is None or event[-1][1] > found[1])
-        ):
-            found = event[-1]
     return found
 
 
 def exchanges(events: list, target: GpuTarget, peak: float, load: float) -> dict[str, Any]:
-    """The expert exchange of a trace that runs XLA's ragged all-to-all: the step forecast both ways
-    (as compiled, and with the padded all-to-all in its place), its largest exchange both ways, and
-    which auto takes (`pick_exchange` on that exchange). {} for a trace with no ragged exchange."""
+    """A trace's expert exchange: the step forecast both ways, its largest exchange both ways, the
+    way compiled and the one auto takes (`pick_exchange` on that exchange). {} for a trace with none."""
     xfer = _largest_exchange(events)
     if xfer is None:
         return {}
     one = exchange_seconds(target, xfer, load)
     return {
-        "ragged_s": forecast(events, target, peak, load).now,
-        "padded_s": forecast(events, target, peak, load, padded=True).now,
+        "ragged_s": forecast(events, target, peak, load, "ragged").now,
+        "padded_s": forecast(events, target, peak, load, "padded").now,
         "one_ragged_s": one["ragged"],
         "one_padded_s": one["padded"],
+        "compiled": "ragged" if xfer[0] == RAGGED else "padded",
         "auto": pick_exchange(target, xfer, load),
     }
 
