@@ -17,7 +17,7 @@ from processes import clean_env
 
 from jaxtrain.errors import ArgumentError
 from jaxtrain.health import gpu_rules
-from jaxtrain.health.gpu_check import judge_train, name_rules, parse_args, summary, table
+from jaxtrain.health.gpu_check import judge_train, name_rules, parse_args, summary, table, versions_line
 from jaxtrain.health.gpu_stages import judge_bench
 from jaxtrain.run import preflight as pf
 
@@ -243,6 +243,29 @@ def test_an_observation_is_no_check_even_when_it_kills_its_process(tmp_path):
     assert stage["observations"]["planted observation"]["failed"].startswith("its process died of SIGABRT")
     assert "  device  seen  planted observation  its process died of SIGABRT" in done.stdout
     assert "FAIL" not in done.stdout and "rule " not in done.stdout.split("gpu_check: PASSED")[1]
+    report = json.loads((out / "gpu_check.json").read_text())  # the versions said first, and recorded
+    assert done.stdout.splitlines()[0] == report["versions"]["line"]
+    assert report["versions"]["line"].startswith(f"gpu_check: runs jax {jax.__version__}, jaxlib ")
+
+
+def test_the_first_line_says_which_versions_run_and_why_they_are_not_constraints_txts():
+    pinned = {"jax": "0.10.2", "jaxlib": "0.10.2", "jax-cuda12-plugin": "0.10.2"}
+    assert versions_line(pinned, pinned, {}) == (
+        "gpu_check: runs jax 0.10.2, jaxlib 0.10.2, jax-cuda12-plugin 0.10.2, as constraints.txt pins them"
+    )
+    h200 = {"jax": "0.11.2", "jaxlib": "0.11.2", "jax-cuda13-plugin": "0.11.2"}
+    why = "the lent H200 has jax 0.11.2 with CUDA 13 and no network"
+    assert versions_line(h200, pinned, {"flax": ("0.12.8", "0.12.12")}, why) == (
+        "gpu_check: runs jax 0.11.2, jaxlib 0.11.2, jax-cuda13-plugin 0.11.2; constraints.txt pins jax "
+        f"0.10.2, jaxlib 0.10.2, jax-cuda12-plugin 0.10.2: {why}; also flax 0.12.12 (pinned 0.12.8)"
+    )
+    said = "these are the versions installed here (pip install -c constraints.txt -e '.[cuda12]' installs"
+    assert versions_line(h200, pinned, {}).endswith(f": {said} constraints.txt's)")
+    cpu = {"jax": "0.10.2", "jaxlib": "0.10.2"}
+    assert versions_line(cpu, pinned, {}) == (
+        "gpu_check: runs jax 0.10.2, jaxlib 0.10.2; constraints.txt pins jax-cuda12-plugin 0.10.2: no CUDA "
+        "plugin is installed here (jax runs on the CPU)"
+    )
 
 
 def test_the_bench_is_judged_by_its_rules():

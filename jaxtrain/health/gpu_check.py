@@ -11,6 +11,7 @@ on stdout. This process never starts a jax backend: the stages hold the devices 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import re
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jaxtrain import versions as versions_lib
 from jaxtrain.errors import ArgumentError
 from jaxtrain.health import gpu_rules
 from jaxtrain.health.gpu_rules import FP8_RUNS, LATE_STEPS, RULES_VERSION
@@ -47,6 +49,7 @@ class Options:
     train_steps: int
     train_runs: tuple[str, ...]
     work: str
+    versions_why: str
 
 
 def parse_args(argv: list[str], usage: str = "") -> tuple[Options, argparse.Namespace]:
@@ -60,6 +63,11 @@ def parse_args(argv: list[str], usage: str = "") -> tuple[Options, argparse.Name
         "--train_runs", default="", help="comma-separated train runs (default: all of the platform's)"
     )
     p.add_argument("--work", default="", help="folder for run dirs and caches (default: a temp dir)")
+    p.add_argument(
+        "--versions_why",
+        default="",
+        help="why jax's versions here are not constraints.txt's (the first line)",
+    )
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     p.add_argument("--skip", default="[]", help=argparse.SUPPRESS)  # JSON: parts done (names hold commas)
     p.add_argument("--options", default="{}", help=argparse.SUPPRESS)
@@ -75,7 +83,7 @@ def parse_args(argv: list[str], usage: str = "") -> tuple[Options, argparse.Name
     if args.budget_s <= 0 or args.train_steps < 1:
         raise ArgumentError("--budget_s and --train_steps must be positive")
     opts = Options(Path(args.out), args.budget_s, tuple(s for s in STAGES if s in stages), args.train_steps,
-                   runs, args.work)  # fmt: skip
+                   runs, args.work, args.versions_why)  # fmt: skip
     return opts, args
 
 
@@ -89,13 +97,15 @@ def main(argv: list[str], usage: str = "") -> int:
             args.child, Path(args.work), json.loads(args.options), set(json.loads(args.skip))
         )
         return 0
+    versions = running_versions(opts.versions_why)
+    print(versions["line"], flush=True)  # the first line: what runs, and why if not what CI tests
     opts.out.mkdir(parents=True, exist_ok=True)
     work = Path(opts.work or tempfile.mkdtemp(prefix="gpu_check-"))
     work.mkdir(parents=True, exist_ok=True)
     deadline = time.time() + opts.budget_s
     report: dict[str, Any] = {"argv": argv, "budget_s": opts.budget_s, "work": str(work),
-                              "rules_version": RULES_VERSION, "rules": gpu_rules.record(),
-                              "stages": {}}  # fmt: skip
+                              "versions": versions, "rules_version": RULES_VERSION,
+                              "rules": gpu_rules.record(), "stages": {}}  # fmt: skip
     platform = ""
     for stage in opts.stages:
         left = deadline - time.time()
@@ -126,6 +136,43 @@ def main(argv: list[str], usage: str = "") -> int:
     _write(opts.out / REPORT, report)
     print(table(report), flush=True)
     return 0 if report["passed"] else 1
+
+
+def running_versions(why: str = "") -> dict[str, Any]:
+    """The versions of jax, jaxlib and the CUDA plugins installed, constraints.txt's, and the line
+    saying which run and, where they are not constraints.txt's, why (`why`, else that they are
+    what is installed here). Read from the packages' metadata: no backend starts."""
+    pinned = versions_lib.tested()
+    names = {d.metadata["Name"].lower().replace("_", "-") for d in importlib.metadata.distributions()}
+    stack = ["jax", "jaxlib", *sorted(n for n in names if re.fullmatch(r"jax-cuda\d+-(plugin|pjrt)", n))]
+    running = {n: importlib.metadata.version(n) for n in stack if n in names}
+    want = {n: v for n, v in pinned.items() if n in ("jax", "jaxlib") or n.startswith("jax-cuda")}
+    others = {n: (v, got) for n, (v, got) in versions_lib.untested(pinned).items() if n not in want}
+    return {"running": running, "constraints": want, "others_untested": others, "why": why,
+            "line": versions_line(running, want, others, why)}  # fmt: skip
+
+
+def versions_line(
+    running: dict[str, str], want: dict[str, str], others: dict[str, tuple[str, str]], why: str = ""
+) -> str:
+    """'gpu_check: runs jax 0.11.2, ...; constraints.txt pins jax 0.10.2, ...: <why>' (by default:
+    no CUDA plugin here, or these are what is installed), or '..., as constraints.txt pins them';
+    then other pinned packages at other versions."""
+    line = "gpu_check: runs " + (", ".join(f"{n} {v}" for n, v in running.items()) or "no jax")
+    differ = [f"{n} {v}" for n, v in want.items() if running.get(n) != v]
+    plugin = any(n.startswith("jax-cuda") for n in running)
+    reason = why or (
+        "these are the versions installed here (pip install -c constraints.txt -e '.[cuda12]' installs "
+        "constraints.txt's)" if plugin else "no CUDA plugin is installed here (jax runs on the CPU)"
+    )  # fmt: skip
+    line += (
+        f"; constraints.txt pins {', '.join(differ)}: {reason}"
+        if differ
+        else ", as constraints.txt pins them"
+    )
+    if others:
+        line += "; also " + ", ".join(f"{n} {got} (pinned {v})" for n, (v, got) in sorted(others.items()))
+    return line
 
 
 def _env(work: Path) -> dict[str, str]:
