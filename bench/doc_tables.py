@@ -142,8 +142,8 @@ MOE_HEAD = _head(
     "model", "GPUs", "mesh", "batch / device x microbatches", "total GB / GPU",
     "all-to-all GB per GPU per step: NVLink / network", "fsdp GB gathered / reduce-scattered",
     "floor s (limit), MFU ceiling", "schedule-aware s (exposed), MFU ceiling",
-    "forecast s as compiled (ragged exchange), tokens/s/GPU, MFU", "forecast s, padded exchange",
-    "faster exchange (`forecast.exchange.auto`)", "plan",
+    "forecast s as compiled, tokens/s/GPU, MFU", "forecast s: ragged / padded exchange",
+    "exchange compiled; faster (`forecast.exchange`)", "plan",
 )  # fmt: skip
 PIPELINE_HEAD = _head(
     "layout", "GB / GPU", "microbatches, bubble", "floor s (limit)",
@@ -229,10 +229,10 @@ def moe_row(name: str, label: str, p: dict) -> str:
     fsdp = f"{gathered:,.1f} / {scattered:,.1f}" if p["mesh"]["fsdp"] > 1 else "-"
     where, batch = f"{p['hosts']} x {p['gpus_per_host']}", f"{p['device_batch']} x {p['accumulation']}"
     exchange = p["forecast"].get("exchange", {})
-    padded = f"{exchange['padded_s']:,.2f}" if exchange else "-"
+    both = f"{exchange['ragged_s']:,.2f} / {exchange['padded_s']:,.2f}" if exchange else "-"
+    which = f"{exchange.get('compiled', 'ragged')}; {exchange['auto']}" if exchange else "-"
     return _row(label, where, _mesh(p), batch, _total(p), f"{inside:,.1f} / {across:,.1f}", fsdp,
-                *_bounds(p, 1, 2, 1), _forecast(p, 1, 2), padded, exchange.get("auto", "-"),
-                f"`plan_{name}.json`")  # fmt: skip
+                *_bounds(p, 1, 2, 1), _forecast(p, 1, 2), both, which, f"`plan_{name}.json`")  # fmt: skip
 
 
 def pipeline_row(name: str, label: str, p: dict) -> str:
@@ -333,7 +333,7 @@ def moe_waits(results: Path = RESULTS) -> str:
     """What each MoE plan's forecast waits on longest (planner.forecast_waits: its replay again)."""
     from jaxtrain.plan import planner
 
-    lines = [_head("plan", "forecast s (ragged exchange)", "of it exposed s", "the forecast waits on")]
+    lines = [_head("plan", "forecast s as compiled", "of it exposed s", "the forecast waits on")]
     for name in MOE_WAITS:
         p = plan(name, results)
         f = p["forecast"]
