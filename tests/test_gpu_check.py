@@ -6,6 +6,7 @@ run on a lent GPU: docs/gpu_check.md), and run/preflight.py's verdicts on kernel
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -290,3 +291,13 @@ def test_the_bench_is_judged_by_its_rules():
         "passed": True, "runs": {"124m/auto/none": good | {"mem_peak_gb": None, "error": None}}, "failed": "",
         "rules_failed": [],
     }  # fmt: skip
+
+
+def test_the_docs_give_the_rules_of_the_table_at_its_version():
+    """docs/gpu_check.md's rules table names every rule of health/gpu_rules.py, and its version."""
+    page = (ROOT / "docs" / "gpu_check.md").read_text()
+    assert f"## The pass rules (version {gpu_rules.RULES_VERSION})" in page
+    named = set(
+        re.findall(r"(?m)^\| `([a-z0-9_.]+)` \|", page.split("## The pass rules")[1].split("\n## ")[0])
+    )
+    assert named == set(gpu_rules.RULES)

@@ -100,7 +100,7 @@ TRAIN_RUNS = {
 # How each run is judged against its reference: health/gpu_rules.py (the FP8 runs: FP8_RUNS).
 BENCH = {  # bench/bench_gpu.py's flags: a short run list; on CPU its documented smoke
     # Ten timed steps after five: over 2 steps after 1 an H200 read 900,934 tok/s (MFU 176%, not a
-    # rate), over 15 after 5 548,366 (42%), the same build (2026-11-28).
+    # rate), over 15 after 5 516,636 by the median step (42%), the same build (2026-11-28).
     # FP8 against bf16 on a 0.9B model: on an H200 88 s and 102 s a run, compiles included
     # (2026-11-28; GPT-2 124M against PyTorch was measured before: docs/gpu_check.md).
     "gpu": ["--runs", "1b/auto/none,1b_fp8/auto/none", "--steps", "10", "--warmup", "5",
