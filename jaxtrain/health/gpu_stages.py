@@ -428,7 +428,8 @@ def _bench_parts(work: Path, options: dict[str, Any]) -> list[Part]:
         # A run starts only before --budget_s and lasts --run_timeout_s at most: both end by the deadline.
         half = max(30, int((options["deadline"] - time.time()) / 2 - 10))
         cmd = [sys.executable, "bench/bench_gpu.py", *BENCH["cpu" if options["platform"] == "cpu" else "gpu"],
-               "--out", str(out), "--work", str(work / "bench"), "--budget_s", str(half),
+               "--out", str(out), "--log", str(out.with_name("bench_runs.log")),  # bench.log is the stage's
+               "--work", str(work / "bench"), "--budget_s", str(half),
                "--run_timeout_s", str(half)]  # fmt: skip
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         print(f"--- {' '.join(cmd)}\n{done.stdout[-6000:]}{done.stderr[-6000:]}", flush=True)
