@@ -12,6 +12,7 @@ Norms and rotary angles run in float32 and logits come back as float32.
     model = GPT(cfg.model, dtype=jnp.bfloat16)
     params = model.init(rng, tokens)["params"]   # tokens: int32 [B, T], T <= seq_len
     logits = model.apply({"params": params}, tokens)   # float32 [B, T, vocab]
+    losses = forward(model, params, rows, stack)   # rows [B, T+1]; stack(name, x, doc) runs each stack
     new_tokens = generate(params, cfg.model, prompt, 256, rng)   # KV-cached sampling
 
 With `decode=True` the model keeps a key/value cache (flax collection "cache") of seq_len
@@ -21,6 +22,7 @@ positions per layer, and each call appends its tokens at the cache's index.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -37,6 +39,7 @@ from jaxtrain.model.layers import cache_index, constrain, norm
 from jaxtrain.model.mlp import Mlp
 from jaxtrain.model.moe import MoeMlp, is_moe_layer
 from jaxtrain.model.placement import LOCAL, Gather, Placement
+from jaxtrain.text.format import TOKEN_BITS
 
 
 class Block(nn.Module):
@@ -101,9 +104,10 @@ class GPT(nn.Module):
     # attention kernel's place, the experts' exchange. The model never knows how it is laid out.
     placement: Placement = LOCAL
     decode: bool = False  # keep a KV cache (collection "cache"): see `generate`
-    # What a call computes: "all" (tokens -> logits); a pipeline (parallel/pipeline.py) runs the layers
-    # itself, between "embed" (tokens -> the residual stream) and "head" (the stream -> logits, or
-    # with `targets` each token's loss, as "all" gives them).
+    # What a call computes: "all" (tokens -> logits), or the part before or after the layers, for
+    # callers that run the layers themselves (`embed`, `head`, `forward`): "embed" (tokens -> the
+    # residual stream) and "head" (the stream -> logits, or with `targets` each token's loss, as
+    # "all" gives them).
     span: str = "all"
 
     @nn.compact
@@ -112,18 +116,18 @@ class GPT(nn.Module):
         cross-entropy [B, T] instead, over model.token_chunks pieces of the sequence (model/head.py)."""
         cfg = self.cfg
 
-        def embed(num: int, name: str) -> nn.Embed:
+        def embedding(num: int, name: str) -> nn.Embed:
             methods = ["__call__", "attend", "table"]
             cls = _with_gather(Embedding, self.placement.gather, (name,), methods=methods)
             init, rows_first = nn.initializers.normal(cfg.init_std), self.span == "embed"
             return cls(num, cfg.d_model, dtype=self.dtype, param_dtype=jnp.float32, embedding_init=init,
                        rows_first=rows_first, matmul=cfg.head_matmul, name=name)  # fmt: skip
 
-        wte = embed(cfg.vocab_size, name="wte")
+        wte = embedding(cfg.vocab_size, name="wte")
 
         def output(x: jax.Array) -> jax.Array:
             x = norm(x, cfg.norm_eps, "ln_f")
-            head = wte if cfg.tie_embeddings else embed(cfg.vocab_size, name="lm_head")
+            head = wte if cfg.tie_embeddings else embedding(cfg.vocab_size, name="lm_head")
             if targets is not None and cfg.token_chunks > 1:
                 chunks = (cfg.token_chunks, self.dtype, self.placement.length_split, cfg.head_matmul)
                 return token_losses(x, head.table(), targets, *chunks)
@@ -139,7 +143,7 @@ class GPT(nn.Module):
         doc = None if self.decode else packed(cfg, tokens)
         if cfg.pos_embedding == "learned":
             start = cache_index(self, tokens.shape[1]) if self.decode else 0
-            wpe = embed(cfg.seq_len, name="wpe")
+            wpe = embedding(cfg.seq_len, name="wpe")
             x = x + (wpe(start + jnp.arange(tokens.shape[1]))[None] if doc is None else wpe(doc.positions))
         if self.span == "embed":
             return x
@@ -157,6 +161,37 @@ class GPT(nn.Module):
                 moe = is_moe_layer(cfg, i)
                 x, _ = block(cfg, self.dtype, self.decode, moe, self.placement, name=f"block_{i}")(x, doc)
         return output(x)
+
+
+# stack(name, x, doc) -> x: the scanned stack `name`'s layers (`scanned_stacks`), run by a caller
+Stack = Callable[[str, jax.Array, Documents | None], jax.Array]
+
+
+def embed(model: GPT, params: Any, rows: jax.Array) -> tuple[jax.Array, Documents | None]:
+    """The model's forward before its layers, on rows [b, T+1] (token ids with flag bits:
+    text/format.py): (the residual stream [b, T, d_model], the documents packed in the inputs)."""
+    inputs = rows[:, :-1] & TOKEN_BITS
+    x: jax.Array = model.clone(span="embed").apply({"params": params}, inputs)  # type: ignore[assignment]
+    # Computed again for the layers (the span's own, for learned positions, stays inside it):
+    # returning the span's copy drops one of a pipeline tick's carried arrays, a change of the
+    # compiled step to make on its own.
+    return x, packed(model.cfg, inputs)
+
+
+def head(model: GPT, params: Any, x: jax.Array, rows: jax.Array) -> jax.Array:
+    """The model's forward after its layers: each token's float32 loss [b, T] of the last layer's
+    output `x` against the next tokens of rows [b, T+1]."""
+    return model.clone(span="head").apply({"params": params}, x, rows[:, 1:] & TOKEN_BITS)  # type: ignore[return-value]
+
+
+def forward(model: GPT, params: Any, rows: jax.Array, stack: Stack) -> jax.Array:
+    """Each token's loss [b, T] of rows [b, T+1] through the model, its scanned stacks run by the
+    caller's `stack` (run/accumulate.py's backward of its own); the layers between `embed` and
+    `head` as GPT.__call__ runs them, in the same order."""
+    x, doc = embed(model, params, rows)
+    for name, _, _ in scanned_stacks(model.cfg):
+        x = stack(name, x, doc)
+    return head(model, params, x, rows)
 
 
 def layer_stack(block: Any, length: int, unroll: int = 1) -> Any:

@@ -42,13 +42,12 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.model import fp8
-from jaxtrain.model.documents import Documents, packed
+from jaxtrain.model.documents import Documents
 from jaxtrain.model.head import mean_loss
 from jaxtrain.model.params import logical_axes, path_names
-from jaxtrain.model.transformer import GPT, block_class, layer_stack, scanned_stacks
+from jaxtrain.model.transformer import GPT, block_class, embed, head, layer_stack, scanned_stacks
 from jaxtrain.parallel import fsdp, tensor
 from jaxtrain.parallel import mesh as mesh_lib
-from jaxtrain.text.format import TOKEN_BITS
 
 AXIS = mesh_lib.PIPELINE_AXIS
 Metrics = dict[str, jax.Array]
@@ -206,18 +205,14 @@ def _tick(model: GPT, share: jax.Array | None) -> tuple[Callable[..., jax.Array]
     rows): the model's loss of a finished microbatch's output, its logits recomputed in the
     backward, never saved."""
     cfg, run, stage = model.cfg, _stage(model), jax.lax.axis_index(AXIS)
-    embed, head = model.clone(span="embed"), model.clone(span="head")
     name = scanned_stacks(cfg)[0][0]
 
     def loss(params: Any, out: jax.Array, rows: jax.Array) -> jax.Array:
         # Each token's loss, over model.token_chunks pieces as the pipeline-free step takes them.
-        losses: jax.Array = head.apply({"params": params}, out, rows[:, 1:] & TOKEN_BITS)  # type: ignore[assignment]
-        return mean_loss(losses, rows, share)
+        return mean_loss(head(model, params, out, rows), rows, share)
 
     def work(params: Any, casts: Any, held: jax.Array, rows: jax.Array) -> jax.Array:
-        inputs = rows[:, :-1] & TOKEN_BITS
-        fresh: jax.Array = embed.apply({"params": params}, inputs)  # type: ignore[assignment]
-        doc = packed(cfg, inputs)
+        fresh, doc = embed(model, params, rows)
         return run(_layers(params[name], casts), jnp.where(stage == 0, fresh, held), doc)
 
     tick = jax.checkpoint(work, policy=fp8.saving_scales(cfg.matmul)) if cfg.remat == "full" else work

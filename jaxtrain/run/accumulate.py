@@ -24,9 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.config import ModelConfig
-from jaxtrain.model.documents import packed
-from jaxtrain.model.transformer import GPT, block_class, scanned_stacks
-from jaxtrain.text.format import TOKEN_BITS
+from jaxtrain.model.documents import Documents
+from jaxtrain.model.transformer import GPT, block_class, forward, scanned_stacks
 
 Metrics = dict[str, jax.Array]
 # objective(rows, each token's loss [b, T], the "moe" collection or None) -> (loss, metrics)
@@ -111,9 +110,7 @@ def local_grads(
 ) -> tuple[Any, Metrics]:
     """step._local_grads' (gradient, metrics) of this device's rows over `accum` microbatches, the
     stacks' gradients summed in one buffer. `model`: the step's (its layout's gather and kernel)."""
-    cfg = model.cfg
-    stacks = {name: _stack(_layer(model, moe)) for name, _, moe in scanned_stacks(cfg)}
-    embed, head = model.clone(span="embed"), model.clone(span="head")
+    stacks = {name: _stack(_layer(model, moe)) for name, _, moe in scanned_stacks(model.cfg)}
     rest = {k: v for k, v in params.items() if k not in stacks}
     # What the layers compute with, made once a step: the stacks take no gradient of their own.
     layers = {name: params[name] for name in stacks}
@@ -122,14 +119,13 @@ def local_grads(
         layers = {name: stack_in({"params": p})["params"] for name, p in layers.items()}
 
     def scaled_loss(rest: Any, totals: Any, mb: jax.Array) -> tuple[jax.Array, Metrics]:
-        whole = rest | layers
-        inputs = mb[:, :-1] & TOKEN_BITS
-        x: jax.Array = embed.apply({"params": whole}, inputs)  # type: ignore[assignment]
-        doc = packed(cfg, inputs)
         sown = {}
-        for name, stack in stacks.items():
-            x, sown[name] = stack(layers[name], totals[name], x, doc)
-        losses: jax.Array = head.apply({"params": whole}, x, mb[:, 1:] & TOKEN_BITS)  # type: ignore[assignment]
+
+        def stack(name: str, x: jax.Array, doc: Documents | None) -> jax.Array:
+            x, sown[name] = stacks[name](layers[name], totals[name], x, doc)
+            return x
+
+        losses = forward(model, rest | layers, mb, stack)
         moe = {name: s for name, s in sown.items() if s}
         loss, metrics = objective(mb, losses, moe or None)
         return loss * scale, metrics
