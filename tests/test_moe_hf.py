@@ -59,6 +59,22 @@ FAMILIES = {
             intermediate_size=96, moe_intermediate_size=32, num_experts=8, head_dim=32, decoder_sparse_step=2
         ),
     ),
+    # Qwen3-235B-A22B's shape (configs/qwen3_235b_a22b.yaml): every layer MoE, renormalised top-2,
+    # 16 query heads to 1 key/value head (its 64:4), heads wider than the model together (64 x 128
+    # on 4,096)
+    "qwen3_235b_shape": (
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+        dict(
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=8,
+            head_dim=32,
+            num_attention_heads=16,
+            num_key_value_heads=1,
+            norm_topk_prob=True,
+        ),
+    ),
     # q/k/v biases, a shared expert of its own size behind a sigmoid gate, renormalised top-2 of 4;
     # layer 0 dense by mlp_only_layers
     "qwen2_moe": (
@@ -269,3 +285,40 @@ def test_moe_models_no_class_matches_are_refused_before_export(argv, message):
     with pytest.raises(UserError, match=re.escape(message)) as e:
         to_hf(load_config([*base, *argv]).model, "float32")
     assert "\n" not in str(e.value)
+
+
+# The config.json of Qwen's published checkpoints (Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B on the
+# Hugging Face hub): what --init_from reads. The shipped configs' model must be theirs.
+QWEN3_HUB = dict(
+    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", attention_bias=False, hidden_act="silu",
+    head_dim=128, num_key_value_heads=4, num_experts=128, num_experts_per_tok=8, vocab_size=151936,
+    rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, norm_topk_prob=True,
+    decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960, router_aux_loss_coef=0.001,
+    torch_dtype="bfloat16", sliding_window=None, use_sliding_window=False, bos_token_id=151643,
+    eos_token_id=151645,
+)  # fmt: skip
+QWEN3_SIZES = {
+    "qwen3_30b_a3b": dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_attention_heads=32, num_hidden_layers=48, max_window_layers=48),
+    "qwen3_235b_a22b": dict(hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
+                            num_attention_heads=64, num_hidden_layers=94, max_window_layers=94),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(QWEN3_SIZES))
+def test_a_shipped_qwen3_config_is_the_published_model(tmp_path, name):
+    """configs/<name>.yaml's model is what --init_from makes of the published config.json: every key
+    of the architecture (the training settings, seq_len, remat, pieces, capacity, are the config's)."""
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN3_HUB, **QWEN3_SIZES[name]}))
+    hub = load_config(["--init_from", f"hf:{tmp_path}"], fill=with_hf_model).model
+    shipped = load_config(
+        ["--config", str(Path(__file__).resolve().parent.parent / "configs" / f"{name}.yaml")]
+    ).model
+    training = {"seq_len", "scan_layers", "remat", "token_chunks", "moe"}
+    assert {k: v for k, v in to_dict(hub).items() if k not in training} == {
+        k: v for k, v in to_dict(shipped).items() if k not in training
+    }
+    routing = {"capacity_factor", "chunks", "grouped_matmul", "exchange", "dispatch_dtype"}
+    assert {k: v for k, v in to_dict(hub.moe).items() if k not in routing} == {
+        k: v for k, v in to_dict(shipped.moe).items() if k not in routing
+    }
