@@ -13,6 +13,7 @@ import pytest
 
 from jaxtrain.config import load_config
 from jaxtrain.plan import advice, candidates, planner, targets
+from jaxtrain.plan import cli as plan_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 USABLE_H100 = 63_697_010_688
@@ -291,22 +292,69 @@ def test_the_search_tries_only_meshes_that_can_exist(config):
         assert candidates.mesh_overrides(cfg, 1, 8, 1, 1) == {"mesh.data": -1, "mesh.tensor": 1}
 
 
-def test_a_plan_whose_process_aborts_is_one_line_and_the_next_plan_goes_on(tmp_path):
+CHECK_FAILED = (
+    "F1207 12:37:57.562601   18398 spmd_partitioner_util.cc:497] Check failed: "
+    "partition_group_list.num_replica_groups() * partition_group_list.num_devices_per_group() == "
+    "device_groups.num_devices_per_group()\n*** Check failure stack trace: ***\n"
+)  # what XLA printed compiling gpt2_124m's data -1 x fsdp 1 x context 2 x tensor 2 on 2 x 8 H100s
+
+
+def _abort_as_xla_does() -> None:
+    sys.stderr.write(CHECK_FAILED)
+    sys.stderr.flush()
+    os.abort()
+
+
+def test_a_plan_whose_process_aborts_is_one_clean_line_and_the_search_goes_on(tmp_path, monkeypatch, capsys):
     """planner.in_child: a compile that kills its process (XLA's `Check failed`, exit 134: a real
-    abort here, os.abort in the child) is a Refused naming what was compiled, and the next call
-    gets a fresh child. XLA's fatal line is what the one line quotes."""
-    with pytest.raises(planner.Refused, match=r"^XLA aborted compiling a test layout: "):
-        planner.in_child(os.abort, what="compiling a test layout")
+    abort here, in the child) is a Refused naming what was compiled and where XLA stopped, never
+    XLA's raw line, and the next call gets a fresh child. In a search it is the candidate's one
+    line, and the search goes on (scripts/plan.py --config configs/gpt2_124m.yaml --hosts 2 --search)."""
+    monkeypatch.setattr(
+        advice,
+        "plan_guarded",
+        lambda *a: planner.in_child(_abort_as_xla_does, what="compiling a test layout"),
+    )
+    s = advice._Search(_cfg("gpt2_124m.yaml"), (targets.get("h100"), 2, 8), 16)
+    mesh = {"mesh.data": -1, "mesh.tensor": 2, "mesh.context": 2, "mesh.fsdp": 1, "model.remat": "full"}
+    why = "an internal check failed (XLA's spmd_partitioner_util.cc:497)"  # not XLA's text
+    assert s.attempt(mesh) == f"not compiled: XLA aborts compiling it: {why}"
+    assert (
+        capsys.readouterr().out
+        == f"  tensor 2, context 2, fsdp 1, remat full: not compiled: XLA aborts compiling it: {why}\n"
+    )
+    assert s.compiles == 0 and not s.results
+    with pytest.raises(planner.Refused) as refused:  # the job as given: its layout named
+        planner.in_child(_abort_as_xla_does, what="compiling a test layout")
+    assert str(refused.value) == f"XLA aborted compiling a test layout: {why}"
     assert planner.in_child(os.getpid, what="a pid") != os.getpid()
     log = tmp_path / "stderr.log"
-    log.write_text(
-        "2026-11-28 06:00:00.1: W external/xla/foo.cc:1] a warning\n"
-        "F0000 00:00:1 spmd_partitioner_util.cc:497] Check failed: shape.dimensions(i) % n == 0\n"
-        "*** Check failure stack trace: ***\n"
-    )
-    assert planner.last_words(str(log)).endswith("Check failed: shape.dimensions(i) % n == 0")
     log.write_text("")
     assert planner.last_words(str(log)) == "the compiler's process died without a word"
+
+
+def test_the_search_names_the_job_as_given_and_compares_the_best_layout_with_it(monkeypatch, capsys):
+    """scripts/plan.py --search: the as-given job's table has a label (it prints after the search's
+    lines), and one line compares the fastest layout found with it, by forecast."""
+    given = json.loads((ROOT / "bench/results/plan_gpt2_124m_h100_2x8_data16.json").read_text())
+    given["forecast"] = {**given.get("forecast", {}), "step_time_s": 0.0770, "mfu": 0.346}
+    best = {"overrides": {"mesh.data": -1, "model.remat": "none"}, "forecast": {"step_time_s": 0.0701}}
+    monkeypatch.setattr(plan_cli, "plan_job", lambda *a: {**given, "search": [best]})
+    monkeypatch.setattr(advice, "print_search", lambda found: None)
+    assert (
+        plan_cli.main(["--config", str(ROOT / "configs/gpt2_124m.yaml"), "--hosts", "2", "--search"], "") == 0
+    )
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "the job as given:" and out[1].startswith("target ")
+    assert out[-1] == (
+        "best layout found vs the job as given: 70.1 vs 77.0 ms a step (forecast), 1.10x faster, with "
+        "--mesh.data -1 --model.remat none"
+    )
+    assert advice.versus_given({}, [best]) == (
+        "best layout found vs the job as given: 70.1 ms a step (forecast) with --mesh.data -1 "
+        "--model.remat none; the job as given was not compiled"
+    )
+    assert advice.versus_given(given, []) == ""
 
 
 def _running(pid: int) -> bool:

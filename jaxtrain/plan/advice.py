@@ -21,7 +21,7 @@ from jaxtrain.observe.memory import fits
 from jaxtrain.plan import candidates, targets
 from jaxtrain.plan.candidates import inner_choice, layouts, mesh_overrides, with_overrides
 from jaxtrain.plan.compiled import usable_bytes
-from jaxtrain.plan.planner import gb, plan_guarded
+from jaxtrain.plan.planner import Refused, gb, plan_guarded
 
 # What a search keeps of each plan that fits.
 SEARCH_KEYS = (
@@ -87,6 +87,8 @@ def _try(cfg: Config, target: targets.GpuTarget, hosts: int, gpus_per_host: int)
     try:
         check(cfg)
         p = plan_guarded(cfg, target, hosts, gpus_per_host)
+    except Refused as e:  # XLA refused it or aborted: why, short (the search's line names the layout)
+        return f"not compiled: {e.reason}", None
     except (UserError, jax.errors.JaxRuntimeError) as e:  # rejected, or the compiler failed
         return str(e).splitlines()[0], None
     if not p["compiled"]:
@@ -334,6 +336,24 @@ def _layout_name(layout: candidates.Layout) -> str:
 def _forecast_s(r: dict[str, Any]) -> float:
     """What a search ranks by: the forecast step time (forecast.py), the bound's for a plan without one."""
     return r["forecast"]["step_time_s"] if "forecast" in r else r["schedule_bound_s"]
+
+
+def versus_given(p: dict[str, Any], found: list[dict[str, Any]]) -> str:
+    """One line: the fastest layout a search found against the job as given (`p`, {} where its
+    layout was refused), by forecast step time; "" when the search found none."""
+    if not found:
+        return ""
+    best, how = _forecast_s(found[0]), flags(found[0]["overrides"])
+    said = f"best layout found vs the job as given: {1e3 * best:.1f}"
+    if not p or not p["compiled"]:
+        return f"{said} ms a step (forecast) with {how}; the job as given was not compiled"
+    if not p["fits"]:
+        size = gb(p["total_bytes_per_device"])
+        return f"{said} ms a step (forecast) with {how}; the job as given does not fit ({size})"
+    given = _forecast_s(p)
+    ratio = given / best
+    verdict = f"{ratio:.2f}x faster" if ratio >= 1 else f"{ratio:.2f}x: the job as given is faster"
+    return f"{said} vs {1e3 * given:.1f} ms a step (forecast), {verdict}, with {how}"
 
 
 def print_search(found: list[dict[str, Any]]) -> None:

@@ -54,9 +54,13 @@ def main(argv: list[str], usage: str) -> int:
 
     p = plan_job(cfg, target, args.hosts, args.gpus_per_host, args.search_budget if args.search else 0)
     if p.get("compiled") is not None:
+        if args.search:  # after the search's lines: which plan this is
+            print("the job as given:")
         planner.print_plan(p)
         advice.print_fixes(p)
     advice.print_search(p.get("search", []))
+    if versus := advice.versus_given(p, p.get("search", [])):
+        print(versus)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(p, indent=1) + "\n")

@@ -15,6 +15,7 @@ import atexit
 import logging
 import multiprocessing
 import os
+import re
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -108,7 +109,12 @@ def plan_one(cfg: Config, target: targets.GpuTarget, hosts: int, gpus_per_host: 
 
 
 class Refused(UserError):
-    """A layout whose program XLA refuses to compile, or aborts on."""
+    """A layout whose program XLA refuses to compile, or aborts on; `reason`: why, without the
+    layout (a search's line names it already)."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason or message
 
 
 _CHILD: dict[str, Any] = {}  # the one child process that compiles plans: its pool and stderr file
@@ -155,7 +161,8 @@ def in_child(fn: Any, *args: Any, what: str) -> Any:
         return _CHILD["pool"].submit(fn, *args).result()
     except BrokenProcessPool:
         _CHILD.pop("pool").shutdown(wait=False)
-        raise Refused(f"XLA aborted {what}: {last_words(_CHILD['stderr'])}") from None
+        words = last_words(_CHILD["stderr"])
+        raise Refused(f"XLA aborted {what}: {words}", f"XLA aborts compiling it: {words}") from None
 
 
 def _remove(path: str) -> None:
@@ -182,13 +189,19 @@ def _in_child(
 
 
 def last_words(path: str) -> str:
-    """What a child printed as it died: XLA's `Check failed` line where there is one, else its last line."""
+    """Why a child died, in a few words: where XLA's fatal line (a `Check failed`) stopped it, as its
+    source file and line (the check's own text is XLA's internals: logged at debug level), else the
+    child's last line."""
     try:
         lines = [line.strip() for line in open(path, errors="replace").read().splitlines() if line.strip()]
     except OSError:
         lines = []
     failed = [line for line in lines if "Check failed" in line or "F0000" in line or "Fatal" in line]
-    line = (failed[:1] or lines[-1:] or ["the compiler's process died without a word"])[0]
+    if failed:
+        log.debug(f"XLA's last words: {failed[0]}")
+        where = re.search(r"([\w.-]+\.(?:cc|h)):(\d+)\]", failed[0])
+        return "an internal check failed" + (f" (XLA's {where[1]}:{where[2]})" if where else "")
+    line = (lines[-1:] or ["the compiler's process died without a word"])[0]
     return line[:300] + ("..." if len(line) > 300 else "")
 
 
