@@ -218,7 +218,8 @@ def test_pallas_fp8_is_autos_pick_beside_fp8_projections_and_falls_back_to_the_b
     """`pallas_fp8` is what auto runs on Hopper beside model.matmul fp8 (it plans faster than the
     bf16 tiles there: docs/fp8.md), the bf16 tiles without FP8 projections; named without FP8
     projections, or off Hopper, it is one line. Its preflight check is the FP8 kernels' (kind
-    grouped_matmul), and a failing one falls back to the same kernels on bf16 tiles."""
+    grouped_matmul), and a failing one falls back to the same kernels on bf16 tiles next (where
+    proven on the devices: run/verdicts.py)."""
     qwen3 = load_config(["--config", "configs/qwen3_30b_a3b.yaml"]).model
     assert kernels.settle(qwen3, "gpu", "bfloat16", "9.0").moe.grouped_matmul == "pallas"
     fp8_auto = dataclasses.replace(qwen3, matmul="fp8")
@@ -243,20 +244,31 @@ def test_pallas_fp8_is_autos_pick_beside_fp8_projections_and_falls_back_to_the_b
 FP8_EXPERTS = ["--model.moe.grouped_matmul", "pallas_fp8"]
 
 
-def test_a_failing_pallas_fp8_falls_back_to_the_bf16_tiles_even_when_named():
+def test_a_failing_pallas_fp8_falls_back_to_the_bf16_tiles_where_proven_else_to_ragged_dot():
     """The job-start preflight's decision (run/verdicts.py) when the FP8 kernels' check fails on the
-    GPUs: the run goes on with `pallas` and says so in one line, though pallas_fp8 was named (no
-    GPU had run it when it shipped); `pallas` named and failing is still refused."""
+    GPUs, though pallas_fp8 was named (no GPU had run it when it shipped): the bf16 tiles next, where
+    their own checks, run then, pass on these devices; where they do not (here a CPU, which cannot
+    run them), on down the chain to ragged_dot, proven on CPU; each in one line. `pallas` named and
+    failing is still refused."""
     moe = ["--config", "configs/tiny.yaml", "--model.mlp", "swiglu", "--model.moe.n_experts", "4",
            "--model.d_model", "128", "--model.n_head", "2", "--model.moe.d_expert", "128",
            "--dtype", "bfloat16"]  # fmt: skip
     job = Job.of_devices(load_config([*moe, "--model.matmul", "fp8", *FP8_EXPERTS]), jax.devices()[:1])
     on_gpu = kernels.settle(job.cfg.model, "gpu", "bfloat16", "9.0")
     failed = {"grouped_matmul": [(0, socket.gethostname())]}
-    model, lines = verdicts._decide(job, on_gpu, failed, [])
+    proven = []
+    model, lines = verdicts._decide(job, on_gpu, failed, [], lambda m, kind: proven.append(m) or "")
+    assert [m.moe.grouped_matmul for m in proven] == ["pallas"]  # proven before it runs
     assert model.moe.grouped_matmul == "pallas" and lines == [
         "preflight: the pallas_fp8 grouped matmul failed on cpu; running the pallas grouped matmul instead"
     ]
+    model, lines = verdicts._decide(job, on_gpu, failed, [], verdicts._prover(job, "bfloat16", None))
+    assert model.moe.grouped_matmul == "ragged_dot" and len(lines) == 1
+    assert lines[0].startswith(
+        "preflight: the pallas_fp8 grouped matmul failed on cpu; the pallas grouped matmul not proven here "
+        "(cpu:0: ValueError: refused: model.moe.grouped_matmul pallas needs Hopper"
+    ), lines
+    assert lines[0].endswith("; running the ragged_dot grouped matmul instead")
     named = Job.of_devices(load_config([*moe, "--model.moe.grouped_matmul", "pallas"]), jax.devices()[:1])
     with pytest.raises(ConfigError, match="the pallas grouped matmul failed"):
         verdicts._decide(named, kernels.settle(named.cfg.model, "gpu", "bfloat16", "9.0"), failed, [])

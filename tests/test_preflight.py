@@ -1,6 +1,7 @@
 """The preflight at job start (jaxtrain/run/verdicts.py): which kernels it checks, auto's fallback and
-a named kernel's refusal when a check differs ($JAXTRAIN_FAULTS preflight_differs), the verdict agreed
-by two real processes naming the one whose check failed, and the cache a second run reads.
+a named kernel's refusal when a check differs ($JAXTRAIN_FAULTS preflight_differs), the compiled step
+running the fallback afterwards, the verdict agreed by two real processes naming the one whose check
+failed, and the cache a second run reads.
 
 On CPU the kernels checked are the CPU-proven ones against themselves (`--preflight on`); a planted
 fault skews one kernel's outputs as a wrong kernel or a bad GPU would.
@@ -14,12 +15,16 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from processes import TINY, ok, run_train
+from processes import TINY, run_train
 
+from jaxtrain import faults as faults_lib
+from jaxtrain.cluster.detect import LaunchSpec
 from jaxtrain.config import ConfigError, load_config
 from jaxtrain.model import fp8
+from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.run import kernels, verdicts
 from jaxtrain.run import preflight as pf
+from jaxtrain.run.build import build
 from jaxtrain.run.job import Job
 
 DENSE = [*TINY, "--total_steps", "2", "--preflight", "on"]
@@ -113,17 +118,35 @@ def test_fp8_matmuls_are_checked_on_gpus_at_the_jobs_widths_and_refused_by_name(
     assert "--model.matmul compute" in line and "\n" not in line
 
 
+# The experts' dots in a compiled step by their op names: the blocks kernel's padded einsum, and the
+# dots XLA:CPU makes of jax.lax.ragged_dot (model/moe.py expert_mlps)
+BLOCKS_DOT, RAGGED_DOT = "bmd,bdf->bmf", "moe._experts/dot_general"
+
+
 @pytest.mark.slow
-def test_auto_falls_back_with_one_line_and_trains_on_the_fallback(tmp_path):
-    """One process: the blocks grouped matmul made to differ; auto trains on ragged_dot."""
-    run_dir = tmp_path / "run"
-    ok(run_train(run_dir, 1, 1, *MOE, faults="preflight_differs=expert_mlps"))
-    log = (run_dir / "train.log").read_text()
-    warned = [x for x in log.splitlines() if "WARNING preflight:" in x]
-    assert len(warned) == 1, log
-    assert "preflight: the blocks grouped matmul failed on cpu (cpu:0: out off by" in warned[0]
-    assert warned[0].endswith("running the ragged_dot grouped matmul instead")
-    assert "2 check(s) on 1 device(s)" in log and "done: step 2" in log
+def test_auto_falls_back_with_one_line_and_the_compiled_step_runs_the_fallback():
+    """One process, built as scripts/train.py builds a joined job (run/build.py), with the blocks
+    grouped matmul made to differ in its preflight: one warning line, and the train step compiled
+    afterwards multiplies the experts with ragged_dot's dots and none of blocks' einsums (the same
+    job without the preflight: blocks' einsums); it trains."""
+    launched = LaunchSpec("single", None, 1, 0, None, {})
+    job = dataclasses.replace(_job(MOE, 1), launch=launched)
+    run = build(job, faults_lib.planned({"JAXTRAIN_FAULTS": "preflight_differs=expert_mlps"}))
+    (warned,) = run.preflight.warnings
+    assert warned.startswith("preflight: the blocks grouped matmul failed on cpu (cpu:0: out off by")
+    assert warned.endswith("running the ragged_dot grouped matmul instead")
+    assert "2 check(s) on 1 device(s)" in run.preflight.summary
+    compiled = run.compile_train()
+    text = compiled.as_text()
+    assert RAGGED_DOT in text and BLOCKS_DOT not in text
+    unchecked = build(_job([*MOE, "--preflight", "off"], 1))
+    lowered = unchecked.train_step.lower(unchecked.target, unchecked.batch_shape).as_text(debug_info=True)
+    assert unchecked.model.cfg.moe.grouped_matmul == "blocks" and BLOCKS_DOT in lowered
+    state, cfg = run.init_state(), run.cfg
+    rows = np.random.default_rng(0).integers(0, 256, (cfg.batch_size, cfg.model.seq_len + 1), np.int32)
+    for _ in range(cfg.total_steps):
+        state, metrics = compiled(state, mesh_lib.global_batch(rows, run.mesh, cfg.batch_size))
+    assert int(state.step) == 2 and np.isfinite(float(metrics["loss"]))
 
 
 def test_a_pass_is_cached_and_the_second_run_checks_nothing(tmp_path, monkeypatch):
@@ -159,7 +182,5 @@ def test_two_processes_agree_and_a_named_kernel_that_differs_on_one_exits_2_nami
 
 
 def test_off_and_a_described_cluster_run_no_preflight():
-    from jaxtrain.run.build import build
-
     assert build(_job([*DENSE, "--preflight", "off"])).preflight.summary == "preflight: off"
     assert build(_job(DENSE)).preflight.checked == 0  # Job.of_devices: nothing launched, nothing run

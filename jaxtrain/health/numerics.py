@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtrain.health.checks import Check, who
-from jaxtrain.model import grouped
+from jaxtrain.model import auto
 from jaxtrain.parallel.mesh import DATA_AXIS
 from jaxtrain.run import preflight as pf
 
@@ -36,18 +36,21 @@ CHECKSUM_TOLERANCE = 1e-5  # relative: one kind of device, one program, same inp
 
 
 def kernel_choices(platform: str, capability: str, mode: str) -> pf.Choices:
-    """The kernels to check on each device: auto, the GPU-only ones (none on CPUs); on, every one."""
+    """The kernels to check on each device: auto, the GPU-only ones auto runs there (model/auto.py's
+    rules, at the kernel problem's widths; none on CPUs); on, every one (a CPU's: those proven on it)."""
     gpu = platform == "gpu"
     if not gpu and mode != "on":
         return pf.Choices()
-    pallas = gpu and capability == grouped.HOPPER
     fp8 = not gpu or float(capability or 0) >= FP8_CAPABILITY
     heads, d, ff, d_ff = KERNEL_HEADS, KERNEL_WIDTHS[0], KERNEL_WIDTHS[1], KERNEL_FF
     if not gpu:  # a CPU checks the path, small
         heads, d, ff, d_ff = (4, 2, 32, 32), 128, 64, 96
+    rules = {
+        "attention": auto.attention(platform, "bfloat16", heads[2], capability),
+        "grouped_matmul": auto.grouped_matmul(platform, capability, d, ff, "bfloat16"),
+    }
     return pf.Choices(
-        attention="cudnn" if gpu else "xla",
-        grouped_matmul="pallas" if pallas else "ragged_dot",  # a CPU's: the path, at the least compile
+        **(rules if gpu else {k: auto.PROVEN[k] for k in rules}),  # a CPU's: the path, at the least compile
         dtype="bfloat16",
         heads=heads,
         documents=True,

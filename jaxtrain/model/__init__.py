@@ -4,7 +4,7 @@ attention), `mlp` (the dense feed-forward), `moe` (routed experts), `grouped` an
 (the experts' Pallas kernels on Hopper), `head` (logits and the loss in pieces), `documents`
 (packed documents), `layers` (dense, RMSNorm, rotary positions, layout constraints), `params`
 (logical axes by param path, names, counts), `placement` (the hooks a split model is given),
-`generate` (KV-cached sampling).
+`generate` (KV-cached sampling), `auto` (what `auto` means for each kernel, on which devices).
 
 Knows no devices and no topology: params and activations name logical axes (`layers.constrain`),
 which the step's rules map to mesh axes (parallel/mesh.py). No layer reads a mesh or runs a

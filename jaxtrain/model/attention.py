@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax._src.cudnn import fused_attention_stablehlo as cudnn_layer
 
 from jaxtrain.config import ModelConfig
-from jaxtrain.model import documents
+from jaxtrain.model import auto, documents
 from jaxtrain.model.documents import Documents
 from jaxtrain.model.layers import (
     cache_index,
@@ -44,12 +44,13 @@ def causal_attention(
     row is all masked).
 
     `impl` is settled where the job meets its devices (run/kernels.py); a model applied outside a
-    job, as in tests, runs XLA's attention for auto. cudnn: cuDNN's fused kernel. xla: the same math
+    job, as in tests, runs auto by model/auto.py (XLA's). cudnn: cuDNN's fused kernel. xla: the same math
     as jax's XLA path in two einsums, without its grouped-query vmap, whose layout changes cost
     XLA:CPU transposes and copies: +3.5% tok/s on the issue shape (bench_torch.py, 2 cores). Inside
     a step the kernel runs where the placement puts it (parallel/context.py: per device, whole
     sequences of a share of the heads where context splits them).
     """
+    impl = auto.outside_a_job("attention", impl)
     kernel = cudnn_kernel if impl == "cudnn" else xla_kernel
     if placement.attend is None:
         return kernel(q, k, v, segments)

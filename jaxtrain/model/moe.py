@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.config import ModelConfig, MoeConfig
-from jaxtrain.model import fp8
+from jaxtrain.model import auto, fp8
 from jaxtrain.model.layers import constrain, dense, residual_std
 from jaxtrain.model.mlp import mlp
 from jaxtrain.model.placement import LOCAL, Placement
@@ -207,7 +207,7 @@ class Wire:
     routed: int | None = None
     dispatch: str = ""
     bound: int = 0
-    exchange: str = "auto"  # moe.exchange: ragged | padded (auto: by the platform, parallel/expert.py)
+    exchange: str = "auto"  # moe.exchange: ragged | padded (auto: model/auto.py's, parallel/expert.py)
     # The Pallas kernels in their GPU interpreter (tests on CPU: model/grouped_kernels.py)
     interpret: bool = dataclasses.field(default=False, kw_only=True)
 
@@ -563,8 +563,8 @@ class MoeMlp(nn.Module):
         in float32 (each token's copies summed), and the share of copies dropped (capacity);
         `fp8_weights`: w_in's and w_out's e4m3 values and scales, as fsdp gathered them (`_stacks`)."""
         moe, k, d = self.cfg.moe, self.cfg.moe.experts_per_token, tokens.shape[1]
-        # Settled where the job meets its devices (run/kernels.py); a model applied outside a job: XLA's
-        impl = "ragged_dot" if moe.grouped_matmul == "auto" else moe.grouped_matmul
+        # Settled where the job meets its devices (run/kernels.py); outside a job auto is model/auto.py's
+        impl = auto.outside_a_job("grouped_matmul", moe.grouped_matmul)
         # In pieces, each routed and exchanged by itself: one piece's exchange runs beside another's
         # experts (`_routed`). Pieces only schedule the exchange: where they do not divide the tokens
         # (decoding's one token a sequence; the config holds training's count) the layer goes whole.

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxtrain.model import auto
 from jaxtrain.model.moe import Given, Groups, Pieces, Wire, routed
 from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.parallel import tensor
@@ -199,10 +200,10 @@ def experts(
         placed = Placed(wire.impl, wire.routed, wire.dispatch)
         outs = routed(recomputed)(placed, rows, gates, w_in, w_out, plans, fp8_weights)
         return outs, jnp.zeros((), jnp.float32)
-    # Settled where the job meets its devices (run/kernels.py); auto outside a job: by the platform
-    # (XLA:CPU has no ragged all-to-all)
-    auto_ragged = wire.exchange == "auto" and mesh_lib.platform() not in (None, "cpu")
-    ragged = wire.exchange == "ragged" or auto_ragged
+    # Settled where the job meets its devices (run/kernels.py); auto outside a job: model/auto.py's
+    # rule for the platform the step compiles for
+    named = wire.exchange
+    ragged = (auto.exchange(mesh_lib.platform()) if named == "auto" else named) == "ragged"
     return exchange(
         rows, gates, experts, EXPERT_AXIS, ep, w_in, w_out, wire.impl, capacity_factor, ragged,
         wire.dispatch, recomputed, fp8_weights,

@@ -1,6 +1,7 @@
 """The kernels a job runs, settled once where it meets its devices: attention (cuDNN's fused kernel
 or XLA's) and a mixture of experts' grouped matmul (model/grouped.py's Pallas kernels on Hopper,
-XLA's `ragged_dot`, or padded `blocks`), with the one rule for each limit that depends on the GPU.
+XLA's `ragged_dot`, or padded `blocks`) and the experts' exchange, by each one's `auto` rule
+(model/auto.py, the one place it is written: the health check reads it too).
 
 `settle` turns `auto` into a kernel and refuses an explicit choice the devices cannot run, in one
 line, before anything is traced; the model then runs what its config names (model/attention.py,
@@ -13,33 +14,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax.numpy as jnp
-
 from jaxtrain.config import ConfigError, ModelConfig
-from jaxtrain.model import grouped
-
-# cuDNN's fused (flash) attention: half or bfloat16 inputs, head dim a multiple of 8 up to 128, or
-# 256 on Hopper and later (compute capability 9.0: DeepSeek-V3's 192). jax's own checks, in
-# jax/_src/cudnn/fused_attention_stablehlo.py (check_layout, check_is_flash_attention).
-_CUDNN_DTYPES = ("bfloat16", "float16")
-
-
-def cudnn_max_head_dim(capability: str) -> int:
-    """The largest head cuDNN's fused attention takes on GPUs of this compute capability ("9.0")."""
-    major = int(capability.split(".")[0]) if capability else 0
-    return 256 if major >= 9 else 128
+from jaxtrain.model import auto
 
 
 def attention(cfg: ModelConfig, platform: str, dtype: Any, capability: str = "") -> str:
     """The causal attention kernel a run compiles to, "cudnn" or "xla" (attention_impl settled).
 
     `platform` is the devices' ("gpu", "cpu", ...: jax's Device.platform), `dtype` the compute
-    dtype, `capability` a GPU's compute capability ("9.0"). auto picks cuDNN on GPUs wherever it
-    supports the dtype and head dim, XLA elsewhere (jax's own `implementation=None` always takes
-    XLA's path, which materialises T x T scores: 25 GB of DeepSeek-V3's temporaries, planned).
-    An explicit cudnn the devices cannot run is refused in one line.
+    dtype, `capability` a GPU's compute capability ("9.0"). auto: model/auto.py's rule (cuDNN on
+    GPUs wherever it takes the dtype and head size, XLA elsewhere). An explicit cudnn the devices
+    cannot run is refused in one line.
     """
-    most = cudnn_max_head_dim(capability)
+    most = auto.cudnn_max_head_dim(capability)
     if cfg.attention_impl == "cudnn":
         if platform != "gpu":
             raise ConfigError(
@@ -54,29 +41,20 @@ def attention(cfg: ModelConfig, platform: str, dtype: Any, capability: str = "")
             )
     if cfg.attention_impl != "auto":
         return cfg.attention_impl
-    fits = jnp.dtype(dtype).name in _CUDNN_DTYPES and cfg.head_size % 8 == 0 and cfg.head_size <= most
-    return "cudnn" if platform == "gpu" and fits else "xla"
+    return auto.attention(platform, dtype, cfg.head_size, capability)
 
 
 def grouped_matmul(
     cfg: ModelConfig, platform: str, capability: str = "", tensor: int = 1, dtype: Any = "bfloat16"
 ) -> str:
-    """The experts' grouped matmul on these devices (moe.grouped_matmul settled): `blocks` on CPUs,
-    the Pallas kernels on Hopper where their tiles take the widths (each expert's hidden dim split
-    over `tensor`) and the compute `dtype`, XLA's `ragged_dot` on other GPUs. An explicit pallas they
-    cannot run is refused. `pallas_fp8` (the same kernels on FP8 tiles, model/grouped_fp8.py) is
-    auto's pick on Hopper beside model.matmul fp8 (Qwen3-30B-A3B on 4 x 8 plans 1.19x the bf16
-    tiles there, docs/fp8.md), and only there: named without FP8 projections it is refused.
-    Never run on a GPU when it shipped: the job-start preflight checks it, and a failing one falls
-    back to the bf16 tiles (`fallen_back`)."""
-    why = grouped.refusal(platform, capability, cfg.d_model, cfg.expert_dim // tensor)
-    if not why and jnp.dtype(dtype).itemsize > 2:
-        # The tiles fill 160 KB of H100's 227 KB of shared memory at two bytes a value (grouped.py):
-        # four-byte values need twice that, and Mosaic refuses them when it compiles.
-        why = (
-            f"model.moe.grouped_matmul pallas takes bfloat16 or float16, not {jnp.dtype(dtype).name} (its "
-            "tiles would need twice H100's shared memory); use --dtype bfloat16 or grouped_matmul auto"
-        )
+    """The experts' grouped matmul on these devices (moe.grouped_matmul settled): auto by
+    model/auto.py's rule (`blocks` on CPUs, the Pallas kernels on Hopper where their tiles take the
+    widths, each expert's hidden dim split over `tensor`, and the compute `dtype`; on FP8 tiles,
+    `pallas_fp8` (model/grouped_fp8.py), beside model.matmul fp8; XLA's `ragged_dot` on other
+    GPUs). An explicit pallas they cannot run is refused, and pallas_fp8 named without FP8
+    projections. The job-start preflight checks the Pallas kernels; a failing one falls back
+    (`fallen_back`)."""
+    why = auto.pallas_refusal(platform, capability, cfg.d_model, cfg.expert_dim // tensor, dtype)
     named = cfg.moe.grouped_matmul
     if named in ("pallas", "pallas_fp8") and why:
         raise ConfigError(why)
@@ -87,17 +65,15 @@ def grouped_matmul(
         )
     if named != "auto":
         return named
-    if platform == "cpu":
-        return "blocks"
-    if capability != grouped.HOPPER or why:
-        return "ragged_dot"
-    return "pallas_fp8" if cfg.matmul == "fp8" else "pallas"
+    return auto.grouped_matmul(
+        platform, capability, cfg.d_model, cfg.expert_dim // tensor, dtype, cfg.matmul == "fp8"
+    )
 
 
 def exchange(cfg: ModelConfig, platform: str) -> str:
-    """How the experts' copies cross the expert axis on these devices (moe.exchange settled): XLA's
-    ragged all-to-all on GPUs, the padded all-to-all on CPUs (XLA:CPU has none ragged). An explicit
-    ragged off GPUs is refused."""
+    """How the experts' copies cross the expert axis on these devices (moe.exchange settled): auto
+    by model/auto.py's rule (XLA's ragged all-to-all on GPUs, the padded all-to-all on CPUs). An
+    explicit ragged off GPUs is refused."""
     if cfg.moe.exchange == "ragged" and platform != "gpu":
         raise ConfigError(
             f"model.moe.exchange ragged needs GPUs (XLA:{platform.upper()} has no ragged all-to-all); "
@@ -105,7 +81,7 @@ def exchange(cfg: ModelConfig, platform: str) -> str:
         )
     if cfg.moe.exchange != "auto":
         return cfg.moe.exchange
-    return "ragged" if platform == "gpu" else "padded"
+    return auto.exchange(platform)
 
 
 def settle(cfg: ModelConfig, platform: str, dtype: Any, capability: str = "", tensor: int = 1) -> ModelConfig:
@@ -121,17 +97,32 @@ def settle(cfg: ModelConfig, platform: str, dtype: Any, capability: str = "", te
     return dataclasses.replace(cfg, attention_impl=attention(cfg, platform, dtype, capability), moe=moe)
 
 
+def kernel(cfg: ModelConfig, kind: str) -> str:
+    """The kernel of `kind` (attention, grouped_matmul, exchange) `cfg` names."""
+    return {"attention": cfg.attention_impl, "grouped_matmul": cfg.moe.grouped_matmul,
+            "exchange": cfg.moe.exchange}[kind]  # fmt: skip
+
+
+def with_kernel(cfg: ModelConfig, kind: str, impl: str) -> ModelConfig:
+    """`cfg` running `impl` for the kernel of `kind`."""
+    if kind == "attention":
+        return dataclasses.replace(cfg, attention_impl=impl)
+    if kind == "grouped_matmul":
+        return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, grouped_matmul=impl))
+    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, exchange=impl))
+
+
 def fallen_back(cfg: ModelConfig, kind: str) -> ModelConfig | None:
-    """`cfg` with the kernel of `kind` (attention, grouped_matmul, exchange) set to the one proven on
-    CPU (for the FP8 grouped matmul, its bf16 kernels), what auto runs when the preflight finds its
-    choice wrong on these devices (run/verdicts.py); None where there is none to fall back to (it is
-    the one that failed, or `kind` has no other)."""
-    if kind == "attention" and cfg.attention_impl != "xla":
-        return dataclasses.replace(cfg, attention_impl="xla")
-    if kind == "grouped_matmul" and cfg.moe.grouped_matmul != "ragged_dot":
-        # The FP8 kernels fall back to the same kernels on bf16 tiles (an H200 ran those: docs/moe.md)
-        bf16 = "pallas" if cfg.moe.grouped_matmul == "pallas_fp8" else "ragged_dot"
-        return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, grouped_matmul=bf16))
-    if kind == "exchange" and cfg.moe.exchange != "padded":
-        return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, exchange="padded"))
-    return None
+    """`cfg` with the kernel of `kind` (attention, grouped_matmul, exchange) set to the next of its
+    fallback chain (model/auto.py FALLBACK: the FP8 tiles to the bf16 tiles, those and `blocks` to
+    ragged_dot, cuDNN's attention to XLA's, the ragged exchange to the padded one), what auto runs
+    when the preflight finds its choice wrong on these devices (run/verdicts.py, which proves a
+    GPU-only next kernel there before it runs it, else goes on down the chain to the one proven on
+    CPU); None where there is none to fall back to (the CPU-proven one failed)."""
+    after = auto.FALLBACK.get(kernel(cfg, kind))
+    return with_kernel(cfg, kind, after) if after else None
+
+
+def proven_on_cpu(cfg: ModelConfig, kind: str) -> bool:
+    """Whether `cfg`'s kernel of `kind` is proven on CPU (model/auto.py PROVEN): a fallback's end."""
+    return kernel(cfg, kind) == auto.PROVEN[kind]

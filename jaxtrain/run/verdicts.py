@@ -5,11 +5,12 @@ compile; the verdicts agreed across processes, cached on disk, and turned into t
     cleared = clear(job, settled, dtype, faults)   # build's, for a joined job (run/build.py)
     cleared.model                                  # settled, or with auto's fallbacks
 
-`auto` that resolved to a kernel that fails falls back to the CPU-proven one (kernels.fallen_back:
-XLA's attention, `ragged_dot`, the padded exchange) with one warning line; a kernel chosen by name
-that fails is refused in one line (exit 2). Every process takes the same decision from the same
-gathered verdicts, and a failure on some processes only names their hosts (a bad GPU rather than a
-kernel bug).
+`auto` that resolved to a kernel that fails falls back down its chain (kernels.fallen_back, model/
+auto.py FALLBACK) to the first kernel proven: on CPU (XLA's attention, `ragged_dot`, the padded
+exchange), or a GPU-only one (pallas_fp8's bf16 tiles) by its own checks run then on these devices,
+with one warning line; a kernel chosen by name that fails is refused in one line (exit 2). Every
+process takes the same decision from the same gathered verdicts, and a failure on some processes
+only names their hosts (a bad GPU rather than a kernel bug).
 Only passes are cached (cache_root()/preflight): a failure is checked again on the next run, as a
 replaced GPU or driver may pass. The key holds the versions, the driver, the devices, the host, the
 checks' names (their shapes and dtype) and the source of the kernels checked.
@@ -26,7 +27,7 @@ import json
 import logging
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,7 +114,7 @@ def clear(job: Job, settled: ModelConfig, dtype: Any, faults: Faults | None) -> 
         with contextlib.suppress(OSError):  # a cache that cannot be written: the next run checks again
             write_text(_path(key), json.dumps({"key": key, "verdicts": [v.line() for v in verdicts]}) + "\n")
     where = _agree(job, failed)
-    model, lines = _decide(job, settled, where, verdicts)
+    model, lines = _decide(job, settled, where, verdicts, _prover(job, dtype, faults))
     spent = time.perf_counter() - t0
     said = (
         "cached: passed before" if cached else f"{len(checks)} check(s) on {len(job.local_devices)} device(s)"
@@ -152,9 +153,16 @@ def _agree(job: Job, failed: set[str]) -> dict[str, list[tuple[int, str]]]:
 
 
 def _decide(
-    job: Job, settled: ModelConfig, where: dict[str, list[tuple[int, str]]], verdicts: list[Verdict]
+    job: Job,
+    settled: ModelConfig,
+    where: dict[str, list[tuple[int, str]]],
+    verdicts: list[Verdict],
+    prove: Callable[[ModelConfig, str], str] | None = None,
 ) -> tuple[ModelConfig, list[str]]:
-    """Fallbacks for auto, a ConfigError for a kernel chosen by name (or one with no fallback)."""
+    """Fallbacks for auto, a ConfigError for a kernel chosen by name (or one with no fallback). A
+    fallback runs only where it is proven: on CPU (model/auto.py PROVEN), or by `prove` on these
+    devices (its checks run and agreed on now: "" where they pass, else why not); one that is not
+    is passed over for the next of its chain (pallas_fp8's bf16 tiles, then ragged_dot)."""
     mine = [v for v in verdicts if not v.passed and not v.informational]
     lines = [] if job.is_main else [f"preflight on this process: {v.line()}" for v in mine]
     model = settled
@@ -164,15 +172,42 @@ def _decide(
         reason = next((v.failed for v in mine if KIND_OF[v.name.split()[0]] == kind), "")
         what += f" ({reason.split('; ')[0]})" if reason else ""  # its first output: the rest in the log
         # The FP8 grouped matmul, asked for by name, falls back too: no GPU had run it when it
-        # shipped, and its bf16 tiles (an H200 ran those) train the same model.
+        # shipped, and its bf16 tiles or ragged_dot train the same model.
         soft = _requested(job.cfg.model, kind) == "auto" or impl == "pallas_fp8"
         fallback = kernels.fallen_back(model, kind) if soft else None
+        passed_over = []
+        while fallback is not None and not kernels.proven_on_cpu(fallback, kind):
+            unproven = prove(fallback, kind) if prove is not None else "no check ran on these devices"
+            if not unproven:
+                break
+            passed_over.append(f"{_what(kind, _impl(fallback, kind, job))} not proven here ({unproven}); ")
+            fallback = kernels.fallen_back(fallback, kind)
         if fallback is None:
             raise ConfigError(f"{what}; {_fix(kind, impl)}, or --preflight off to run it anyway")
         model = fallback
         if job.is_main:
-            lines.append(f"{what}; running {_what(kind, _impl(model, kind, job))} instead")
+            lines.append(
+                f"{what}; {''.join(passed_over)}running {_what(kind, _impl(model, kind, job))} instead"
+            )
     return model, lines
+
+
+def _prover(job: Job, dtype: Any, faults: Faults | None) -> Callable[[ModelConfig, str], str]:
+    """`_decide`'s `prove`: the preflight's checks of a fallback's kernel of `kind` on this process's
+    devices, agreed across processes: "" where they pass everywhere, else the first failure's line."""
+
+    def prove(model: ModelConfig, kind: str) -> str:
+        picked = choices(dataclasses.replace(job.cfg, preflight="on"), model, dtype, job.platform)
+        others: dict[str, Any] = {k: "" for k in KINDS if k != kind}
+        only = dataclasses.replace(picked, **others)
+        checks = preflight_lib.checks(only, job.local_devices[0].platform, _capability(job))
+        failed = [v for v in _run(checks, job.local_devices, faults) if not v.passed and not v.informational]
+        anywhere = any(job.gather(int(bool(failed))))
+        if not anywhere:
+            return ""
+        return failed[0].failed.split("; ")[0] if failed else "it failed on another process"
+
+    return prove
 
 
 def _on(job: Job, failing: list[tuple[int, str]]) -> str:
