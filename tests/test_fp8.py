@@ -12,7 +12,9 @@ tests/test_gpu_compile.py).
 
 import dataclasses
 import functools
+import json
 import re
+from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -574,8 +576,23 @@ def test_the_gemm_census_counts_fp8_gemms_and_refuses_only_a_gpus_projections_le
     h100 = gemms.census(H100_GEMMS)
     assert gemms.counts(h100) == {"fp8": 1, "cublas": 2, "other": 0, "asked_fp8": 2, "not_fp8": 1}
     assert gemms.summary(gemms.counts(h100)).endswith("; 1 of the 2 rounded to FP8 are FP8 GEMMs")
-    assert gemms.summary(gemms.counts(found)).startswith("0 FP8, 0 other cuBLAS, 3 XLA's own")
+    assert gemms.summary(gemms.counts(found), "cpu").startswith("0 FP8, 0 other cuBLAS, 3 XLA's own")
+    assert gemms.summary(gemms.counts(found), "cpu").endswith(
+        "the 3 rounded to FP8 are XLA's dots (no FP8 GEMM on cpu: emulated)"
+    )
     line = gemms.refusal(h100, "gpu")
     assert line is not None and "\n" not in line
     assert line.startswith("model.matmul fp8: 1 of the train step's 2 FP8 GEMMs compiled to other GEMMs ")
     assert "(1 __cublas$lt$matmul; the first: jit(train_step)/jvp(GPT)/attn/q/Fp8Dot_0/fp8_dot/dot)" in line
+
+
+def test_the_plan_prints_its_gemm_counts(capsys):
+    """scripts/plan.py's summary (plan/planner.py print_plan) has a GEMMs row from the plan's counts."""
+    from jaxtrain.plan import planner
+
+    plan = json.loads(Path("bench/results/plan_gpt_1b_fp8_h200x1_bench.json").read_text())
+    counts = {"fp8": 120, "cublas": 6, "other": 0, "asked_fp8": 120, "not_fp8": 0}
+    planner.print_plan(plan | {"gemms": counts})
+    (row,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("GEMMs")]
+    assert row.split(None, 1)[1] == gemms.summary(counts)
+    assert row.endswith("; all of the 120 rounded to FP8 are FP8 GEMMs")

@@ -98,11 +98,14 @@ def counts(found: list[Gemm]) -> dict[str, int]:
     }
 
 
-def summary(c: dict[str, int]) -> str:
-    """`counts` in words: '15 FP8, 3 other cuBLAS, 0 XLA's own ...; all 15 rounded to FP8 are FP8'."""
+def summary(c: dict[str, int], platform: str = "gpu") -> str:
+    """`counts` in words: '15 FP8, 3 other cuBLAS, 0 XLA's own ...; all of the 15 rounded to FP8 are
+    FP8 GEMMs'; off GPUs, that those multiply in XLA's dots (the emulation: no FP8 GEMM there)."""
     line = f"{c['fp8']} FP8, {c['cublas']} other cuBLAS, {c['other']} XLA's own (dots, GEMM fusions)"
     line += " in the program (a loop's body once)"
-    if c["asked_fp8"]:
+    if c["asked_fp8"] and platform != "gpu":
+        line += f"; the {c['asked_fp8']} rounded to FP8 are XLA's dots (no FP8 GEMM on {platform}: emulated)"
+    elif c["asked_fp8"]:
         fp8 = c["asked_fp8"] - c["not_fp8"]
         line += f"; {'all' if not c['not_fp8'] else fp8} of the {c['asked_fp8']} rounded to FP8 are FP8 GEMMs"
     return line

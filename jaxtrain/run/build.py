@@ -13,6 +13,7 @@ place a job meets its devices before its first compile, so training and every ta
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,9 +121,14 @@ class Run:
         speed (observe/gemms.py; a CPU's dots are the emulation, never refused)."""
         if "fp8" not in (self.cfg.model.matmul, self.cfg.model.head_matmul):
             return
-        why = gemms.refusal(gemms.census(compiled.as_text() or ""), self.mesh.devices.flat[0].platform)
+        found, platform = gemms.census(compiled.as_text() or ""), self.mesh.devices.flat[0].platform
+        why = gemms.refusal(found, platform)
         if why:
             raise ConfigError(why)
+        if self.job.launch is not None and self.job.is_main:  # a joined job's log says what it checked
+            logging.getLogger("jaxtrain").info(
+                f"train step GEMMs: {gemms.summary(gemms.counts(found), platform)}"
+            )
 
     def compile_eval(self) -> jax.stages.Compiled:
         return self.eval_step.lower(self.target.params, self.batch_shape).compile(self.compiler_options)
