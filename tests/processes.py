@@ -45,6 +45,8 @@ LAUNCH_VARS = (
     "PMIX_",
     "PMI_",
     "MV2_",
+    "JOB_COMPLETION",  # a Kubernetes Indexed Job's pod (JOB_COMPLETION_INDEX, JOB_COMPLETIONS)
+    "JOBSET_",
 )
 
 

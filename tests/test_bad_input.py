@@ -295,6 +295,10 @@ def _no_url_folder(ctx: dict) -> None:
     ctx["watch"].append(ROOT / "gs:")  # must not come to exist
 
 
+def _watch_tmp(ctx: dict) -> None:
+    ctx["watch"].append(ctx["tmp"])  # nothing may appear in it
+
+
 def _text(ctx: dict) -> None:
     (ctx["tmp"] / "in.txt").write_text("hello world\n" * 200)
 
@@ -409,6 +413,12 @@ CASES = [
     Case("launch-missing-script", [*LAUNCH, "--mode", "manual", "--world-size", "1", "--script", "scripts/nope.py"],
          "--script scripts/nope.py not found"),
     Case("launch-slurm-without-sbatch", [*LAUNCH, "--mode", "slurm", "--", "--config", "configs/tiny.yaml"], "sbatch not found", _no_sbatch),
+    Case("k8s-zero-nodes", [*LAUNCH, "--mode", "create_k8s", "--num-nodes", "0", "--image", "i", "--manifest", "{tmp}/k8s/job.yaml"],
+         "--num-nodes must be >= 1, got 0", _watch_tmp),
+    Case("k8s-credential-value", [*LAUNCH, "--mode", "create_k8s", "--image", "i", "--env", "AWS_SECRET_ACCESS_KEY=abc",
+         "--manifest", "{tmp}/job.yaml"], "a credential's value would be written into the manifest", _watch_tmp),
+    Case("k8s-outside-a-pod", [*LAUNCH, "--mode", "k8s", "--", "--config", "configs/tiny.yaml"], "JOB_COMPLETION_INDEX is not set"),
+    Case("k8s-pod-without-a-count", [*TINY], "set JOB_COMPLETIONS to the Job's completions", env={"JOB_COMPLETION_INDEX": "1"}),
     # -- launch_multi_node.sh
     Case("multi-missing-args", [*MULTI, "10.0.0.1"], "expected 3 arguments, got 1"),
     Case("multi-bad-node-count", [*MULTI, "10.0.0.1", "two", "0"], "num_nodes must be a positive integer, got 'two'"),

@@ -8,8 +8,10 @@ Sources, first match wins:
   4. openmpi    a process mpirun started: OMPI_COMM_WORLD_SIZE, _RANK, _LOCAL_RANK; the coordinator
                 is derived from OMPI_MCA_orte_hnp_uri as JAX's own Open MPI detection does
   5. slurm      a task started by srun: SLURM_JOB_ID, SLURM_NTASKS, SLURM_PROCID, SLURM_LOCALID, ...
-  6. single     one process, no coordinator; refused when another launcher says it started several
-Under SLURM and Open MPI a coordinator given alone (flag, JAX_COORDINATOR_ADDRESS or
+  6. k8s        a pod of a Kubernetes Indexed Job (JOB_COMPLETION_INDEX, which Kubernetes sets), in a
+                JobSet or not: see K8S_LABELS and _from_k8s for the variables and the rule
+  7. single     one process, no coordinator; refused when another launcher says it started several
+Under SLURM, Open MPI and Kubernetes a coordinator given alone (flag, JAX_COORDINATOR_ADDRESS or
 MASTER_ADDR+MASTER_PORT) replaces the derived one; anywhere else a partial set is an error.
 `--dist.local_device_ids` overrides the local devices of any source.
 """
@@ -41,11 +43,28 @@ _OMPI_URI = "OMPI_MCA_orte_hnp_uri"  # mpirun's own address; Open MPI 5 no longe
 _UNREAD_WORLD_SIZES = ("PMI_SIZE", "MV2_COMM_WORLD_SIZE")
 # JAX's own SLURM convention, so a job started by either picks the same port.
 _SLURM_PORT_BASE, _SLURM_PORT_SPAN = 65535 - 2**12 + 1, 2**12
+# Kubernetes: every pod has a network namespace of its own, so one fixed port serves every job.
+K8S_PORT = 29500
+# The pod's JobSet labels (jobset.sigs.k8s.io/..., set by the JobSet controller on every pod) that
+# a manifest exposes as variables through the downward API; the manifest create_k8s writes
+# (jaxtrain/launch/k8s.py) exposes exactly these.
+K8S_LABELS = {
+    "JOBSET_NAME": "jobset.sigs.k8s.io/jobset-name",
+    "JOBSET_REPLICATED_JOB": "jobset.sigs.k8s.io/replicatedjob-name",
+    "JOBSET_JOB_INDEX": "jobset.sigs.k8s.io/job-global-index",  # JobSet v0.7 and later
+    "JOBSET_JOBS": "jobset.sigs.k8s.io/global-replicas",  # v0.7
+    "JOBSET_COORDINATOR": "jobset.sigs.k8s.io/coordinator",  # v0.7: HOST of spec.coordinator's pod
+    "JOBSET_RESTART_ATTEMPT": "jobset.sigs.k8s.io/restart-attempt",
+}
+# An Indexed Job's pods, outside a JobSet: the Job's name (Kubernetes' label on its pods) names
+# the headless Service too, and its completions are written into the pod's env by the manifest.
+K8S_JOB_NAME = ("JOB_NAME", "batch.kubernetes.io/job-name")
+K8S_COMPLETIONS = "JOB_COMPLETIONS"  # pods per Job: the Job's spec.completions (JobSet's default 1)
 
 
 @dataclass(frozen=True)
 class LaunchSpec:
-    source: str  # "flags" | "jax_env" | "torchrun_env" | "openmpi" | "slurm" | "single"
+    source: str  # "flags" | "jax_env" | "torchrun_env" | "openmpi" | "slurm" | "k8s" | "single"
     coordinator_address: str | None
     num_processes: int
     process_id: int
@@ -106,8 +125,9 @@ def _in_slurm_task(environ: Mapping[str, str]) -> bool:
 
 
 def _ranks_known(environ: Mapping[str, str]) -> bool:
-    """SLURM tasks and Open MPI processes know their ranks: a coordinator may come alone."""
-    return _in_slurm_task(environ) or "OMPI_COMM_WORLD_SIZE" in environ
+    """SLURM tasks, Open MPI processes and Kubernetes pods know their ranks: a coordinator may
+    come alone."""
+    return _in_slurm_task(environ) or "OMPI_COMM_WORLD_SIZE" in environ or "JOB_COMPLETION_INDEX" in environ
 
 
 def _from_flags(dist: DistConfig, environ: Mapping[str, str]) -> dict | None:
@@ -330,6 +350,57 @@ def _from_slurm(dist: DistConfig, environ: Mapping[str, str]) -> dict | None:
     }
 
 
+def _from_k8s(dist: DistConfig, environ: Mapping[str, str]) -> dict | None:
+    """A pod of an Indexed Job (JOB_COMPLETION_INDEX), one process per pod.
+
+    In a JobSet (JOBSET_NAME): process = JOBSET_JOB_INDEX x JOB_COMPLETIONS + JOB_COMPLETION_INDEX,
+    of JOBSET_JOBS x JOB_COMPLETIONS (JOB_COMPLETIONS defaults to 1, JobSet's one pod per Job); the
+    coordinator is JOBSET_COORDINATOR, else the first pod's hostname
+    <jobset>-<replicated job>-0-0.<jobset> (JobSet's default subdomain). A lone Indexed Job: process
+    JOB_COMPLETION_INDEX of JOB_COMPLETIONS, the coordinator <JOB_NAME>-0.<JOB_NAME> (its headless
+    Service named after it). Port K8S_PORT.
+    """
+    if "JOB_COMPLETION_INDEX" not in environ:
+        return None
+    index = _int("JOB_COMPLETION_INDEX", environ["JOB_COMPLETION_INDEX"])
+    details = {"JOB_COMPLETION_INDEX": environ["JOB_COMPLETION_INDEX"]}
+    details.update({n: environ[n] for n in (*K8S_LABELS, K8S_JOB_NAME[0], K8S_COMPLETIONS) if environ.get(n)})
+    in_jobset = bool(environ.get("JOBSET_NAME"))
+    if not in_jobset and not environ.get(K8S_COMPLETIONS):
+        raise UserError(
+            f"a pod of a Kubernetes Indexed Job (JOB_COMPLETION_INDEX={index}) that does not say how "
+            f"many pods the job has: expose the JobSet labels ({', '.join(K8S_LABELS)}), or set "
+            f"{K8S_COMPLETIONS} to the Job's completions (scripts/run_distributed.py --mode create_k8s "
+            "writes both)"
+        )
+    per_job = _int(K8S_COMPLETIONS, environ.get(K8S_COMPLETIONS) or "1")
+    if in_jobset:
+        needed = ("JOBSET_NAME", "JOBSET_REPLICATED_JOB", "JOBSET_JOB_INDEX", "JOBSET_JOBS")
+        if any(not environ.get(n) for n in needed):
+            raise _partial("k8s", [n for n in needed if environ.get(n)], needed)
+        jobs = _int("JOBSET_JOBS", environ["JOBSET_JOBS"])
+        job = _int("JOBSET_JOB_INDEX", environ["JOBSET_JOB_INDEX"])
+        name, rjob = environ["JOBSET_NAME"], environ["JOBSET_REPLICATED_JOB"]
+        host = environ.get("JOBSET_COORDINATOR") or f"{name}-{rjob}-0-0.{name}"
+        num, process = jobs * per_job, job * per_job + index
+    else:
+        if not environ.get(K8S_JOB_NAME[0]):
+            lone = ("JOB_COMPLETION_INDEX", K8S_COMPLETIONS, K8S_JOB_NAME[0])
+            raise _partial("k8s", ["JOB_COMPLETION_INDEX", K8S_COMPLETIONS], lone)
+        host = f"{environ[K8S_JOB_NAME[0]]}-0.{environ[K8S_JOB_NAME[0]]}"
+        num, process = per_job, index
+    override = _coordinator_override(dist, environ)
+    coordinator = f"{host}:{K8S_PORT}"
+    if override:
+        details[override[0]] = coordinator = override[1]
+    return {
+        "coordinator_address": coordinator,
+        "num_processes": num,
+        "process_id": process,
+        "details": details,
+    }
+
+
 def detect(dist: DistConfig, environ: Mapping[str, str] = os.environ) -> LaunchSpec:
     """Work out this process's place in the job; pure, raises UserError on inconsistent values."""
     names = {
@@ -338,6 +409,7 @@ def detect(dist: DistConfig, environ: Mapping[str, str] = os.environ) -> LaunchS
         "torchrun_env": ("MASTER_ADDR:MASTER_PORT", "WORLD_SIZE", "RANK"),
         "openmpi": ("the coordinator", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"),
         "slurm": ("the coordinator", "SLURM_NTASKS", "SLURM_PROCID"),
+        "k8s": ("the coordinator", "pods", "process"),
     }
     found = None
     for source, get in (
@@ -347,6 +419,7 @@ def detect(dist: DistConfig, environ: Mapping[str, str] = os.environ) -> LaunchS
         # before slurm: mpirun inside an allocation starts its daemons through srun
         ("openmpi", lambda: _from_ompi(dist, environ)),
         ("slurm", lambda: _from_slurm(dist, environ)),
+        ("k8s", lambda: _from_k8s(dist, environ)),
     ):
         found = get()
         if found is not None:

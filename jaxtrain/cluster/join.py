@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
 from collections.abc import Mapping
 from types import TracebackType
 
@@ -100,7 +101,10 @@ def initialize(
     remaining = max(1.0, timeout - (time.monotonic() - start))
     watchdog = _init_watchdog(spec)
     try:
-        with watchdog.deadline("init", remaining):
+        with watchdog.deadline("init", remaining), warnings.catch_warnings():
+            # In a Kubernetes pod JAX's own cluster detection, asked though every value is given,
+            # warns that it lacks the `kubernetes` package: nothing is missing, say nothing.
+            warnings.filterwarnings("ignore", "Kubernetes environment detected", UserWarning)
             jax.distributed.initialize(
                 coordinator_address=spec.coordinator_address,
                 num_processes=spec.num_processes,
