@@ -1,4 +1,5 @@
-r"""Run a script (default scripts/train.py) as many processes: locally, per host, or under SLURM.
+r"""Run a script (default scripts/train.py) as many processes: locally, per host, under SLURM or on
+Kubernetes.
 
 Everything after `--` goes to the script unchanged.
 One machine, 4 processes (GPUs split between them; on CPU set XLA_FLAGS yourself):
@@ -13,6 +14,10 @@ SLURM: inside salloc/sbatch runs srun; outside, writes an sbatch file and submit
     python scripts/run_distributed.py --mode create_slurm --nodes 2 --gpus-per-node 8 \
         --partition gpu --time 04:00:00 -- --config configs/gpt2_124m.yaml
     sbatch slurm_scripts/run_slurm.sh
+Kubernetes: writes a JobSet (--indexed-job: an Indexed Job) whose pods run --mode k8s (docs/kubernetes.md):
+    python scripts/run_distributed.py --mode create_k8s --num-nodes 4 --gpus-per-node 8 \
+        --image REGISTRY/jaxtrain:1 --pvc runs:/runs -- --config configs/gpt2_124m.yaml --run_dir /runs/gpt2
+    kubectl apply -f k8s/jaxtrain.yaml
 Health check of a cluster: add --script scripts/test_distributed.py.
 
 Output (manual): the first local rank prints to this terminal, stdout to stdout and stderr to
