@@ -31,6 +31,7 @@ from processes import TINY, clean_env, logged_losses, ok, rank_pid
 
 from jaxtrain.cluster.detect import detect
 from jaxtrain.config import DistConfig
+from jaxtrain.errors import UserError
 from jaxtrain.launch import cli, k8s
 
 REPO = Path(__file__).resolve().parent.parent
@@ -120,6 +121,9 @@ def test_each_pod_finds_its_place_from_the_environment_the_manifest_gives_it(tmp
     coordinator = f"{pods[0].fqdn}:{k8s.K8S_PORT}"
     assert {(s.num_processes, s.coordinator_address) for s in specs} == {(4, coordinator)}
     assert specs[2].details["JOBSET_RESTART_ATTEMPT"] == "1"
+    older = {**pods[2].env, "JOBSET_JOBS": ""}  # a JobSet before v0.7 sets no global-replicas label
+    with pytest.raises(UserError, match="JOBSET_JOBS empty or unset.*global-replicas.*v0.7"):
+        detect(DistConfig(), older)
     # --mode k8s in pod 2: one worker with every GPU, or one per GPU.
     args = cli.build_parser().parse_args(["--mode", "k8s"])
     env = {**pods[2].env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(8)))}

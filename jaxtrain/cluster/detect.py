@@ -375,9 +375,15 @@ def _from_k8s(dist: DistConfig, environ: Mapping[str, str]) -> dict | None:
         )
     per_job = _int(K8S_COMPLETIONS, environ.get(K8S_COMPLETIONS) or "1")
     if in_jobset:
-        needed = ("JOBSET_NAME", "JOBSET_REPLICATED_JOB", "JOBSET_JOB_INDEX", "JOBSET_JOBS")
-        if any(not environ.get(n) for n in needed):
-            raise _partial("k8s", [n for n in needed if environ.get(n)], needed)
+        missing = [
+            n for n in ("JOBSET_REPLICATED_JOB", "JOBSET_JOB_INDEX", "JOBSET_JOBS") if not environ.get(n)
+        ]
+        if missing:
+            raise UserError(
+                f"a JobSet's pod with {', '.join(missing)} empty or unset: the manifest exposes them from "
+                f"the pod's labels ({', '.join(K8S_LABELS[n] for n in missing)}), which JobSet v0.7 and "
+                "later set; write it with scripts/run_distributed.py --mode create_k8s"
+            )
         jobs = _int("JOBSET_JOBS", environ["JOBSET_JOBS"])
         job = _int("JOBSET_JOB_INDEX", environ["JOBSET_JOB_INDEX"])
         name, rjob = environ["JOBSET_NAME"], environ["JOBSET_REPLICATED_JOB"]
