@@ -96,6 +96,10 @@ def test_the_manifest_for_4_nodes_x_8_gpus_validates_against_kubernetes_and_jobs
     assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
     assert container["envFrom"] == [{"secretRef": {"name": "bucket-keys"}}]  # by reference, no value
+    args = cli.build_parser().parse_args(["--mode", "create_k8s", "--pvc", "runs:/runs"])
+    assert k8s.unshared_run_dir(args, ["--run_dir", "/runs/a"]) is None
+    assert k8s.unshared_run_dir(args, ["--run_dir=gs://bucket/a"]) is None
+    assert k8s.unshared_run_dir(args, ["--config", "configs/tiny.yaml"]) == "runs/<config name> (the default)"
     # The indexed Job and its headless Service, for clusters without JobSet.
     service, job = create(tmp_path, *flags, "--indexed-job")
     for doc in (service, job):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -237,9 +238,32 @@ def manifest(args: argparse.Namespace, script_args: list[str], invocation: str) 
     return head + yaml.safe_dump_all(docs, sort_keys=False, default_flow_style=False)
 
 
+def unshared_run_dir(args: argparse.Namespace, script_args: list[str]) -> str | None:
+    """The training's --run_dir when no pod but the one that wrote it could read it back (neither a
+    bucket nor under a --pvc mount); None when it is shared."""
+    run_dir = "runs/<config name> (the default)"
+    for i, word in enumerate(script_args):
+        if word == "--run_dir" and i + 1 < len(script_args):
+            run_dir = script_args[i + 1]
+        elif word.startswith("--run_dir="):
+            run_dir = word.partition("=")[2]
+    if "://" in run_dir:
+        return None
+    absolute = Path(args.image_workdir, run_dir)
+    shared = [Path(m.path) for m in _mounts("--pvc", args.pvc)]
+    return None if any(absolute.is_relative_to(p) for p in shared) else run_dir
+
+
 def write_manifest(args: argparse.Namespace, script_args: list[str], invocation: str) -> Path:
     """Write the manifest to --manifest; nothing is written when a flag is refused."""
     text = manifest(args, script_args, invocation)
+    local = unshared_run_dir(args, script_args)
+    if local:
+        print(
+            f"warning: --run_dir {local} is on each pod's own disk: a restarted pod cannot resume from "
+            "it; put it on a shared volume (--pvc CLAIM:DIR and a run dir under DIR) or in a bucket",
+            file=sys.stderr,
+        )
     path = Path(args.manifest)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
