@@ -147,19 +147,14 @@ class GPT(nn.Module):
             x = x + (wpe(start + jnp.arange(tokens.shape[1]))[None] if doc is None else wpe(doc.positions))
         if self.span == "embed":
             return x
-        block = block_class(cfg, self.placement)
         if cfg.scan_layers:
             # One traced body for all layers: compile time stays flat in depth. DeepSeek's first
             # dense layers are a stack of their own, before the MoE layers' (`scanned_stacks`).
             for name, length, moe in scanned_stacks(cfg):
-                stack = layer_stack(block, length)
-                if self.placement.stack_in is not None:
-                    stack = nn.map_variables(stack, "params", trans_in_fn=self.placement.stack_in)
-                x, _ = stack(cfg, self.dtype, self.decode, moe, self.placement, name=name)(x, doc)
+                x, _ = layers(self, moe, length, stack_in=True, name=name)(x, doc)
         else:
             for i in range(cfg.n_layer):
-                moe = is_moe_layer(cfg, i)
-                x, _ = block(cfg, self.dtype, self.decode, moe, self.placement, name=f"block_{i}")(x, doc)
+                x, _ = layers(self, is_moe_layer(cfg, i), name=f"block_{i}")(x, doc)
         return output(x)
 
 
@@ -192,6 +187,25 @@ def forward(model: GPT, params: Any, rows: jax.Array, stack: Stack) -> jax.Array
     for name, _, _ in scanned_stacks(model.cfg):
         x = stack(name, x, doc)
     return head(model, params, x, rows)
+
+
+def layers(
+    model: GPT,
+    moe: bool,
+    length: int | None = None,
+    checkpointed: bool = False,
+    stack_in: bool = False,
+    name: str | None = None,
+) -> Any:
+    """`model`'s layers, not yet run: one Block, or `length` of them as one scanned stack (`layer_stack`),
+    params gathered as the placement asks (`block_class`; `checkpointed`: no remat of their own).
+    `stack_in`: the stack's params through the placement's stack_in as it runs (GPT.__call__);
+    callers that pass them through it once a step leave it out (run/accumulate.py)."""
+    block = block_class(model.cfg, model.placement, checkpointed)
+    cls = block if length is None else layer_stack(block, length)
+    if length is not None and stack_in and model.placement.stack_in is not None:
+        cls = nn.map_variables(cls, "params", trans_in_fn=model.placement.stack_in)
+    return cls(model.cfg, model.dtype, model.decode, moe, model.placement, name=name)
 
 
 def layer_stack(block: Any, length: int, unroll: int = 1) -> Any:

@@ -45,7 +45,7 @@ from jaxtrain.model import fp8
 from jaxtrain.model.documents import Documents
 from jaxtrain.model.head import mean_loss
 from jaxtrain.model.params import logical_axes, path_names
-from jaxtrain.model.transformer import GPT, block_class, embed, head, layer_stack, scanned_stacks
+from jaxtrain.model.transformer import GPT, embed, head, layers, scanned_stacks
 from jaxtrain.parallel import fsdp, tensor
 from jaxtrain.parallel import mesh as mesh_lib
 
@@ -63,18 +63,17 @@ def bubble(stages: int, micro: int) -> float:
 def _stage(model: GPT) -> Callable[[Any, jax.Array, Documents | None], jax.Array]:
     """run(params, x, doc) -> x: this stage's layers (its share of the scanned stack), from the
     stack's params, or unrolled from one tree per layer (`_layers`)."""
-    cfg = model.cfg
     # With remat full the tick is the checkpoint (`_tick`): the layers inside it need none.
-    block = block_class(cfg, model.placement, checkpointed=cfg.remat == "full")
+    checkpointed = model.cfg.remat == "full"
 
     def run(params: Any, x: jax.Array, doc: Documents | None) -> jax.Array:
         if isinstance(params, list):
-            layer = block(cfg, model.dtype, False, False, model.placement)
+            layer = layers(model, False, checkpointed=checkpointed)
             for one in params:
                 x = layer.apply({"params": one}, x, doc)[0]
             return x
         length = jax.tree.leaves(params)[0].shape[0]
-        stack = layer_stack(block, length)(cfg, model.dtype, False, False, model.placement)
+        stack = layers(model, False, length, checkpointed)
         return stack.apply({"params": params}, x, doc)[0]
 
     return run

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from jaxtrain.config import ModelConfig
 from jaxtrain.model.documents import Documents
-from jaxtrain.model.transformer import GPT, block_class, forward, scanned_stacks
+from jaxtrain.model.transformer import GPT, forward, layers, scanned_stacks
 
 Metrics = dict[str, jax.Array]
 # objective(rows, each token's loss [b, T], the "moe" collection or None) -> (loss, metrics)
@@ -93,10 +93,7 @@ def _stack(layer: Callable[..., tuple[jax.Array, Any]]) -> Callable[..., tuple[j
 def _layer(model: GPT, moe: bool) -> Callable[..., tuple[jax.Array, Any]]:
     """layer(p, x, doc) -> (x, its "moe" collection): one block of `model` (params gathered as the
     step's layout asks), without remat of its own: the stack's backward recomputes it."""
-    cfg = model.cfg
-    block = block_class(cfg, model.placement, checkpointed=True)(
-        cfg, model.dtype, False, moe, model.placement
-    )
+    block = layers(model, moe, checkpointed=True)
 
     def layer(p: Any, x: jax.Array, doc: Any) -> tuple[jax.Array, Any]:
         (y, _), sown = block.apply({"params": p}, x, doc, mutable=["moe"])
