@@ -27,7 +27,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from pods import Pods, indexed_job_pods, jobset_pods, netns_works, stopped
-from processes import TINY, clean_env, logged_losses, ok, rank_pid
+from processes import TINY, clean_env, logged_losses, ok, processes_marked, rank_pid
 
 from jaxtrain.cluster.detect import detect
 from jaxtrain.config import DistConfig
@@ -217,6 +217,7 @@ def test_four_pods_train_lose_one_to_kill_9_restart_together_and_resume_bitwise(
     assert "jaxtrain launch: ranks 0..0 of 4, coordinator jaxtrain-workers-0-0.jaxtrain:29500" in said
     assert f"resumed from {run_dir}/checkpoints/" in said and "Kubernetes environment detected" not in said
     assert _losses(run_dir) == _losses(reference)  # bit for bit, every step
+    assert processes_marked(marker) == [], "processes left behind"
     print(f"the other pods stopped {stop_s:.1f} s after JobSet's SIGTERM")
 
 
@@ -230,4 +231,5 @@ def _start_all(net: Pods, pods: list, base: dict, image: dict, log_prefix: Path)
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
+    """The logged losses by step; {0: 0.0} before the first."""
     return logged_losses(run_dir) if (run_dir / "metrics.jsonl").exists() else {0: 0.0}
