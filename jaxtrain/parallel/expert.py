@@ -25,7 +25,10 @@ from jaxtrain.model.moe import Given, Groups, Pieces, Wire, routed
 from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.parallel import tensor
 from jaxtrain.parallel.mesh import EXPERT_AXIS
-from jaxtrain.plan.schedule import PADDED_SCOPE
+
+# The named scope of the padded stand-in's all-to-all of the rows, with the ragged one's (update,
+# peer) slots after it: the planner knows it for the expert exchange by it (plan/schedule.py PADDED).
+PADDED_SCOPE = "padded_exchange"
 
 
 def padded_ragged_all_to_all(

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from jaxtrain.observe import peaks
+from jaxtrain.parallel.expert import PADDED_SCOPE
 from jaxtrain.plan import hlo
 from jaxtrain.plan.targets import GpuTarget
 
@@ -38,7 +39,7 @@ FP8_GEMM = "gemm_fp8"  # a GEMM on FP8 tensor cores (hlo.fp8): at the target's F
 GROUPED, FP8_GROUPED = "grouped", "grouped_fp8"  # the experts' kernel: bf16, or FP8 (`pallas_fp8`)
 FP8_KINDS = (FP8_GEMM, FP8_GROUPED)
 # The padded expert exchange's all-to-all (parallel/expert.py names it): costed either way (forecast.py)
-PADDED, PADDED_SCOPE = "padded-exchange", "padded_exchange"
+PADDED = "padded-exchange"
 
 
 def op_peak(target: GpuTarget, peak: float, kind: str) -> float:
