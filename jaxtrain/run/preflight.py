@@ -46,20 +46,18 @@ KERNELS = {
     "attention": ("jaxtrain.model.attention:causal_attention",),
     # (rows, w, sizes, routed, interpret): the Pallas kernels' custom_vjp
     "ragged_matmul": ("jaxtrain.model.grouped_kernels:ragged_matmul",),
-    # the same on FP8 tiles (model.matmul fp8), and the FP8 rounding (x, dtype) its reference takes
+    # the same on FP8 tiles (model.matmul fp8); its reference rounds by numpy (`numpy_quantized`)
     "ragged_matmul_fp8": ("jaxtrain.model.grouped_fp8:ragged_matmul_fp8",),
     # (rows, sizes, w_in, w_out, impl): the experts' MLPs by pallas, ragged_dot or blocks
     "expert_mlps": ("jaxtrain.model.moe:expert_mlps",),
     # ragged_all_to_all's arguments + width: XLA:CPU's stand-in for it
     "padded_exchange": ("jaxtrain.parallel.expert:padded_ragged_all_to_all",),
-    # (lhs, rhs, dimension_numbers) -> the FP8 projection's dot_general, and its rounding (x, dtype)
+    # (lhs, rhs, dimension_numbers) -> the FP8 projection's dot_general
     "fp8_matmul": ("jaxtrain.model.fp8:fp8_dot_general",),
-    "fp8_quantize": ("jaxtrain.model.fp8:quantize",),
 }
 # Relative-norm error allowed against the float32 reference. bfloat16 rounds each output to 2^-9,
 # about 4e-3 as a norm; the attention gradients pass through bfloat16 probabilities too.
 TOLERANCE = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-4}
-E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2  # model/fp8.py's forward and gradient formats
 EXPERT_SIZES = (300, 0, 137, 291)  # rows per expert: tiles straddle experts; one empty
 BUFFER_ROWS = 1024  # the grouped matmul's buffer: 296 rows past the routed 728 hold NaN
 
@@ -291,7 +289,7 @@ def grouped_check(
                 return {"out": (out[:routed], want[:routed])}
             got = jax.jit(lambda r, w, c: _with_grads(ours, (r, w), c))(rows_nan, w, cot_nan)
             if fp8:
-                want = _reference(lambda r, w, c: fp8_rounded_grads(r, w, c, group_sizes), rows0, w, cot0)
+                want = fp8_rounded_grads(rows0, w, cot0, group_sizes)
             else:
                 want = _reference(lambda r, w, c: _with_grads(ref, (r, w), c), rows0, w, cot0)
         return {
@@ -307,22 +305,23 @@ def grouped_check(
 
 def fp8_rounded_grads(rows: jax.Array, w: jax.Array, cot: jax.Array, sizes: jax.Array) -> tuple[Any, ...]:
     """model/grouped_fp8.py's output and gradients (rows, w), multiplied by `jax.lax.ragged_dot` in
-    the operands' dtype (float32) on the same roundings: forward, the routed rows e4m3 by their
-    scale and each expert's weights by its own; backward, the gradient's routed rows e5m2 against
-    those e4m3 operands rounded again to e5m2 (Mosaic's wgmma takes one FP8 type a GEMM)."""
-    quantize = kernel("fp8_quantize")
-    routed = (jnp.arange(rows.shape[0]) < jnp.sum(sizes))[:, None]
+    float32 on the same roundings, made by numpy (`numpy_quantized`, not model/fp8.py's): forward,
+    the routed rows e4m3 by their scale and each expert's weights by its own; backward, the
+    gradient's routed rows e5m2 against those e4m3 operands rounded again to e5m2 (Mosaic's wgmma
+    takes one FP8 type a GEMM)."""
+    routed = (np.arange(rows.shape[0]) < int(np.sum(sizes)))[:, None]
+    rows_, w_, cot_ = (np.asarray(jax.device_get(a), np.float32) for a in (rows, w, cot))
+    x4, sx = numpy_quantized(np.where(routed, rows_, 0), ml_dtypes.float8_e4m3fn)
+    g5, sg = numpy_quantized(np.where(routed, cot_, 0), ml_dtypes.float8_e5m2)
+    each = [numpy_quantized(we, ml_dtypes.float8_e4m3fn) for we in w_]
+    w4, sw = np.stack([q for q, _ in each]), np.array([s for _, s in each], np.float32)[:, None, None]
+    x5, w5 = (a.astype(ml_dtypes.float8_e5m2).astype(np.float32) for a in (x4, w4))
 
-    def rounded(x: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
-        q, s = quantize(x, dtype)
-        return q.astype(jnp.float32), s
+    def products(x: jax.Array, w: jax.Array, x5: jax.Array, w5: jax.Array, g: jax.Array) -> tuple[Any, ...]:
+        _, vjp = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, sizes), x5, w5)
+        return (jax.lax.ragged_dot(x, w, sizes), *vjp(g))
 
-    (x4, sx), (g5, sg) = (rounded(jnp.where(routed, a, 0), t) for a, t in ((rows, E4M3), (cot, E5M2)))
-    w4, sw = jax.vmap(lambda we: rounded(we, E4M3))(w)
-    x5, w5 = (a.astype(E5M2).astype(jnp.float32) for a in (x4, w4))
-    out = jax.lax.ragged_dot(x4 * sx, w4 * sw[:, None, None], sizes)
-    _, vjp = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, sizes), x5 * sx, w5 * sw[:, None, None])
-    return (out, *vjp(g5 * sg))
+    return _reference(products, x4 * sx, w4 * sw, x5 * sx, w5 * sw, g5 * sg)
 
 
 def expert_check(
@@ -519,10 +518,16 @@ def fp8_check(m: int, k: int, n: int, *, scale: float = 1e-4) -> Check:
     return Check(f"fp8_matmul m{m} k{k} n{n}", compute, TOLERANCE["bfloat16"])
 
 
-def numpy_rounded(x: jax.Array, dtype: Any) -> np.ndarray:
-    """x rounded to FP8 `dtype` (ml_dtypes' e4m3 or e5m2, round to nearest even) by numpy alone, as
-    model/fp8.py's rule says it should be, float32: scaled by the smallest power of two at or above
-    max|x| over the format's largest value (1 for zeros), rounded, scaled back."""
+def numpy_rounded(x: jax.Array | np.ndarray, dtype: Any) -> np.ndarray:
+    """x rounded to FP8 `dtype` by numpy alone (`numpy_quantized`) and scaled back, float32."""
+    q, scale = numpy_quantized(x, dtype)
+    return q * scale
+
+
+def numpy_quantized(x: jax.Array | np.ndarray, dtype: Any) -> tuple[np.ndarray, np.float32]:
+    """x divided by its scale and rounded to FP8 `dtype` (ml_dtypes' e4m3 or e5m2, round to nearest
+    even) by numpy alone, as float32, and the scale: as model/fp8.py's rule says, the smallest power
+    of two at or above max|x| over the format's largest value (1 for zeros)."""
     a = np.asarray(jax.device_get(x), np.float32)
     amax, largest = float(np.max(np.abs(a))) or 1.0, float(ml_dtypes.finfo(dtype).max)
     e = math.frexp(amax / largest)[1]  # then made exact: largest * 2^e >= amax > largest * 2^(e-1)
@@ -531,4 +536,4 @@ def numpy_rounded(x: jax.Array, dtype: Any) -> np.ndarray:
     while math.ldexp(largest, e) < amax:
         e += 1
     scale = np.float32(math.ldexp(1.0, e))
-    return (a / scale).astype(dtype).astype(np.float32) * scale
+    return (a / scale).astype(dtype).astype(np.float32), scale
