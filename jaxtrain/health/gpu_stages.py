@@ -285,7 +285,7 @@ def kernel_checks(platform: str, capability: str) -> list[Any]:
     """run/preflight.py's checks the GPU check runs: on GPUs the GPU-only kernels at the shipped
     widths, float32 tiles last (an observation: they may not fit shared memory); on CPUs the
     references and the Pallas forward in its interpreter, small."""
-    from jaxtrain.model import grouped
+    from jaxtrain.model import auto  # where the Pallas kernels can run: auto's own rule
     from jaxtrain.run import preflight as pf
 
     if platform == "cpu":
@@ -303,7 +303,7 @@ def kernel_checks(platform: str, capability: str) -> list[Any]:
     # then the Pallas kernels (181 s in all on an H200, 2026-11-28, each Pallas check 16-24 s of
     # compiling).
     d, ff = WIDTHS["qwen3_30b_a3b"]
-    why = grouped.refusal(platform, capability, d, ff)
+    why = auto.pallas_refusal(platform, capability, d, ff, "bfloat16")
     found = [
         pf.refused(f"ragged_matmul pallas_fp8 d{d} ff{ff}", why)
         if why
@@ -315,7 +315,7 @@ def kernel_checks(platform: str, capability: str) -> list[Any]:
     ]
     found += [pf.exchange_check("ragged"), pf.exchange_check("ragged", buffer=True)]
     for d, ff in WIDTHS.values():
-        why = grouped.refusal(platform, capability, d, ff)
+        why = auto.pallas_refusal(platform, capability, d, ff, "bfloat16")
         found.append(
             pf.refused(f"ragged_matmul pallas d{d} ff{ff}", why)
             if why
