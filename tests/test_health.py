@@ -134,17 +134,15 @@ def test_the_kernels_checked_on_each_gpu_and_a_failing_one_named():
 
 
 def test_collectives_busbw_as_nccl_tests_against_the_planner_constants():
-    from jaxtrain.plan import forecast
+    from jaxtrain.observe import links
 
     assert busbw.bus_factor("all-reduce", 8) == 2 * 7 / 8 and busbw.bus_factor("all-to-all", 8) == 7 / 8
     h100 = busbw.target_of("NVIDIA H100 80GB HBM3")
     assert h100 is not None and busbw.target_of("cpu") is None
     for kind in busbw.KINDS:  # the planner's own figures, through its forecast (H100: no scaling)
-        want = forecast.NVLINK_BUSBW.get(kind, forecast.NVLINK_BUSBW_OTHER)
+        want = links.NVLINK_BUSBW.get(kind, links.NVLINK_BUSBW_OTHER)
         assert busbw.planner_busbw(h100, kind, across_hosts=False) == pytest.approx(want)
-    assert busbw.planner_busbw(h100, "all-reduce", True) == pytest.approx(
-        forecast.NETWORK_BUSBW["all-reduce"]
-    )
+    assert busbw.planner_busbw(h100, "all-reduce", True) == pytest.approx(links.NETWORK_BUSBW["all-reduce"])
     times = {0: dict.fromkeys(busbw.KINDS, 1e-3), 1: dict.fromkeys(busbw.KINDS, 2e-3)}
     rows = busbw.rows(times, 8000, 4, h100, across_hosts=False)
     assert [r["slowest_process"] for r in rows] == [1] * 4

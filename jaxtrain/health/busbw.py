@@ -1,6 +1,6 @@
 """Bus bandwidth of the collectives a training step runs (all-reduce, all-gather, reduce-scatter,
 all-to-all), as nccl-tests defines it, next to what the planner assumes for the target
-(plan/forecast.py's nccl-tests constants, through its own `Achievable.legs`: not a copy).
+(observe/links.py's nccl-tests figures, through the forecast's own `Achievable.legs`: not a copy).
 
 nccl-tests (PERFORMANCE.md): S bytes, a device's whole buffer (the larger of its input and output),
 moved in t seconds give algbw = S / t and busbw = algbw x 2(n-1)/n for all-reduce, x (n-1)/n for
@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxtrain.observe import links
 from jaxtrain.parallel.mesh import DATA_AXIS
 from jaxtrain.plan import forecast
 from jaxtrain.plan.targets import TARGETS, GpuTarget
@@ -69,7 +70,7 @@ def planner_busbw(target: GpuTarget, kind: str, across_hosts: bool) -> float:
     each GPU's share of the network across hosts; its fixed latency left out."""
     moved = 1e9
     leg, latency = (
-        ("network", forecast.NETWORK_LATENCY_S) if across_hosts else ("nvlink", forecast.NVLINK_LATENCY_S)
+        ("network", links.NETWORK_LATENCY_S) if across_hosts else ("nvlink", links.NVLINK_LATENCY_S)
     )
     seconds = forecast.Achievable(target, 0.0).legs(
         [kind, "", 0.0 if across_hosts else moved, moved if across_hosts else 0.0]

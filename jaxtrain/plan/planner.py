@@ -27,7 +27,7 @@ import jax
 from jaxtrain.config import Config
 from jaxtrain.config.checks import mesh_str
 from jaxtrain.errors import UserError
-from jaxtrain.observe import gemms
+from jaxtrain.observe import gemms, links
 from jaxtrain.observe.memory import fits
 from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.parallel import pipeline
@@ -100,7 +100,7 @@ def plan_one(cfg: Config, target: targets.GpuTarget, hosts: int, gpus_per_host: 
         device_hosts=f["device_hosts"], n_params=f["n_params"],
         model_flops_per_step=f["model_flops_per_step"], dtype=f["cfg"].dtype,
         tokens_per_step=f["global_batch"] * f["cfg"].model.seq_len,
-        expert_load=forecast.expert_load(f["cfg"].model.moe.capacity_factor, f["cfg"].model.moe.n_experts),
+        expert_load=links.expert_load(f["cfg"].model.moe.capacity_factor, f["cfg"].model.moe.n_experts),
     )  # fmt: skip
     analyzed = plan.analyze(train, evaluate, facts, time.perf_counter() - t0)
     # The train step's GEMMs by kind, as the job's start counts them (an FP8 one that did not

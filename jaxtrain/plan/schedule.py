@@ -30,7 +30,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from jaxtrain.observe import peaks
+from jaxtrain.observe import links, peaks
 from jaxtrain.parallel.expert import PADDED_SCOPE
 from jaxtrain.plan import hlo
 from jaxtrain.plan.targets import GpuTarget
@@ -38,8 +38,6 @@ from jaxtrain.plan.targets import GpuTarget
 FP8_GEMM = "gemm_fp8"  # a GEMM on FP8 tensor cores (hlo.fp8): at the target's FP8 peak
 GROUPED, FP8_GROUPED = "grouped", "grouped_fp8"  # the experts' kernel: bf16, or FP8 (`pallas_fp8`)
 FP8_KINDS = (FP8_GEMM, FP8_GROUPED)
-# The padded expert exchange's all-to-all (parallel/expert.py names it): costed either way (forecast.py)
-PADDED = "padded-exchange"
 
 
 def op_peak(target: GpuTarget, peak: float, kind: str) -> float:
@@ -145,14 +143,14 @@ def trace(text: str, layout: hlo.Placement) -> list:
     def xfer(op: hlo.Op, ops: dict[str, hlo.Op]) -> list:
         t = hlo.transfer(op, ops, layout)
         if t.kind == "ragged-all-to-all":
-            # Its (update, peer) slots, which XLA's GPU runtime sends one by one (forecast.RAGGED):
+            # Its (update, peer) slots, which XLA's GPU runtime sends one by one (observe/links.py RAGGED):
             # the length of its input offsets (operand 2), peers x updates a peer.
             operand = ops.get(op.operands[2]) if len(op.operands) > 2 else None
             offsets = hlo._dims(operand.shape) if operand is not None else []
             return [t.kind, t.size, t.nvlink, t.network, *offsets[:1]]
         padded = re.search(rf"{PADDED_SCOPE}_slots_(\d+)", op.attrs) if t.kind == "all-to-all" else None
         if padded:  # the padded stand-in's rows (parallel/expert.py), named with the ragged one's slots
-            return [PADDED, t.size, t.nvlink, t.network, int(padded.group(1))]
+            return [links.PADDED, t.size, t.nvlink, t.network, int(padded.group(1))]
         return [t.kind, t.size, t.nvlink, t.network]
 
     def walk(comp: str) -> list:
@@ -216,7 +214,7 @@ class Costs(Protocol):
 
     def host_wait(self, xfer: list) -> float:
         """Seconds the host holds the stream before `xfer` starts, after draining every transfer in
-        flight (XLA's ragged all-to-all across processes: forecast.RAGGED); 0 for most."""
+        flight (XLA's ragged all-to-all across processes: observe/links.py RAGGED); 0 for most."""
         ...
 
 
