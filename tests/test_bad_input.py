@@ -292,7 +292,7 @@ def _fake_nvidia_smi(ctx: dict) -> None:
 
 
 def _no_url_folder(ctx: dict) -> None:
-    ctx["watch"].append(ROOT / "gs:")  # must not come to exist
+    ctx["watch"].append(ROOT / "https:")  # must not come to exist
 
 
 def _watch_tmp(ctx: dict) -> None:
@@ -376,13 +376,14 @@ CASES = [
     Case("resume-other-optimizer", [*TINY, "--resume_from", "{trained}/checkpoints/10", "--optim.name", "muon"],
          "checkpoints/10 was written by a different config (optim.name: 'adamw' -> 'muon')"),
     Case("ckpt-none-readable", [*TINY, *WANDB], "checkpoints is readable (20: ", _all_truncated),
-    # -- train.py: object storage (a URL was read as a local path: a folder gs:/bucket, then a failed save)
-    Case("url-run-dir", [*TRAIN, "--config", "configs/tiny.yaml", "--run_dir", "gs://bucket/x"],
-         "run_dir names a URL (gs://bucket/x): object storage is not supported yet", _no_url_folder),
-    Case("url-train-data", [*TINY, "--train_data_path", "s3://b/train.bin"], "train_data_path names a URL (s3://b/train.bin)"),
+    # -- train.py: URLs in path keys (read as a local path, gs://bucket/x made a folder gs:/bucket/x and
+    # failed at the first save), here of schemes no key reads
+    Case("url-run-dir", [*TRAIN, "--config", "configs/tiny.yaml", "--run_dir", "https://host/x"],
+         "run_dir names a URL (https://host/x)", _no_url_folder),
+    Case("url-train-data", [*TINY, "--train_data_path", "ftp://b/train.bin"], "train_data_path names a URL (ftp://b/train.bin)"),
     Case("url-in-a-source-list", [*TINY, "--valid_data_path", "[{{path: a.bin}}, {{path: 'https://x/v.bin'}}]"],
          "valid_data_path names a URL (https://x/v.bin)"),
-    Case("url-init-from-hf", [*TINY, "--init_from", "hf:gs://b/model"], "init_from names a URL (gs://b/model)"),
+    Case("url-init-from-hf", [*TINY, "--init_from", "hf:https://host/model"], "init_from names a URL (https://host/model)"),
     Case("resume-from-damaged", [*TINY, "--resume_from", "{tmp}/src/checkpoints/20"], "src/checkpoints/20 is unreadable", _damaged_source),
     # -- train.py: the distributed environment
     Case("env-jax-half-set", [*TINY], "JAX_NUM_PROCESSES set but JAX_COORDINATOR_ADDRESS, JAX_PROCESS_ID not",
