@@ -11,7 +11,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxtrain.config.data import TOKEN_DTYPES, parse_spec
-from jaxtrain.config.schema import MESH_AXES, SOURCE_LISTS, Config, ConfigError, ModelConfig, get
+from jaxtrain.config.schema import (
+    BUCKET_KEYS,
+    BUCKET_SCHEMES,
+    MESH_AXES,
+    SOURCE_LISTS,
+    Config,
+    ConfigError,
+    ModelConfig,
+    get,
+)
 
 _CHOICES = {
     "task": ("train", "test", "predict", "chat"),
@@ -81,15 +90,27 @@ _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s,'\"\]}]*")
 
 
 def refuse_urls(flat: Mapping[str, Any]) -> None:
-    """No path key (dotted keys to values) names a URL: gs://, s3://, https://, ... read as a local
-    path made a folder `gs:/bucket` and failed at the first save. Anywhere in the value (a comma
-    list, a YAML list of sources, hf:DIR), before anything reads it."""
+    """No path key (dotted keys to values) names a URL it cannot read: gs://, s3://, https://, ...
+    read as a local path made a folder `gs:/bucket` and failed at the first save. A bucket (gs://,
+    s3://) is read where BUCKET_KEYS allow one, and must name its bucket. Anywhere in the value (a
+    comma list, a YAML list of sources, hf:DIR), before anything reads it."""
     for key, value in flat.items():
-        url = _URL.search(value) if isinstance(value, str) and key.endswith(_PATH_KEYS) else None
-        if url:
+        if not (isinstance(value, str) and key.endswith(_PATH_KEYS)):
+            continue
+        for url in _URL.finditer(value):
+            if key in BUCKET_KEYS and url.group().startswith(BUCKET_SCHEMES):
+                if not url.group().partition("://")[2].partition("/")[0]:
+                    scheme = url.group().partition("://")[0]
+                    raise ConfigError(f"{key} {url.group()} names no bucket; write {scheme}://BUCKET/PATH")
+                continue
+            if key in BUCKET_KEYS:
+                raise ConfigError(
+                    f"{key} names a URL ({url.group()}): {key} reads a path or a gs:// or s3:// bucket only; "
+                    "copy the files there first"
+                )
             raise ConfigError(
-                f"{key} names a URL ({url.group()}): object storage is not supported yet; use a local "
-                "or shared filesystem path (copy the files there first)"
+                f"{key} names a URL ({url.group()}): {key} reads local or shared filesystem paths only "
+                f"(a gs:// or s3:// bucket is read by {', '.join(BUCKET_KEYS)}); copy the files there first"
             )
 
 

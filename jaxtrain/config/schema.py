@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -335,10 +337,28 @@ class Config:
 
     @property
     def resolved_run_dir(self) -> Path:
-        return Path(self.run_dir or f"runs/{self.name}")
+        """The run dir on this host: the folder given, or for a bucket (gs://, s3://) this process's
+        local folder of its records, which jaxtrain/disk/mirror.py copies up."""
+        run_dir = self.run_dir or f"runs/{self.name}"
+        if run_dir.startswith(BUCKET_SCHEMES):
+            return Path(tempfile.gettempdir(), "jaxtrain-runs", str(os.getpid()), run_dir.replace("://", "/"))
+        return Path(run_dir)
+
+    @property
+    def run_url(self) -> str | None:
+        """The run dir's bucket URL (gs://, s3://), or None for a folder."""
+        return self.run_dir.rstrip("/") if self.run_dir.startswith(BUCKET_SCHEMES) else None
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """Where the checkpoints are: in the bucket itself for a bucket run dir."""
+        return f"{self.run_url}/checkpoints" if self.run_url else str(self.resolved_run_dir / "checkpoints")
 
 
 SOURCE_LISTS = ("train_data_path", "valid_data_path")  # a YAML list of sources is a mixture
+BUCKET_SCHEMES = ("gs://", "s3://")
+# The path keys that may name a bucket (docs/object_storage.md); any other URL is refused at load.
+BUCKET_KEYS = ("run_dir", "resume_from", *SOURCE_LISTS)
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

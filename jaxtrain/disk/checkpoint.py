@@ -12,6 +12,11 @@ them (a kill between orbax's rename and their record, or an older jaxtrain's) is
 on process 0 instead, so a damaged one is moved aside, never the restore's failure. A save the
 filesystem refuses (no space, read-only, I/O error, quota) raises StorageError, whether orbax
 reports it at once, from its background thread (`poll`), or when waited for.
+
+In a bucket (gs://, s3://; jaxtrain/disk/bucket.py) orbax writes through tensorstore's gcs and s3
+drivers, each process its own shards, and a step dir is complete once its commit_success.txt is
+written (orbax lists no other); the checksums recorded are the store's own (size and CRC32C, MD5
+or ETag of each object), so recording and checking them reads no array back.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxtrain.disk import storage
+from jaxtrain.disk import bucket, storage
 from jaxtrain.disk.files import write_text
 from jaxtrain.errors import StorageError, UserError
 from jaxtrain.model.params import path_names
@@ -80,7 +85,7 @@ class Checkpointer:
 
     def __init__(
         self,
-        directory: Path,
+        directory: Path | str,
         keep: int,
         read_only: bool = False,
         primary: bool = True,
@@ -94,7 +99,7 @@ class Checkpointer:
             create=not read_only,
             read_only=read_only,
         )
-        self.directory = Path(directory).absolute()
+        self.directory = bucket.path(directory)  # an epath.Path in a bucket
         logging.getLogger("absl").addFilter(_ONE_LINE)  # once: a filter is added only once
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
         self.primary = primary  # the process that records checksums (process 0)
@@ -137,7 +142,10 @@ class Checkpointer:
             self.manager.check_for_errors()
         except Exception as e:
             raise self._failed(self.pending, e) from None
-        if (self.directory / str(self.pending)).is_dir():  # orbax renamed it: the save is complete
+        if bucket.is_url(self.directory):
+            if not self.manager.is_saving_in_progress():  # its commit file is written
+                self.wait()
+        elif (self.directory / str(self.pending)).is_dir():  # orbax renamed it: the save is complete
             self.wait()
 
     def read_meta(self, step: int) -> dict[str, Any]:
@@ -187,7 +195,7 @@ class Checkpointer:
             raise self._failed(self.pending, e) from None
         if self.pending is not None and self.primary:
             step_dir = self.directory / str(self.pending)
-            write_text(step_dir / CHECKSUMS, json.dumps(_checksums(step_dir)))
+            _write_text(step_dir / CHECKSUMS, json.dumps(_checksums(step_dir)))
         self.pending, self.in_flight = None, None
 
     def damage(self, step: int, read_back_on: Any = None) -> str | None:
@@ -226,6 +234,17 @@ class Checkpointer:
     def move_aside(self, step: int) -> Path:
         """Rename a damaged step dir out of the checkpoints (kept for a post-mortem, never deleted)."""
         aside = self.directory.parent / "damaged_checkpoints" / f"{step}.{time.strftime('%Y%m%d-%H%M%S')}"
+        if bucket.is_url(self.directory):
+            # No rename in a bucket: orbax stops listing the step once its commit file is gone,
+            # then its objects are copied aside and deleted.
+            step_url = str(self.directory / str(step))
+            bucket.delete(f"{step_url}/commit_success.txt")
+            for rel in bucket.listing(step_url):
+                data = bucket.read(f"{step_url}/{rel}")
+                if data is not None:
+                    bucket.write(f"{aside}/{rel}", data)
+            bucket.rmtree(step_url)
+            return aside
         aside.parent.mkdir(exist_ok=True)
         (self.directory / str(step)).rename(aside)
         return aside
@@ -240,7 +259,8 @@ class Checkpointer:
         if reason is None:
             return e
         log.warning(f"checkpoint save of step {step} failed: {type(e).__name__}: {e}")
-        if self.primary:  # orbax's temporary dirs: a step dir that never became complete
+        # orbax's temporary dirs: a step dir that never became complete (a bucket has none)
+        if self.primary and not bucket.is_url(self.directory):
             # Its writer threads may still be finishing files in it: removed until it stays gone
             # (one pass left it behind once in ~20 CI runs).
             for _ in range(50):
@@ -253,9 +273,12 @@ class Checkpointer:
         self.manager.reload()
         good = self.latest_step()
         last = f"{self.directory}/{good}" if good is not None else "none yet"
+        free = ""
+        if not bucket.is_url(self.directory):
+            free = f"{storage.mib(storage.free_bytes(self.directory))} free there, "
         return StorageError(
             f"saving checkpoint {self.directory}/{step} failed: {reason}; "
-            f"{storage.mib(storage.free_bytes(self.directory))} free there, a checkpoint needs about "
+            f"{free}a checkpoint needs about "
             f"{storage.mib(self.state_bytes)}; last good checkpoint: {last}; make room (or fix the "
             "filesystem), then relaunch the same command to resume from it"
         )
@@ -320,8 +343,20 @@ def _chunks(saved: Any, device: Any) -> Iterator[tuple[Any, Any]]:
             group, size = [], 0
 
 
-def _checksums(step_dir: Path) -> dict[str, list[int]]:
-    """[size, CRC32] of each file under `step_dir`, by relative path (CRC32: ~1 GB/s, in chunks)."""
+def _write_text(path: Any, text: str) -> None:
+    """A file written whole (a bucket's object always is)."""
+    if bucket.is_url(path):
+        bucket.write(str(path), text.encode("utf-8"))
+    else:
+        write_text(path, text)
+
+
+def _checksums(step_dir: Any) -> dict[str, list[Any]]:
+    """[size, CRC32] of each file under `step_dir`, by relative path (CRC32: ~1 GB/s, in chunks); in
+    a bucket [size, the store's own checksum or version] of each object, from one listing."""
+    if bucket.is_url(step_dir):
+        found = bucket.listing(str(step_dir))
+        return {rel: [size, tag] for rel, (size, _, tag) in sorted(found.items()) if rel != CHECKSUMS}
     out = {}
     for p in sorted(step_dir.rglob("*")):
         if p.is_file() and p.name != CHECKSUMS:
@@ -333,9 +368,11 @@ def _checksums(step_dir: Path) -> dict[str, list[int]]:
     return out
 
 
-def locate(path: str, flag: str = "--resume_from") -> tuple[Path, int | None]:
+def locate(path: str, flag: str = "--resume_from") -> tuple[Any, int | None]:
     """Split a --resume_from (or `flag`) path into (checkpoints dir, step or None for the latest)."""
-    p = Path(path)
+    if bucket.is_url(path):
+        bucket.check(path, flag, write=False)
+    p = bucket.path(path) if bucket.is_url(path) else Path(path)
     if not p.exists():
         raise UserError(f"{flag} {path} does not exist; give a run's checkpoints/ dir or one step dir in it")
     if not p.is_dir():

@@ -16,6 +16,7 @@ import yaml
 
 from jaxtrain import config as config_lib
 from jaxtrain.config import Config
+from jaxtrain.disk import bucket
 from jaxtrain.disk.files import require_writable, write_text
 from jaxtrain.errors import UserError
 
@@ -81,6 +82,9 @@ def prepare(cfg: Config) -> Path:
     run_dir = cfg.resolved_run_dir
     if cfg.overwrite:
         for name in ("checkpoints", "metrics.jsonl", "train.log", "logs", "wandb", "wandb_id", "config.yaml"):
+            if cfg.run_url:  # the bucket's copy too (the checkpoints are only there)
+                bucket.rmtree(bucket.join(cfg.run_url, name))
+                bucket.delete(bucket.join(cfg.run_url, name))
             p = run_dir / name
             if p.is_dir():
                 shutil.rmtree(p)

@@ -18,6 +18,12 @@ second start is refused (exit 2) unless the lock was left by a job that is gone:
                  watchdog ends such a job.
 A takeover renames the stale file to a name of its own (atomic, so of two hosts taking over at
 once only one moves it) and checks that it moved the lock it judged stale before creating its own.
+
+In a bucket (--run_dir gs://... or s3://...) the lock is an object created only if there is none
+(GCS ifGenerationMatch=0, S3 If-None-Match: *), its heartbeat a rewrite of it (its mtime is the
+store's clock), and the same rules judge a holder. A bucket has no rename: a takeover deletes the
+stale object (after reading it once more) and creates its own, conditionally; of two starters
+taking over at once the one whose create fails re-reads and is refused by the other's fresh lock.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from jaxtrain.disk import bucket
 from jaxtrain.errors import UserError
 
 log = logging.getLogger("jaxtrain")
@@ -83,11 +90,19 @@ def _life(pid: int, pid_start: str | None) -> str:
     return "alive"
 
 
-def _read(path: Path) -> tuple[dict[str, Any], float] | None:
-    """(holder, mtime) of the lock at `path`, or None if there is none. A lock being written
-    (empty or half JSON) reads as a holder with no fields, so it is judged by its mtime alone."""
+def _read(path: Path | str) -> tuple[dict[str, Any], float] | None:
+    """(holder, mtime) of the lock at `path` (a file, or an object's URL), or None if there is none.
+    A lock being written (empty or half JSON) reads as a holder with no fields, so it is judged by
+    its mtime alone."""
     try:
-        text, mtime = path.read_text(), path.stat().st_mtime
+        if isinstance(path, str):
+            found = bucket.stat(path)
+            data = bucket.read(path)
+            if found is None or data is None:
+                return None
+            text, mtime = data.decode("utf-8", "replace"), found[1]
+        else:
+            text, mtime = path.read_text(), path.stat().st_mtime
     except FileNotFoundError:
         return None
     try:
@@ -100,8 +115,11 @@ def _read(path: Path) -> tuple[dict[str, Any], float] | None:
 class RunLock:
     """Take with `acquire()`, which refuses (UserError) while another live job holds the run dir."""
 
-    def __init__(self, run_dir: Path, stale_s: float) -> None:
-        self.path = Path(run_dir) / LOCK_NAME
+    def __init__(self, run_dir: Path | str, stale_s: float) -> None:
+        # A file, or for a bucket run dir the lock object's URL.
+        self.path: Path | str = (
+            bucket.join(str(run_dir), LOCK_NAME) if bucket.is_url(run_dir) else Path(run_dir) / LOCK_NAME
+        )
         self.stale_s = stale_s
         self.me: dict[str, Any] = {
             "host": socket.gethostname(),
@@ -117,7 +135,8 @@ class RunLock:
 
     def acquire(self) -> None:
         """Create the lock, taking over a stale one; then keep its heartbeat until release()."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(self.path, Path):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
         while not self._create():
             found = _read(self.path)
             if found is None:
@@ -139,8 +158,11 @@ class RunLock:
             self.thread.join()
         found = _read(self.path)
         if found is not None and found[0].get("token") == self.me["token"]:
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
+            if isinstance(self.path, str):
+                bucket.delete(self.path)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    self.path.unlink()
 
     @contextlib.contextmanager
     def held(self, take: bool) -> Iterator[None]:
@@ -154,6 +176,8 @@ class RunLock:
                 self.release()
 
     def _create(self) -> bool:
+        if isinstance(self.path, str):
+            return bucket.create(self.path, (json.dumps(self.me) + "\n").encode())
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
@@ -170,7 +194,7 @@ class RunLock:
             pid, pid_start = int(holder["pid"]), holder.get("pid_start")
             life, end = _life(pid, pid_start), time.monotonic() + self.stale_s
             if life == "exiting":
-                log.info(f"waiting for pid {pid}, which held {self.path.parent}, to finish exiting")
+                log.info(f"waiting for pid {pid}, which held {self._run_dir()}, to finish exiting")
             while life == "exiting" and time.monotonic() < end:
                 time.sleep(POLL_S / 2)
                 life = _life(pid, pid_start)
@@ -189,6 +213,13 @@ class RunLock:
         return True
 
     def _take_over(self, holder: dict[str, Any]) -> None:
+        if isinstance(self.path, str):
+            now = _read(self.path)
+            if now is None or now[0].get("token") != holder.get("token"):
+                return  # released, or taken by another starter meanwhile: judge again
+            bucket.delete(self.path)
+            self._took_over(holder)
+            return
         aside = self.path.with_name(f"{LOCK_NAME}.stale.{self.me['token']}")
         try:
             os.rename(self.path, aside)
@@ -201,20 +232,34 @@ class RunLock:
             os.rename(aside, self.path)
             return
         aside.unlink()
+        self._took_over(holder)
+
+    def _took_over(self, holder: dict[str, Any]) -> None:
         log.warning(
-            f"took over the lock of {self.path.parent} left by a job that is gone (host "
+            f"took over the lock of {self._run_dir()} left by a job that is gone (host "
             f"{holder.get('host', '?')} pid {holder.get('pid', '?')} since {holder.get('since', '?')})"
         )
 
     def _refusal(self, holder: dict[str, Any], mtime: float) -> str:
         who = f"host {holder.get('host', '?')} pid {holder.get('pid', '?')} since {holder.get('since', '?')}"
         return (
-            f"run dir {self.path.parent} is in use by another job ({who}, heartbeat "
+            f"run dir {self._run_dir()} is in use by another job ({who}, heartbeat "
             f"{max(time.time() - mtime, 0):.0f} s ago, lock {self.path}); wait for it to end or stop it, "
             "or use another --run_dir (a lock left by a dead job is taken over by itself)"
         )
 
+    def _run_dir(self) -> str:
+        return str(self.path).rpartition("/")[0]
+
     def _beat(self) -> None:
         while not self.stopped.wait(self.stale_s / 10):
+            if isinstance(self.path, str):
+                try:  # rewritten only while it is ours: a new mtime, the store's clock
+                    found = _read(self.path)
+                    if found is not None and found[0].get("token") == self.me["token"]:
+                        bucket.write(self.path, (json.dumps(self.me) + "\n").encode())
+                except Exception as e:  # a storage hiccup (retried inside); the watchdog handles a hang
+                    log.warning(f"run lock heartbeat: {bucket.reason(e)}")
+                continue
             with contextlib.suppress(OSError):  # a storage hiccup; the watchdog handles a hang
                 os.utime(self.path)

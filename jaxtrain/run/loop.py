@@ -29,8 +29,9 @@ from jaxtrain.cluster.watchdog import Watchdog
 from jaxtrain.config import Config
 from jaxtrain.data import loader, sources
 from jaxtrain.data.default import run_tokenizer
+from jaxtrain.disk import bucket, rundir, runlock, storage
 from jaxtrain.disk import checkpoint as ckpt_lib
-from jaxtrain.disk import rundir, runlock, storage
+from jaxtrain.disk.mirror import open_mirror
 from jaxtrain.errors import NonFiniteError, StorageError
 from jaxtrain.faults import Faults
 from jaxtrain.model.generate import generate
@@ -72,14 +73,17 @@ def train(cfg: Config, launch: LaunchSpec, launch_time: float | None = None) -> 
     check_launch(cfg, launch)
     metrics.check_wandb(cfg)
     data = resolve(cfg)
+    # A run dir in a bucket: checked (bucket, credentials, writable), its records pulled into this
+    # process's local folder before anything reads them.
+    mirror = open_mirror(cfg.run_url, cfg.resolved_run_dir, launch.process_id) if cfg.run_url else None
     # Against the resolved config, as it was saved: what the data's manifests set (the vocabulary,
     # the documents' boundary tokens) is in both.
     rundir.check(data.cfg)
     sources.check_run_data(cfg.resolved_run_dir, cfg.overwrite, data.train + data.val)
     cfg = data.cfg
-    lock = runlock.RunLock(cfg.resolved_run_dir, cfg.lock_stale_s)
+    lock = runlock.RunLock(cfg.run_url or cfg.resolved_run_dir, cfg.lock_stale_s)
     # Process 0 locks the run dir before anything is written into it, and holds it to the end.
-    with lock.held(launch.process_id == 0):
+    with lock.held(launch.process_id == 0), mirror.running() if mirror else contextlib.nullcontext():
         job = Job.join(cfg, launch)
         done = start.finished_step(cfg, job)
         if done is not None:  # relaunched after its last step: one line, nothing written
@@ -168,7 +172,7 @@ def _train(
         ) from None
     # --------------------------------------------------------------------------------- end
     _end(run, watchdog, stop, stopped, step, state, saver, reporter)
-    log.info(f"done: step {step}, run dir {run_dir}")
+    log.info(f"done: step {step}, run dir {cfg.run_url or run_dir}")
     return RunResult(step, tracker.last_loss, val_loss, run_dir)
 
 
@@ -190,7 +194,7 @@ def _end(
     reporter.close()
     if stopped:
         # Preempted, or Interrupted by Ctrl-C
-        raise stop.error(run.cfg.resolved_run_dir / "checkpoints" / str(step))
+        raise stop.error(bucket.join(run.cfg.checkpoint_dir, str(step)))
     if run.cfg.sample_tokens:  # compiles generate: bounded as a phase, not as a step
         with watchdog.phase("end-of-run sample"):
             _sample(run, state.params)
@@ -202,10 +206,8 @@ def _end(
 def _checkpointer(run: Run, watchdog: Watchdog) -> ckpt_lib.Checkpointer:
     """The run's checkpoints, their disk checked first and their background writes watched."""
     cfg, job = run.cfg, run.job
-    ckpt = ckpt_lib.Checkpointer(
-        cfg.resolved_run_dir / "checkpoints", cfg.keep_checkpoints, primary=job.is_main
-    )
-    if job.is_main:
+    ckpt = ckpt_lib.Checkpointer(cfg.checkpoint_dir, cfg.keep_checkpoints, primary=job.is_main)
+    if job.is_main and not cfg.run_url:  # a bucket has no free space to tell
         _warn_if_disk_short(cfg, ckpt, sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(run.abstract)))
     watchdog.watch_beside(lambda: ckpt.in_flight)  # a background write hung on storage
     return ckpt
@@ -238,7 +240,7 @@ def _restore_and_compile(
 def _make_run_dir(run: Run) -> None:
     """Make the run dir (process 0; --init_from's shapes checked first), then log into it."""
     cfg, job, run_dir = run.cfg, run.job, run.cfg.resolved_run_dir
-    if cfg.init_from and not (run_dir / "checkpoints").exists():
+    if cfg.init_from and not bucket.path(cfg.checkpoint_dir).exists():
         # Refuse other shapes before the run dir is made (a relaunch resumes its own checkpoints).
         start.check_init_from(run)
     if job.is_main:

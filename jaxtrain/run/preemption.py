@@ -60,7 +60,7 @@ class StopRequest:
             self.agreed_signal = min(got, key=lambda s: s == signal.SIGINT)
         return bool(got)
 
-    def error(self, saved: Path) -> Preempted:
+    def error(self, saved: Path | str) -> Preempted:
         """What ends the run once the checkpoint `saved` is written after an agreed stop."""
         if self.agreed_signal == signal.SIGINT:
             return Interrupted(f"interrupted (Ctrl-C): checkpoint {saved} saved; relaunch to resume")

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from jaxtrain.config import Config
-from jaxtrain.disk import rundir
+from jaxtrain.disk import bucket, rundir
 from jaxtrain.disk.checkpoint import Checkpointer, open_checkpoint
 from jaxtrain.errors import UserError
 from jaxtrain.hf import hf_dir
@@ -30,7 +30,7 @@ def finished_step(cfg: Config, job: Job) -> int | None:
     the run is complete and a relaunch (a second `make train`, a SLURM requeue) has nothing to
     train. None otherwise (with --overwrite too). Process 0 judges as find_start does, all follow;
     nothing is written or moved (a damaged one is left for find_start to move aside)."""
-    directory = cfg.resolved_run_dir / "checkpoints"
+    directory = bucket.path(cfg.checkpoint_dir)
     if cfg.overwrite or not directory.is_dir():
         return None
     ckpt = Checkpointer(directory, 1, read_only=True)
@@ -48,8 +48,9 @@ def finished_step(cfg: Config, job: Job) -> int | None:
 def complete_line(cfg: Config, step: int) -> str:
     """What a relaunch of a complete run says: where it ended, and how to train on."""
     more = "a larger --epochs" if cfg.epochs else f"--total_steps above {step}"
+    run = cfg.run_url or cfg.resolved_run_dir
     return (
-        f"run {cfg.resolved_run_dir} is complete at step {step} (total_steps {cfg.total_steps}): "
+        f"run {run} is complete at step {step} (total_steps {cfg.total_steps}): "
         f"nothing to train; to train longer relaunch with {more}, to start afresh pass another "
         "--run_dir or --overwrite"
     )

@@ -1,0 +1,318 @@
+"""Object storage (gs://bucket/path, s3://bucket/path): the one way jaxtrain reaches a bucket.
+
+Every object jaxtrain itself reads or writes (the run lock, the run dir's records, checkpoint
+checksums, token shards) goes through fsspec's gcsfs and s3fs, the same filesystems orbax's
+etils.epath paths use; checkpoint arrays go through tensorstore's own gcs and s3 drivers (orbax).
+Credentials come from where each cloud's own SDK looks (application default credentials,
+GOOGLE_APPLICATION_CREDENTIALS; the AWS variables, profiles, web-identity tokens) and are never
+printed. The endpoint is each SDK's own override: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL for S3
+(and S3-compatible stores), STORAGE_EMULATOR_HOST for GCS; both are handed to tensorstore too.
+
+    bucket.is_url("s3://b/run")           # True
+    p = bucket.path("s3://b/run") / "x"     # an epath.Path (a pathlib.Path for a local path)
+    bucket.check("s3://b/run", write=True)  # UserError in one line: no bucket, no credentials, ...
+    bucket.create(p, b"...")                # False if it exists (If-None-Match / ifGenerationMatch=0)
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from jaxtrain.errors import UserError
+
+log = logging.getLogger("jaxtrain")
+
+SCHEMES = ("gs://", "s3://")
+T = TypeVar("T")
+
+# A transient failure (a 5xx, a timeout, a dropped connection) is retried this long, with backoff
+# from RETRY_FIRST_S doubling to RETRY_MAX_S: long enough to ride out a store's restart.
+RETRY_FOR_S = 120.0
+RETRY_FIRST_S = 0.5
+RETRY_MAX_S = 8.0
+
+
+def is_url(path: str | os.PathLike[str] | None) -> bool:
+    """Whether `path` names an object in a bucket (gs:// or s3://)."""
+    return str(path or "").startswith(SCHEMES)
+
+
+def split(url: str) -> tuple[str, str, str]:
+    """(scheme, bucket, key) of a gs:// or s3:// URL; UserError where the bucket is missing."""
+    scheme, _, rest = url.partition("://")
+    bucket, _, key = rest.partition("/")
+    if not bucket:
+        raise UserError(f"{url} names no bucket; write {scheme}://BUCKET/PATH")
+    return scheme, bucket, key.strip("/")
+
+
+def join(base: str, *parts: str) -> str:
+    """`base`/`parts`, for a URL or a local path."""
+    return "/".join([str(base).rstrip("/"), *parts]) if is_url(base) else str(Path(base, *parts))
+
+
+def path(p: str | os.PathLike[str]) -> Any:
+    """An etils.epath.Path for a URL (what orbax takes), an absolute pathlib.Path otherwise."""
+    if is_url(p):
+        from etils import epath
+
+        _setup()
+        return epath.Path(str(p).rstrip("/"))
+    return Path(p).absolute()
+
+
+@functools.cache
+def _setup() -> None:
+    """Hand the SDKs' endpoint overrides to tensorstore, and teach orbax 0.12 tensorstore's s3 driver
+    (it knows gcs only: an s3:// checkpoint was refused as "not absolute")."""
+    import fsspec.config
+
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        os.environ.setdefault("TENSORSTORE_GCS_HTTP_URL", os.environ["STORAGE_EMULATOR_HOST"])
+        # An emulator has no storage-control API: gcsfs's probe of a bucket's kind waited 60 s on it.
+        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+        # ...and no authentication: tensorstore, finding no credentials, asked a GCE metadata server.
+        os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
+    # Listings are read fresh: processes on other hosts add and remove checkpoints meanwhile.
+    for protocol in ("s3", "gs", "gcs"):
+        fsspec.config.conf.setdefault(protocol, {}).setdefault("use_listings_cache", False)
+    from orbax.checkpoint._src.path import atomicity, atomicity_defaults, gcs_utils
+    from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+
+    for_gcs = gcs_utils.get_kvstore_for_gcs
+    ts_utils._use_gcs_driver = lambda d: d.startswith(SCHEMES)
+    ts_utils._normalize_path = lambda p: os.path.normpath(p).replace("gs:/", "gs://").replace("s3:/", "s3://")
+    gcs_utils.get_kvstore_for_gcs = lambda p: s3_spec(p) if p.startswith("s3://") else for_gcs(p)
+    # A checkpoint in a bucket is complete once its commit_success.txt is written (a bucket has no
+    # atomic rename of a folder): orbax's rule for gs://, here for s3:// too.
+    for name in ("get_default_temporary_path_class", "get_item_default_temporary_path_class"):
+        default = getattr(atomicity_defaults, name)
+
+        def pick(p: Any, *, atomicity_options: Any = None, _default: Any = default) -> Any:
+            if str(p).startswith("s3://"):
+                return atomicity.CommitFileTemporaryPath
+            return _default(p, atomicity_options=atomicity_options)
+
+        setattr(atomicity_defaults, name, pick)
+
+
+def s3_spec(url: str) -> dict[str, Any]:
+    """tensorstore's s3 kvstore for `url`, at the endpoint and region the AWS SDK would use."""
+    _, bucket, key = split(url)
+    spec: dict[str, Any] = {"driver": "s3", "bucket": bucket, "path": key + "/" if key else ""}
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        spec["endpoint"] = endpoint
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region:
+        spec["aws_region"] = region
+    if os.environ.get("AWS_ACCESS_KEY_ID"):
+        # The keys are in the environment: taken from there alone (tensorstore's default chain
+        # logs an error for each place it looked in first, ~/.aws/config and the rest).
+        spec["aws_credentials"] = {"type": "environment"}
+    return spec
+
+
+def fs(url: str) -> Any:
+    """The fsspec filesystem of `url`'s scheme (one per process, shared with etils.epath)."""
+    import fsspec
+
+    _setup()
+    return fsspec.filesystem(url.partition("://")[0])
+
+
+def _key(url: str) -> str:
+    return url.partition("://")[2]
+
+
+# ------------------------------------------------------------------------------------ errors
+
+
+def _status(e: BaseException) -> int | None:
+    """The HTTP status behind an SDK's exception, where it carries one."""
+    for attr in ("code", "status", "status_code"):
+        value = getattr(e, attr, None)
+        if isinstance(value, int) and 100 <= value < 600:
+            return value
+    response = getattr(e, "response", None)
+    if isinstance(response, dict):
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return int(status) if status else None
+    return None
+
+
+def transient(e: BaseException) -> bool:
+    """A failure worth another try: a 5xx or 429, a timeout, a refused or dropped connection."""
+    seen: BaseException | None = e
+    while seen is not None:
+        status = _status(seen)
+        if status is not None and (status >= 500 or status in (408, 429)):
+            return True
+        name = type(seen).__name__
+        if isinstance(seen, (ConnectionError, TimeoutError)) or any(
+            word in name for word in ("Connect", "Timeout", "ServerDisconnected", "EndpointConnection")
+        ):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def retry(what: str, fn: Callable[[], T], for_s: float = RETRY_FOR_S) -> T:
+    """fn(), tried again with backoff while it fails transiently, for up to `for_s` seconds."""
+    end, delay = time.monotonic() + for_s, RETRY_FIRST_S
+    while True:
+        try:
+            return fn()
+        except Exception as e:
+            if not transient(e) or time.monotonic() + delay > end:
+                raise
+            log.warning(f"{what}: {type(e).__name__} (transient), trying again in {delay:.1f} s")
+            time.sleep(delay)
+            delay = min(2 * delay, RETRY_MAX_S)
+
+
+def reason(e: BaseException) -> str:
+    """What a bucket's refusal means, in words (never the credentials themselves)."""
+    text, name, status = str(e), type(e).__name__, _status(e)
+    if "NoSuchBucket" in text or "bucket does not exist" in text.lower() or "NoSuchBucket" in name:
+        return "no such bucket"
+    if "NoCredentials" in name or "credentials" in text.lower() and "could not" in text.lower():
+        return "no credentials found (set the cloud SDK's variables or profile, or log in)"
+    if "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text or status == 401:
+        return "the credentials were refused"
+    if isinstance(e, PermissionError) or status == 403 or "AccessDenied" in text or "Forbidden" in text:
+        return "access denied (read-only, or the credentials lack this bucket's permission)"
+    if isinstance(e, FileNotFoundError) or status == 404:
+        return "not found"
+    return f"{name}: {text.splitlines()[0][:200] if text else ''}".rstrip(": ")
+
+
+# -------------------------------------------------------------------------------- operations
+
+
+def check(url: str, what: str, write: bool) -> None:
+    """The bucket of `url` exists and answers with these credentials, and (write) takes an object
+    (a probe, deleted at once): UserError in one line otherwise, before anything is written."""
+    scheme, bucket, key = split(url)
+    filesystem = fs(url)
+    try:
+        retry(f"reaching {scheme}://{bucket}", lambda: filesystem.ls(bucket, detail=False, refresh=True))
+    except Exception as e:
+        raise UserError(f"{what} {url}: {scheme}://{bucket} cannot be read: {reason(e)}") from None
+    if write:
+        probe = f"{bucket}/{key}/.jaxtrain-probe-{uuid.uuid4().hex[:12]}".replace("//", "/")
+        try:
+            retry(f"writing {scheme}://{bucket}", lambda: filesystem.pipe_file(probe, b""))
+        except Exception as e:
+            raise UserError(f"{what} {url} cannot be written: {reason(e)}; pass another one") from None
+        try:
+            filesystem.rm_file(probe)
+        except Exception as e:  # the probe is harmless; the next run's check tries again
+            log.warning(f"removing the probe {scheme}://{probe}: {reason(e)}")
+
+
+def read(url: str) -> bytes | None:
+    """The object's bytes, or None if there is none."""
+    filesystem = fs(url)
+    try:
+        return retry(f"reading {url}", lambda: filesystem.cat_file(_key(url)))
+    except FileNotFoundError:
+        return None
+
+
+def read_range(url: str, start: int, end: int) -> bytes:
+    """Bytes [start, end) of the object (one ranged GET)."""
+    filesystem = fs(url)
+    return retry(f"reading {url}", lambda: filesystem.cat_file(_key(url), start=start, end=end))
+
+
+def write(url: str, data: bytes) -> None:
+    """Put the whole object (an object appears whole or not at all)."""
+    filesystem = fs(url)
+    retry(f"writing {url}", lambda: filesystem.pipe_file(_key(url), data))
+
+
+def create(url: str, data: bytes) -> bool:
+    """Put the object only if there is none (S3 If-None-Match: *, GCS ifGenerationMatch=0): True if
+    this call created it, False if one was there."""
+    filesystem = fs(url)
+    try:
+        retry(f"creating {url}", lambda: filesystem.pipe_file(_key(url), data, mode="create"))
+    except FileExistsError:
+        return False
+    except Exception as e:
+        if _status(e) == 412 or "PreconditionFailed" in str(e) or "conditionNotMet" in str(e):
+            return False
+        raise
+    return True
+
+
+def delete(url: str) -> None:
+    """Remove the object; none there is not an error."""
+    filesystem = fs(url)
+    try:
+        retry(f"deleting {url}", lambda: filesystem.rm_file(_key(url)))
+    except FileNotFoundError:
+        pass
+
+
+def stat(url: str) -> tuple[int, float, str] | None:
+    """(size, mtime in unix seconds, version tag) of the object, or None if there is none."""
+    filesystem = fs(url)
+    try:
+        info = retry(f"reading {url}", lambda: filesystem.info(_key(url), refresh=True))
+    except FileNotFoundError:
+        return None
+    return int(info.get("size") or 0), _mtime(info), _tag(info)
+
+
+def listing(url: str) -> dict[str, tuple[int, float, str]]:
+    """Every object under the prefix `url`: relative key -> (size, mtime, version tag)."""
+    filesystem = fs(url)
+    root = _key(url).rstrip("/")
+    try:
+        found = retry(f"listing {url}", lambda: filesystem.find(root, detail=True, refresh=True))
+    except FileNotFoundError:
+        return {}
+    out = {}
+    for name, info in found.items():
+        if info.get("type") != "directory" and name.startswith(root + "/"):
+            out[name[len(root) + 1 :]] = (int(info.get("size") or 0), _mtime(info), _tag(info))
+    return out
+
+
+def rmtree(url: str) -> None:
+    """Remove every object under the prefix `url`."""
+    filesystem = fs(url)
+    for rel in listing(url):
+        key = f"{_key(url).rstrip('/')}/{rel}"
+        retry(f"deleting {url}/{rel}", lambda key=key: filesystem.rm_file(key))  # type: ignore[misc]
+    filesystem.invalidate_cache()
+
+
+def _mtime(info: dict[str, Any]) -> float:
+    value = info.get("LastModified") or info.get("updated") or info.get("mtime")
+    if value is None:
+        return 0.0
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        import datetime
+
+        return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    return float(value.timestamp())
+
+
+def _tag(info: dict[str, Any]) -> str:
+    """What changes whenever the object's content does: its generation, CRC32C, MD5 or ETag."""
+    for field in ("crc32c", "md5Hash", "ETag", "generation"):
+        if info.get(field):
+            return f"{field}:{str(info[field]).strip(chr(34))}"
+    return ""
