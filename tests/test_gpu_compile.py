@@ -166,6 +166,9 @@ def test_moe_tokens_go_by_ragged_all_to_all_inside_the_host(plans):
     analytic = _exchange(QWEN3_MOE, p)
     assert ragged["bytes"] == analytic[("ragged-all-to-all", "expert")]
     assert sizes["bytes"] == analytic[("all-to-all", "expert")]
+    # Named ragged (tests/gpu_plans.py): inside one host auto would take the padded one, faster there
+    # as XLA runs the ragged one (observe/links.py), and the plan says so.
+    assert p["forecast"]["exchange"]["compiled"] == "ragged" and p["forecast"]["exchange"]["auto"] == "padded"
 
 
 def test_a_dropless_exchange_sends_the_routed_rows_not_its_receive_buffer(plans):

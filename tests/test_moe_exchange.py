@@ -8,7 +8,9 @@ semantics (jax's docstring, by hand below) and jax's own transpose rule; tests/t
 checks that the GPU program uses it and moves the routed bytes.
 """
 
+import json
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -17,9 +19,15 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxtrain.model import fp8
+from jaxtrain.config import load_config
+from jaxtrain.model import auto, fp8
 from jaxtrain.model.moe import _dequantize, _quantize
+from jaxtrain.observe import links
+from jaxtrain.parallel import expert
+from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.parallel.expert import Exchange, _plan, exchange, padded_ragged_all_to_all, receive_bound
+from jaxtrain.plan import forecast
+from jaxtrain.run.job import Job
 
 
 def _shard_map(fn, n_devices, n_in):
@@ -311,3 +319,24 @@ def test_fp8_experts_copies_travel_rounded_by_one_scale_shared_over_the_expert_a
                 np.asarray(recv[dev, piece, keep]),
                 np.asarray(fp8.dequantize(landed[dev, piece, keep], want, jnp.bfloat16)),
             )
+
+
+def test_auto_picks_the_exchange_the_plan_forecasts_faster():
+    """A job's auto costs one of its exchanges both ways by the forecast's own figures: the transfer
+    it builds from its config and mesh is the plan's traced one (Qwen3-30B-A3B's 8 layers on one
+    host of 8: 8 x 16 slots, 32K copies of 2,048 bf16 values a device), and the pick is the plan's."""
+    root = Path(__file__).resolve().parent.parent
+    plan = json.loads((root / "bench/results/plan_qwen3_30b_a3b_8l_h100x8.json").read_text())
+    flags = plan["command"].split()[1:]
+    job = Job.of_devices(load_config(flags[: flags.index("--target")]), jax.devices()[:8])
+    cfg = job.cfg  # resolved on 8 devices, as the plan's 8 GPUs of one host
+    mesh = mesh_lib.make_mesh(list(job.devices), cfg.mesh)
+    xfer = expert.one_exchange(cfg, mesh, 2)
+    assert xfer == pytest.approx(forecast._largest_exchange(plan["schedule_trace"]))
+    seconds = links.exchange_seconds(xfer, plan["forecast"]["expert_load"])
+    assert auto.exchange("gpu", seconds) == plan["forecast"]["exchange"]["auto"] == "padded"
+    assert auto.exchange("gpu") == "ragged" and auto.exchange("cpu", seconds) == "padded"
+    # Across hosts, many slots against few bytes a peer: the ragged one's sends cost more.
+    across = links.exchange_xfer(2**20, 8, 2, 16)
+    assert auto.exchange("gpu", links.exchange_seconds(across, 1.25)) == "padded"
+    assert auto.exchange("gpu", links.exchange_seconds(links.exchange_xfer(2**30, 8, 2, 1), 1.25)) == "ragged"

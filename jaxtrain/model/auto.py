@@ -81,7 +81,12 @@ def grouped_matmul(
     return "pallas_fp8" if fp8 else "pallas"
 
 
-def exchange(platform: str | None) -> str:
-    """auto's expert exchange: XLA's ragged all-to-all on GPUs, the padded all-to-all elsewhere
-    (XLA:CPU has none ragged; None: no devices known)."""
-    return "ragged" if platform == "gpu" else "padded"
+def exchange(platform: str | None, seconds: dict[str, float] | None = None) -> str:
+    """auto's expert exchange: on GPUs the faster of XLA's ragged all-to-all and the padded one by
+    `seconds`, one exchange of the job costed both ways (observe/links.py exchange_seconds: inside a
+    host XLA's one-shot kernel is the slower, across hosts its per-slot sends against the padded
+    one's peers x bytes), the ragged one without them; the padded all-to-all elsewhere (XLA:CPU has
+    none ragged; None: no devices known)."""
+    if platform != "gpu":
+        return "padded"
+    return "padded" if seconds and seconds["padded"] < seconds["ragged"] else "ragged"

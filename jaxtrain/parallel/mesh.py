@@ -163,6 +163,12 @@ def spans_hosts(mesh: Mesh, axis: str) -> bool:
     return bool((hosts != hosts.take([0], axis=mesh.axis_names.index(axis))).any())
 
 
+def per_process(mesh: Mesh, axis: str) -> int:
+    """The devices of a group of `axis` in one process (host): its size where it spans none."""
+    group = np.moveaxis(mesh.devices, mesh.axis_names.index(axis), -1).reshape(-1, mesh.shape[axis])[0]
+    return sum(d.process_index == group[0].process_index for d in group)
+
+
 def check_mesh(mesh: Mesh) -> None:
     """Fail early if code built for named axes meets a mesh without them."""
     missing = [a for a in MESH_AXES if a not in mesh.axis_names]

@@ -29,8 +29,9 @@ from jaxtrain.faults import FaultPlan, Faults
 from jaxtrain.model.moe import active_params
 from jaxtrain.model.params import param_count
 from jaxtrain.model.transformer import GPT, flops_per_token
-from jaxtrain.observe import gemms, peaks
+from jaxtrain.observe import gemms, links, peaks
 from jaxtrain.observe import memory as memory_lib
+from jaxtrain.parallel import expert
 from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.run import kernels, verdicts
 from jaxtrain.run.job import Job
@@ -160,7 +161,16 @@ def build(job: Job, faults: FaultPlan | None = None) -> Run:
     # The kernels settled once, for the job's devices (run/kernels.py): the model runs what it names.
     device, dtype = job.devices[0], compute_dtype(cfg)
     capability = getattr(device, "compute_capability", "")  # GPUs: "9.0"...
-    settled = kernels.settle(cfg.model, device.platform, dtype, capability, cfg.mesh.tensor)
+    seconds = None
+    if cfg.model.moe.n_experts and mesh.shape[mesh_lib.EXPERT_AXIS] > 1:
+        # One of its expert exchanges costed both ways, by the forecast's figures (observe/links.py):
+        # auto's exchange on GPUs, the one the plan says is faster too.
+        itemsize = jnp.dtype(cfg.model.moe.dispatch_dtype or dtype).itemsize
+        xfer = expert.one_exchange(cfg, mesh, itemsize)
+        seconds = links.exchange_seconds(
+            xfer, links.expert_load(cfg.model.moe.capacity_factor, cfg.model.moe.n_experts)
+        )
+    settled = kernels.settle(cfg.model, device.platform, dtype, capability, cfg.mesh.tensor, seconds)
     faults = faults_lib.planned() if faults is None else faults
     host_faults = Faults.of(faults, job.process_index)
     # A joined job runs on these devices: its kernels are checked on them first (run/verdicts.py).

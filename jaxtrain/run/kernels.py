@@ -70,10 +70,10 @@ def grouped_matmul(
     )
 
 
-def exchange(cfg: ModelConfig, platform: str) -> str:
+def exchange(cfg: ModelConfig, platform: str, seconds: dict[str, float] | None = None) -> str:
     """How the experts' copies cross the expert axis on these devices (moe.exchange settled): auto
-    by model/auto.py's rule (XLA's ragged all-to-all on GPUs, the padded all-to-all on CPUs). An
-    explicit ragged off GPUs is refused."""
+    by model/auto.py's rule (on GPUs the faster by `seconds`, one of the job's exchanges costed both
+    ways; the padded all-to-all on CPUs). An explicit ragged off GPUs is refused."""
     if cfg.moe.exchange == "ragged" and platform != "gpu":
         raise ConfigError(
             f"model.moe.exchange ragged needs GPUs (XLA:{platform.upper()} has no ragged all-to-all); "
@@ -81,18 +81,26 @@ def exchange(cfg: ModelConfig, platform: str) -> str:
         )
     if cfg.moe.exchange != "auto":
         return cfg.moe.exchange
-    return auto.exchange(platform)
+    return auto.exchange(platform, seconds)
 
 
-def settle(cfg: ModelConfig, platform: str, dtype: Any, capability: str = "", tensor: int = 1) -> ModelConfig:
-    """`cfg` with its kernels settled for devices of `platform` and `capability`, compute `dtype` and
-    a tensor axis of `tensor` devices; ConfigError for a kernel they cannot run."""
+def settle(
+    cfg: ModelConfig,
+    platform: str,
+    dtype: Any,
+    capability: str = "",
+    tensor: int = 1,
+    exchange_seconds: dict[str, float] | None = None,
+) -> ModelConfig:
+    """`cfg` with its kernels settled for devices of `platform` and `capability`, compute `dtype`, a
+    tensor axis of `tensor` devices and one expert exchange costed both ways (`exchange_seconds`);
+    ConfigError for a kernel they cannot run."""
     moe = cfg.moe
     if moe.n_experts:
         moe = dataclasses.replace(
             moe,
             grouped_matmul=grouped_matmul(cfg, platform, capability, tensor, dtype),
-            exchange=exchange(cfg, platform),
+            exchange=exchange(cfg, platform, exchange_seconds),
         )
     return dataclasses.replace(cfg, attention_impl=attention(cfg, platform, dtype, capability), moe=moe)
 
