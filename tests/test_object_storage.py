@@ -4,7 +4,8 @@ user's run takes, with only the endpoint changed (AWS_ENDPOINT_URL).
 
     pytest tests/test_object_storage.py     # about 3 min on 2 cores
 
-One chain of runs shares the compiles: a reference run on disk; the same run in the bucket, killed
+One chain of runs shares the compiles: a reference run on disk; the same run in the bucket (its data
+read from the bucket too, by range), killed
 (-9) while a checkpoint is written, relaunched (its lock taken over, resumed from the last complete
 checkpoint, bitwise-equal losses); its newest checkpoint damaged, relaunched (moved aside, resumed
 from the one before). Then a second job on a held run dir and the bad inputs, each one line, exit 2.
@@ -107,13 +108,18 @@ def test_s3_run_dir_killed_mid_save_resumes_bitwise_and_falls_back(s3, tmp_path)
     want = _losses((reference / "metrics.jsonl").read_text())
     assert sorted(want) == list(range(1, 9))
     fs, url = _client(s3), f"s3://{BUCKET}/killed"
+    # The same data, read from the bucket: its manifest and shards as prepare_data.py wrote them.
+    data = Path(json.loads((reference / "data.json").read_text())["shards"][0]["path"]).parent
+    for name in ("manifest.json", "train.bin", "val.bin"):
+        fs.put_file(str(data / name), f"{BUCKET}/data/{name}")
+    from_bucket = ("--train_data_path", f"s3://{BUCKET}/data/manifest.json")
 
     # Killed (-9, no clean-up) while checkpoint 6 is written: 2 and 4 are complete, 6 is not.
-    out = _train(url, _env(s3, faults="kill_during_save=6"))
+    out = _train(url, _env(s3, faults="kill_during_save=6"), *from_bucket)
     assert out.returncode == -9, out.stderr[-3000:]
     assert fs.exists(f"{BUCKET}/killed/job.lock")  # left behind by the killed job
     # The relaunch takes the dead job's lock over and resumes from 4, bitwise.
-    out = _train(url, _env(s3))
+    out = _train(url, _env(s3), *from_bucket)
     _ok(out)
     said = out.stdout + out.stderr
     assert "took over the lock" in said and f"resumed from {url}/checkpoints/4" in said, said[-3000:]
@@ -125,7 +131,7 @@ def test_s3_run_dir_killed_mid_save_resumes_bitwise_and_falls_back(s3, tmp_path)
     # The newest checkpoint damaged (an array file rewritten): moved aside, resumed from 6.
     state = sorted(p for p in fs.find(f"{BUCKET}/killed/checkpoints/8/state") if "/d/" in p)[0]
     fs.pipe_file(state, b"garbage")
-    out = _train(url, _env(s3))
+    out = _train(url, _env(s3), *from_bucket)
     _ok(out)
     said = out.stdout + out.stderr
     assert "checkpoints/8 is unreadable" in said and f"resumed from {url}/checkpoints/6" in said, said[-3000:]

@@ -14,6 +14,11 @@ Validation (header, length, largest token id) happens once per set of exact file
 remembered in ~/.cache/jaxtrain keyed by every shard's (path, size, mtime), so a relaunch costs one
 stat per shard. A run dir remembers its shards (data.json); a relaunch whose shards went missing,
 changed size or content is refused naming the shard.
+
+Any of these may be in a bucket (gs://, s3://; jaxtrain/disk/bucket.py): a shard there is read by
+ranged GETs of the windows a batch needs, all of a batch's rows in flight together, never
+downloaded whole; a manifest's shards are checked against the largest id it records, so only a
+bare token file in a bucket is scanned (read once per host, then remembered).
 """
 
 from __future__ import annotations
@@ -29,10 +34,12 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from jaxtrain.config.data import TOKEN_DTYPES, parse_spec
+from jaxtrain.disk import bucket
 from jaxtrain.disk.files import cache_root, write_text
 from jaxtrain.errors import DataError
 from jaxtrain.text.format import (
@@ -57,7 +64,7 @@ _SAMPLE_BYTES = 4096  # head and tail bytes hashed to tell a shard's content cha
 class ShardInfo:
     """Where a token file's tokens are: byte offset, count and dtype."""
 
-    path: Path
+    path: Path  # or a bucket.ObjectPath
     offset: int
     count: int
     dtype: str
@@ -68,7 +75,7 @@ def inspect_file(path: Path, vocab_size: int, token_dtype: str, size: int) -> Sh
     """Header, dtype and token count of a token file of `size` bytes, checked; never reads the tokens."""
     if size == 0:
         raise DataError(f"token file {path} is empty (0 bytes); re-create it with scripts/prepare_data.py")
-    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS) if size >= HEADER_BYTES else None
+    header = _read_array(path, "<i4", 0, HEADER_INTS)[:] if size >= HEADER_BYTES else None
     if header is not None and header[0] != HEADER_MAGIC:
         header = None
     if header is not None:
@@ -102,10 +109,45 @@ def inspect_file(path: Path, vocab_size: int, token_dtype: str, size: int) -> Sh
     return ShardInfo(path, offset, count, dtype)
 
 
-def memmap(info: ShardInfo) -> np.ndarray:
+def memmap(info: ShardInfo) -> Any:
     """The tokens of a shard, memory-mapped read-only (nothing is read until indexed)."""
-    dtype = np.dtype(info.dtype).newbyteorder("<")
-    return np.memmap(info.path, dtype=dtype, mode="r", offset=info.offset, shape=(info.count,))
+    return _read_array(info.path, np.dtype(info.dtype).newbyteorder("<"), info.offset, info.count)
+
+
+def _read_array(path: Any, dtype: Any, offset: int, count: int) -> Any:
+    """`count` items of `dtype` at byte `offset` of a file (memory-mapped) or an object (ObjectArray)."""
+    if isinstance(path, bucket.ObjectPath):
+        return ObjectArray(path, np.dtype(dtype), offset, count)
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(count,))
+
+
+class ObjectArray:
+    """A 1-D array in an object, read by ranged GETs: a slice is one GET, an (n, k) index of n
+    contiguous rows (Shards.read's windows) n GETs in flight together."""
+
+    def __init__(self, path: bucket.ObjectPath, dtype: np.dtype, offset: int, count: int) -> None:
+        self.path, self.dtype, self.offset, self.count = path, dtype, offset, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, at: Any) -> np.ndarray:
+        size = self.dtype.itemsize
+        if isinstance(at, slice):
+            lo, hi, _ = at.indices(self.count)
+            if hi <= lo:
+                return np.empty(0, self.dtype)
+            return np.frombuffer(
+                self.path.read_range(self.offset + lo * size, self.offset + hi * size), self.dtype
+            )
+        at = np.asarray(at)
+        if at.ndim == 0:
+            return self[int(at) : int(at) + 1][0]
+        assert at.ndim == 2 and len(at), "rows of contiguous indices"
+        starts = [self.offset + int(a) * size for a in at[:, 0]]
+        ends = [self.offset + (int(a) + 1) * size for a in at[:, -1]]
+        rows = bucket.read_ranges(self.path.url, starts, ends)
+        return np.stack([np.frombuffer(r, self.dtype) for r in rows])
 
 
 def _remember(record: Path, content: object) -> None:
@@ -121,6 +163,7 @@ def _max_id(info: ShardInfo, vocab_size: int, mtime_ns: int) -> int:
     Remembered per file (path, size, mtime): adding one shard to a set scans only that shard.
     """
     key = hashlib.sha1(f"{info.path.resolve()}:{info.offset + info.count}:{mtime_ns}".encode()).hexdigest()
+    # (an object in a bucket is read once per host, by range, then remembered)
     record = cache_root() / "token_scans" / f"{key}.json"
     try:
         largest = int(json.loads(record.read_text())["max_id"])
@@ -193,7 +236,7 @@ class Shards:
             at = offsets[here][:, None] + span
             out[here] = self.tokens(int(i))[at]
             if (mask := self.infos[i].mask) is not None:
-                keep = np.memmap(mask, dtype=np.uint8, mode="r", shape=(self.infos[i].count,))[at]
+                keep = _read_array(mask, np.uint8, 0, self.infos[i].count)[at]
                 out[here] |= np.where(keep == 0, NO_LOSS, 0).astype(np.int32)
         return out
 
@@ -220,7 +263,7 @@ class _Entry:
     window: int = 0  # prepare_data.py --chat packed conversations into windows of this many tokens
 
 
-def _manifest_entries(path: Path, role: str) -> list[_Entry]:
+def _manifest_entries(path: Any, role: str) -> list[_Entry]:
     try:
         manifest = json.loads(path.read_text())
         split = manifest["splits"][role] if manifest.get("format") == MANIFEST_FORMAT else None
@@ -253,22 +296,25 @@ def _entries(path_spec: str, role: str) -> list[_Entry]:
         if not item:
             continue
         if glob.has_magic(item):
-            found = sorted(p for p in glob.glob(item) if os.path.isfile(p))
+            if bucket.is_url(item):
+                found = bucket.glob(item)
+            else:
+                found = sorted(p for p in glob.glob(item) if os.path.isfile(p))
             if not found:
                 raise DataError(f"no token files match {item}; check the pattern (quote it in the shell)")
-            out += [_Entry(Path(p)) for p in found]
+            out += [_Entry(bucket.as_path(p)) for p in found]
         elif item.endswith(".json"):
-            if not os.path.isfile(item):
+            if not bucket.as_path(item).is_file():
                 raise DataError(f"manifest {item} does not exist; make one with scripts/prepare_data.py")
-            out += _manifest_entries(Path(item), role)
+            out += _manifest_entries(bucket.as_path(item), role)
         else:
-            out.append(_Entry(Path(item)))
+            out.append(_Entry(bucket.as_path(item)))
     if not out:
         raise DataError(f"data path {path_spec!r} names no file; pass a token file, glob or manifest")
     return out
 
 
-def _stat(path: Path) -> os.stat_result:
+def _stat(path: Any) -> Any:
     try:
         st = path.stat()
     except FileNotFoundError:
@@ -328,7 +374,7 @@ def open_shards(path_spec: str, role: str, vocab_size: int, token_dtype: str, se
 
 
 def _validate(
-    entries: Sequence[_Entry], stats: Sequence[os.stat_result], vocab_size: int, token_dtype: str
+    entries: Sequence[_Entry], stats: Sequence[Any], vocab_size: int, token_dtype: str
 ) -> list[ShardInfo]:
     infos = [
         inspect_file(e.path, vocab_size, token_dtype, s.st_size) for e, s in zip(entries, stats, strict=True)
@@ -362,10 +408,10 @@ def manifest_vocab(spec: str, key: str) -> int:
     sizes = [0]
     for source in parse_spec(spec, key):
         for item in (s.strip() for s in source.path.split(",")):
-            if not item.endswith(".json") or not os.path.isfile(item):
+            if not item.endswith(".json") or not bucket.as_path(item).is_file():
                 continue
             try:
-                sizes.append(int(json.loads(Path(item).read_text())["tokenizer"]["vocab_size"]))
+                sizes.append(int(json.loads(bucket.as_path(item).read_text())["tokenizer"]["vocab_size"]))
             except (OSError, ValueError, KeyError, TypeError):
                 continue
     return max(sizes)
@@ -383,8 +429,11 @@ def open_sources(spec: str, role: str, vocab_size: int, token_dtype: str, seq_le
 # ---------------------------------------------------------------- the run's data, unchanged
 
 
-def _fingerprint(path: Path, st: os.stat_result) -> str:
-    """A hash of a shard's head and tail: cheap, and catches a rewrite that kept the size."""
+def _fingerprint(path: Any, st: Any) -> str:
+    """A hash of a shard's head and tail: cheap, and catches a rewrite that kept the size (in a
+    bucket, the object's own checksum or version)."""
+    if isinstance(path, bucket.ObjectPath):
+        return path.tag()
     h = hashlib.sha1()
     with open(path, "rb") as f:
         h.update(f.read(_SAMPLE_BYTES))
@@ -424,7 +473,7 @@ def check_run_data(run_dir: Path, overwrite: bool, sources: Sequence[Source]) ->
     fix = "restore the data as it was, or start a new --run_dir (or --overwrite)"
     now = [str(i.path) for s in sources for i in s.shards.infos]
     for old in before:
-        p = Path(old["path"])
+        p = bucket.as_path(old["path"])
         if not p.exists():
             raise DataError(f"shard {p} of this run's data is missing since the run started; {fix}")
         st = p.stat()

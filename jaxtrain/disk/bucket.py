@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from jaxtrain.errors import UserError
 
@@ -316,3 +316,85 @@ def _tag(info: dict[str, Any]) -> str:
         if info.get(field):
             return f"{field}:{str(info[field]).strip(chr(34))}"
     return ""
+
+
+def read_ranges(url: str, starts: list[int], ends: list[int]) -> list[bytes]:
+    """Bytes [starts[i], ends[i]) of the object, the ranged GETs in flight together."""
+    filesystem, key = fs(url), _key(url)
+    return retry(f"reading {url}", lambda: filesystem.cat_ranges([key] * len(starts), starts, ends))
+
+
+def glob(pattern: str) -> list[str]:
+    """The URLs of the objects matching `pattern` (gs://b/data/*.bin), sorted."""
+    scheme = pattern.partition("://")[0]
+    filesystem = fs(pattern)
+    found = retry(f"listing {pattern}", lambda: filesystem.glob(_key(pattern)))
+    return sorted(f"{scheme}://{k}" for k in found)
+
+
+class ObjectStat(NamedTuple):
+    st_size: int
+    st_mtime_ns: int
+
+
+class ObjectPath:
+    """An object in a bucket with the few pathlib.Path methods the data readers use."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+
+    def __str__(self) -> str:
+        return self.url
+
+    def __repr__(self) -> str:
+        return f"ObjectPath({self.url!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ObjectPath) and other.url == self.url
+
+    def __hash__(self) -> int:
+        return hash(self.url)
+
+    def __truediv__(self, name: str) -> ObjectPath:
+        return ObjectPath(f"{self.url}/{name}")
+
+    @property
+    def parent(self) -> ObjectPath:
+        return ObjectPath(self.url.rpartition("/")[0])
+
+    @property
+    def name(self) -> str:
+        return self.url.rpartition("/")[2]
+
+    def resolve(self) -> ObjectPath:
+        return self
+
+    def stat(self) -> ObjectStat:
+        found = stat(self.url)
+        if found is None:
+            raise FileNotFoundError(self.url)
+        return ObjectStat(found[0], int(found[1] * 1e9))
+
+    def exists(self) -> bool:
+        return stat(self.url) is not None
+
+    is_file = exists  # an object is a file; a prefix is no object
+
+    def read_text(self) -> str:
+        data = read(self.url)
+        if data is None:
+            raise FileNotFoundError(self.url)
+        return data.decode("utf-8")
+
+    def read_range(self, start: int, end: int) -> bytes:
+        return read_range(self.url, start, end)
+
+    def tag(self) -> str:
+        """What changes with the object's content (its checksum or version)."""
+        found = stat(self.url)
+        return found[2] if found else ""
+
+
+def as_path(p: str | os.PathLike[str]) -> Any:
+    """An ObjectPath for a URL, a pathlib.Path otherwise: what the data readers open."""
+    return ObjectPath(str(p)) if is_url(p) else Path(p)
