@@ -262,3 +262,13 @@ def test_each_run_measured_here_is_planned_as_the_same_job(run):
     (row,) = [r for r in calibration.rows() if r["case"] == run["case"]]
     assert row["measured_step_s"] == measured["step_time_s"]  # the median step, one statistic
     assert row["forecast_s"] == pytest.approx(p["forecast"]["step_time_s"], rel=1e-9)  # re-costed
+
+
+def test_the_plan_prints_its_exchange_both_ways_and_auto_s_pick():
+    """Each MoE plan's summary says which exchange it compiled, the step both ways and the one auto
+    takes with one exchange's costs: Qwen3-30B-A3B on 4 x 8 H100, inside each host."""
+    p = json.loads((ROOT / "bench/results/plan_qwen3_30b_a3b_h100_4x8.json").read_text())
+    assert planner.exchange_line(p["forecast"]["exchange"]) == (
+        "compiled ragged; step forecast 17.554 s ragged, 6.730 s padded; auto takes padded: one exchange "
+        "2.7 ms against 8.3 ms ragged (observe/links.py)"
+    )

@@ -231,9 +231,15 @@ def analyze(train: Any, evaluate: Any | None, facts: Facts, compile_s: float) ->
         "schedule_mfu_ceiling": times["compute"] / replay.now,
         # forecast.py: the same replay at the speeds measured on real GPUs, a forecast, not a bound.
         "forecast": forecast.block(
-            events, t, peak, facts.expert_load, facts.tokens_per_step, n_devices,
-            facts.model_flops_per_step, peak_flops(t, mfu_dtype),
-        ),  # fmt: skip
+            events,
+            t,
+            peak,
+            facts.expert_load,
+            facts.tokens_per_step,
+            n_devices,
+            facts.model_flops_per_step,
+            peak_flops(t, mfu_dtype),
+        ),
         "schedule_tokens_per_s_per_gpu": facts.tokens_per_step / replay.now / n_devices,
         "compile_s": round(compile_s, 2),
         # The replay's events (schedule.trace): the plan costed again without a compile.

@@ -317,3 +317,17 @@ def print_forecast(p: dict[str, Any]) -> None:
           "schedule at speeds measured on H100s (jaxtrain/plan/forecast.py), not measured here")  # fmt: skip
     if waits := forecast_waits(p):
         print(f"{'the forecast waits on':<26}{waits}")
+    if x := f.get("exchange"):
+        print(f"{'the expert exchange':<26}{exchange_line(x)}")
+
+
+def exchange_line(x: dict[str, Any]) -> str:
+    """The plan's expert exchange both ways (forecast.exchanges): the step and one exchange, which
+    the program compiled and which auto takes, and why."""
+    one = {way: x[f"one_{way}_s"] for way in ("ragged", "padded")}
+    slower = max(one, key=one.__getitem__)
+    return (
+        f"compiled {x['compiled']}; step forecast {x['ragged_s']:.3f} s ragged, {x['padded_s']:.3f} s "
+        f"padded; auto takes {x['auto']}: one exchange {ms(one[x['auto']])} against {ms(one[slower])} "
+        f"{slower} (observe/links.py)"
+    )
