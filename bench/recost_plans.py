@@ -13,22 +13,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from jaxtrain.plan import forecast, targets
+from jaxtrain.plan import planner
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def recost(p: dict) -> dict:
-    """Plan `p` with its forecast re-costed from its trace (forecast.block)."""
-    target = targets.get(p["target"])
-    peak = targets.peak_flops(target, p["dtype"])
-    gpus, tokens = p["hosts"] * p["gpus_per_host"], p["global_batch"] * p["seq_len"]
-    mfu_peak = targets.peak_flops(target, p.get("mfu_dtype", p["dtype"]))
-    load = p["forecast"]["expert_load"]
-    block = forecast.block(
-        p["schedule_trace"], target, peak, load, tokens, gpus, p["model_flops_per_step"], mfu_peak
-    )
-    return p | {"forecast": block}
 
 
 def main() -> None:
@@ -37,7 +24,7 @@ def main() -> None:
         p = json.loads(text)
         if "schedule_trace" not in p:
             continue
-        new = recost(p)
+        new = planner.recost(p)
         if new != p:
             indent = 1 if text.startswith('{\n "') else None
             path.write_text(json.dumps(new, indent=indent) + ("\n" if text.endswith("\n") else ""))

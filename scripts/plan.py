@@ -11,8 +11,10 @@ fits, the attention kernel, the collectives of one optimizer step and a step-tim
 
 Takes every flag of scripts/train.py, plus --target (jaxtrain/plan/targets.py), --hosts N,
 --gpus_per_host G (default 8), --json FILE, --search (compile the meshes and remat settings that
-fit, ranked by the bound). Exit 0: fits; 1: does not fit (the nearest settings that fit are
-printed); 2: bad input.
+fit, ranked by the forecast), --expert_load X (a mixture of experts' forecast at its most loaded
+expert's rows over an even share: a run's measured expert_load_max_mean, or 1 for routing forced
+even; default the capacity factor). Exit 0: fits; 1: does not fit (the nearest settings that fit
+are printed); 2: bad input.
 """
 
 import sys

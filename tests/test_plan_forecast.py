@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from jaxtrain.errors import UserError
 from jaxtrain.observe import links
+from jaxtrain.plan import cli as plan_cli
 from jaxtrain.plan import forecast, planner, schedule, targets
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -272,3 +274,17 @@ def test_the_plan_prints_its_exchange_both_ways_and_auto_s_pick():
         "compiled ragged; step forecast 17.554 s ragged, 6.730 s padded; auto takes padded: one exchange "
         "2.7 ms against 8.3 ms ragged (observe/links.py)"
     )
+
+
+def test_a_measured_expert_load_re_costs_the_plan():
+    """--expert_load X: the plan's forecast at a load measured (or 1, routing forced even, as the
+    peers' runs force it), re-costed from its trace; the committed plans at their own load are their
+    own forecast. A load below 1 is one line before anything compiles."""
+    p = json.loads((ROOT / "bench/results/plan_qwen3_30b_a3b_h100_4x8.json").read_text())
+    assert planner.recost(p) == p
+    even = planner.recost(p, 1.0)["forecast"]
+    assert even["expert_load"] == 1.0 and even["step_time_s"] < p["forecast"]["step_time_s"]
+    assert even["exchange"]["padded_s"] < p["forecast"]["exchange"]["padded_s"]  # the experts' GEMMs
+    assert even["tokens_per_s_per_gpu"] == pytest.approx(256 * 4096 / even["step_time_s"] / 32)
+    with pytest.raises(UserError, match=r"^--expert_load 0.5: the most loaded expert's rows over an even"):
+        plan_cli.main(["--expert_load", "0.5", "--config", str(ROOT / "configs/moe_tiny.yaml")], "")

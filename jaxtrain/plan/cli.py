@@ -28,6 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default="")
     p.add_argument("--search", action="store_true")
     p.add_argument("--search_budget", type=int, default=16)
+    p.add_argument("--expert_load", type=float, default=0.0)
     return p
 
 
@@ -49,10 +50,19 @@ def main(argv: list[str], usage: str) -> int:
     target = targets.get(args.target)
     if args.hosts < 1 or args.gpus_per_host < 1:
         raise ArgumentError(f"--hosts {args.hosts} --gpus_per_host {args.gpus_per_host}: both must be >= 1")
+    if args.expert_load and args.expert_load < 1:
+        raise ArgumentError(
+            f"--expert_load {args.expert_load:g}: the most loaded expert's rows over an even share is at "
+            "least 1 (1: routing even; a run's metrics.jsonl gives its expert_load_max_mean)"
+        )
     cfg = job_config(rest, usage)
     from jaxtrain.plan import advice, planner  # import jax, so after use_plugin
 
     p = plan_job(cfg, target, args.hosts, args.gpus_per_host, args.search_budget if args.search else 0)
+    if (
+        args.expert_load and "schedule_trace" in p
+    ):  # the forecast at the load given (the search's: the config's)
+        p = planner.recost(p, args.expert_load)
     if p.get("compiled") is not None:
         if args.search:  # after the search's lines: which plan this is
             print("the job as given:")

@@ -301,6 +301,23 @@ def ms(seconds: float) -> str:
     return f"{1e3 * seconds:.0f} ms" if seconds >= 0.01 else f"{1e3 * seconds:.1f} ms"
 
 
+def recost(p: dict[str, Any], load: float | None = None) -> dict[str, Any]:
+    """Plan `p` with its forecast re-costed from its trace (forecast.block) at forecast.py's
+    constants as they are now, and at the most loaded expert's `load` where given (a run's measured
+    `expert_load_max_mean`, or 1 for routing forced even, as the peers' published runs force it)."""
+    target = targets.get(p["target"])
+    peak = targets.peak_flops(target, p["dtype"])
+    gpus, tokens = p["hosts"] * p["gpus_per_host"], p["global_batch"] * p["seq_len"]
+    mfu_peak = targets.peak_flops(target, p.get("mfu_dtype", p["dtype"]))
+    load = p["forecast"]["expert_load"] if load is None else load
+    events = p["schedule_trace"]
+    return p | {
+        "forecast": forecast.block(
+            events, target, peak, load, tokens, gpus, p["model_flops_per_step"], mfu_peak
+        )
+    }
+
+
 def print_forecast(p: dict[str, Any]) -> None:
     """The forecast beside the schedule-aware bound, and which is which."""
     f, load = p["forecast"], p["forecast"]["expert_load"]
