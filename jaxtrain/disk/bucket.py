@@ -205,7 +205,8 @@ def check(url: str, what: str, write: bool) -> None:
     try:
         retry(f"reaching {scheme}://{bucket}", lambda: filesystem.ls(bucket, detail=False, refresh=True))
     except Exception as e:
-        raise UserError(f"{what} {url}: {scheme}://{bucket} cannot be read: {reason(e)}") from None
+        why = "no such bucket" if isinstance(e, FileNotFoundError) else reason(e)
+        raise UserError(f"{what} {url}: {scheme}://{bucket} cannot be read: {why}") from None
     if write:
         probe = f"{bucket}/{key}/.jaxtrain-probe-{uuid.uuid4().hex[:12]}".replace("//", "/")
         try:
