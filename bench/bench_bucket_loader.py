@@ -1,0 +1,171 @@
+"""The loader reading token shards from a bucket (a local S3-API server, moto) beside local disk.
+
+    .venv/bin/python bench/bench_bucket_loader.py             # 2 processes, 4 shards, 200 steps
+    .venv/bin/python bench/bench_bucket_loader.py --steps 20 --total_tokens 2000000   # smoke
+
+The same shards are read from local disk and from the server, by `--procs` processes at once, each
+iterating its rows of the global batches (jaxtrain/data/loader.py, grain with --threads threads)
+exactly as a run does. Each side reports, summed over the processes:
+  tokens_per_s   the loader alone, nothing else running (disk: the page cache; bucket: one ranged GET
+                 per window, a batch's GETs in flight together, to a Python server on this host)
+  wait_frac      time blocked on the loader / total, with a simulated step of --step_ms between batches
+The rule, fixed before the first run (issue 61): tokens_per_s from the bucket >= 0.9 x disk at 2
+processes, with the step of --step_ms simulated (what a run's data wait is); the loader-alone figure
+is recorded beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+BUCKET = "bench"
+
+
+def _write_shards(directory: Path, n: int, total: int) -> list[Path]:
+    from jaxtrain.text.format import HEADER_INTS, HEADER_MAGIC
+
+    directory.mkdir(parents=True, exist_ok=True)
+    rng, out = np.random.default_rng(0), []
+    for i in range(n):
+        header = np.zeros(HEADER_INTS, dtype="<i4")
+        header[:3] = HEADER_MAGIC, 1, total // n
+        path = directory / f"shard_{i:03d}.bin"
+        path.write_bytes(header.tobytes() + rng.integers(0, 50257, total // n, dtype=np.uint16).tobytes())
+        out.append(path)
+    return out
+
+
+def _worker(args: argparse.Namespace) -> None:
+    """One process: its rows of --steps global batches, timed; one JSON line on stdout."""
+    from jaxtrain.data import loader, sources
+
+    train = sources.open_sources(args.path, "train", 50304, "auto", args.seq)
+    rows = loader.train_loader(
+        train, args.batch, 0, 0, args.steps + 1, args.rank, args.procs, args.threads, args.prefetch
+    )
+    next(rows)  # the first batch: the pool's start, not the rate
+    waited, t0 = 0.0, time.perf_counter()
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        batch = next(rows)
+        waited += time.perf_counter() - t
+        time.sleep(args.step_ms / 1000)
+    total = time.perf_counter() - t0
+    tokens = args.steps * batch.size
+    print(json.dumps({"tokens": int(tokens), "total_s": total, "wait_s": waited}))
+
+
+def _side(path: str, args: argparse.Namespace, env: dict[str, str], step_ms: float) -> dict[str, float]:
+    """`--procs` workers reading `path` at once; their tokens/s summed, their wait fraction averaged."""
+    cmd = [sys.executable, __file__, "--worker", "--path", path, "--procs", str(args.procs)]
+    cmd += ["--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq)]
+    cmd += ["--threads", str(args.threads), "--prefetch", str(args.prefetch), "--step_ms", str(step_ms)]
+    procs = [
+        subprocess.Popen([*cmd, "--rank", str(r)], env=env, stdout=subprocess.PIPE, text=True)
+        for r in range(args.procs)
+    ]
+    outs = [json.loads((p.communicate()[0] or "{}").strip().splitlines()[-1]) for p in procs]
+    assert all(p.returncode == 0 for p in procs), "a worker failed"
+    return {
+        "tokens_per_s": round(sum(o["tokens"] / o["total_s"] for o in outs)),
+        "wait_frac": round(float(np.mean([o["wait_s"] / o["total_s"] for o in outs])), 4),
+    }
+
+
+def main() -> None:
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
+    parser.add_argument("--procs", type=int, default=2)
+    parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--total_tokens", type=int, default=16_000_000)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--batch", type=int, default=32, help="global batch, in sequences")
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--threads", type=int, default=16, help="the loader's threads (data_threads)")
+    parser.add_argument("--prefetch", type=int, default=8)
+    parser.add_argument("--step_ms", type=float, default=50.0, help="the simulated step")
+    parser.add_argument("--out", default=str(ROOT / "bench/results/loader_bucket_cpu.json"))
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--path", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        _worker(args)
+        return
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    store = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "bench",
+        "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }  # fmt: skip
+    try:
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(store["AWS_ENDPOINT_URL"], timeout=2)
+                break
+            except OSError:
+                time.sleep(0.1)
+        urllib.request.urlopen(urllib.request.Request(f"{store['AWS_ENDPOINT_URL']}/{BUCKET}", method="PUT"))
+        import s3fs
+
+        fs = s3fs.S3FileSystem(key="bench", secret="bench", endpoint_url=store["AWS_ENDPOINT_URL"])
+        with tempfile.TemporaryDirectory() as tmp:
+            shards = _write_shards(Path(tmp) / "shards", args.shards, args.total_tokens)
+            for p in shards:
+                fs.put_file(str(p), f"{BUCKET}/shards/{p.name}")
+            env = {**os.environ, **store, "JAX_PLATFORMS": "cpu"}
+            paths = {"disk": str(Path(tmp) / "shards" / "*.bin"), "bucket": f"s3://{BUCKET}/shards/*.bin"}
+            results = {
+                side: {
+                    "loader_alone": _side(path, args, env, 0.0),
+                    f"step_{args.step_ms:g}ms": _side(path, args, env, args.step_ms),
+                }
+                for side, path in paths.items()
+            }
+    finally:
+        server.terminate()
+        server.wait(10)
+    key = f"step_{args.step_ms:g}ms"
+    bucket, disk = results["bucket"], results["disk"]
+    ratio = bucket[key]["tokens_per_s"] / disk[key]["tokens_per_s"]
+    alone = bucket["loader_alone"]["tokens_per_s"] / disk["loader_alone"]["tokens_per_s"]
+    git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    commit = git.stdout.strip()
+    from importlib.metadata import version
+
+    out = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "commit": commit,
+        "versions": {p: version(p) for p in ("grain", "s3fs", "fsspec", "moto", "numpy")},
+        "args": {k: v for k, v in vars(args).items() if k not in ("worker", "rank", "path", "out")},
+        "rule": f"bucket tokens/s >= 0.9 x disk at {args.procs} processes, with a {args.step_ms:g} ms step",
+        "results": results,
+        "bucket_over_disk": round(ratio, 3),
+        "bucket_over_disk_loader_alone": round(alone, 3),
+        "passed": ratio >= 0.9,
+    }
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
