@@ -251,6 +251,15 @@ def test_a_compiled_step_too_big_for_the_gpu_is_refused_before_the_first_step(tm
     ):
         check_compiled(58 * 2**30, _Gpu(), cfg, 8)
     check_compiled(84 * 2**30, jax.devices()[0], cfg, 8)  # a CPU reports no limit: nothing to judge
+    # A mixture of experts whose auto took the padded exchange on its GPUs: the ragged one first.
+    moe = with_topology(load_config(["--config", "configs/moe_tiny.yaml", "--mesh.expert", "8"]), 8, 1)
+    with pytest.raises(
+        UserError, match=r"lower it with --model.moe.exchange ragged \(auto's padded exchange"
+    ):
+        check_compiled(58 * 2**30, _Gpu(), moe, 8, exchange="padded")
+    with pytest.raises(UserError, match=r"lower it with --total_batch_size") as e:
+        check_compiled(58 * 2**30, _Gpu(), moe, 8, exchange="ragged")
+    assert "exchange" not in str(e.value)
     # The real loop: these CPU devices made to report a 64 KiB allocator limit, as a GPU reports
     # its own; the compiled tiny step is larger, so the run stops after compiling, before step 1.
     monkeypatch.setattr(memory, "limit_bytes", lambda device: 64 * 2**10)

@@ -73,7 +73,9 @@ def fits(total_bytes: int, limit: int) -> bool:
     return total_bytes <= limit - reserve_bytes(limit)
 
 
-def check_compiled(total_bytes: int, device: jax.Device, cfg: Config, local_devices: int) -> None:
+def check_compiled(
+    total_bytes: int, device: jax.Device, cfg: Config, local_devices: int, exchange: str = ""
+) -> None:
     """Refuse, before the first step, a compiled step the device cannot hold (GPUs report their
     limit; CPUs do not, and are not judged)."""
     limit = limit_bytes(device)
@@ -83,7 +85,7 @@ def check_compiled(total_bytes: int, device: jax.Device, cfg: Config, local_devi
         f"the compiled step needs {total_bytes / _GIB:.1f} GiB per device, over the "
         f"{(limit - reserve_bytes(limit)) / _GIB:.1f} GiB of the {limit / _GIB:.1f} GiB XLA may use on this "
         f"{device.device_kind} that leave {100 * RESERVE:g}% for autotuning and workspaces; lower it with "
-        f"{fixes(cfg, local_devices)} "
+        f"{fixes(cfg, local_devices, exchange)} "
         "(scripts/plan.py with the same flags and --search compiles the settings that fit)"
     )
 
@@ -114,7 +116,13 @@ def requested_bytes(error: BaseException) -> int | None:
 
 
 def out_of_memory(
-    error: BaseException, where: str, cfg: Config, peak_bytes: int, device: jax.Device, local_devices: int
+    error: BaseException,
+    where: str,
+    cfg: Config,
+    peak_bytes: int,
+    device: jax.Device,
+    local_devices: int,
+    exchange: str = "",
 ) -> OutOfMemory:
     """One line for an out-of-memory `error` at `where`: the peak, the limit, what lowers the peak."""
     limit = limit_bytes(device)
@@ -129,15 +137,23 @@ def out_of_memory(
     has = (
         f"this {device.device_kind} has {limit / _GIB:.1f} GiB" if limit else "the device's limit is unknown"
     )
-    fix = fixes(cfg, local_devices)
+    fix = fixes(cfg, local_devices, exchange)
     return OutOfMemory(f"out of device memory {where}: {needs}, {has}; lower the peak with {fix}")
 
 
-def fixes(cfg: Config, local_devices: int) -> str:
-    """Settings that lower the peak per device, most effective first, with this run's numbers."""
+def fixes(cfg: Config, local_devices: int, exchange: str = "") -> str:
+    """Settings that lower the peak per device, most effective first, with this run's numbers;
+    `exchange`: the expert exchange the job settled on its GPUs (run/kernels.py)."""
     shards = cfg.mesh.data * cfg.mesh.expert * cfg.mesh.fsdp
     micro = cfg.batch_size // cfg.gradient_accumulation_steps // shards  # rows per device per microbatch
     out = []
+    if exchange == "padded" and cfg.mesh.expert > 1 and cfg.model.moe.exchange == "auto":
+        # auto took the padded exchange for its speed (observe/links.py); its buffers hold
+        # mesh.expert x the routed rows, the ragged one's the routed rows.
+        out.append(
+            f"--model.moe.exchange ragged (auto's padded exchange gives each of the {cfg.mesh.expert} "
+            "peers a buffer of the routed rows; slower, less memory)"
+        )
     if micro > 1:
         tokens = cfg.batch_size * cfg.model.seq_len
         out.append(

@@ -142,8 +142,9 @@ class Run:
     def out_of_memory(self, error: BaseException, where: str, peak_bytes: int) -> memory_lib.OutOfMemory:
         """One line for a device out of memory at `where`, with the settings that lower the peak."""
         device = self.job.local_devices[0]
+        exchange = self.model.cfg.moe.exchange  # as settled on these devices
         return memory_lib.out_of_memory(
-            error, where, self.cfg, peak_bytes, device, len(self.job.local_devices)
+            error, where, self.cfg, peak_bytes, device, len(self.job.local_devices), exchange
         )
 
     def init_state(self) -> TrainState:
