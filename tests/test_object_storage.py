@@ -206,6 +206,13 @@ def test_run_dir_killed_mid_save_resumes_bitwise_and_falls_back(store, tmp_path_
     got = _losses(fs.cat_file(f"{BUCKET}/killed/metrics.jsonl").decode())
     assert {s: got[s] for s in range(7, 9)} == {s: want[s] for s in range(7, 9)}
 
+    # --resume_from a checkpoint in the bucket, into a run dir on disk: the same losses again.
+    local = tmp_path_factory.mktemp(f"from_{scheme}") / "run"
+    out = _train(str(local), _env(s3), *from_bucket, "--resume_from", f"{url}/checkpoints/6", procs=2)
+    _ok(out)
+    got = _losses((local / "metrics.jsonl").read_text())
+    assert {s: got[s] for s in range(7, 9)} == {s: want[s] for s in range(7, 9)}
+
 
 def test_second_job_and_bad_inputs_refused_in_one_line(store, tmp_path):
     scheme, s3 = store
