@@ -241,6 +241,7 @@ def test_second_job_and_bad_inputs_refused_in_one_line(store, tmp_path):
         none = str(tmp_path / "none")
         no_keys.update(AWS_CONFIG_FILE=none, AWS_SHARED_CREDENTIALS_FILE=none)
         _refused(_train(f"s3://{BUCKET}/run", no_keys), "no credentials")
+        _read_only_bucket_refused(tmp_path)
     no_bucket = f"run_dir {scheme}:///run names no bucket; write {scheme}://BUCKET/PATH"
     _refused(_train(f"{scheme}:///run", _env(s3)), no_bucket)
     assert set(fs.find(BUCKET)) == before  # nothing written by any of them
@@ -274,3 +275,42 @@ def test_a_store_stopped_for_20_s_mid_run_is_ridden_out(s3):
     assert run.returncode == 0, (out + err)[-3000:]
     assert f"done: step 150, run dir {url}" in out + err
     assert fs.exists(f"{BUCKET}/outage/checkpoints/150/commit_success.txt")
+
+
+def _read_only_bucket_refused(tmp_path: Path) -> None:
+    """A bucket these credentials may list and read but not write: refused before anything is
+    written. A moto server of its own that checks credentials (IAM) after its first 4 requests,
+    which make the bucket and a reader's keys."""
+    import boto3
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "iam_server.log", "w")  # noqa: SIM115 (closed below)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "4"}, stdout=log, stderr=log,
+    )  # fmt: skip
+    try:
+        _answering(f"{url}/moto-api/", server)
+        admin = {"endpoint_url": url, "aws_access_key_id": "admin", "aws_secret_access_key": "admin"}
+        boto3.client("s3", region_name="us-east-1", **admin).create_bucket(Bucket="read-only")
+        iam = boto3.client("iam", region_name="us-east-1", **admin)
+        iam.create_user(UserName="reader")
+        policy = {"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket"], "Resource": "*"}
+        iam.put_user_policy(
+            UserName="reader", PolicyName="read",
+            PolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": [policy]}),
+        )  # fmt: skip
+        key = iam.create_access_key(UserName="reader")["AccessKey"]
+        reader = {
+            "AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": key["AccessKeyId"],
+            "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"], "AWS_DEFAULT_REGION": "us-east-1",
+        }  # fmt: skip
+        out = _train("s3://read-only/run", _env(reader))
+        _refused(out, "--run_dir s3://read-only/run cannot be written: access denied")
+        assert key["SecretAccessKey"] not in out.stdout + out.stderr  # never printed
+        assert _client("s3", reader).find("read-only") == []  # nothing written
+    finally:
+        server.terminate()
+        server.wait(10)
+        log.close()
