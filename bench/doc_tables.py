@@ -69,6 +69,7 @@ MOE = {
     "mixtral_8x7b_h100_4x8_ragged_dot": "the same with `ragged_dot`",
     "mixtral_8x7b_h100_2x8": "2 hosts",
     "deepseek_v3_671b_h100_128x8": "DeepSeek-V3-671B, as configured",
+    "qwen3_235b_a22b_h100_32x8": "Qwen3-235B-A22B, as shipped (experts inside each host, padded exchange)",
     "moe_tiny_dropless_h100x8": "moe_tiny, dropless (CI)",
     "deepseek_tiny_heads192_h100x8": "DeepSeek-style tiny, query heads of 192: cuDNN attention (CI)",
     "qwen3_30b_a3b_h100_2x8_gbs1024": "Qwen3-30B-A3B at Megatron-Bridge's 16 GPUs and batch (bench/peers.py)",

@@ -48,6 +48,9 @@ PEERS: list[tuple[str, str, int, str, str, str, int, str]] = [
      5113, MB),
     ("Qwen3-30B-A3B", "NeMo AutoModel (2025-10-02)", 8, "512 x 4096", "EP 8, FSDP 8, MBS 4, GA 16",
      "BF16, balanced routing forced", 12040, AUTOMODEL),
+    # As issue 60 quotes Megatron-Bridge 26.04's performance summary (its batch not read here).
+    ("Qwen3-235B-A22B", "Megatron-Bridge (26.04)", 256, "not read here", "TP 2 PP 8 EP 32", "BF16", 2132, MB),
+    ("Qwen3-235B-A22B", "Megatron-Bridge (26.04)", 256, "not read here", "TP 2 PP 8 EP 32", "FP8", 1712, MB),
     ("DeepSeek-V3", "Megatron-Bridge (NeMo 25.09)", 1024, "8192 x 4096", "TP 2, PP 8, VP 4, EP 64, dropless",
      "not stated (its note on FP8 scaling granularity covers it)", 1297, MB),
     ("DeepSeek-V3", "NeMo AutoModel (2025-10-02)", 1024, "8192 x 4096", "PP 4, VP 8, EP 64, FSDP 256, GA 4",
@@ -60,6 +63,7 @@ OURS = {
     "Llama 3 70B": "llama3_70b_h100_8x8_gbs256",
     "Llama 3 405B": "llama3_405b_h100_128x8_gbs1536",
     "Qwen3-30B-A3B": "qwen3_30b_a3b_h100_2x8_gbs1024",
+    "Qwen3-235B-A22B": "qwen3_235b_a22b_h100_32x8",
     "DeepSeek-V3": "deepseek_v3_671b_h100_128x8_gbs8192",
     "Mixtral-8x7B": "mixtral_8x7b_h100_4x8",
 }
@@ -69,7 +73,10 @@ NO_PEER = {
 }
 # Where jaxtrain's plan is not at the fastest peer's GPU count, why.
 NOTE = {
-    "Qwen3-30B-A3B": ", on Megatron-Bridge's 16 GPUs: on 8 it does not fit (`plan_qwen3_30b_a3b_h100x8.json`)"
+    "Qwen3-30B-A3B": ", on Megatron-Bridge's 16 GPUs: on 8 it does not fit "
+    "(`plan_qwen3_30b_a3b_h100x8.json`)",
+    "Qwen3-235B-A22B": ", at the shipped config's 2,048 x 4,096 tokens a step (the peers' batch "
+    "not read here)",
 }
 HEAD = (
     "| model | trainer (version) | H100s | global batch | layout | precision | tokens/s/GPU | source |\n"
