@@ -5,11 +5,13 @@ a user's run takes, with only the endpoint changed (AWS_ENDPOINT_URL, STORAGE_EM
 
     pytest tests/test_object_storage.py     # about 3 min on 2 cores
 
-One chain of runs shares the compiles: a reference run on disk; the same run in the bucket (its data
-read from the bucket too, by range), killed
-(-9) while a checkpoint is written, relaunched (its lock taken over, resumed from the last complete
-checkpoint, bitwise-equal losses); its newest checkpoint damaged, relaunched (moved aside, resumed
-from the one before). Then a second job on a held run dir and the bad inputs, each one line, exit 2.
+On each store one chain of 2-process runs shares the compiles: a reference run on disk; the same run
+in the bucket (its data read from the bucket too, by range), killed (-9) while a checkpoint is
+written, relaunched (its lock taken over, resumed from the last complete checkpoint, bitwise-equal
+losses); its newest checkpoint damaged, relaunched (moved aside, resumed from the one before); a
+--resume_from of a bucket checkpoint into a disk run dir. Then a second job on a held run dir and the
+bad inputs (no bucket, no credentials, a read-only bucket, no bucket named), each one line, exit 2;
+and on S3 the server stopped for 20 s mid-run.
 """
 
 import json
