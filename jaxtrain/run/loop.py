@@ -319,7 +319,9 @@ def _reporter(
         f"peak {peak_bytes / 2**20:,.1f} MiB per device (arguments + temporaries + outputs not aliased)"
     )
     # The one memory rule (memory.fits), as scripts/plan.py applies it to GPUs that are not here.
-    memory_lib.check_compiled(peak_bytes, job.local_devices[0], run.cfg, len(job.local_devices))
+    memory_lib.check_compiled(
+        peak_bytes, job.local_devices[0], run.cfg, len(job.local_devices), run.model.cfg.moe.exchange
+    )
     peak = metrics.peak_flops(job.device_kind, run.mfu_dtype)  # the peak of the dtype that runs
     fpt = run.flops_per_token
     reporter = metrics.Reporter(
