@@ -70,3 +70,33 @@ def test_resume_reproduces_the_same_losses_bitwise(tmp_path):
     assert ra.read_meta(20)["data_position"] == rb.read_meta(20)["data_position"] == 20
     final_a, final_b = jax.tree.leaves(ra.restore(20)), jax.tree.leaves(rb.restore(20))
     assert final_a and all(np.array_equal(x, y) for x, y in zip(final_a, final_b, strict=True))
+
+
+def test_a_failed_save_logged_by_asyncio_keeps_one_line_other_tracebacks_stay(tmp_path):
+    """A disk that fills mid-save: tensorstore's error may reach asyncio's "Task exception was never
+    retrieved", traceback and all (seen in CI). A record whose exception passed through orbax keeps
+    its first line (the StorageError after it says the rest); any other keeps its traceback."""
+    import logging
+
+    from jaxtrain.disk import checkpoint
+
+    def raised(filename: str) -> tuple:
+        try:
+            exec(compile("raise ValueError('RESOURCE_EXHAUSTED: No space left on device')", filename, "exec"))
+        except ValueError:
+            return sys.exc_info()
+        raise AssertionError("not raised")
+
+    def record(exc_info: tuple) -> logging.LogRecord:
+        return logging.LogRecord(
+            "asyncio", logging.ERROR, "/usr/lib/python3.11/asyncio/base_events.py", 1,
+            "Task exception was never retrieved\nfuture: <Task finished>", None, exc_info,
+        )  # fmt: skip
+
+    ours = record(raised("/venv/site-packages/orbax/checkpoint/_src/serialization/serialization.py"))
+    assert checkpoint._ONE_LINE.filter(ours)
+    assert (ours.getMessage(), ours.exc_info) == ("Task exception was never retrieved", None)
+    other = record(raised("/venv/site-packages/somewhere/else.py"))
+    assert checkpoint._ONE_LINE.filter(other) and other.exc_info is not None
+    Checkpointer(tmp_path / "checkpoints", keep=1)  # installs the filter on both loggers
+    assert all(checkpoint._ONE_LINE in logging.getLogger(n).filters for n in ("absl", "asyncio"))

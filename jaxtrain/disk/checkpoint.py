@@ -49,17 +49,28 @@ READ_BACK_BYTES = 1 << 30
 
 
 class _OneLine(logging.Filter):
-    """Orbax logs a failed background save with its traceback, four times over; the StorageError
-    that follows says it in one line, so orbax's records keep only their first line. Its note
-    that a read-only manager's directory is read only is dropped."""
+    """Orbax logs a failed background save with its traceback, four times over, and asyncio may log
+    it once more ("Task exception was never retrieved", its traceback through orbax's frames); the
+    StorageError that follows says it in one line, so those records keep only their first line.
+    Orbax's note that a read-only manager's directory is read only is dropped."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if "orbax" in record.pathname:
+        if "orbax" in record.pathname or _through_orbax(record.exc_info):
             if record.getMessage().startswith("Given directory is read only"):
                 return False  # every read-only manager says it: what read-only means, not news
             record.msg, record.args = record.getMessage().splitlines()[0], None
             record.exc_info, record.exc_text = None, None
         return True
+
+
+def _through_orbax(exc_info: Any) -> bool:
+    """Whether a logged exception was raised inside orbax (any frame of its traceback)."""
+    tb = exc_info[2] if isinstance(exc_info, tuple) else None
+    while tb is not None:
+        if "orbax" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 _ONE_LINE = _OneLine()
@@ -100,7 +111,8 @@ class Checkpointer:
             read_only=read_only,
         )
         self.directory = bucket.path(directory)  # an epath.Path in a bucket
-        logging.getLogger("absl").addFilter(_ONE_LINE)  # once: a filter is added only once
+        for name in ("absl", "asyncio"):  # once each: a filter is added only once
+            logging.getLogger(name).addFilter(_ONE_LINE)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
         self.primary = primary  # the process that records checksums (process 0)
         self.flag = flag  # how the user named this checkpoint, for error messages
