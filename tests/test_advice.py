@@ -109,8 +109,14 @@ def test_fixes_print_as_flags_with_their_memory(capsys):
 def test_the_search_varies_the_expert_and_pipeline_axes():
     mixtral = _cfg("mixtral_8x7b.yaml")
     grid = candidates.layouts(mixtral, devices=16, gpus_per_host=8)
-    assert [(t, e) for t, c, e, _, _ in grid if t == 1 and c == 1] == [(1, 8), (1, 4), (1, 2), (1, 1)]
-    assert {pipe for _, _, _, pipe, _ in grid} == {1}  # no pipeline for a mixture of experts
+    # Expert largest first, each without a pipeline, then with Mixtral's 32 layers in the stages the
+    # rest of the 16 GPUs take, deepest first (one stack: no dense first layers); DeepSeek-V3 none.
+    assert [(e, p) for t, c, e, p, _ in grid if t == 1 and c == 1] == [
+        (8, 1), (8, 2), (4, 1), (4, 4), (4, 2), (2, 1), (2, 8), (2, 4), (2, 2), (1, 1), (1, 16), (1, 8),
+        (1, 4), (1, 2),
+    ]  # fmt: skip
+    assert candidates.pipelines(_cfg("deepseek_v3_671b.yaml"), 1024) == [1]
+    assert candidates.pipelines(_cfg("deepseek_v3_671b.yaml"), 1024) == [1]
     for tensor, context, expert, pipe, fsdps in grid:
         assert fsdps[-1] * tensor * context * expert * pipe == 16 and fsdps[0] == 1
     # Expert laid inside fsdp is tried where it moves the exchange into a host: expert 8 x fsdp 2

@@ -89,6 +89,47 @@ def test_layers_split_over_stages_train_as_on_one_device(mesh, options):
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)
 
 
+# DeepSeek tiny without its dense first layer: 4 MoE layers of MLA, a shared expert, the grouped
+# sigmoid router and its bias updates; 2 microbatches (each stage idles one tick of three).
+DEEPSEEK = [
+    "--config", "configs/deepseek_tiny.yaml", "--optim.warmup_steps", "0", "--batch_size", "8",
+    "--model.n_layer", "4", "--model.moe.first_dense", "0", "--model.scan_layers", "true",
+    "--gradient_accumulation_steps", "2", "--model.moe.balance_coef", "0.01",
+    "--model.moe.z_loss_coef", "0.001",
+]  # fmt: skip
+
+
+def test_a_mixture_of_experts_over_pipeline_x_expert_x_fsdp_trains_as_on_one_device():
+    """Pipeline 2 x expert 2 x fsdp 2: each stage's experts exchanged inside its expert group, its
+    layers' router losses (balance, z: coefficients raised to count) added on the ticks it holds a
+    microbatch, the expert load of every layer on every stage for the bias update and the logs."""
+    rows = np.random.default_rng(1).integers(3, 256, (8, 65), dtype=np.int32)
+    # A batch shard's microbatch m is its row m: one device takes the same microbatches in this order.
+    order = np.concatenate([np.arange(0, 8, 2), np.arange(1, 8, 2)])
+    runs = {}
+    for name, argv, devices, batch in [
+        ("one", [], 1, rows[order]),
+        ("pipeline", ["--mesh.pipeline", "2", "--mesh.expert", "2", "--mesh.fsdp", "2"], 8, rows),
+    ]:
+        run = build(Job.of_devices(load_config([*DEEPSEEK, *argv]), jax.devices()[:devices]))
+        state, metrics = run.init_state(), []
+        for _ in range(STEPS):
+            state, m = run.train_step(state, mesh_lib.global_batch(batch, run.mesh, 8))
+            metrics.append(jax.device_get(m))
+        runs[name] = metrics, jax.device_get(state.params)
+    (one, one_params), (piped, params) = runs["one"], runs["pipeline"]
+    for key in ("loss", "moe_balance_loss", "moe_z_loss"):
+        np.testing.assert_allclose([m[key] for m in piped], [m[key] for m in one], rtol=1e-5, err_msg=key)
+    for a, b in zip(piped, one, strict=True):
+        assert a["expert_load"].shape == (4, 8)
+        np.testing.assert_allclose(a["expert_load"], b["expert_load"], atol=1e-6)
+    assert one[-1]["moe_balance_loss"] > 1.0  # routing uneven: the balance loss has work to do
+    bias = params["blocks"]["moe"]["router_bias"]
+    assert np.abs(bias).max() > 0  # moved by the loads
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(one_params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)
+
+
 def test_stages_hold_consecutive_layers_and_the_program_shifts_activations():
     run = _build(("--mesh.pipeline", "4", "--mesh.data", "2"), 8)
     spec = run.shardings.params["blocks"]["attn"]["q"]["kernel"].spec
@@ -128,6 +169,12 @@ def test_a_layer_count_the_stages_cannot_take_is_one_line():
     both = ["--mesh.pipeline", "2", "--mesh.context", "2", "--mesh.tensor", "2", "--mesh.data", "1"]
     with pytest.raises(ConfigError, match="XLA's SPMD partitioner aborts on that program; with pipeline use"):
         load_config([*LLAMA, *both])  # before: XLA's 'Check failed', the process aborted (exit 134)
+    with pytest.raises(
+        ConfigError, match="with moe.first_dense 1: a pipeline splits one stack .* drop mesh.pipeline"
+    ):
+        load_config(
+            ["--config", "configs/deepseek_tiny.yaml", "--model.scan_layers", "true", "--mesh.pipeline", "2"]
+        )
 
 
 def _lowered(argv: tuple[str, ...], manual_axes=None) -> tuple[str, str]:

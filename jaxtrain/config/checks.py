@@ -285,7 +285,8 @@ def _check_mesh_values(cfg: Config) -> None:
 
 
 def _check_pipeline(m: ModelConfig, pp: int) -> None:
-    """Stages of consecutive layers of the scanned stack (parallel/pipeline.py), dense models only."""
+    """Stages of consecutive layers of the scanned stack (parallel/pipeline.py): one stack, so a
+    mixture of experts only without dense first layers."""
     if pp == 1:
         return
     if not m.scan_layers:
@@ -293,10 +294,11 @@ def _check_pipeline(m: ModelConfig, pp: int) -> None:
             f"mesh.pipeline {pp} splits the scanned layer stack into stages; set model.scan_layers true "
             "or drop mesh.pipeline"
         )
-    if m.moe.n_experts:
+    if m.moe.n_experts and m.moe.first_dense:
         raise ConfigError(
-            f"mesh.pipeline {pp} is not built for a mixture of experts yet (its router losses and layer "
-            "stacks); drop mesh.pipeline and use mesh.expert and mesh.fsdp"
+            f"mesh.pipeline {pp} with moe.first_dense {m.moe.first_dense}: a pipeline splits one stack of "
+            "layers, and dense first layers make a second (DeepSeek-V3's); not built yet: drop "
+            "mesh.pipeline and use mesh.expert and mesh.fsdp"
         )
     if pp > m.n_layer:
         raise ConfigError(

@@ -27,6 +27,9 @@ once a step, which every tick's dots multiply as they are; their gradient accumu
 over the ticks (straight through the cast and the rounding).
 Params used outside the stack (embeddings, final norm, head) are whole on every stage; their
 gradients are summed over the stages (each is zero where its stage does not use it).
+A mixture of experts' stack (one stack: no dense first layers) exchanges each stage's rows inside
+its expert group; each stage adds its own layers' router losses on the ticks that hold a
+microbatch, and the router figures of every layer reach every stage (`_router_metrics`).
 Planned for Llama 3 405B on 256 x 8 H100 (docs/scaling.md "Pipeline parallelism").
 """
 
@@ -44,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtrain.model import fp8
 from jaxtrain.model.documents import Documents
 from jaxtrain.model.head import mean_loss
+from jaxtrain.model.moe import balance_loss, router_stats
 from jaxtrain.model.params import logical_axes, path_names
 from jaxtrain.model.transformer import GPT, embed, head, layers, scanned_stacks
 from jaxtrain.parallel import fsdp, tensor
@@ -52,7 +56,6 @@ from jaxtrain.parallel import mesh as mesh_lib
 AXIS = mesh_lib.PIPELINE_AXIS
 Metrics = dict[str, jax.Array]
 Arrays3 = tuple[jax.Array, jax.Array, jax.Array]
-Arrays4 = tuple[jax.Array, jax.Array, jax.Array, jax.Array]
 
 
 def bubble(stages: int, micro: int) -> float:
@@ -60,21 +63,26 @@ def bubble(stages: int, micro: int) -> float:
     return (stages - 1) / (micro + stages - 1)
 
 
-def _stage(model: GPT) -> Callable[[Any, jax.Array, Documents | None], jax.Array]:
-    """run(params, x, doc) -> x: this stage's layers (its share of the scanned stack), from the
-    stack's params, or unrolled from one tree per layer (`_layers`)."""
+def _stage(model: GPT) -> Callable[[Any, jax.Array, Documents | None], tuple[jax.Array, Metrics | None]]:
+    """run(params, x, doc) -> (x, router stats): this stage's layers (its share of the scanned
+    stack), from the stack's params, or unrolled from one tree per layer (`_layers`); a mixture of
+    experts' router statistics of those layers in order (model/moe.py `router_stats`: load and
+    probs [layers, E], z and dropped [layers]), None for dense layers."""
     # With remat full the tick is the checkpoint (`_tick`): the layers inside it need none.
     checkpointed = model.cfg.remat == "full"
+    moe = scanned_stacks(model.cfg)[0][2]
 
-    def run(params: Any, x: jax.Array, doc: Documents | None) -> jax.Array:
+    def run(params: Any, x: jax.Array, doc: Documents | None) -> tuple[jax.Array, Metrics | None]:
         if isinstance(params, list):
-            layer = layers(model, False, checkpointed=checkpointed)
-            for one in params:
-                x = layer.apply({"params": one}, x, doc)[0]
-            return x
+            layer, sown = layers(model, moe, checkpointed=checkpointed), {}
+            for i, one in enumerate(params):
+                out, mutated = layer.apply({"params": one}, x, doc, mutable=["moe"])
+                x, sown[f"block_{i}"] = out[0], mutated.get("moe")
+            return x, router_stats(sown) if moe else None
         length = jax.tree.leaves(params)[0].shape[0]
-        stack = layers(model, False, length, checkpointed)
-        return stack.apply({"params": params}, x, doc)[0]
+        stack = layers(model, moe, length, checkpointed)
+        out, mutated = stack.apply({"params": params}, x, doc, mutable=["moe"])
+        return out[0], router_stats({"blocks": mutated["moe"]}) if moe else None
 
     return run
 
@@ -197,10 +205,10 @@ def _layers(stack: Any, casts: Any) -> Any:
     ]
 
 
-def _tick(model: GPT, share: jax.Array | None) -> tuple[Callable[..., jax.Array], Callable[..., jax.Array]]:
-    """(work, head_loss): work(params, casts, held, rows) -> out, one stage's tick on the
-    microbatch it holds (rows [b, T+1]; casts: `_casts`): stage 0 embeds it (the others take
-    `held`, the previous stage's output), then the stage's layers run; head_loss(params, out,
+def _tick(model: GPT, share: jax.Array | None) -> tuple[Callable[..., Any], Callable[..., jax.Array]]:
+    """(work, head_loss): work(params, casts, held, rows) -> (out, router stats), one stage's tick
+    on the microbatch it holds (rows [b, T+1]; casts: `_casts`): stage 0 embeds it (the others take
+    `held`, the previous stage's output), then the stage's layers run (`_stage`); head_loss(params, out,
     rows): the model's loss of a finished microbatch's output, its logits recomputed in the
     backward, never saved."""
     cfg, run, stage = model.cfg, _stage(model), jax.lax.axis_index(AXIS)
@@ -210,7 +218,7 @@ def _tick(model: GPT, share: jax.Array | None) -> tuple[Callable[..., jax.Array]
         # Each token's loss, over model.token_chunks pieces as the pipeline-free step takes them.
         return mean_loss(head(model, params, out, rows), rows, share)
 
-    def work(params: Any, casts: Any, held: jax.Array, rows: jax.Array) -> jax.Array:
+    def work(params: Any, casts: Any, held: jax.Array, rows: jax.Array) -> tuple[jax.Array, Metrics | None]:
         fresh, doc = embed(model, params, rows)
         return run(_layers(params[name], casts), jnp.where(stage == 0, fresh, held), doc)
 
@@ -258,6 +266,38 @@ def _pass_on(
     return jax.lax.ppermute(_held(sent), AXIS, ring), finished
 
 
+def _router_sums(mean: Callable[[Any], Any], stats: Metrics, valid: jax.Array) -> Metrics:
+    """One tick's router figures of this stage's MoE layers, zero where the stage holds no
+    microbatch or a layer is padding (`valid` [layers]): as step._objective takes them for a
+    microbatch, each layer's balance loss from the whole batch's load (`mean`: over the batch axes)."""
+    load = mean(stats["load"])
+    per_layer = {
+        "load": load,
+        "balance": balance_loss(load, stats["probs"]),
+        "z": stats["z"],
+        "dropped": stats["dropped"],
+    }
+    return {k: jnp.where(valid.reshape(-1, *(1,) * (v.ndim - 1)), v, 0) for k, v in per_layer.items()}
+
+
+def _router_metrics(sums: Metrics, micro: int, n_layers: int) -> Metrics:
+    """step._objective's router metrics from each stage's sums over its ticks: every stage's layers
+    in order, on every stage (an all-reduce over `pipeline` of each stage's rows in place), averaged
+    over microbatches (and layers: the balance and z losses, the share dropped)."""
+    stage, stages = jax.lax.axis_index(AXIS), jax.lax.axis_size(AXIS)
+
+    def whole(x: jax.Array) -> jax.Array:
+        placed = jnp.zeros((stages * x.shape[0], *x.shape[1:]), x.dtype)
+        placed = jax.lax.dynamic_update_slice_in_dim(placed, x, stage * x.shape[0], 0)
+        return jax.lax.psum(placed, AXIS)[:n_layers] / micro
+
+    every = {k: whole(v) for k, v in sums.items()}
+    return {
+        "moe_balance_loss": every["balance"].mean(), "moe_z_loss": every["z"].mean(),
+        "expert_load": every["load"], "moe_dropped": every["dropped"].mean(),
+    }  # fmt: skip
+
+
 def loss(
     model: GPT,
     rules: Any,
@@ -266,23 +306,33 @@ def loss(
     rows: jax.Array,
     micro: int,
     share: jax.Array | None = None,
+    mean: Callable[[Any], Any] = lambda x: x,
 ) -> tuple[jax.Array, Metrics]:
     """(loss to differentiate, metrics) of this device's rows [n, T+1] in `micro` microbatches:
     the mean of their mean next-token losses (a loss mask's sums over its loss targets over `share`, as
     step._token_loss), as gradient accumulation takes it. Each stage's loss is that of the
-    microbatches whose head it ran (the sum over stages is the loss); metrics are the whole
-    loss on every stage. `manual`: the params' manual specs (parallel/placement.py Layout.manual)."""
+    microbatches whose head it ran (the sum over stages is the loss), plus, for a mixture of
+    experts, the router losses of its own layers on every microbatch it held (step._objective's,
+    whose layers' mean is split over the stages: `mean` is the batch's, for the expert load);
+    metrics are the whole loss and router figures on every stage. `manual`: the params' manual
+    specs (parallel/placement.py Layout.manual)."""
     stages, stage = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS)
     last = stages - 1
     split = rows.reshape(micro, rows.shape[0] // micro, rows.shape[1])
     shift = [(i, i + 1) for i in range(last)]  # activations: the last stage's output leaves
+    name, n_layers, moe = scanned_stacks(model.cfg)[0]
+    length = -(-n_layers // stages)  # each stage's layers, padding included (`_on_stage`)
+    real = stage * length + jnp.arange(length) < n_layers
 
-    def tick(carry: Arrays4, t: jax.Array) -> tuple[Arrays4, None]:
-        held, passing, done, finished = carry
+    def tick(carry: tuple, t: jax.Array) -> tuple[tuple, None]:
+        held, passing, done, finished, router = carry
         passing, finished = _pass_on(passing, done, finished, t, stage, micro)
         mine = jnp.clip(t - stage, 0, micro - 1)  # the microbatch this stage holds (bubble: clipped)
-        out = work(params, casts, held, jax.lax.dynamic_index_in_dim(split, mine, keepdims=False))
-        return (jax.lax.ppermute(_held(out), AXIS, shift), passing, out, finished), None
+        out, stats = work(params, casts, held, jax.lax.dynamic_index_in_dim(split, mine, keepdims=False))
+        if moe:
+            sums = _router_sums(mean, stats, real & (t >= stage) & (t - stage < micro))
+            router = jax.tree.map(jnp.add, router, sums)
+        return (jax.lax.ppermute(_held(out), AXIS, shift), passing, out, finished, router), None
 
     def drain(carry: Arrays3, t: jax.Array) -> tuple[Arrays3, None]:
         passing, done, finished = carry  # the last microbatches on their way to their owners
@@ -297,7 +347,6 @@ def loss(
 
     with nn.logical_axis_rules(_held_rules(rules)):
         work, head_loss = _tick(model, share)
-        name = scanned_stacks(model.cfg)[0][0]
         casts = _casts(model, name, params[name], manual[name])
         # The stage's layers in the params' dtype: only the gradient's path where there are casts.
         params = {**params, name: _stage_tree(name, params[name], manual[name], _on_stage)}
@@ -305,13 +354,26 @@ def loss(
         finished = jnp.zeros((-(-micro // stages), *held.shape), held.dtype)
         finished = nn.with_logical_constraint(finished, (None, "batch", "held", "embed"))
         ticks = micro + last
-        (_, passing, done, finished), _ = jax.lax.scan(tick, (held, held, held, finished), jnp.arange(ticks))
+        router: Metrics = {}  # a mixture of experts' sums over ticks, as `_router_sums` gives them
+        if moe:
+            zero = jnp.zeros(length, jnp.float32)
+            router = {"load": jnp.zeros((length, model.cfg.moe.n_experts)), "balance": zero, "z": zero}
+            router["dropped"] = zero
+        carry = (held, held, held, finished, router)
+        (_, passing, done, finished, router), _ = jax.lax.scan(tick, carry, jnp.arange(ticks))
         (_, _, finished), _ = jax.lax.scan(
             drain, (passing, done, finished), jnp.arange(ticks, ticks + stages)
         )
         total, _ = jax.lax.scan(head, jnp.zeros((), jnp.float32), jnp.arange(finished.shape[0]))
     mine = total / micro
-    return mine, {"loss": jax.lax.psum(mine, AXIS)}
+    metrics = {"loss": jax.lax.psum(mine, AXIS)}
+    if not moe:
+        return mine, metrics
+    coef = model.cfg.moe
+    aux = (coef.balance_coef * router["balance"].sum() + coef.z_loss_coef * router["z"].sum()) / (
+        micro * n_layers
+    )
+    return mine + aux, metrics | _router_metrics(router, micro, n_layers)
 
 
 def sum_over_stages(grads: Any, manual: Any) -> Any:
@@ -336,7 +398,7 @@ def local_grads(
     gradient of this device's rows over `accum` microbatches, in one backward pass of the schedule."""
 
     def scaled_loss(p: Any) -> tuple[jax.Array, Metrics]:
-        value, metrics = loss(model, layout.rules, layout.manual, p, rows, accum, share)
+        value, metrics = loss(model, layout.rules, layout.manual, p, rows, accum, share, layout.batch.mean)
         return value * scale, metrics
 
     grads, metrics = jax.grad(scaled_loss, has_aux=True)(params)

@@ -281,7 +281,9 @@ def make_eval_step(
         targets = layout.batch.loss_targets(rows) if masked else None
         share = None if targets is None else layout.batch.target_share(targets, accum)
         if layout.stages > 1:
-            metrics = mean(pipeline.loss(model, layout.rules, layout.manual, params, rows, accum, share)[1])
+            metrics = mean(
+                pipeline.loss(model, layout.rules, layout.manual, params, rows, accum, share, mean)[1]
+            )
         elif accum == 1:
             metrics = mean(_loss(layout, model, params, rows, share)[1])
         else:
