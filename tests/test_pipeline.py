@@ -89,20 +89,22 @@ def test_layers_split_over_stages_train_as_on_one_device(mesh, options):
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)
 
 
-# DeepSeek tiny without its dense first layer: 4 MoE layers of MLA, a shared expert, the grouped
-# sigmoid router and its bias updates; 2 microbatches (each stage idles one tick of three).
+# DeepSeek tiny: its dense first layer (run by stage 0), then 4 MoE layers of MLA, a shared
+# expert, the grouped sigmoid router and its bias updates; 2 microbatches (each stage idles one
+# tick of three).
 DEEPSEEK = [
     "--config", "configs/deepseek_tiny.yaml", "--optim.warmup_steps", "0", "--batch_size", "8",
-    "--model.n_layer", "4", "--model.moe.first_dense", "0", "--model.scan_layers", "true",
+    "--model.n_layer", "5", "--model.scan_layers", "true",
     "--gradient_accumulation_steps", "2", "--model.moe.balance_coef", "0.01",
     "--model.moe.z_loss_coef", "0.001",
 ]  # fmt: skip
 
 
 def test_a_mixture_of_experts_over_pipeline_x_expert_x_fsdp_trains_as_on_one_device():
-    """Pipeline 2 x expert 2 x fsdp 2: each stage's experts exchanged inside its expert group, its
-    layers' router losses (balance, z: coefficients raised to count) added on the ticks it holds a
-    microbatch, the expert load of every layer on every stage for the bias update and the logs."""
+    """Pipeline 2 x expert 2 x fsdp 2: the dense first layer on stage 0, each stage's experts
+    exchanged inside its expert group, its layers' router losses (balance, z: coefficients raised
+    to count) added on the ticks it holds a microbatch, the expert load of every layer on every
+    stage for the bias update and the logs."""
     rows = np.random.default_rng(1).integers(3, 256, (8, 65), dtype=np.int32)
     # A batch shard's microbatch m is its row m: one device takes the same microbatches in this order.
     order = np.concatenate([np.arange(0, 8, 2), np.arange(1, 8, 2)])
@@ -169,12 +171,12 @@ def test_a_layer_count_the_stages_cannot_take_is_one_line():
     both = ["--mesh.pipeline", "2", "--mesh.context", "2", "--mesh.tensor", "2", "--mesh.data", "1"]
     with pytest.raises(ConfigError, match="XLA's SPMD partitioner aborts on that program; with pipeline use"):
         load_config([*LLAMA, *both])  # before: XLA's 'Check failed', the process aborted (exit 134)
+    deepseek = ["--config", "configs/deepseek_tiny.yaml", "--model.scan_layers", "true"]  # 1 dense + 2 MoE
+    load_config([*deepseek, "--mesh.pipeline", "2"])
     with pytest.raises(
-        ConfigError, match="with moe.first_dense 1: a pipeline splits one stack .* drop mesh.pipeline"
+        ConfigError, match=r"pipeline 4 .* model.n_layer 3 less moe.first_dense 1 .* at most 2$"
     ):
-        load_config(
-            ["--config", "configs/deepseek_tiny.yaml", "--model.scan_layers", "true", "--mesh.pipeline", "2"]
-        )
+        load_config([*deepseek, "--mesh.pipeline", "4"])
 
 
 def _lowered(argv: tuple[str, ...], manual_axes=None) -> tuple[str, str]:

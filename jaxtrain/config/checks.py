@@ -285,8 +285,8 @@ def _check_mesh_values(cfg: Config) -> None:
 
 
 def _check_pipeline(m: ModelConfig, pp: int) -> None:
-    """Stages of consecutive layers of the scanned stack (parallel/pipeline.py): one stack, so a
-    mixture of experts only without dense first layers."""
+    """Stages of consecutive layers of the scanned stack (parallel/pipeline.py); a mixture of
+    experts' dense first layers run by the first stage, before its own."""
     if pp == 1:
         return
     if not m.scan_layers:
@@ -294,16 +294,13 @@ def _check_pipeline(m: ModelConfig, pp: int) -> None:
             f"mesh.pipeline {pp} splits the scanned layer stack into stages; set model.scan_layers true "
             "or drop mesh.pipeline"
         )
-    if m.moe.n_experts and m.moe.first_dense:
+    # A mixture of experts' dense first layers run before the stages (parallel/pipeline.py)
+    dense = min(m.moe.first_dense, m.n_layer) if m.moe.n_experts else 0
+    if pp > m.n_layer - dense:
+        what = f"model.n_layer {m.n_layer}" + (f" less moe.first_dense {dense}" if dense else "")
         raise ConfigError(
-            f"mesh.pipeline {pp} with moe.first_dense {m.moe.first_dense}: a pipeline splits one stack of "
-            "layers, and dense first layers make a second (DeepSeek-V3's); not built yet: drop "
-            "mesh.pipeline and use mesh.expert and mesh.fsdp"
-        )
-    if pp > m.n_layer:
-        raise ConfigError(
-            f"mesh.pipeline {pp} is more stages than model.n_layer {m.n_layer} (each stage runs at "
-            f"least one layer); use a mesh.pipeline of at most {m.n_layer}"
+            f"mesh.pipeline {pp} is more stages than {what} (each stage runs at "
+            f"least one layer); use a mesh.pipeline of at most {m.n_layer - dense}"
         )
 
 

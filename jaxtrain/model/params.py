@@ -58,11 +58,15 @@ def path_names(path: tuple) -> tuple[str, ...]:
 
 
 def logical_axes(path: tuple, ndim: int) -> tuple[str | None, ...]:
-    """Logical axes of the param at `path` (tree path keys); the first PARAM_AXES suffix wins."""
+    """Logical axes of the param at `path` (tree path keys); the first PARAM_AXES suffix wins. A
+    scanned stack's layer dim is `layers` (split over `pipeline`), but `stack` for a mixture of
+    experts' dense first layers (`blocks_dense`), which a pipeline's first stage runs whole
+    (parallel/pipeline.py)."""
     names = path_names(path)
+    lead = "stack" if "blocks_dense" in names else "layers"
     for suffix, logical in PARAM_AXES.items():
         if names[-len(suffix) :] == suffix:
-            return ("layers",) * (ndim - len(logical)) + logical
+            return (lead,) * (ndim - len(logical)) + logical
     raise KeyError(
         f"no logical axes for param {'/'.join(names)}; add it to jaxtrain/model/params.py PARAM_AXES"
     )

@@ -27,9 +27,11 @@ once a step, which every tick's dots multiply as they are; their gradient accumu
 over the ticks (straight through the cast and the rounding).
 Params used outside the stack (embeddings, final norm, head) are whole on every stage; their
 gradients are summed over the stages (each is zero where its stage does not use it).
-A mixture of experts' stack (one stack: no dense first layers) exchanges each stage's rows inside
-its expert group; each stage adds its own layers' router losses on the ticks that hold a
-microbatch, and the router figures of every layer reach every stage (`_router_metrics`).
+A mixture of experts' stack exchanges each stage's rows inside its expert group; each stage adds
+its own layers' router losses on the ticks that hold a microbatch, and the router figures of every
+layer reach every stage (`_router_metrics`). Its dense first layers (DeepSeek-V3's 3) are a second
+stack, whole on every stage, that stage 0 runs after the embedding, in a conditional the other
+stages skip (`_tick`): stage 0's ticks cost that much more, as they do Megatron's first stage.
 Planned for Llama 3 405B on 256 x 8 H100 (docs/scaling.md "Pipeline parallelism").
 """
 
@@ -70,7 +72,7 @@ def _stage(model: GPT) -> Callable[[Any, jax.Array, Documents | None], tuple[jax
     probs [layers, E], z and dropped [layers]), None for dense layers."""
     # With remat full the tick is the checkpoint (`_tick`): the layers inside it need none.
     checkpointed = model.cfg.remat == "full"
-    moe = scanned_stacks(model.cfg)[0][2]
+    moe = scanned_stacks(model.cfg)[-1][2]
 
     def run(params: Any, x: jax.Array, doc: Documents | None) -> tuple[jax.Array, Metrics | None]:
         if isinstance(params, list):
@@ -212,7 +214,18 @@ def _tick(model: GPT, share: jax.Array | None) -> tuple[Callable[..., Any], Call
     rows): the model's loss of a finished microbatch's output, its logits recomputed in the
     backward, never saved."""
     cfg, run, stage = model.cfg, _stage(model), jax.lax.axis_index(AXIS)
-    name = scanned_stacks(cfg)[0][0]
+    *dense, (name, _, _) = scanned_stacks(cfg)
+    checkpointed = cfg.remat == "full"  # the tick is the checkpoint (`_stage`)
+
+    def first(params: Any, x: jax.Array, doc: Documents | None) -> jax.Array:
+        """A mixture of experts' dense first layers (DeepSeek-V3's), whole on every stage and run
+        by stage 0 alone (a conditional: the other stages skip their compute)."""
+        if not dense:
+            return x
+        (stack, length, _) = dense[0]
+        run_dense = layers(model, False, length, checkpointed)
+        ran = lambda x: run_dense.apply({"params": params[stack]}, x, doc)[0]  # noqa: E731
+        return jax.lax.cond(stage == 0, ran, lambda x: x, x)
 
     def loss(params: Any, out: jax.Array, rows: jax.Array) -> jax.Array:
         # Each token's loss, over model.token_chunks pieces as the pipeline-free step takes them.
@@ -220,7 +233,7 @@ def _tick(model: GPT, share: jax.Array | None) -> tuple[Callable[..., Any], Call
 
     def work(params: Any, casts: Any, held: jax.Array, rows: jax.Array) -> tuple[jax.Array, Metrics | None]:
         fresh, doc = embed(model, params, rows)
-        return run(_layers(params[name], casts), jnp.where(stage == 0, fresh, held), doc)
+        return run(_layers(params[name], casts), jnp.where(stage == 0, first(params, fresh, doc), held), doc)
 
     tick = jax.checkpoint(work, policy=fp8.saving_scales(cfg.matmul)) if cfg.remat == "full" else work
     return tick, jax.checkpoint(loss)
@@ -320,7 +333,7 @@ def loss(
     last = stages - 1
     split = rows.reshape(micro, rows.shape[0] // micro, rows.shape[1])
     shift = [(i, i + 1) for i in range(last)]  # activations: the last stage's output leaves
-    name, n_layers, moe = scanned_stacks(model.cfg)[0]
+    name, n_layers, moe = scanned_stacks(model.cfg)[-1]
     length = -(-n_layers // stages)  # each stage's layers, padding included (`_on_stage`)
     real = stage * length + jnp.arange(length) < n_layers
 

@@ -116,14 +116,16 @@ def inner_choice(expert: int, fsdp: int, inner: int, gpus_per_host: int) -> bool
 
 def pipelines(cfg: Config, devices: int) -> list[int]:
     """1, then the pipeline sizes (powers of two, at most `devices` and the layers of a scanned
-    model of one stack: no mixture of experts with dense first layers, config/checks.py) whose
-    stages pad the layers by at most 1/16 of them, deepest first: a stage's tick runs its padding
-    layers too (parallel/pipeline.py), so 126 layers over 32 stages cost 128, and 80 over 32, 96."""
+    model's stack the stages split: a mixture of experts' dense first layers run before them)
+    whose stages pad the layers by at most 1/16 of them, deepest first: a stage's tick runs its
+    padding layers too (parallel/pipeline.py), so 126 layers over 32 stages cost 128, and 80 over
+    32, 96."""
     m = cfg.model
-    if not m.scan_layers or (m.moe.n_experts and m.moe.first_dense):
+    if not m.scan_layers:
         return [1]
-    sizes = [2**i for i in range(1, devices.bit_length()) if devices % 2**i == 0 and 2**i <= m.n_layer]
-    deep = [p for p in sizes if 16 * (-(-m.n_layer // p) * p - m.n_layer) <= m.n_layer]
+    n = m.n_layer - (min(m.moe.first_dense, m.n_layer) if m.moe.n_experts else 0)  # the stack split
+    sizes = [2**i for i in range(1, devices.bit_length()) if devices % 2**i == 0 and 2**i <= n]
+    deep = [p for p in sizes if 16 * (-(-n // p) * p - n) <= n]
     return [1, *sorted(deep, reverse=True)]
 
 
