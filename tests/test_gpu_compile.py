@@ -16,8 +16,9 @@ from gpu_plans import ADVICE, CI_CASES
 from processes import clean_env
 
 ROOT = Path(__file__).resolve().parent.parent
-# The first test waits for every compile: minutes on a loaded 2-core machine.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+# The first test waits for every compile: minutes on a loaded 2-core machine (CI: 1,553-1,608 s of
+# its niced wait beside the CPU suite, too near a 1,800 s limit; 4.6 min of CPU alone).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2700)]
 H100 = "gpt2_124m_h100x8_"
 MESHES = ["data8", "fsdp8", "fsdp4_tensor2_fp16", "zero1"]
 # Bytes of gpt2_124m's largest parameter (the 50304 x 768 float32 embedding), one fsdp-8 shard of it.
@@ -43,7 +44,7 @@ def plans_dir(tmp_path_factory):
     out = Path(os.environ.get("JAXTRAIN_PLANS_DIR") or tmp_path_factory.mktemp("plans"))
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "gpu_plans.py"), str(out), *CI_CASES, *ADVICE],
-        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=1800,
+        cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=2700,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     return out

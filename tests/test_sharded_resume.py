@@ -137,15 +137,17 @@ def test_experts_inside_each_process_and_fsdp_across_them_train_as_in_one_proces
 # all-to-all crosses them), sequences split in two inside each (context 2 x fsdp 2): one launch
 # for both axes.
 EXPERT_CONTEXT = [*MOE, "--mesh.expert", "2", "--mesh.context", "2", "--mesh.fsdp", "2", "--mesh.data", "1"]
-# One stage per process (pipeline is the outer axis), its layer and 2 microbatches over data 2 x fsdp 2.
+# One stage per process (pipeline is the outer axis), its layer of experts exchanged over expert 2
+# inside the process, 2 microbatches over fsdp 2: a mixture of experts under a pipeline (the dense
+# pipeline's steps are the same code less the exchange and the router's figures).
 PIPELINE = [
-    "--model.scan_layers", "true", "--mesh.pipeline", "2", "--mesh.fsdp", "2",
-    "--gradient_accumulation_steps", "2",
+    *MOE, "--model.scan_layers", "true", "--mesh.pipeline", "2", "--mesh.expert", "2", "--mesh.fsdp", "2",
+    "--mesh.data", "1", "--gradient_accumulation_steps", "2",
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize("layout", [EXPERT_CONTEXT, PIPELINE], ids=["expert_context", "pipeline"])
-def test_kill_9_under_expert_context_or_pipeline_parallelism_then_relaunch_is_bitwise_identical(
+def test_kill_9_under_expert_context_or_pipeline_x_expert_parallelism_then_relaunch_is_bitwise_identical(
     tmp_path, layout
 ):
     """The killed launch is its own uninterrupted reference: it ran steps 11-15 past checkpoint 10
