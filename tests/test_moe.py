@@ -33,7 +33,7 @@ from jaxtrain.model.moe import (
 from jaxtrain.model.params import param_count
 from jaxtrain.model.transformer import GPT
 from jaxtrain.parallel import mesh as mesh_lib
-from jaxtrain.parallel.expert import receive_bound
+from jaxtrain.parallel.expert import pair_bound, receive_bound
 from jaxtrain.parallel.placement import Layout
 from jaxtrain.run import cli
 from jaxtrain.run.build import build
@@ -153,15 +153,16 @@ def _router_logits(run):
 def _dropped_by_hand(logits, moe, mesh):
     """(copies dropped, copies) in one step, counted with numpy from the router's top-k choices:
     each device sends its copies of its tokens (rows x T x k) to the expert peer holding their
-    expert; a peer keeps receive_bound of them, and when more come, the same share of each
-    sender's (rounded down); the rest are dropped."""
+    expert; a peer takes at most pair_bound of a sender's, keeps receive_bound of them, and when
+    more come, the same share of each sender's (rounded down); the rest are dropped."""
     probs = jax.nn.softmax(logits, axis=-1)
     experts = np.asarray(jax.lax.top_k(probs, moe.experts_per_token)[1])  # [layers, tokens, k]
     # The batch is split in row blocks over (data, expert, fsdp); an exchange runs along expert.
     per_device = experts.reshape(experts.shape[0], mesh.data, mesh.expert, mesh.fsdp, -1)
     n = per_device.shape[-1]
     peers = per_device // (moe.n_experts // mesh.expert)
-    want = (peers[..., None] == np.arange(mesh.expert)).sum(axis=-2)  # [.., sender, fsdp, receiver]
+    sent = (peers[..., None] == np.arange(mesh.expert)).sum(axis=-2)  # [.., sender, fsdp, receiver]
+    want = np.minimum(sent, pair_bound(n, mesh.expert, moe.capacity_factor))
     bound = receive_bound(n, mesh.expert, moe.capacity_factor)
     total = want.sum(axis=2, keepdims=True)
     kept = np.where(
@@ -169,7 +170,7 @@ def _dropped_by_hand(logits, moe, mesh):
         want,
         np.floor(want.astype(np.float32) * (np.float32(bound) / total.astype(np.float32))),
     )
-    return int((want - kept).sum()), per_device.size
+    return int((sent - kept).sum()), per_device.size
 
 
 def test_layers_in_pieces_decode_one_token_at_a_time_as_whole_ones(one_device):
@@ -187,8 +188,9 @@ def test_layers_in_pieces_decode_one_token_at_a_time_as_whole_ones(one_device):
 
 
 def test_capacity_factor_bounds_what_a_device_receives_and_counts_what_it_drops(one_device):
-    """capacity_factor 1: each device receives at most as many copies as it sends (expert 4);
-    copies past that are dropped, the same share of each sender's, counted exactly (the share
+    """capacity_factor 1: each device receives at most as many copies as it sends (expert 4), at
+    most a quarter of them from any one sender; copies past that are dropped, the same share of
+    each sender's, counted exactly (the share
     logged is the count from the router's choices), and the loss stays near the dropless one."""
     run = train_run([*MESHES["expert4xdata2"], "--model.moe.capacity_factor", "1.0"], 8, 2, keep_starts=True)
     cfg, router_logits = run["run"].cfg, _router_logits(run["run"])

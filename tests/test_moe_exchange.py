@@ -25,7 +25,14 @@ from jaxtrain.model.moe import _dequantize, _quantize
 from jaxtrain.observe import links
 from jaxtrain.parallel import expert
 from jaxtrain.parallel import mesh as mesh_lib
-from jaxtrain.parallel.expert import Exchange, _plan, exchange, padded_ragged_all_to_all, receive_bound
+from jaxtrain.parallel.expert import (
+    Exchange,
+    _plan,
+    exchange,
+    padded_ragged_all_to_all,
+    pair_bound,
+    receive_bound,
+)
 from jaxtrain.plan import forecast
 from jaxtrain.run.job import Job
 
@@ -146,13 +153,15 @@ def test_jax_backward_of_ragged_all_to_all_is_the_stand_ins_gradient():
 
 def _routed_by_hand(experts, rows, w_in, w_out, ep, capacity_factor):
     """Each device's copies (rows sorted by their experts) through their experts, computed with
-    numpy: a receiver keeps all the copies its peers send it if they fit in its bound, else the
-    same share of each sender's (rounded down), the first of each sender's run. -> outputs, dropped."""
+    numpy: a receiver takes at most ceil(capacity_factor x n / ep) of a sender's (none dropless),
+    then keeps all of them if they fit in its bound, else the same share of each sender's (rounded
+    down), the first of each sender's run. -> outputs, dropped."""
     devices, n = experts.shape
     local = w_in.shape[0] // ep
     bound = receive_bound(n, ep, capacity_factor)
+    pair = math.ceil(capacity_factor * n / ep) if capacity_factor else n
     dest = experts // local
-    want = (dest[:, :, None] == np.arange(ep)).sum(axis=1)  # [sender, receiver]
+    want = np.minimum((dest[:, :, None] == np.arange(ep)).sum(axis=1), pair)  # [sender, receiver]
     out, dropped = np.zeros_like(rows), 0
     for j in range(ep):
         total = want[:, j].sum()
@@ -171,11 +180,13 @@ def _routed_by_hand(experts, rows, w_in, w_out, ep, capacity_factor):
     return out, dropped / experts.size
 
 
-@pytest.mark.parametrize("capacity_factor", [0.0, 1.0])
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.0, 2.0])
 def test_each_device_receives_its_experts_copies_up_to_its_bound(capacity_factor):
     """4 devices of 4 experts each, a router that sends most copies to the first device: dropless,
     every copy comes back through its expert; at capacity 1, the first device keeps n of its
-    peers' copies (the same share of each) and the share dropped is counted exactly."""
+    peers' copies (the same share of each, and at most n / 4 of any one) and the share dropped is
+    counted exactly; at 2, only a sender's share of a peer (n / 2) binds. The padded exchange's
+    buffer a peer is that share: its all-to-all moves capacity x the rows, not ep x."""
     rng = np.random.default_rng(2)
     ep, local, n, d, ff = 4, 4, 24, 8, 6
     skew = np.r_[np.full(local, 3.0), np.ones(local * (ep - 1))]
@@ -209,6 +220,11 @@ def test_each_device_receives_its_experts_copies_up_to_its_bound(capacity_factor
     assert receive_bound(n, ep, capacity_factor) == (
         math.ceil(capacity_factor * n) if capacity_factor else ep * n
     )
+    assert pair_bound(n, ep, capacity_factor) == {0.0: n, 1.0: n // 4, 2.0: n // 2}[capacity_factor]
+    hlo = fn.lower(rows.reshape(ep * n, d), experts.reshape(-1), w_in, w_out).as_text()
+    width = pair_bound(n, ep, capacity_factor)  # the rows' buffer: [peers, width, d] each way
+    moved = {line.split("(tensor<")[-1].split(">")[0] for line in hlo.splitlines() if "all_to_all" in line}
+    assert {shape for shape in moved if shape.endswith(f"x{d}xf32")} == {f"{ep}x{width}x{d}xf32"}, moved
 
 
 @pytest.mark.parametrize("dispatch, pieces", [("", 1), ("", 2), ("float8_e4m3fn", 1)])
@@ -290,7 +306,7 @@ def test_fp8_experts_copies_travel_rounded_by_one_scale_shared_over_the_expert_a
     def device(r, e):
         pieces = tuple(r[0])
         scale = wire.rows_scale(pieces)
-        plans = [_plan(e[0, i], "x", ep, local, bound) for i in range(2)]
+        plans = [_plan(e[0, i], "x", ep, local, bound, n) for i in range(2)]
         out = [wire.rows_out(p, plan, None, scale) for p, plan in zip(pieces, plans, strict=True)]
         as_bf16 = [wire.out(p, plan) for p, plan in zip(pieces, plans, strict=True)]
         stack = lambda xs: jnp.stack(xs)[None]  # noqa: E731

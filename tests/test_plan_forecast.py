@@ -109,6 +109,18 @@ def test_the_ragged_exchange_as_xla_runs_it_and_the_padded_one_beside_it():
     )
     assert links.pick_exchange(local, 1.25) == "padded"  # 0.52 ms against 0.17 ms
     assert links.pick_exchange(across, 1.25) == "ragged"  # 128 x the bytes padded
+    # Under a capacity factor each peer's buffer holds that factor x an even share
+    # (parallel/expert.py pair_bound): the padded one moves 1.25 x the ragged one's bytes, not 8 x.
+    assert links.widen(1.25, 8) == 1.25 and links.widen(0.0, 8) == 8.0 and links.widen(16.0, 8) == 8.0
+    capped = ["padded-exchange", 1.25 * mib8, 1.25 * 7 / 8 * mib8, 0.0, 128]
+    assert links.as_run(local, "padded", 1.25) == pytest.approx(capped)
+    assert links.as_run(capped, "ragged", 1.25) == pytest.approx(local)
+    wide = forecast.Achievable(H100, PEAK, expert_load=1.25, exchange="padded", wide=1.25)
+    assert wide.legs(local)["nvlink"] == pytest.approx(5.5e-6 + 1.25 * 7 / 8 * mib8 / 350e9)
+    assert links.exchange_seconds(across, 1.25, wide=1.25)["padded"] == pytest.approx(
+        24e-6 + 1.25 * 127 * 2**20 / 25e9
+    )
+    assert links.pick_exchange(across, 1.25, wide=1.25) == "padded"  # no slots, 1.25 x the bytes
 
 
 def test_a_held_host_drains_the_collectives_stream_first():

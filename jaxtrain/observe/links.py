@@ -64,25 +64,34 @@ def slots(xfer: list) -> int:
     return int(xfer[4]) if len(xfer) > 4 else peers(xfer)
 
 
-def as_run(xfer: list, way: str) -> list:
+def widen(capacity_factor: float, peers: int) -> float:
+    """The padded exchange's bytes over the ragged one's at an even load: each peer's buffer holds
+    capacity_factor x an even share (parallel/expert.py pair_bound), so capacity_factor x; dropless,
+    every row a device routes, so peers x. (0 in `as_run`: dropless.)"""
+    return min(float(peers), capacity_factor) if capacity_factor else float(peers)
+
+
+def as_run(xfer: list, way: str, wide: float = 0.0) -> list:
     """An expert exchange's transfer as `way` ("ragged" or "padded"; "": as it is) runs it: the
-    padded all-to-all gives each peer a buffer of as many rows as the ragged one sends in all
-    (parallel/expert.py), so peers x its bytes. Any other transfer as it is."""
+    padded all-to-all moves `wide` x the ragged one's bytes (`widen`; 0: dropless, peers x, each
+    peer a buffer of as many rows as the ragged one sends in all: parallel/expert.py). Any other
+    transfer as it is."""
     kind, size, nvlink, network = xfer[:4]
     if kind not in (RAGGED, PADDED) or not way or (kind == RAGGED) == (way == "ragged"):
         return xfer
-    n = peers(xfer)
+    n = wide or peers(xfer)
     times = 1 / n if kind == PADDED else n
     return [RAGGED if kind == PADDED else PADDED, size * times, nvlink * times, network * times, slots(xfer)]
 
 
 def legs(
-    xfer: list, load: float, way: str = "", scale_in: float = 1.0, scale_out: float = 1.0
+    xfer: list, load: float, way: str = "", scale_in: float = 1.0, scale_out: float = 1.0, wide: float = 0.0
 ) -> dict[str, float]:
     """Seconds a transfer holds NVLink and the network: a latency and its ideal ring's bytes at the
     bus bandwidth of its kind; an expert exchange run `way` (RAGGED: inside a host the one-shot
-    kernel's rate; across hosts its slots; its bytes times the most loaded receiver's `load`)."""
-    kind, _, nvlink, network = as_run(xfer, way)[:4]
+    kernel's rate; across hosts its slots; its bytes times the most loaded receiver's `load`;
+    `wide`: as `as_run`)."""
+    kind, _, nvlink, network = as_run(xfer, way, wide)[:4]
     out = {"nvlink": 0.0, "network": 0.0}
     if kind == RAGGED and not network:  # the one-shot kernel (RAGGED)
         if nvlink:
@@ -113,18 +122,20 @@ def host_wait(xfer: list, way: str = "") -> float:
 
 
 def exchange_seconds(
-    xfer: list, load: float, scale_in: float = 1.0, scale_out: float = 1.0
+    xfer: list, load: float, scale_in: float = 1.0, scale_out: float = 1.0, wide: float = 0.0
 ) -> dict[str, float]:
-    """One expert exchange both ways: its slower link, and the host's wait."""
+    """One expert exchange both ways: its slower link, and the host's wait (`wide`: as `as_run`)."""
     return {
-        way: max(legs(xfer, load, way, scale_in, scale_out).values()) + host_wait(xfer, way)
+        way: max(legs(xfer, load, way, scale_in, scale_out, wide).values()) + host_wait(xfer, way)
         for way in ("ragged", "padded")
     }
 
 
-def pick_exchange(xfer: list, load: float, scale_in: float = 1.0, scale_out: float = 1.0) -> str:
+def pick_exchange(
+    xfer: list, load: float, scale_in: float = 1.0, scale_out: float = 1.0, wide: float = 0.0
+) -> str:
     """auto's expert exchange on GPUs: the way `exchange_seconds` says is faster for one exchange."""
-    seconds = exchange_seconds(xfer, load, scale_in, scale_out)
+    seconds = exchange_seconds(xfer, load, scale_in, scale_out, wide)
     return "ragged" if seconds["ragged"] <= seconds["padded"] else "padded"
 
 

@@ -6,8 +6,9 @@ the train step each device sends each peer exactly the copies for its experts by
 grouped matmul takes them (no sort), and gets the results back by another (model.moe.exchange
 padded: a padded `all_to_all` stands in, same routing, more bytes; on XLA:CPU, which has no ragged
 one, and on GPUs whose preflight finds the ragged one wrong). A device's receive buffer holds every
-peer's copies (dropless), or `capacity_factor` x the copies an even router sends it (the rest dropped, the
-same share of each sender's, and counted). The model's routed block (model/moe.py `routed`)
+peer's copies (dropless), or `capacity_factor` x the copies an even router sends it, at most
+`capacity_factor` x an even share from any one peer (the rest dropped, the same share of each
+sender's, and counted). The model's routed block (model/moe.py `routed`)
 schedules the pieces and runs the experts; the `Exchange` wire here moves their rows.
 """
 
@@ -93,9 +94,20 @@ def receive_bound(n: int, ep: int, capacity_factor: float) -> int:
     return min(ep * n, math.ceil(capacity_factor * n)) if capacity_factor else ep * n
 
 
-def _admitted(want: jax.Array, bound: int) -> jax.Array:
-    """Copies this device admits of what each peer wants to send it [ep]: all of them if they fit
-    in `bound` rows, else the same share of each peer's (rounded down; the rest dropped)."""
+def pair_bound(n: int, ep: int, capacity_factor: float) -> int:
+    """Rows a device sends one peer at most when each of the ep devices routes n copies: all n
+    (dropless), else capacity_factor x the n / ep an even router sends it (GShard's capacity, per
+    pair of devices rather than per expert). The padded exchange's buffer a peer (`Exchange.width`):
+    ep x this rows, capacity_factor x n, where all n each were ep x n: the padded all-to-all's
+    bytes 1.25x the ragged one's at Qwen3's capacity, not 8x over expert 8."""
+    return max(1, min(n, math.ceil(capacity_factor * n / ep))) if capacity_factor else n
+
+
+def _admitted(want: jax.Array, bound: int, pair: int) -> jax.Array:
+    """Copies this device admits of what each peer wants to send it [ep]: at most `pair` of each
+    peer's (`pair_bound`), then all of them if they fit in `bound` rows, else the same share of
+    each peer's (rounded down; the rest dropped)."""
+    want = jnp.minimum(want, pair)
     total = want.sum()
     share = jnp.floor(want.astype(jnp.float32) * (bound / jnp.maximum(total, 1).astype(jnp.float32)))
     admitted = jnp.where(total <= bound, want, jnp.minimum(share.astype(jnp.int32), want))
@@ -125,9 +137,10 @@ class Plan(NamedTuple):
     held: Any = None
 
 
-def _plan(experts: jax.Array, axis: str, ep: int, local: int, bound: int) -> Plan:
+def _plan(experts: jax.Array, axis: str, ep: int, local: int, bound: int, pair: int) -> Plan:
     """The exchange of rows sorted by global expert id `experts` [n] between the ep devices along
-    `axis` (`local` experts each, `bound` rows received at most: `receive_bound`, `_admitted`). Two
+    `axis` (`local` experts each, `bound` rows received at most, `pair` from each peer:
+    `receive_bound`, `pair_bound`, `_admitted`). Two
     tiny int32 all_to_alls settle it: each peer's copies per local expert and where they start in
     its rows, then what each receiver admits of them and where it puts them."""
     n = experts.shape[0]
@@ -135,7 +148,7 @@ def _plan(experts: jax.Array, axis: str, ep: int, local: int, bound: int) -> Pla
     in_offsets = jnp.cumsum(counts.reshape(-1)).reshape(ep, local) - counts  # rows sorted by expert
     table = jax.lax.all_to_all(jnp.concatenate([counts, in_offsets], axis=1), axis, 0, 0, tiled=True)
     per_expert, their_offsets = table[:, :local], table[:, local:]  # [source, local expert]
-    admitted = _admitted(per_expert.sum(axis=1), bound)
+    admitted = _admitted(per_expert.sum(axis=1), bound, pair)
     # A source's admitted rows are a prefix of its run, so of each expert's rows a prefix.
     before = jnp.cumsum(per_expert, axis=1) - per_expert
     recv_sizes = jnp.clip(admitted[:, None] - before, 0, per_expert)  # [source, local expert]
@@ -246,16 +259,17 @@ def exchange(
     """Rows [n, d] sorted by global expert id `experts` [n], and their `gates` [n], in pieces ->
     (each piece's gates x its experts' outputs, computed on the devices along `axis` (ep of them)
     that hold those experts (w_in, w_out: this device's), the share of rows dropped: past their
-    receiver's bound (`receive_bound`, `_admitted`: each piece's), zero out).
+    receiver's bound or a sender's share of a peer (`receive_bound`, `pair_bound`, `_admitted`:
+    each piece's), zero out).
 
     Each device sends each peer exactly the rows it admits, by `ragged_all_to_all` (ragged) or its
     padded stand-in; both land them in the same places, so the routing is the same.
     `recomputed`: the block is recomputed in the backward (remat), where model/moe.py `routed`'s own
     backward saves a transfer; else jax's. `fp8_weights`: as `experts`."""
     n = rows[0].shape[0]
-    bound = receive_bound(n, ep, capacity_factor)
-    plans = tuple(_plan(e, axis, ep, w_in.shape[0], bound) for e in experts)
-    wire = Exchange(impl, n, dispatch, bound, "ragged" if ragged else "padded", axis, min(n, bound))
+    bound, pair = receive_bound(n, ep, capacity_factor), pair_bound(n, ep, capacity_factor)
+    plans = tuple(_plan(e, axis, ep, w_in.shape[0], bound, pair) for e in experts)
+    wire = Exchange(impl, n, dispatch, bound, "ragged" if ragged else "padded", axis, min(pair, bound))
     admitted = sum(plan.send_sizes.sum() for plan in plans)
     outs = routed(recomputed)(wire, tuple(rows), tuple(gates), w_in, w_out, plans, fp8_weights)
     return outs, 1.0 - admitted / (n * len(rows))

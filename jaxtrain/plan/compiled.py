@@ -162,6 +162,7 @@ class Facts:
     dtype: str
     tokens_per_step: int = 0  # global batch x window: the tokens per second per GPU
     expert_load: float = 1.0  # the most loaded expert's rows over an even share (forecast.expert_load)
+    wide: float = 0.0  # the padded exchange's bytes over the ragged one's (links.widen; 0: dropless)
 
 
 def compiled_flops(text: str, layout: hlo.Placement) -> float:
@@ -239,6 +240,7 @@ def analyze(train: Any, evaluate: Any | None, facts: Facts, compile_s: float) ->
             n_devices,
             facts.model_flops_per_step,
             peak_flops(t, mfu_dtype),
+            facts.wide,
         ),
         "schedule_tokens_per_s_per_gpu": facts.tokens_per_step / replay.now / n_devices,
         "compile_s": round(compile_s, 2),

@@ -85,6 +85,7 @@ class Achievable:
     peak: float  # the dense peak of the step's dtype
     expert_load: float = 1.0  # the most loaded expert's rows over an even share
     exchange: str = ""
+    wide: float = 0.0  # the padded exchange's bytes over the ragged one's (links.widen; 0: dropless)
     gemm_efficiency: float = GEMM_EFFICIENCY
     kernel_s: float = KERNEL_S
 
@@ -102,15 +103,18 @@ class Achievable:
         return self.target.nvlink_bytes_per_s / 450e9, self.target.network_bytes_per_s / 50e9
 
     def legs(self, xfer: list) -> dict[str, float]:
-        return links.legs(xfer, self.expert_load, self.exchange, *self.scales())
+        return links.legs(xfer, self.expert_load, self.exchange, *self.scales(), self.wide)
 
     def host_wait(self, xfer: list) -> float:
         return links.host_wait(xfer, self.exchange)
 
 
-def forecast(events: list, target: GpuTarget, peak: float, load: float, exchange: str = "") -> schedule.Clock:
-    """The trace `events` replayed at achievable speeds (`exchange`: its expert exchanges run that way)."""
-    return schedule.replay(events, Achievable(target, peak, load, exchange))
+def forecast(
+    events: list, target: GpuTarget, peak: float, load: float, exchange: str = "", wide: float = 0.0
+) -> schedule.Clock:
+    """The trace `events` replayed at achievable speeds (`exchange`: its expert exchanges run that
+    way, the padded one `wide` x the ragged one's bytes: links.widen)."""
+    return schedule.replay(events, Achievable(target, peak, load, exchange, wide))
 
 
 def _largest_exchange(events: list) -> list | None:
@@ -127,22 +131,23 @@ def _largest_exchange(events: list) -> list | None:
     return found
 
 
-def exchanges(events: list, target: GpuTarget, peak: float, load: float) -> dict[str, Any]:
+def exchanges(events: list, target: GpuTarget, peak: float, load: float, wide: float = 0.0) -> dict[str, Any]:
     """A trace's expert exchange: the step forecast both ways, its largest exchange both ways, the
-    way compiled and the one auto takes (`pick_exchange` on that exchange). {} for a trace with none."""
+    way compiled and the one auto takes (`pick_exchange` on that exchange), and `wide` (the padded
+    one's bytes over the ragged one's: links.widen). {} for a trace with none."""
     xfer = _largest_exchange(events)
     if xfer is None:
         return {}
     scales = Achievable(target, peak).scales()
-    one = links.exchange_seconds(xfer, load, *scales)
+    one = links.exchange_seconds(xfer, load, *scales, wide)
     return {
-        "ragged_s": forecast(events, target, peak, load, "ragged").now,
-        "padded_s": forecast(events, target, peak, load, "padded").now,
+        "ragged_s": forecast(events, target, peak, load, "ragged", wide).now,
+        "padded_s": forecast(events, target, peak, load, "padded", wide).now,
         "one_ragged_s": one["ragged"],
         "one_padded_s": one["padded"],
         "compiled": "ragged" if xfer[0] == links.RAGGED else "padded",
-        "auto": links.pick_exchange(xfer, load, *scales),
-    }
+        "auto": links.pick_exchange(xfer, load, *scales, wide),
+    } | ({"wide": wide} if wide else {})
 
 
 def figures(
@@ -165,12 +170,14 @@ def block(
     gpus: int,
     model_flops_per_step: float,
     mfu_peak: float,
+    wide: float = 0.0,
 ) -> dict[str, Any]:
     """A plan's "forecast": the trace replayed (`forecast`), its figures, the stream's busy and
-    exposed time, the load, and for an expert exchange both ways of running it (`exchanges`)."""
+    exposed time, the load, and for an expert exchange both ways of running it (`exchanges`;
+    `wide`: links.widen)."""
     likely = forecast(events, target, peak, load)
     out = figures(likely.now, tokens_per_step, gpus, model_flops_per_step, mfu_peak)
     out |= {"busy_s": likely.busy, "exposed_comm_s": likely.exposed, "expert_load": load}
-    if both := exchanges(events, target, peak, load):
+    if both := exchanges(events, target, peak, load, wide):
         out["exchange"] = both
     return out

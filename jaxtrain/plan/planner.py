@@ -101,6 +101,7 @@ def plan_one(cfg: Config, target: targets.GpuTarget, hosts: int, gpus_per_host: 
         model_flops_per_step=f["model_flops_per_step"], dtype=f["cfg"].dtype,
         tokens_per_step=f["global_batch"] * f["cfg"].model.seq_len,
         expert_load=links.expert_load(f["cfg"].model.moe.capacity_factor, f["cfg"].model.moe.n_experts),
+        wide=links.widen(f["cfg"].model.moe.capacity_factor, run.mesh.shape[mesh_lib.EXPERT_AXIS]),
     )  # fmt: skip
     analyzed = plan.analyze(train, evaluate, facts, time.perf_counter() - t0)
     # The train step's GEMMs by kind, as the job's start counts them (an FP8 one that did not
@@ -310,10 +311,10 @@ def recost(p: dict[str, Any], load: float | None = None) -> dict[str, Any]:
     gpus, tokens = p["hosts"] * p["gpus_per_host"], p["global_batch"] * p["seq_len"]
     mfu_peak = targets.peak_flops(target, p.get("mfu_dtype", p["dtype"]))
     load = p["forecast"]["expert_load"] if load is None else load
-    events = p["schedule_trace"]
+    events, wide = p["schedule_trace"], p["forecast"].get("exchange", {}).get("wide", 0.0)
     return p | {
         "forecast": forecast.block(
-            events, target, peak, load, tokens, gpus, p["model_flops_per_step"], mfu_peak
+            events, target, peak, load, tokens, gpus, p["model_flops_per_step"], mfu_peak, wide
         )
     }
 

@@ -168,8 +168,10 @@ def build(job: Job, faults: FaultPlan | None = None) -> Run:
         # auto's exchange on GPUs, the one the plan says is faster too.
         itemsize = jnp.dtype(cfg.model.moe.dispatch_dtype or dtype).itemsize
         xfer = expert.one_exchange(cfg, mesh, itemsize)
+        moe = cfg.model.moe
+        wide = links.widen(moe.capacity_factor, mesh.shape[mesh_lib.EXPERT_AXIS])
         seconds = links.exchange_seconds(
-            xfer, links.expert_load(cfg.model.moe.capacity_factor, cfg.model.moe.n_experts)
+            xfer, links.expert_load(moe.capacity_factor, moe.n_experts), wide=wide
         )
     settled = kernels.settle(cfg.model, device.platform, dtype, capability, cfg.mesh.tensor, seconds)
     faults = faults_lib.planned() if faults is None else faults
