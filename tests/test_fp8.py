@@ -530,7 +530,7 @@ def test_the_pipelines_stage_multiplies_its_weights_rounded_once_a_step():
         assert len([q for q in jax.tree.leaves(rounded, is_leaf=pipeline._is_layers) if q]) == 5
         if not once:
             rounded = jax.tree.map(lambda _: None, rounded, is_leaf=pipeline._is_layers)
-        return run(pipeline._layers(stack, (casts, rounded)), x, None).astype(jnp.float32).sum()
+        return run(pipeline._layers(stack, (casts, rounded)), x, None)[0].astype(jnp.float32).sum()
 
     grads = jax.jit(jax.value_and_grad(loss), static_argnums=1)
     (own, own_grads), (value, once_grads) = grads(stack, False), grads(stack, True)
