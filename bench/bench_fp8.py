@@ -13,6 +13,15 @@ moves, since the gap between two runs of this small model at its learning rate's
 by where a loss spike takes each). The gap of a seed is fp8 / bf16 - 1 of its final validation
 loss; `proj_gap` (fp8_proj / bf16 - 1) and the gaps to f32 likewise. A run adds its modes to the
 seed's record in --out, keeping the rest: a seed or a mode is added without rerunning the others.
+
+FP8 dispatch (a mixture of experts' copies sent to their experts in e4m3, model.moe.dispatch_dtype
+auto beside model.matmul fp8 under remat; docs/moe.md), against the same run with its copies in bf16:
+
+    nice -n 10 .venv/bin/python bench/bench_fp8.py --config configs/moe_tiny.yaml --seeds 0 1 \
+        --modes fp8_remat fp8_remat_bf16_dispatch --out bench/results/fp8_dispatch_cpu.json
+
+Its pass rule, written before its first run: `dispatch_gap` (fp8_remat / fp8_remat_bf16_dispatch - 1
+of the final validation loss) within 1% on every seed.
 """
 
 from __future__ import annotations
@@ -32,10 +41,24 @@ MODES = {
     "fp8": ["--dtype", "bfloat16", "--model.matmul", "fp8", "--model.head_matmul", "fp8"],
     "fp8_proj": ["--dtype", "bfloat16", "--model.matmul", "fp8"],
     "f32": ["--dtype", "float32"],
+    # A mixture of experts under remat, where FP8 projections dispatch the copies in FP8 (auto)
+    "fp8_remat": ["--dtype", "bfloat16", "--model.matmul", "fp8", "--model.remat", "full"],
+    "fp8_remat_bf16_dispatch": [
+        "--dtype",
+        "bfloat16",
+        "--model.matmul",
+        "fp8",
+        "--model.remat",
+        "full",
+        "--model.moe.dispatch_dtype",
+        "compute",
+    ],  # fmt: skip
 }
+DEFAULT_MODES = ["bf16", "f32", "fp8", "fp8_proj"]
 GAPS = {
     "gap": ("fp8", "bf16"), "proj_gap": ("fp8_proj", "bf16"), "bf16_vs_f32": ("bf16", "f32"),
     "fp8_vs_f32": ("fp8", "f32"), "fp8_proj_vs_f32": ("fp8_proj", "f32"),
+    "dispatch_gap": ("fp8_remat", "fp8_remat_bf16_dispatch"),
 }  # fmt: skip
 
 
@@ -45,11 +68,11 @@ def git_head() -> str:
     ).stdout.strip()
 
 
-def train(seed: int, mode: str, steps: int, out: Path) -> dict:
+def train(config: str, seed: int, mode: str, steps: int, out: Path) -> dict:
     """One run: its final validation loss, its last logged train loss, its wall time, the code's commit."""
     run_dir = out / f"{mode}_{seed}"
     argv = [
-        sys.executable, str(ROOT / "scripts" / "train.py"), "--config", "configs/llama_tiny.yaml",
+        sys.executable, str(ROOT / "scripts" / "train.py"), "--config", config,
         "--seed", str(seed), "--total_steps", str(steps), "--eval_interval", str(steps),
         "--checkpoint_interval", str(10 * steps), "--sample_tokens", "0", "--run_dir", str(run_dir),
         *MODES[mode],
@@ -84,23 +107,24 @@ def summary(runs: list[dict]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--modes", nargs="+", choices=sorted(MODES), default=sorted(MODES))
+    parser.add_argument("--config", default="configs/llama_tiny.yaml")
+    parser.add_argument("--modes", nargs="+", choices=sorted(MODES), default=DEFAULT_MODES)
     parser.add_argument("--total_steps", type=int, default=300)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "fp8_cpu.json"))
     args = parser.parse_args()
     out = Path(args.out)
     result = json.loads(out.read_text()) if out.exists() else {}
-    if result and result.get("total_steps") != args.total_steps:
-        sys.exit(f"{out} holds {result['total_steps']}-step runs, not {args.total_steps}: pass another --out")
+    if result and (result.get("total_steps"), result.get("config")) != (args.total_steps, args.config):
+        sys.exit(f"{out} holds {result['total_steps']}-step runs of {result['config']}: pass another --out")
     by_seed = {run["seed"]: run for run in result.get("runs", [])}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
             run = by_seed.setdefault(seed, {"seed": seed})
             for mode in args.modes:
-                run[mode] = train(seed, mode, args.total_steps, Path(tmp))
+                run[mode] = train(args.config, seed, mode, args.total_steps, Path(tmp))
                 print(json.dumps({"seed": seed, mode: run[mode]}), flush=True)
             runs = [by_seed[s] for s in sorted(by_seed)]
-            result = {"config": "configs/llama_tiny.yaml", "total_steps": args.total_steps, "runs": runs}
+            result = {"config": args.config, "total_steps": args.total_steps, "runs": runs}
             result["summary"] = summary(runs)
             out.write_text(
                 json.dumps(result, indent=1) + "\n"
