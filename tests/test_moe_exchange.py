@@ -10,6 +10,7 @@ checks that the GPU program uses it and moves the routed bytes.
 
 import json
 import math
+import re
 from pathlib import Path
 
 import jax
@@ -34,6 +35,7 @@ from jaxtrain.parallel.expert import (
     receive_bound,
 )
 from jaxtrain.plan import forecast
+from jaxtrain.run.build import build
 from jaxtrain.run.job import Job
 
 
@@ -356,3 +358,35 @@ def test_auto_picks_the_exchange_the_plan_forecasts_faster():
     across = links.exchange_xfer(2**20, 8, 2, 16)
     assert auto.exchange("gpu", links.exchange_seconds(across, 1.25)) == "padded"
     assert auto.exchange("gpu", links.exchange_seconds(links.exchange_xfer(2**30, 8, 2, 1), 1.25)) == "ragged"
+
+
+def test_fp8_projections_dispatch_the_copies_in_fp8_unless_told_not_to():
+    """model.moe.dispatch_dtype auto: beside model.matmul fp8 under remat the copies (and their
+    gradient) cross the expert axis in float8_e4m3fn with a float32 scale a 128 values; the results
+    come back in bf16. `compute` turns it off, and without remat (where the rounding cannot live in
+    the exchange's own backward) auto keeps the compute dtype. Checked in the step's lowered
+    program: the element types of its all-to-alls."""
+    fp8_step = ["--config", "configs/moe_tiny.yaml", "--mesh.expert", "2", "--mesh.data", "1",
+                "--dtype", "bfloat16", "--model.matmul", "fp8", "--model.remat", "full"]  # fmt: skip
+    rows = f"2x4096x{load_config(fp8_step).model.d_model}x"  # moe_tiny's copies of one device's tokens
+    moved = {}
+    for name, extra in {"auto": [], "off": ["--model.moe.dispatch_dtype", "compute"],
+                        "no remat": ["--model.remat", "none"]}.items():  # fmt: skip
+        cfg = load_config([*fp8_step, *extra])
+        run = build(Job.of_devices(cfg, jax.devices()[:2]))
+        text = run.train_step.lower(run.target, run.batch_shape).as_text()
+        types = re.findall(r'"stablehlo\.all_to_all".*?: \(tensor<([\dx]*x\w+)>', text, re.DOTALL)
+        moved[name] = (cfg.model.dispatch, {t.removeprefix(rows) for t in types if t.startswith(rows)})
+    assert moved == {
+        "auto": ("float8_e4m3fn", {"f8E4M3FN", "bf16"}),
+        "off": ("", {"bf16"}),
+        "no remat": ("", {"bf16"}),
+    }, moved
+    # bf16 projections dispatch as they compute; an explicit FP8 dispatch is taken as named
+    assert load_config(fp8_step[:-4]).model.dispatch == ""
+    assert (
+        load_config(
+            [*fp8_step[:-4], "--model.remat", "full", "--model.moe.dispatch_dtype", "float8_e4m3fn"]
+        ).model.dispatch
+        == "float8_e4m3fn"
+    )

@@ -37,7 +37,7 @@ _CHOICES = {
     "model.moe.grouped_matmul": ("auto", "ragged_dot", "blocks", "pallas", "pallas_fp8"),
     "model.moe.exchange": ("auto", "ragged", "padded"),
     "model.moe.router": ("softmax", "sigmoid"),
-    "model.moe.dispatch_dtype": ("", "float8_e4m3fn"),
+    "model.moe.dispatch_dtype": ("auto", "compute", "float8_e4m3fn", ""),
     "model.rope_type": ("llama3", "yarn"),
     "model.matmul": ("compute", "fp8"),
     "model.head_matmul": ("compute", "fp8"),
@@ -376,7 +376,7 @@ def _check_routing(m: ModelConfig) -> None:
             f"model.moe.topk_group {moe.topk_group} groups of {group} experts cannot hold "
             f"experts_per_token {moe.experts_per_token} (and at most n_group {moe.n_group}); raise topk_group"
         )
-    if moe.dispatch_dtype and m.remat == "none":
+    if moe.dispatch_dtype == "float8_e4m3fn" and m.remat == "none":
         raise ConfigError(
             f"model.moe.dispatch_dtype {moe.dispatch_dtype} rounds the copies in the experts' own backward, "
             "which runs under remat; set model.remat full (or dots)"

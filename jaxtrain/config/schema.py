@@ -64,10 +64,12 @@ class MoeConfig:
     # receive bound: any platform, more bytes); auto: ragged on GPUs, padded on CPUs (XLA:CPU has no
     # ragged one), and padded where the job-start preflight finds the ragged one wrong
     exchange: str = "auto"
-    # The copies sent to the experts (and, in the backward, their gradient): "" = in the compute
-    # dtype; float8_e4m3fn = DeepSeek-V3's FP8 dispatch (each 128 values scaled by their max): half
-    # the bytes, the experts' inputs rounded to 3 mantissa bits. Results come back in the compute dtype.
-    dispatch_dtype: str = ""
+    # The copies sent to the experts (and, in the backward, their gradient): compute = in the compute
+    # dtype ("" too: run dirs written before auto); float8_e4m3fn = DeepSeek-V3's FP8 dispatch (each
+    # 128 values scaled by their max): half the bytes, the experts' inputs rounded to 3 mantissa bits.
+    # auto: float8_e4m3fn beside model.matmul fp8 under remat, compute otherwise (ModelConfig.dispatch).
+    # Results come back in the compute dtype.
+    dispatch_dtype: str = "auto"
     # Each MoE layer's tokens in this many pieces (a divisor of seq_len), each routed and exchanged
     # by itself, one after another, so one piece's exchange runs beside another's experts; under
     # capacity_factor each piece's receivers keep its share
@@ -146,6 +148,17 @@ class ModelConfig:
     def expert_dim(self) -> int:
         """An expert MLP's hidden size (model.moe.d_expert, else the dense MLP's)."""
         return self.moe.d_expert or self.ff_dim
+
+    @property
+    def dispatch(self) -> str:
+        """The dtype the experts' copies travel in ("": the compute dtype), moe.dispatch_dtype settled.
+        auto takes FP8 where the projections already are (model.matmul fp8): the experts' inputs are
+        then rounded as the projections' are, and the exchange moves half the bytes. Not without
+        remat: the rounding lives in the exchange's own backward, which only remat runs."""
+        named = self.moe.dispatch_dtype
+        if named == "auto":
+            return "float8_e4m3fn" if self.matmul == "fp8" and self.remat != "none" else ""
+        return "" if named == "compute" else named
 
     @property
     def kv_heads(self) -> int:

@@ -574,7 +574,7 @@ class MoeMlp(nn.Module):
             *(_copies(tokens_, weights_, experts_, self.dtype) for tokens_, weights_, experts_ in split),
             strict=True,
         )
-        wire = Wire(impl, dispatch=moe.dispatch_dtype, exchange=moe.exchange)
+        wire = Wire(impl, dispatch=self.cfg.dispatch, exchange=moe.exchange)
         recomputed = self.cfg.remat != "none"
         if self.placement.experts is None:
             plans = tuple(Groups(jnp.zeros(moe.n_experts, jnp.int32).at[e].add(1)) for e in piece_experts)

@@ -166,7 +166,7 @@ def build(job: Job, faults: FaultPlan | None = None) -> Run:
     if cfg.model.moe.n_experts and mesh.shape[mesh_lib.EXPERT_AXIS] > 1:
         # One of its expert exchanges costed both ways, by the forecast's figures (observe/links.py):
         # auto's exchange on GPUs, the one the plan says is faster too.
-        itemsize = jnp.dtype(cfg.model.moe.dispatch_dtype or dtype).itemsize
+        itemsize = jnp.dtype(cfg.model.dispatch or dtype).itemsize
         xfer = expert.one_exchange(cfg, mesh, itemsize)
         moe = cfg.model.moe
         wide = links.widen(moe.capacity_factor, mesh.shape[mesh_lib.EXPERT_AXIS])
