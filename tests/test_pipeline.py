@@ -169,8 +169,12 @@ def test_a_layer_count_the_stages_cannot_take_is_one_line():
     with pytest.raises(ConfigError, match="set model.scan_layers true"):
         load_config([*LLAMA, "--model.scan_layers", "false", "--mesh.pipeline", "2"])
     both = ["--mesh.pipeline", "2", "--mesh.context", "2", "--mesh.tensor", "2", "--mesh.data", "1"]
-    with pytest.raises(ConfigError, match="XLA's SPMD partitioner aborts on that program; with pipeline use"):
+    with pytest.raises(
+        ConfigError, match=r"SPMD partitioner aborts .* not both: e.g. --mesh.context 1 --mesh.fsdp 2$"
+    ):
         load_config([*LLAMA, *both])  # before: XLA's 'Check failed', the process aborted (exit 134)
+    nearest = load_config([*LLAMA, *both[:2], "--mesh.tensor", "2", "--mesh.data", "1", "--mesh.fsdp", "2"])
+    assert (nearest.mesh.pipeline, nearest.mesh.tensor, nearest.mesh.fsdp) == (2, 2, 2)  # what it names loads
     deepseek = ["--config", "configs/deepseek_tiny.yaml", "--model.scan_layers", "true"]  # 1 dense + 2 MoE
     load_config([*deepseek, "--mesh.pipeline", "2"])
     with pytest.raises(

@@ -248,9 +248,16 @@ def _check_mesh_values(cfg: Config) -> None:
         # Measured: tiny on 8 CPU devices (pipeline 2 x context 2 x tensor 2), and the GPU compiler
         # for Llama 3 405B (pipeline 8 x context 2 x tensor 4): 'Check failed' in
         # spmd_partitioner_util.cc, the process aborted (jax 0.10.2).
+        # The nearest layout that compiles: the same devices, the context ones split the batch
+        # instead (fsdp), so pipeline and tensor stay as asked.
+        fsdp = sizes["fsdp"]
+        nearest = "--mesh.context 1" + (
+            f" --mesh.fsdp {fsdp * cp}" if fsdp != -1 else " (fsdp -1 takes its devices)"
+        )
         raise ConfigError(
             f"mesh.pipeline {cfg.mesh.pipeline} with both mesh.context {cp} and mesh.tensor {tp}: XLA's "
-            "SPMD partitioner aborts on that program; with pipeline use context or tensor, not both"
+            "SPMD partitioner aborts on that program (jax 0.10.2); with pipeline use context or tensor, "
+            f"not both: e.g. {nearest}"
         )
     if cp > 1 and m.seq_len % cp:
         raise ConfigError(
