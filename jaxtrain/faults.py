@@ -36,7 +36,8 @@ class FaultPlan:
     stall_step: int = -1  # sleep before this step...
     stall_process: int = 0  # ...on this process...
     stall_seconds: float = 3600.0  # ...this long
-    kill_during_save: int = -1  # SIGKILL this process while the checkpoint of this step is written
+    kill_during_save: int = -1  # SIGKILL this process while the checkpoint of this step is written...
+    kill_process: int = -1  # ...on this process (-1: every one); the others lose a peer mid-save
     stall_restore: bool = False  # sleep stall_seconds inside a checkpoint restore, as a dead NFS mount does
     oom: str = ""  # compile | step: fail there as a device out of memory does
     preflight_differs: str = (
@@ -84,7 +85,7 @@ class Faults:
 
     def after_save_started(self, step: int) -> None:
         """Die (SIGKILL, no clean-up) while the checkpoint of `kill_during_save` is written."""
-        if step == self.plan.kill_during_save:
+        if step == self.plan.kill_during_save and self.plan.kill_process in (-1, self.process_index):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def during_restore(self) -> None:

@@ -16,6 +16,7 @@ and on S3 the server stopped for 20 s mid-run.
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -182,9 +183,13 @@ def test_run_dir_killed_mid_save_resumes_bitwise_and_falls_back(store, tmp_path_
     # The same data (the run's default), read from the bucket.
     from_bucket = _data_in_bucket(fs, scheme)
 
-    # Killed (-9, no clean-up) while checkpoint 6 is written: 2 and 4 are complete, 6 is not.
-    out = _train(url, _env(s3, faults="kill_during_save=6"), *from_bucket, procs=2)
+    # Process 1 killed (-9, no clean-up) while checkpoint 6 is written, process 0 left mid-save
+    # without its peer (the launcher ends it): 2 and 4 are complete, 6 is not.
+    out = _train(url, _env(s3, faults="kill_during_save=6,kill_process=1"), *from_bucket, procs=2)
     assert out.returncode != 0, out.stderr[-3000:]
+    said = out.stderr.strip().splitlines()[-1]  # the launcher's: the killed rank first
+    assert re.match(r"error: rank 1 \(pid \d+\) was killed by SIGKILL", said), out.stderr[-3000:]
+    assert "rank 0 was killed by SIGKILL" not in said, said  # the fault took process 1 alone
     assert fs.exists(f"{BUCKET}/killed/job.lock")  # left behind by the killed job
     # The relaunch takes the dead job's lock over and resumes from 4, bitwise.
     out = _train(url, _env(s3), *from_bucket, procs=2)
