@@ -245,6 +245,29 @@ CASES = {
     "qwen3_30b_a3b_h100x8": ([*QWEN3_MOE, *FULL, "--mesh.fsdp", "1"], "h100", 1, 8),
     "mixtral_8x7b_h100_2x8": (["--config", "configs/mixtral_8x7b.yaml", "--mesh.fsdp", "2"], "h100", 2, 8),
     "deepseek_v3_671b_h100_128x8": (["--config", "configs/deepseek_v3_671b.yaml"], "h100", 128, 8),
+    # Megatron's rule (experts inside a host, pipeline stages across the hosts), for DeepSeek-V3:
+    # 16 stages of 4 MoE layers (6 padding), its 3 dense layers on stage 0; ZeRO-1 over data 8.
+    "deepseek_v3_671b_h100_128x8_pipeline16_expert8": (
+        [
+            "--config",
+            "configs/deepseek_v3_671b.yaml",
+            "--mesh.pipeline",
+            "16",
+            "--mesh.expert",
+            "8",
+            "--mesh.data",
+            "8",
+            "--mesh.fsdp",
+            "1",
+            "--mesh.zero1",
+            "true",
+            "--device_batch_size",
+            "1",
+        ],
+        "h100",
+        128,
+        8,
+    ),  # fmt: skip
     # Qwen3-235B-A22B as shipped (issue 60): experts inside each host, fsdp 32 across the hosts.
     "qwen3_235b_a22b_h100_32x8": (["--config", "configs/qwen3_235b_a22b.yaml"], "h100", 32, 8),
     "llama3_8b_h100_8x8_reduce_compute": (
