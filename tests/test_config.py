@@ -39,6 +39,10 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
         (["--batch_size", "eight"], "'batch_size' must be int, got 'eight'"),
         (["--batch_size", "0"], "'batch_size' must be > 0"),
         (["--dtype", "fp8"], "'dtype' must be one of float32|bfloat16|float16"),
+        (
+            ["--model.moe.dispatch_dtype", "bf16"],
+            "dispatch_dtype' must be one of auto|compute|float8_e4m3fn, got",
+        ),
         (["--use_wandb", "maybe"], "'use_wandb' must be bool"),
         (["--n_head", "5"], "d_model 256 is not divisible by model.n_head 5"),
         (

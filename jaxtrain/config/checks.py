@@ -120,9 +120,8 @@ def _check_keys(cfg: Config) -> None:
         parse_spec(get(cfg, path), path)
     for path, choices in _CHOICES.items():
         if get(cfg, path) not in choices:
-            raise ConfigError(
-                f"config key '{path}' must be one of {'|'.join(choices)}, got {get(cfg, path)!r}"
-            )
+            offered = "|".join(c for c in choices if c)  # "" still read (older run dirs), never offered
+            raise ConfigError(f"config key '{path}' must be one of {offered}, got {get(cfg, path)!r}")
     for path in _POSITIVE:
         if get(cfg, path) <= 0:
             raise ConfigError(f"config key '{path}' must be > 0, got {get(cfg, path)}")
