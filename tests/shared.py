@@ -41,6 +41,8 @@ MESHES = {
         "--mesh.expert", "2", "--mesh.fsdp", "2", "--mesh.tensor", "2", "--mesh.data", "1",
         "--mesh.expert_inner", "true", *DOTS,
     ],
+    # 2 nodes of 4 (issue 60's fake hosts): the two-hop exchange (parallel/expert.py `two_hops`)
+    "expert8_in_nodes_of_4": ["--mesh.expert", "8", "--mesh.data", "1", "--mesh.expert_node", "4"],
 }  # fmt: skip
 
 

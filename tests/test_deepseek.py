@@ -23,9 +23,11 @@ DEEPSEEK = [
     "--batch_size", "16",
 ]  # fmt: skip
 STEPS = 20
-# test_moe's meshes, its expert 2 x fsdp 2 x tensor 2 laid out as usual here (fsdp inside expert)
+# test_moe's meshes: the two-hop exchange over 2 nodes of 4 (node-limited routing: each token's
+# 2 groups of 4 may be on one node or both), and its expert 2 x fsdp 2 x tensor 2 laid out as usual
+# here (fsdp inside expert). (Its one-hop expert 4 x data 2 is test_moe's.)
 MESHES = {
-    "expert4xdata2": MOE_MESHES["expert4xdata2"],
+    "expert8_in_nodes_of_4": MOE_MESHES["expert8_in_nodes_of_4"],
     "expert2xfsdp2xtensor2": [
         "--mesh.expert", "2", "--mesh.fsdp", "2", "--mesh.tensor", "2", "--mesh.data", "1",
     ],
@@ -46,10 +48,12 @@ def _biases(params):
     return np.stack([params[f"block_{i}"]["moe"]["router_bias"] for i in (1, 2)])
 
 
-def test_deepseek_trains_under_expert_parallelism_as_on_one_device(one_device, expert_parallel):
+def test_deepseek_trains_under_expert_parallelism_as_on_one_device(one_device, expert_parallel, request):
     run = expert_parallel
     print("max relative loss difference", np.max(np.abs(run["losses"] / one_device["losses"] - 1)))
     np.testing.assert_allclose(run["losses"], one_device["losses"], rtol=1e-4)  # test_moe's
+    if "nodes" in request.node.callspec.id:  # the two-hop exchange: issue 60's bound
+        np.testing.assert_allclose(run["losses"], one_device["losses"], rtol=1e-5)
     assert run["losses"][-1] < run["losses"][0] - 0.5
     for a, b in zip(jax.tree.leaves(run["params"]), jax.tree.leaves(one_device["params"]), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-3)  # test_moe's: near-tied picks differ

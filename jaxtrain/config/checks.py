@@ -242,6 +242,7 @@ def _check_mesh_values(cfg: Config) -> None:
         raise ConfigError(f"at most one mesh axis may be -1, got {mesh_str(sizes)}")
     m, tp, cp = cfg.model, cfg.mesh.tensor, cfg.mesh.context
     _check_moe(m, cfg.mesh.expert, max(cfg.mesh.context, 1))
+    _check_expert_node(cfg.mesh.expert, cfg.mesh.expert_node)
     _check_pipeline(m, cfg.mesh.pipeline)
     if cfg.mesh.pipeline > 1 and cp > 1 and tp > 1:
         # Measured: tiny on 8 CPU devices (pipeline 2 x context 2 x tensor 2), and the GPU compiler
@@ -327,6 +328,18 @@ def _check_mla(m: ModelConfig) -> None:
             "multi-head latent attention (model.kv_lora_rank) has one latent for every head and sizes its "
             "heads by rope/nope/v_head_dim: drop model.n_kv_head, head_dim, qk_norm and qkv_bias"
         )
+
+
+def _check_expert_node(ep: int, node: int) -> None:
+    """mesh.expert_node: 0, or nodes of more than one device that split the expert axis in two or more."""
+    if node == 0 or (ep > 1 and 1 < node < ep and ep % node == 0):
+        return
+    if ep == -1 and node > 1:
+        return  # settled with the devices (the axis's size is not known yet)
+    raise ConfigError(
+        f"mesh.expert_node {node} must split mesh.expert {ep} into nodes of more than one device "
+        f"(a divisor of it between 2 and {max(ep // 2, 2)}); drop mesh.expert_node for the one-hop exchange"
+    )
 
 
 def _check_moe(m: ModelConfig, ep: int, cp: int) -> None:

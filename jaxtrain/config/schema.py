@@ -235,6 +235,11 @@ class MeshConfig:
     # fits), each fsdp group across them (hosts). The token all-to-all of every MoE layer stays on
     # NVLink and fsdp's per-layer gathers and reduce-scatters cross the network instead.
     expert_inner: bool = False
+    # The expert exchange in two hops: the expert axis's devices in nodes of this many consecutive
+    # ones (a host's, with expert_inner), a token sent once to each node holding one of its experts
+    # (DeepSeek-V3's node-limited routing: at most topk_group), then inside the node to its experts;
+    # each node's results summed before the way back. 0: one all-to-all over the whole axis.
+    expert_node: int = 0
     # fsdp gathers params in the compute dtype (dtype) and reduce-scatters their gradients in this
     # one: float32 (torchtitan's reduce_dtype default) or compute (half the bytes, bf16 sums)
     reduce_dtype: str = "float32"

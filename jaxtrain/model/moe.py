@@ -569,13 +569,19 @@ class MoeMlp(nn.Module):
         # experts (`_routed`). Pieces only schedule the exchange: where they do not divide the tokens
         # (decoding's one token a sequence; the config holds training's count) the layer goes whole.
         pieces = moe.chunks if tokens.shape[0] % moe.chunks == 0 else 1
+        wire = Wire(impl, dispatch=self.cfg.dispatch, exchange=moe.exchange)
+        recomputed = self.cfg.remat != "none"
+        if self.placement.nodes is not None:  # the two-hop exchange takes tokens, not copies
+            ys, dropped = self.placement.nodes(
+                *(tuple(jnp.split(a, pieces)) for a in (tokens, weights.astype(self.dtype), experts)),
+                w_in, w_out, wire, moe.capacity_factor, recomputed, fp8_weights,
+            )  # fmt: skip
+            return jnp.concatenate(ys), dropped
         split = zip(*(jnp.split(a, pieces) for a in (tokens, weights, experts)), strict=True)
         order, inverse, rows, gates, piece_experts = zip(
             *(_copies(tokens_, weights_, experts_, self.dtype) for tokens_, weights_, experts_ in split),
             strict=True,
         )
-        wire = Wire(impl, dispatch=self.cfg.dispatch, exchange=moe.exchange)
-        recomputed = self.cfg.remat != "none"
         if self.placement.experts is None:
             plans = tuple(Groups(jnp.zeros(moe.n_experts, jnp.int32).at[e].add(1)) for e in piece_experts)
             outs, dropped = (

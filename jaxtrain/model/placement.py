@@ -30,6 +30,10 @@ class Placement:
     # (each piece's outputs, share dropped):
     # a mixture of experts' routed rows to wherever their experts are (parallel/expert.py)
     experts: Callable[..., Any] | None = None
+    # nodes(tokens, weights, experts, w_in, w_out, wire, capacity_factor, recomputed, fp8_weights),
+    # each in pieces -> (each piece's routed output, share dropped): the same, by the two-hop
+    # exchange over nodes (parallel/expert.py `two_hops`, mesh.expert_node); in place of `experts`
+    nodes: Callable[..., Any] | None = None
     expert_split: int = 1  # devices a layer's experts are split over: each declares its share
     length_split: int = 1  # devices each sequence is split over (pieces of a sequence: layers.to_pieces)
     # Devices tensor parallelism splits the `tensor_axes` logical axes over: model.matmul fp8 scales

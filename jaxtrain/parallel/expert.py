@@ -15,6 +15,7 @@ schedules the pieces and runs the experts; the `Exchange` wire here moves their 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtrain.model import auto
-from jaxtrain.model.moe import Given, Groups, Pieces, Wire, routed
+from jaxtrain.model.moe import Given, Groups, Pieces, Wire, _copies, dispatch, permute, routed
 from jaxtrain.observe import links
 from jaxtrain.parallel import mesh as mesh_lib
 from jaxtrain.parallel import tensor
@@ -43,13 +44,19 @@ def padded_ragged_all_to_all(
     *,
     axis_name: str,
     width: int,
+    axis_index_groups: Any = None,
 ) -> jax.Array:
     """`jax.lax.ragged_all_to_all` on a padded `all_to_all`, for XLA:CPU, which has no ragged one.
     As XLA's, each peer may get several slices: the four index arrays hold peers x U entries,
     peer-major (slice u to peer j at j * U + u). A peer's slices travel together in a buffer of
     `width` rows (at least the most rows one device sends another) and land where the ragged one
-    puts them. Same arguments, same result, same gradient."""
-    peers = jax.lax.axis_size(axis_name)
+    puts them. Same arguments, same result, same gradient. `axis_index_groups`: as jax's, the
+    peers are the devices of one's group (each group one exchange)."""
+    peers = len(axis_index_groups[0]) if axis_index_groups else jax.lax.axis_size(axis_name)
+    a2a = functools.partial(
+        jax.lax.all_to_all, axis_name=axis_name, split_axis=0, concat_axis=0, tiled=True,
+        axis_index_groups=axis_index_groups,
+    )  # fmt: skip
     rows = jnp.arange(width)
 
     def at(sizes: jax.Array, offsets: jax.Array, past: int) -> jax.Array:
@@ -66,8 +73,8 @@ def padded_ragged_all_to_all(
     # Named with the ragged one's (update, peer) slots, so the planner knows this all-to-all for the
     # expert exchange and can cost the ragged one in its place (plan/forecast.py PADDED).
     with jax.named_scope(f"{PADDED_SCOPE}_slots_{send_sizes.shape[0]}"):
-        got = jax.lax.all_to_all(send, axis_name, 0, 0, tiled=True)  # [peers, width, ...]
-    landing = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # as the ragged one does
+        got = a2a(send)
+    landing = a2a(output_offsets)  # as the ragged one does
     to = at(recv_sizes, landing, output.shape[0])
     return output.at[to.reshape(-1)].set(got.reshape(peers * width, *got.shape[2:]), mode="drop")
 
@@ -137,16 +144,20 @@ class Plan(NamedTuple):
     held: Any = None
 
 
-def _plan(experts: jax.Array, axis: str, ep: int, local: int, bound: int, pair: int) -> Plan:
+def _plan(
+    experts: jax.Array, axis: str, ep: int, local: int, bound: int, pair: int, groups: Any = None
+) -> Plan:
     """The exchange of rows sorted by global expert id `experts` [n] between the ep devices along
-    `axis` (`local` experts each, `bound` rows received at most, `pair` from each peer:
-    `receive_bound`, `pair_bound`, `_admitted`). Two
+    `axis` (or of one's `groups`: jax's axis_index_groups; `local` experts each, `bound` rows
+    received at most, `pair` from each peer: `receive_bound`, `pair_bound`, `_admitted`). Ids past
+    the last expert are no expert's: never sent. Two
     tiny int32 all_to_alls settle it: each peer's copies per local expert and where they start in
     its rows, then what each receiver admits of them and where it puts them."""
     n = experts.shape[0]
     counts = jnp.zeros(ep * local, jnp.int32).at[experts].add(1, mode="drop").reshape(ep, local)
     in_offsets = jnp.cumsum(counts.reshape(-1)).reshape(ep, local) - counts  # rows sorted by expert
-    table = jax.lax.all_to_all(jnp.concatenate([counts, in_offsets], axis=1), axis, 0, 0, tiled=True)
+    a2a = functools.partial(jax.lax.all_to_all, axis_name=axis, split_axis=0, concat_axis=0, tiled=True)
+    table = a2a(jnp.concatenate([counts, in_offsets], axis=1), axis_index_groups=groups)
     per_expert, their_offsets = table[:, :local], table[:, local:]  # [source, local expert]
     admitted = _admitted(per_expert.sum(axis=1), bound, pair)
     # A source's admitted rows are a prefix of its run, so of each expert's rows a prefix.
@@ -155,7 +166,7 @@ def _plan(experts: jax.Array, axis: str, ep: int, local: int, bound: int, pair: 
     sizes = recv_sizes.sum(axis=0)
     # Grouped by expert, each expert's rows source-major.
     recv_offsets = (jnp.cumsum(sizes) - sizes)[None, :] + jnp.cumsum(recv_sizes, axis=0) - recv_sizes
-    reply = jax.lax.all_to_all(jnp.concatenate([recv_sizes, recv_offsets], axis=1), axis, 0, 0, tiled=True)
+    reply = a2a(jnp.concatenate([recv_sizes, recv_offsets], axis=1), axis_index_groups=groups)
     send_sizes, out_offsets = reply[:, :local], reply[:, local:]  # per peer's expert: admitted, and where
     slot = jnp.minimum(experts, ep * local - 1)
     held = jnp.arange(n) - in_offsets.reshape(-1)[slot] < send_sizes.reshape(-1)[slot]
@@ -190,14 +201,18 @@ class Exchange(Placed):
 
     axis: str = ""
     width: int = 0
+    groups: Any = None  # jax's axis_index_groups: the exchange goes inside each (`two_hops`)
 
     def _a2a(self, *args: jax.Array) -> jax.Array:
         if self.exchange == "ragged":
-            return jax.lax.ragged_all_to_all(*args, axis_name=self.axis)
-        return padded_ragged_all_to_all(*args, axis_name=self.axis, width=self.width)
+            return jax.lax.ragged_all_to_all(*args, axis_name=self.axis, axis_index_groups=self.groups)
+        return padded_ragged_all_to_all(
+            *args, axis_name=self.axis, width=self.width, axis_index_groups=self.groups
+        )
 
     def _shared(self, amax: jax.Array) -> jax.Array:
-        return jax.lax.pmax(amax, self.axis)  # every peer's rows may land in one buffer
+        # every peer's rows may land in one buffer (two hops: any of the axis's, as one hop's scale)
+        return jax.lax.pmax(amax, self.axis)
 
     def _out(self, x: jax.Array, plan: Any, buffer: jax.Array | None) -> jax.Array:
         shape = (self.bound, *x.shape[1:])
@@ -255,6 +270,8 @@ def exchange(
     dispatch: str = "",
     recomputed: bool = True,
     fp8_weights: Any = None,
+    groups: Any = None,
+    bound: int = 0,
 ) -> tuple[Pieces, jax.Array]:
     """Rows [n, d] sorted by global expert id `experts` [n], and their `gates` [n], in pieces ->
     (each piece's gates x its experts' outputs, computed on the devices along `axis` (ep of them)
@@ -265,11 +282,135 @@ def exchange(
     Each device sends each peer exactly the rows it admits, by `ragged_all_to_all` (ragged) or its
     padded stand-in; both land them in the same places, so the routing is the same.
     `recomputed`: the block is recomputed in the backward (remat), where model/moe.py `routed`'s own
-    backward saves a transfer; else jax's. `fp8_weights`: as `experts`."""
+    backward saves a transfer; else jax's. `fp8_weights`: as `experts`. `groups`: jax's
+    axis_index_groups (the exchange inside each, ep devices a group); `bound`: the receive bound, in
+    place of `receive_bound`'s for n rows (`two_hops`: n counts rows of no expert)."""
     n = rows[0].shape[0]
-    bound, pair = receive_bound(n, ep, capacity_factor), pair_bound(n, ep, capacity_factor)
-    plans = tuple(_plan(e, axis, ep, w_in.shape[0], bound, pair) for e in experts)
-    wire = Exchange(impl, n, dispatch, bound, "ragged" if ragged else "padded", axis, min(pair, bound))
+    bound, pair = bound or receive_bound(n, ep, capacity_factor), pair_bound(n, ep, capacity_factor)
+    plans = tuple(_plan(e, axis, ep, w_in.shape[0], bound, pair, groups) for e in experts)
+    kind = "ragged" if ragged else "padded"
+    wire = Exchange(impl, n, dispatch, bound, kind, axis, min(pair, bound), groups)
     admitted = sum(plan.send_sizes.sum() for plan in plans)
     outs = routed(recomputed)(wire, tuple(rows), tuple(gates), w_in, w_out, plans, fp8_weights)
     return outs, 1.0 - admitted / (n * len(rows))
+
+
+def node_reach(moe: Any, nodes: int) -> int:
+    """The most of `nodes` nodes (equal runs of the experts) one token's experts can be on: each of
+    its experts_per_token on another, unless node-limited routing keeps it to topk_group of n_group
+    groups (DeepSeek-V3), each group on whole nodes or each node holding whole groups."""
+    reach = min(moe.experts_per_token, nodes)
+    if moe.n_group > 1 and moe.topk_group < moe.n_group:
+        if moe.n_group % nodes == 0:
+            reach = min(reach, moe.topk_group)
+        elif nodes % moe.n_group == 0:
+            reach = min(reach, moe.topk_group * (nodes // moe.n_group))
+    return reach
+
+
+def node_groups(ep: int, node: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The expert axis's ep devices in nodes of `node` consecutive ones, as jax's axis_index_groups:
+    (each node's devices, the devices at one place of every node)."""
+    nodes = ep // node
+    return (
+        [[h * node + i for i in range(node)] for h in range(nodes)],
+        [[h * node + i for h in range(nodes)] for i in range(node)],
+    )
+
+
+class _Hop(NamedTuple):
+    """A piece's first hop (`two_hops`): where its token rows went and what came of them."""
+
+    order: jax.Array  # the token rows [n * reach] sorted by node
+    inverse: jax.Array
+    plan: Plan
+    copies: jax.Array  # [n * reach]: the copies each row carries (0: a row for no node)
+    got: jax.Array  # the rows received [bound, d], their node-local experts [bound, k] and gates
+    experts: jax.Array
+    gates: jax.Array
+
+
+def two_hops(
+    tokens: Pieces,
+    weights: Pieces,
+    experts: Pieces,
+    w_in: jax.Array,
+    w_out: jax.Array,
+    wire: Wire,
+    capacity_factor: float,
+    recomputed: bool,
+    fp8_weights: Any = None,
+    *,
+    ep: int,
+    node: int,
+    reach: int,
+) -> tuple[Pieces, jax.Array]:
+    """The Placement's `nodes` hook (model/moe.py MoeMlp, mesh.expert_node): each piece's tokens
+    [n, d], routed to `experts` [n, k] by `weights` [n, k], through their experts on the expert
+    axis's ep devices in nodes of `node` -> (each piece's routed output [n, d] in float32, the share
+    of copies dropped).
+
+    First hop, between nodes: a token goes once to each node holding any of its experts (at most
+    `reach`: `node_reach`), to the device at its sender's place there, with those experts' ids and
+    gates (its copies for one node deduplicated: DeepSeek-V3's rule, where the network is the slow
+    link). Second, inside the node: that device sends a copy to each of them (`exchange` over the
+    node's devices), and sums what comes back, weighted, into the one row that goes back. Both hops
+    are the one-hop exchange's (ragged or padded, FP8 dispatch), each within its groups; under
+    `capacity_factor` the first hop takes as many rows as a node gets from an even router and the
+    second as many copies as the one-hop exchange's device. Plain autodiff: remat resends the
+    first hop (the one-hop exchange's own backward saves that)."""
+    n, k = experts[0].shape
+    d = tokens[0].shape[1]
+    nodes, local = ep // node, w_in.shape[0]
+    per_node = local * node  # the experts a node holds
+    inside, across = node_groups(ep, node)
+    named = wire.exchange
+    kind = (auto.exchange(mesh_lib.platform()) if named == "auto" else named) or "padded"
+    rows1 = n * reach
+    bound1, pair1 = receive_bound(rows1, nodes, capacity_factor), pair_bound(rows1, nodes, capacity_factor)
+    hop = Exchange(wire.impl, rows1, wire.dispatch, bound1, kind, EXPERT_AXIS, min(pair1, bound1), across)
+
+    def first(t: jax.Array, w: jax.Array, e: jax.Array) -> _Hop:
+        at = e // per_node  # [n, k]: each copy's node
+        need = jnp.zeros((n, nodes), jnp.bool_).at[jnp.arange(n)[:, None], at].set(True)
+        # Each token's nodes, fewest first, then `nodes` (a row for no node: never sent) to fill reach
+        top, picked = jax.lax.top_k(jnp.where(need, nodes - jnp.arange(nodes), 0), reach)
+        dest = jnp.where(top > 0, picked, nodes)  # [n, reach]
+        mine = at[:, None, :] == dest[:, :, None]  # [n, reach, k]: the copies each row carries
+        ids = jnp.where(mine, e[:, None, :] - dest[:, :, None] * per_node, per_node).reshape(rows1, k)
+        gates = jnp.where(mine, w[:, None, :], 0).reshape(rows1, k)
+        order = jnp.argsort(dest.reshape(-1), stable=True)
+        inverse = jnp.argsort(order)
+        plan = _plan(dest.reshape(-1)[order], EXPERT_AXIS, nodes, 1, bound1, pair1, across)
+        got = hop.out(dispatch(t, order, inverse, reach), plan)
+        # The ids and gates go as they are (no dispatch dtype); rows past those received hold none
+        real = (jnp.arange(bound1) < plan.sizes.sum())[:, None]
+        got_ids = jnp.where(real, hop._out(ids[order], plan, None), per_node)
+        got_gates = jnp.where(real, hop._out(gates[order], plan, None), 0)
+        return _Hop(order, inverse, plan, mine.sum(-1).reshape(-1), got, got_ids, got_gates)
+
+    hops = [first(*piece) for piece in zip(tokens, weights, experts, strict=True)]
+    # Inside the node: each received row's copies sorted by node-local expert (none last), as many
+    # as the one-hop exchange's device routes (all of them, dropless)
+    copies = bound1 * k if not capacity_factor else min(bound1 * k, math.ceil(capacity_factor * n * k))
+    sorted_ = [_copies(h.got, h.gates, h.experts, h.got.dtype) for h in hops]
+    outs, share = exchange(
+        tuple(c[2][:copies] for c in sorted_), tuple(c[3][:copies] for c in sorted_),
+        tuple(c[4][:copies] for c in sorted_), EXPERT_AXIS, node, w_in, w_out, wire.impl,
+        capacity_factor, kind == "ragged", wire.dispatch, recomputed, fp8_weights, inside,
+        receive_bound(n * k, ep, capacity_factor),
+    )  # fmt: skip
+    ys, lost = [], jnp.zeros((), jnp.float32)
+    for h, (order2, inverse2, _, _, ids2), out in zip(hops, sorted_, outs, strict=True):
+        # Each received row's copies summed, and the row sent back to its token's device
+        whole = jnp.concatenate([out, jnp.zeros((bound1 * k - copies, d), out.dtype)])
+        summed = permute(whole, inverse2, order2).reshape(bound1, k, d).sum(axis=1, dtype=jnp.float32)
+        back, _ = hop.back(summed.astype(out.dtype), jnp.zeros((rows1, d), out.dtype), h.plan)
+        ys.append(permute(back, h.inverse, h.order).reshape(n, reach, d).sum(axis=1, dtype=jnp.float32))
+        # Dropped: a row's copies where the first hop's receiver did not admit it, and copies past
+        # `copies` or the second hop's bounds (rows of no expert are never sent)
+        lost += jnp.sum(jnp.where(h.plan.held, 0, h.copies[h.order]))
+        lost += jnp.sum(ids2[copies:] < per_node)
+    taken = sum(jnp.sum(c[4][:copies] < per_node) for c in sorted_)
+    lost += taken - (1.0 - share) * copies * len(hops)
+    return tuple(ys), lost / (n * k * len(hops))

@@ -1,7 +1,7 @@
 """A model placed on a mesh: how its params and batches sit on the devices, as the inside of the
 step's shard_map sees them, and the hooks (model/placement.py) that run the model there.
 
-    layout = Layout(mesh, param_specs, dtype, reduce_dtype, zero1)
+    layout = Layout(mesh, param_specs, dtype, reduce_dtype, zero1, expert_node)
     model = layout.place(model)        # the model with its Placement for this mesh
     with nn.logical_axis_rules(layout.rules): ...
 
@@ -29,7 +29,8 @@ from jaxtrain.parallel import mesh as mesh_lib
 class Layout:
     """How params sit on `mesh` inside the step (`param_specs`: their specs, whole over data),
     computed in `dtype`, their gradients reduced in `reduce_dtype` (default `dtype`); `zero1`: the
-    params come split over data (mesh_lib.state_specs)."""
+    params come split over data (mesh_lib.state_specs); `expert_node`: the expert exchange goes in
+    two hops, between nodes of this many expert devices, then inside them (mesh.expert_node)."""
 
     def __init__(
         self,
@@ -38,6 +39,7 @@ class Layout:
         dtype: Any = jnp.float32,
         reduce_dtype: Any = None,
         zero1: bool = False,
+        expert_node: int = 0,
     ) -> None:
         is_spec = lambda x: isinstance(x, P)  # noqa: E731
         self.manual = jax.tree.map(mesh_lib.manual_part, param_specs, is_leaf=is_spec)
@@ -53,6 +55,7 @@ class Layout:
         # Params split over fsdp, or dense ones over expert (mesh_lib.param_spec): layers gather them.
         self.gathers = any(mesh.shape[a] > 1 for a in (mesh_lib.FSDP_AXIS, mesh_lib.EXPERT_AXIS))
         self.expert_split = int(mesh.shape[mesh_lib.EXPERT_AXIS])
+        self.expert_node = expert_node if 1 < expert_node < self.expert_split else 0
         context_size = int(mesh.shape[mesh_lib.CONTEXT_AXIS])
         self.length_split = context_size if context_size > 1 else 1  # mesh_lib.CONTEXT_RULES
         self.tensor_split = int(mesh.shape[mesh_lib.TENSOR_AXIS])
@@ -68,6 +71,16 @@ class Layout:
             stack_in=self.fsdp.stack_in_for(model.cfg.matmul, moe, fp8_experts),
             attend=context.attend,
             experts=functools.partial(expert.experts, ep=self.expert_split),
+            nodes=(
+                functools.partial(
+                    expert.two_hops,
+                    ep=self.expert_split,
+                    node=self.expert_node,
+                    reach=expert.node_reach(model.cfg.moe, self.expert_split // self.expert_node),
+                )
+                if self.expert_node
+                else None
+            ),
             expert_split=self.expert_split,
             length_split=self.length_split,
             tensor_split=self.tensor_split,

@@ -204,7 +204,7 @@ def make_train_step(
     # reduce-scatter aborts the compiler (CHECK in AllReducePromotion, jax 0.10.2): float32 there.
     platform = mesh.devices.flat[0].platform
     reduce_dtype = model.dtype if cfg.mesh.reduce_dtype == "compute" and platform != "cpu" else jnp.float32
-    layout = Layout(mesh, param_specs, model.dtype, reduce_dtype, cfg.mesh.zero1)
+    layout = Layout(mesh, param_specs, model.dtype, reduce_dtype, cfg.mesh.zero1, cfg.mesh.expert_node)
     model = layout.place(model)
     accum, schedule, clip = cfg.gradient_accumulation_steps, lr_schedule(cfg), cfg.gradient_clip_val
     fp16 = cfg.dtype == "float16"
@@ -265,7 +265,13 @@ def _stepped(state: TrainState, params: Any, opt_state: Any, finite: jax.Array, 
 
 
 def make_eval_step(
-    model: GPT, mesh: Mesh, param_specs: Any, accum: int = 1, masked: bool = False, zero1: bool = False
+    model: GPT,
+    mesh: Mesh,
+    param_specs: Any,
+    accum: int = 1,
+    masked: bool = False,
+    zero1: bool = False,
+    expert_node: int = 0,
 ) -> Callable:
     """eval_step(params, batch) -> metrics of the global batch: `loss` (its mean; a mixture of
     experts' router figures beside it, as the train step's), taken in `accum` microbatches
@@ -273,8 +279,9 @@ def make_eval_step(
     (the whole batch at once needed 145 GB per device for llama3_8b on 8 H100s). masked: the
     batch carries a loss mask, the loss is the train step's (over its loss targets), and the
     metrics carry their count (`kept`), so evaluations over several batches weigh each by it.
-    zero1: the params come split over data (the train step's `compute_params`)."""
-    layout = Layout(mesh, param_specs, model.dtype, zero1=zero1)
+    zero1: the params come split over data (the train step's `compute_params`); expert_node: the
+    train step's two-hop exchange (mesh.expert_node)."""
+    layout = Layout(mesh, param_specs, model.dtype, zero1=zero1, expert_node=expert_node)
     model, mean = layout.place(model), layout.batch.mean
 
     def device_metrics(params: Any, rows: jax.Array) -> Metrics:
@@ -325,7 +332,13 @@ def jit_steps(
     )
     evaluate = jax.jit(
         make_eval_step(
-            model, mesh, param_specs, cfg.gradient_accumulation_steps, cfg.loss_mask, cfg.mesh.zero1
+            model,
+            mesh,
+            param_specs,
+            cfg.gradient_accumulation_steps,
+            cfg.loss_mask,
+            cfg.mesh.zero1,
+            cfg.mesh.expert_node,
         ),
         in_shardings=(state_shardings.params, batch),
         out_shardings=replicated,
