@@ -417,7 +417,8 @@ def test_an_expert_axis_across_hosts_is_warned_of_once(sizes, inner, crosses):
     expected = [
         f"mesh expert {sizes[1]} spans hosts (4 devices per process): each MoE layer's token "
         "all-to-alls (forward and backward) cross the network; keep expert x fsdp x tensor <= 4 "
-        "(experts inside a host) with data across hosts"
+        "(experts inside a host) with data across hosts, or send each token once a host "
+        "(mesh.expert_node 4 with mesh.expert_inner)"
     ]
     assert said == (expected if crosses else [])
 

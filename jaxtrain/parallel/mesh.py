@@ -152,7 +152,8 @@ def host_warnings(mesh: Mesh) -> list[str]:
         said.append(
             f"mesh expert {mesh.shape[EXPERT_AXIS]} spans hosts ({per_process} devices per process): each "
             "MoE layer's token all-to-alls (forward and backward) cross the network; keep expert x fsdp "
-            f"x tensor <= {per_process} (experts inside a host) with data across hosts"
+            f"x tensor <= {per_process} (experts inside a host) with data across hosts, or send each "
+            f"token once a host (mesh.expert_node {per_process} with mesh.expert_inner)"
         )
     return said
 
