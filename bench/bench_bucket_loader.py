@@ -10,6 +10,12 @@ exactly as a run does. Each side reports, summed over the processes:
   tokens_per_s   the loader alone, nothing else running (disk: the page cache; bucket: one ranged GET
                  per window, a batch's GETs in flight together, to a Python server on this host)
   wait_frac      time blocked on the loader / total, with a simulated step of --step_ms between batches
+and each server's ceiling, measured before any loader runs:
+  server_ceiling ranged GETs of random windows it answers to procs x threads connections of the
+                 cheapest client (http.client: no SDK, no signing; S3 by a presigned URL), the
+                 tokens/s they hold, and the server's CPU a GET: for moto, one Python process, the
+                 most a reader making a GET a window gets from it here (for the Go server, serving
+                 on all cores, this one-process client is the bound)
 The rule, fixed before the first run (issue 61): tokens_per_s from the S3-API server >= 0.9 x disk
 at 2 processes, with the step of --step_ms simulated (what a run's data wait is); the loader-alone
 figures and the GCS-API server's are recorded beside it, not judged.
@@ -18,13 +24,16 @@ figures and the GCS-API server's are recorded beside it, not judged.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -85,6 +94,52 @@ def _side(path: str, args: argparse.Namespace, env: dict[str, str], step_ms: flo
     }
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds process `pid` has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _server_ceiling(
+    url: str, server: int, size: int, seq: int, connections: int, seconds: float
+) -> dict[str, float]:
+    """What the server (process `server`) answers on this machine: ranged GETs of random (seq + 1)-
+    token windows of the object at `url` (its whole address: presigned, or needing none),
+    `connections` at once, by the cheapest client there is (http.client: no SDK, no signing), for
+    `seconds`; and the server's CPU a GET, which bounds a one-process Python server (one GIL) to
+    1000 / that GETs/s with a core to itself. tokens_per_s counts seq + 1 tokens a GET, as the
+    loader's figure counts a row."""
+    parts = urllib.parse.urlsplit(url)
+    target = f"{parts.path}?{parts.query}" if parts.query else parts.path
+    width = (seq + 1) * 2  # bytes: uint16 tokens
+    counts: list[int] = []
+    stop = time.monotonic() + seconds
+
+    def client(seed: int) -> None:
+        rng, conn, n = np.random.default_rng(seed), http.client.HTTPConnection(parts.netloc), 0
+        while time.monotonic() < stop:
+            at = int(rng.integers(0, size - width))
+            conn.request("GET", target, headers={"Range": f"bytes={at}-{at + width - 1}"})
+            response = conn.getresponse()  # (a server that closes each connection: reopened on the next)
+            assert response.status == 206 and len(response.read()) == width, response.status
+            n += 1
+        counts.append(n)
+
+    t0, cpu0 = time.monotonic(), _cpu_s(server)
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(connections)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    gets, cpu = sum(counts) / (time.monotonic() - t0), _cpu_s(server) - cpu0
+    return {
+        "connections": connections,
+        "gets_per_s": round(gets),
+        "tokens_per_s": round(gets * (seq + 1)),
+        "server_cpu_ms_per_get": round(1000 * cpu / sum(counts), 3),
+    }
+
+
 def main() -> None:
     raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
@@ -97,6 +152,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=16, help="the loader's threads (data_threads)")
     parser.add_argument("--prefetch", type=int, default=8)
     parser.add_argument("--step_ms", type=float, default=50.0, help="the simulated step")
+    parser.add_argument(
+        "--ceiling_s", type=float, default=10.0, help="how long each server's ceiling is measured"
+    )
     parser.add_argument("--out", default=str(ROOT / "bench/results/loader_bucket_cpu.json"))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -151,6 +209,17 @@ def main() -> None:
             for p in shards:
                 s3.put_file(str(p), f"{BUCKET}/shards/{p.name}")
                 gs.put_file(str(p), f"{BUCKET}/shards/{p.name}")
+            # Each server alone, at the loaders' concurrency, before any loader runs.
+            obj = f"shards/{shards[0].name}"
+            object_urls = {
+                "s3": s3.url(f"{BUCKET}/{obj}", expires=3600),  # presigned
+                "gs": f"{gs_url}/storage/v1/b/{BUCKET}/o/{urllib.parse.quote(obj, safe='')}?alt=media",
+            }
+            size, connections = shards[0].stat().st_size, args.procs * args.threads
+            ceilings = {
+                side: _server_ceiling(url, server.pid, size, args.seq, connections, args.ceiling_s)
+                for (side, url), server in zip(object_urls.items(), servers, strict=True)
+            }
             env = {**os.environ, **store, "JAX_PLATFORMS": "cpu"}
             paths = {
                 "disk": str(Path(tmp) / "shards" / "*.bin"),
@@ -164,6 +233,8 @@ def main() -> None:
                 }
                 for side, path in paths.items()
             }
+            for side, ceiling in ceilings.items():
+                results[side]["server_ceiling"] = ceiling
     finally:
         for server in servers:
             server.terminate()
@@ -175,6 +246,10 @@ def main() -> None:
         for side in ("s3", "gs")
         for k, suffix in ((key, ""), ("loader_alone", "_loader_alone"))
     }
+    # Below 0.9, no reader making a GET a window meets the rule against this server on this machine.
+    for side in ("s3", "gs"):
+        ceiling = results[side]["server_ceiling"]["tokens_per_s"]
+        ratios[f"{side}_server_ceiling_over_disk"] = round(ceiling / disk[key]["tokens_per_s"], 3)
     git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     commit = git.stdout.strip()
     from importlib.metadata import version

@@ -176,6 +176,47 @@ def test_shards_are_one_window_space_read_lazily(tmp_path: Path) -> None:
     assert len(shards._open) <= 3  # open maps bounded however many shards were read
 
 
+def test_windows_in_a_bucket_are_read_by_merged_ranged_gets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shard in a bucket (fsspec's memory store standing in): overlapping windows and windows at
+    most bucket.MERGE_HOLE_BYTES apart are one ranged GET, farther ones their own; every row is the
+    shard's tokens; a GET that fails transiently is tried again (not returned in place of its bytes)."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from jaxtrain.disk import bucket
+
+    class Store(MemoryFileSystem):
+        gets: list[tuple[int, int]] = []
+        drops = 1  # the first GET's connection drops
+
+        def cat_file(self, path: str, start: int, end: int, **kw: object) -> bytes:
+            if Store.drops:
+                Store.drops -= 1
+                raise ConnectionError("connection reset")
+            Store.gets.append((start, end))
+            return super().cat_file(path, start, end, **kw)
+
+    store = Store(skip_instance_cache=True)
+    tokens, header = np.arange(60_000, dtype="<u2"), 16  # a header's bytes before the tokens
+    store.pipe_file("/jaxtrain-test/shard.bin", bytes(header) + tokens.tobytes())
+    monkeypatch.setattr(bucket, "fs", lambda url: store)
+    monkeypatch.setattr(bucket, "RETRY_FIRST_S", 0.01)
+    array = sources.ObjectArray(
+        bucket.ObjectPath("s3://jaxtrain-test/shard.bin"), np.dtype("<u2"), header, 60_000
+    )
+    hole = bucket.MERGE_HOLE_BYTES // 2  # tokens
+    first = [0, SEQ, 2 * SEQ]  # overlapping: one GET
+    near = 3 * SEQ + 1 + hole  # its first token just MERGE_HOLE_BYTES past the last window's end
+    far = near + SEQ + 1 + hole + 1
+    starts = np.array([far, near, *first, 50_000])  # in no order: rows come back in the index's order
+    try:
+        got = array[starts[:, None] + np.arange(SEQ + 1)]
+    finally:
+        store.rm("/jaxtrain-test", recursive=True)
+    np.testing.assert_array_equal(got, tokens[starts[:, None] + np.arange(SEQ + 1)])
+    rows = [(0, near + SEQ + 1), (far, far + SEQ + 1), (50_000, 50_000 + SEQ + 1)]  # tokens
+    assert sorted(Store.gets) == [(header + 2 * lo, header + 2 * hi) for lo, hi in rows]
+
+
 def test_glob_comma_list_and_set_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _shard_set(tmp_path / "a", 4)
     _shard_set(tmp_path / "b", 2, start=10)

@@ -123,7 +123,8 @@ def _read_array(path: Any, dtype: Any, offset: int, count: int) -> Any:
 
 class ObjectArray:
     """A 1-D array in an object, read by ranged GETs: a slice is one GET, an (n, k) index of n
-    contiguous rows (Shards.read's windows) n GETs in flight together."""
+    contiguous rows (Shards.read's windows) at most n GETs in flight together, rows a few KiB apart
+    or overlapping read by one (bucket.read_ranges)."""
 
     def __init__(self, path: bucket.ObjectPath, dtype: np.dtype, offset: int, count: int) -> None:
         self.path, self.dtype, self.offset, self.count = path, dtype, offset, count
