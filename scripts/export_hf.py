@@ -9,6 +9,11 @@ tokenizer.json + tokenizer_config.json (+ chat_template.jinja for a chat model, 
 saves it), generation_config.json. One process, CPU only: params are
 read one at a time, so host memory stays near the largest param. Then:
     AutoModelForCausalLM.from_pretrained("hf/llama_tiny")
+
+--out may be a bucket (gs://BUCKET/PATH, s3://BUCKET/PATH; the checkpoint too): the files are
+staged under $TMPDIR, each safetensors file put as soon as it is complete, config.json last, and
+a failure removes what was put (docs/object_storage.md). --resume_from hf:s3://BUCKET/PATH reads
+it there (--task test|predict|chat).
 """
 
 import sys

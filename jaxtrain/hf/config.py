@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from jaxtrain.config import ModelConfig, MoeConfig
-from jaxtrain.config.origin import hf_dir
+from jaxtrain.disk import bucket
 from jaxtrain.errors import UserError
+from jaxtrain.hf import hf_dir
 from jaxtrain.hf.moe import MOE_ARCHS, REFUSED, mla_keys, moe_architecture, moe_hf, moe_keys
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", *MOE_ARCHS)
@@ -22,9 +23,12 @@ SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen
 DEFAULT_SEQ_LEN = 2048
 
 
-def read(directory: Path) -> dict[str, Any]:
-    """The dir's config.json (missing or unreadable: one line)."""
-    path = directory / "config.json"
+def read(directory: Path | str, flag: str = "hf:") -> dict[str, Any]:
+    """The dir's config.json (missing or unreadable: one line); a dir in a bucket (gs://, s3://) is
+    checked first: no bucket, no credentials are one line naming `flag`."""
+    if isinstance(directory, str) and bucket.is_url(directory):
+        bucket.check(directory, flag, write=False)
+    path: Any = bucket.as_path(bucket.join(str(directory), "config.json"))  # a Path, or a bucket.ObjectPath
     try:
         out = json.loads(path.read_text())
     except FileNotFoundError:
@@ -151,7 +155,7 @@ def with_hf_model(flat: dict[str, Any]) -> dict[str, Any]:
     if directory is None:
         return flat
     where = f"--init_from {init_from}"
-    hf = read(directory)
+    hf = read(directory, "--init_from")
     keys = model_keys(hf, where)
     for key, value in keys.items():
         if key in flat and flat[key] != value and not (key == "model.n_kv_head" and flat[key] == 0):

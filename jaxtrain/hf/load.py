@@ -4,7 +4,10 @@
     params = source.restore_params(step, target, "--init_from")    # target: abstract params, sharded
 
 Each of our params is assembled on the host from its memory-mapped HF tensors, then placed on the
-devices shard by shard (each process reads only the slices it holds).
+devices shard by shard (each process reads only the slices it holds). DIR may be in a bucket
+(hf:gs://BUCKET/PATH, hf:s3://BUCKET/PATH): config.json is read from there, each safetensors file's
+header and then each tensor by range (store.py), the tokenizer files copied into the local cache
+(remote.py); nothing else touches local disk.
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxtrain.disk import bucket
 from jaxtrain.errors import UserError
 from jaxtrain.hf import PREFIX, weights
 from jaxtrain.hf import config as hf_config
+from jaxtrain.hf.remote import fetch_tokenizer
 from jaxtrain.hf.store import Reader
 from jaxtrain.model.params import path_names
 from jaxtrain.tokenizer import find_tokenizer
@@ -27,14 +32,16 @@ from jaxtrain.tokenizer import find_tokenizer
 class HFCheckpoint:
     """A Hugging Face model dir, read as if it were a checkpoint of step 0."""
 
-    def __init__(self, directory: Path, flag: str) -> None:
-        self.directory = directory.absolute()
-        self.where = f"{flag} {PREFIX}{directory}"
-        if not directory.is_dir():
+    def __init__(self, directory: Path | str, flag: str) -> None:
+        self.flag, self.where = flag, f"{flag} {PREFIX}{directory}"
+        # A dir in a bucket: its URL (read by range), and as a path an etils.epath.Path.
+        self.url = str(directory).rstrip("/") if bucket.is_url(str(directory)) else None
+        self.directory: Path = bucket.path(self.url) if self.url else Path(directory).absolute()
+        if self.url is None and not self.directory.is_dir():
             raise UserError(f"{self.where}: no such directory; give a Hugging Face model dir")
-        self.hf = hf_config.read(directory)
+        self.hf = hf_config.read(self.url or self.directory, flag)  # (a bucket checked: one line)
         self.keys = hf_config.model_keys(self.hf, self.where)
-        self.reader = Reader(directory)
+        self.reader = Reader(self.url or self.directory)
 
     def read_meta(self, step: int) -> dict[str, Any]:
         """What tasks.py reads of a checkpoint: its model config (and here its tokenizer)."""
@@ -42,7 +49,7 @@ class HFCheckpoint:
             k: dataclasses.asdict(v) if k == "moe" else v for k, v in hf_config.nested(self.keys).items()
         }
         model["seq_len"] = hf_config.context(self.hf)  # the task's window: `window`, checked there
-        tokenizer = find_tokenizer(self.directory)
+        tokenizer = fetch_tokenizer(self.url, self.flag) if self.url else find_tokenizer(self.directory)
         return {"config": {"model": model, "tokenizer": str(tokenizer or "")}}
 
     def window(self, wanted: int | None) -> int:
@@ -81,8 +88,10 @@ class HFCheckpoint:
 
         def load(path: tuple, leaf: Any) -> jax.Array:
             host = np.empty(leaf.shape, np.float32)
-            for e in by_leaf[path_names(path)]:
-                weights.put(e, host, self.reader.get(e.name).astype(np.float32))
+            group = by_leaf[path_names(path)]
+            # (from a bucket: the param's tensors read together, in ranged GETs in flight at once)
+            for e, tensor in zip(group, self.reader.get_many([e.name for e in group]), strict=True):
+                weights.put(e, host, tensor.astype(np.float32))
             return jax.make_array_from_callback(leaf.shape, leaf.sharding, lambda index: host[index])
 
         return jax.tree_util.tree_map_with_path(load, target)

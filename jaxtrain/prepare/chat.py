@@ -20,13 +20,14 @@ from typing import Any
 
 import numpy as np
 
-from jaxtrain.disk.files import require_writable
 from jaxtrain.errors import UserError
 from jaxtrain.prepare import inputs
-from jaxtrain.prepare.shards import SplitWriter, commit_outputs, sha256, staged
+from jaxtrain.prepare.inputs import Location
+from jaxtrain.prepare.output import staged
+from jaxtrain.prepare.shards import SplitWriter, local_tokenizer, out_location, source_entry, source_hashes
 from jaxtrain.text.chat_template import ChatFormat
 from jaxtrain.text.format import MANIFEST, token_dtype_for
-from jaxtrain.tokenizer import TOKENIZER_FILE, BPETokenizer, find_tokenizer
+from jaxtrain.tokenizer import TOKENIZER_FILE, BPETokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -58,7 +59,7 @@ def check_messages(row: Any, key: str) -> list[dict[str, Any]]:
 class PreparedChat:
     """What `prepare_chat` wrote, for the report."""
 
-    manifest_path: Path
+    manifest_path: Location
     conversations: dict[str, int]
     tokens: dict[str, int]
     kept: dict[str, int]  # tokens that take loss
@@ -71,7 +72,7 @@ class PreparedChat:
 def _rows(file: inputs.InputFile, key: str) -> Iterator[tuple[int, Any]]:
     """(row number from 1, row) of a jsonl or parquet file of conversations."""
     if file.kind == "parquet":
-        pf = inputs._parquet(file.path)
+        pf = inputs._parquet(file.path, file.size)
         if key not in pf.schema_arrow.names:
             raise UserError(
                 f"{file.path} has no column '{key}' (columns: {', '.join(pf.schema_arrow.names)})"
@@ -84,7 +85,7 @@ def _rows(file: inputs.InputFile, key: str) -> Iterator[tuple[int, Any]]:
         return
     if file.kind != "jsonl":
         raise UserError(f"{file.path}: --chat reads .jsonl or .parquet rows holding '{key}', not text files")
-    with open(file.path, "rb") as f:
+    with inputs.open_binary(file.path, file.size) as f:
         for row, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -123,20 +124,21 @@ def prepare_chat(
     overwrite: bool = False,
     messages_key: str = "messages",
 ) -> PreparedChat:
-    """jsonl/parquet conversations -> train.bin/val.bin, their .mask files and manifest.json."""
-    out_dir = Path(out_dir)
+    """jsonl/parquet conversations -> train.bin/val.bin, their .mask files and manifest.json (any
+    input, and out_dir, may be in a bucket)."""
     if seq_len < 2:
         raise UserError(f"--chat needs --seq_len N, the window of the model to train (>= 2); got {seq_len}")
     if not 0 <= val_fraction < 1:
         raise UserError(f"--val_fraction must be in [0, 1), got {val_fraction}")
-    require_writable(out_dir, "--out_dir")
-    if (out_dir / MANIFEST).exists() and not overwrite:
-        raise UserError(f"{out_dir / MANIFEST} already exists; pass --overwrite or another --out_dir")
-    if find_tokenizer(tokenizer) is None:
+    out = out_location(out_dir)
+    if (out / MANIFEST).exists() and not overwrite:
+        raise UserError(f"{out / MANIFEST} already exists; pass --overwrite or another --out_dir")
+    where = local_tokenizer(tokenizer, "--tokenizer")
+    if where is None:
         raise UserError(
             f"--chat needs --tokenizer DIR (or its tokenizer.json) of a chat model; got {tokenizer}"
         )
-    tok = BPETokenizer.from_file(tokenizer)
+    tok = BPETokenizer.from_file(where)
     chat = ChatFormat(tok, "pass --tokenizer DIR of a chat model (e.g. a Llama 3 or Qwen instruct model's)")
     files = inputs.describe(inputs.find_files([str(i) for i in inputs_], "*.jsonl,*.parquet"), None)
     t0 = time.perf_counter()
@@ -148,20 +150,21 @@ def prepare_chat(
         )
     dtype = np.dtype(token_dtype_for(tok.vocab_size)).newbyteorder("<")
     pad = chat.framing.eos if chat.framing.eos is not None else chat.framing.bos
-    with staged(out_dir) as staging:
+    with staged(out) as staging:
         packers = {}
         for split, part in (
             ("train", encoded[: len(encoded) - n_val]),
             ("val", encoded[len(encoded) - n_val :]),
         ):
-            packers[split] = _Packer(SplitWriter(staging, split, 0, dtype, masked=True), seq_len, pad or 0)
+            writer = SplitWriter(staging.folder, split, 0, dtype, masked=True, on_close=staging.closed)
+            packers[split] = _Packer(writer, seq_len, pad or 0)
             for ids, keep in part:
                 packers[split].add(ids, keep)
-        tok.save(staging)
+        tok.save(staging.folder)
         manifest = _manifest(packers, tok, tokenizer, chat, dtype, val_fraction, messages_key, files)
-        commit_outputs(staging, out_dir, manifest)
+        staging.commit(manifest)
     return PreparedChat(
-        manifest_path=out_dir / MANIFEST,
+        manifest_path=out / MANIFEST,
         conversations={s: p.conversations for s, p in packers.items()},
         tokens={s: p.writer.tokens for s, p in packers.items()},
         kept={s: p.kept for s, p in packers.items()},
@@ -215,5 +218,5 @@ def _manifest(
         "splits": {
             s: {"tokens": p.writer.tokens, "shards": shards[s]} for s, p in packers.items() if p.writer.tokens
         },
-        "sources": [{"path": str(f.path), "bytes": f.size, "sha256": sha256(f.path)} for f in files],
+        "sources": [source_entry(f, h) for f, h in zip(files, source_hashes(files, 1, ()), strict=True)],
     }  # fmt: skip

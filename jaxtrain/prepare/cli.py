@@ -14,9 +14,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from jaxtrain.disk import bucket
 from jaxtrain.errors import UserError
 from jaxtrain.parser import Parser
 from jaxtrain.prepare.chat import prepare_chat
+from jaxtrain.prepare.inputs import Location
 from jaxtrain.prepare.shards import DEFAULT_GLOB, PreparedData, prepare_corpus
 
 TRAIN_SEQ_LEN = 256  # scripts/train.py's default --model.seq_len
@@ -28,8 +30,14 @@ def parse_args(argv: list[str] | None = None, usage: str = "") -> argparse.Names
         description=usage,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("inputs", nargs="+", help="files, globs and/or folders (searched recursively)")
-    p.add_argument("--out_dir", required=True, help="where the token files and manifest.json are written")
+    p.add_argument(
+        "inputs", nargs="+",
+        help="files, globs and/or folders (searched recursively); any may be gs:// or s3:// URLs",
+    )  # fmt: skip
+    p.add_argument(
+        "--out_dir", required=True,
+        help="where the token files and manifest.json are written: a folder, or a gs:// or s3:// prefix",
+    )  # fmt: skip
     p.add_argument(
         "--glob", default=DEFAULT_GLOB, help=f"file name patterns inside folders (default: {DEFAULT_GLOB})"
     )
@@ -40,7 +48,7 @@ def parse_args(argv: list[str] | None = None, usage: str = "") -> argparse.Names
     p.add_argument(
         "--tokenizer",
         default="byte",
-        help="byte, bpe (trained here), a tokenizer.json or a Hugging Face folder",
+        help="byte, bpe (trained here), a tokenizer.json or a Hugging Face folder (either in a bucket too)",
     )
     p.add_argument("--vocab_size", type=int, default=0, help="BPE vocabulary size (with --tokenizer bpe)")
     p.add_argument(
@@ -99,15 +107,21 @@ def train_command(out_dir: str) -> str:
     python = Path(sys.executable)
     if python.is_relative_to(Path.cwd()):
         python = python.relative_to(Path.cwd())
-    name = Path(out_dir).resolve().name or "data"
-    return f"{python} scripts/train.py --run_dir runs/{name}"
+    name = out_dir.rstrip("/").rpartition("/")[2] if bucket.is_url(out_dir) else Path(out_dir).resolve().name
+    return f"{python} scripts/train.py --run_dir runs/{name or 'data'}"
+
+
+def _shown(path: Location) -> str:
+    """A written file as a train command names it: absolute (the command runs from the repo,
+    wherever prepare ran), or its URL."""
+    return str(path) if isinstance(path, bucket.ObjectPath) else str(Path(path).resolve())
 
 
 def train_flags(result: PreparedData, shard_tokens: int) -> str:
     """The flags of a train command that runs on `result`, after a note on any window it shortens."""
     # Absolute: the command runs from the repo, wherever prepare ran. Training reads the vocabulary
     # from the manifest (run/resolve.py: with_data_vocab).
-    flags = f"--train_data_path {Path(result.manifest_path).resolve()}"
+    flags = f"--train_data_path {_shown(result.manifest_path)}"
     if not result.val_paths:
         flags += " --eval_interval 0"
     split = min(["train", "val"] if result.val_paths else ["train"], key=lambda s: result.longest[s])
@@ -151,5 +165,5 @@ def _chat(args: argparse.Namespace) -> None:
     print(f"rendered, tokenized and packed in {r.seconds:.2f} s")
     if r.cut:
         print(f"{r.cut:,} conversation(s) longer than a window were cut across windows")
-    flags = f"--train_data_path {Path(r.manifest_path).resolve()} --model.seq_len {args.seq_len}"
+    flags = f"--train_data_path {_shown(r.manifest_path)} --model.seq_len {args.seq_len}"
     print(f"train with:\n  {train_command(args.out_dir)} {flags}")

@@ -11,21 +11,34 @@ start (or parquet row), so no unit straddles it, and holds at least the input's 
 corpus of one-line documents (files, jsonl lines, rows) is split between whole ones. Documents of
 jsonl and parquet files end with a blank line, unless the tokenizer frames documents with its own
 tokens (then a text file is one document).
+
+Any input may be an object in a bucket (gs://b/web/*.parquet, s3://b/books/): it is streamed by
+ranged reads through fsspec (a unit's bytes, a parquet file's footer and row groups), never
+copied whole to local disk.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import json
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, TypeVar
 
+from jaxtrain.disk import bucket
 from jaxtrain.errors import UserError
+
+Location = Path | bucket.ObjectPath  # a file on disk, or an object in a bucket
+T = TypeVar("T")
 
 UNIT_BYTES = 8 * 2**20
 DOC_END = "\n\n"  # after every jsonl/parquet document, so documents never run together
-_SCAN = 2**20  # bytes read at a time looking for a line start
+_SCAN = 2**20  # bytes a text file is searched for a line start before a character start is taken
+_STEP = 2**16  # bytes read at a time looking for a line start
+_BLOCK = 2**18  # an object's reads: each ranged GET reads this much past what was asked
 _PIECE = 2**16  # characters per piece handed to the tokenizer (cut at line ends)
 
 
@@ -33,10 +46,11 @@ _PIECE = 2**16  # characters per piece handed to the tokenizer (cut at line ends
 class InputFile:
     """An input file; `groups` holds a parquet file's rows per row group."""
 
-    path: Path
+    path: Location
     kind: str  # txt | jsonl | parquet
     size: int
     groups: tuple[int, ...] = ()
+    checksum: str = ""  # an object's: the store's own (bucket.stat's version tag)
 
 
 @dataclass(frozen=True)
@@ -50,16 +64,79 @@ class Unit:
     group: int = -1
 
 
-def _kind(path: Path) -> str:
-    return {".jsonl": "jsonl", ".parquet": "parquet"}.get(path.suffix.lower(), "txt")
+def _kind(path: Location) -> str:
+    return {".jsonl": "jsonl", ".parquet": "parquet"}.get(Path(path.name).suffix.lower(), "txt")
 
 
-def find_files(inputs: list[str], pattern: str) -> list[Path]:
-    """Files named directly or by a glob, plus files under named folders matching `pattern` (comma list)."""
-    files: list[Path] = []
+def _filesystem(url: str) -> Any:
+    """fsspec's filesystem of `url`'s scheme, made without bucket.fs's set-up for checkpoints (which
+    imports orbax): what a tokenizing worker needs to read objects. Endpoints and credentials come
+    from where the clouds' SDKs look, as bucket.fs's do."""
+    import fsspec
+
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # as bucket._setup
+    return fsspec.filesystem(url.partition("://")[0])
+
+
+def open_binary(path: Location, size: int | None = None) -> BinaryIO:
+    """The file, or the object streamed by ranged reads (`size`, where known, spares a request for
+    it), open for reading bytes."""
+    if isinstance(path, bucket.ObjectPath):
+        fs, key = _filesystem(path.url), path.url.partition("://")[2]
+        return fs.open(key, "rb", block_size=_BLOCK, cache_type="readahead", size=size)
+    return open(path, "rb")
+
+
+def _parts(url: str) -> list[str]:
+    """A URL's sort key: by folder, then name, as sorted() orders Paths (so "a/x" before "a-b/y")."""
+    return url.split("/")
+
+
+def _find_objects(item: str, patterns: list[str], pattern: str, checked: set[str]) -> list[Location]:
+    """The objects `item` (a gs:// or s3:// URL) names: one object, a glob's matches, or the objects
+    under a prefix matching `patterns`; a bucket that cannot be read is one line, as on disk (each
+    bucket checked once: `checked` holds those that were)."""
+    scheme, name, _ = bucket.split(item)
+    if f"{scheme}://{name}" not in checked:
+        bucket.check(item, "input", write=False)  # no such bucket, no credentials: UserError
+        checked.add(f"{scheme}://{name}")
+    fs, key = bucket.fs(item), item.partition("://")[2].rstrip("/")
+    if glob.has_magic(item):
+        matched = bucket.retry(f"listing {item}", lambda: fs.glob(key, detail=True))
+        found = sorted(
+            (f"{scheme}://{k}" for k, info in matched.items() if info.get("type") == "file"), key=_parts
+        )
+        if not found:
+            raise UserError(f"no objects match {item}; check the pattern (quote it in the shell)")
+        return [bucket.ObjectPath(u) for u in found]
+    try:
+        info = bucket.retry(f"reading {item}", lambda: fs.info(key, refresh=True))
+    except FileNotFoundError:
+        info = {}
+    if info.get("type") == "file":
+        return [bucket.ObjectPath(item)]
+    if info.get("type") == "directory":
+        under = [rel for rel in bucket.listing(item) if not rel.endswith("/")]
+        names = {rel for rel in under if any(fnmatch.fnmatch(rel.rpartition("/")[2], p) for p in patterns)}
+        if not names:
+            raise UserError(f"no objects matching '{pattern}' under {item}; pass another --glob, e.g. '*.md'")
+        return [bucket.ObjectPath(u) for u in sorted((f"{item.rstrip('/')}/{n}" for n in names), key=_parts)]
+    raise UserError(
+        f"input {item} does not exist; pass text, jsonl or parquet objects or prefixes (folders) of them"
+    )
+
+
+def find_files(inputs: list[str], pattern: str) -> list[Location]:
+    """Files named directly or by a glob, plus files under named folders matching `pattern` (comma
+    list); each may be in a bucket (gs://, s3://)."""
+    files: list[Location] = []
     patterns = [p.strip() for p in pattern.split(",") if p.strip()]
+    checked: set[str] = set()
     for item in inputs:
-        if glob.has_magic(item):
+        if bucket.is_url(item):
+            files += _find_objects(item, patterns, pattern, checked)
+        elif glob.has_magic(item):
             found = sorted(Path(p) for p in glob.glob(item, recursive=True) if Path(p).is_file())
             if not found:
                 raise UserError(f"no files match {item}; check the pattern (quote it in the shell)")
@@ -82,30 +159,52 @@ def find_files(inputs: list[str], pattern: str) -> list[Path]:
     return files
 
 
-def _parquet(path: Path) -> Any:
+def _parquet(path: Location, size: int | None = None) -> Any:
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise UserError(f"{path} is parquet, which needs pyarrow: pip install -e '.[parquet]'") from None
     try:
-        return pq.ParquetFile(path)
+        # An object: its footer, then each row group's column, read by range through fsspec.
+        return _retried(path, lambda: pq.ParquetFile(open_binary(path, size) if _remote(path) else path))
     except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... on a bad file
-        raise UserError(
-            f"{path} is not a readable parquet file ({str(e).splitlines()[0]}); re-create it"
-        ) from None
+        raise _unreadable(path, e, "parquet file") from None
 
 
-def describe(paths: list[Path], text_column: str | None) -> list[InputFile]:
+def _remote(path: Location) -> bool:
+    return isinstance(path, bucket.ObjectPath)
+
+
+def _retried(path: Location, fn: Callable[[], T]) -> T:
+    """fn(), tried again while an object's read fails transiently (a file's: once)."""
+    return bucket.retry(f"reading {path}", fn) if _remote(path) else fn()
+
+
+def _unreadable(path: Location, e: Exception, what: str) -> UserError:
+    """The one line for a file that cannot be read: a bad file's, or a store's refusal."""
+    if _remote(path) and (bucket.transient(e) or isinstance(e, (FileNotFoundError, PermissionError))):
+        return UserError(f"{path} cannot be read: {bucket.reason(e)}")
+    return UserError(f"{path} is not a readable {what} ({str(e).splitlines()[0]}); re-create it")
+
+
+def describe(paths: Sequence[Location], text_column: str | None) -> list[InputFile]:
     """Size, kind and (parquet) row groups of each input; empty files and missing text columns are
     refused (text_column None: no text column is read, as with --chat's messages)."""
     out = []
     for path in paths:
-        size, kind = path.stat().st_size, _kind(path)
+        checksum, kind = "", _kind(path)
+        if isinstance(path, bucket.ObjectPath):
+            found = bucket.stat(path.url)
+            if found is None:
+                raise UserError(f"input {path} does not exist (removed meanwhile?)")
+            size, _, checksum = found
+        else:
+            size = path.stat().st_size
         if size == 0:
             raise UserError(f"input {path} is empty (0 bytes); remove it or fill it")
         groups: tuple[int, ...] = ()
         if kind == "parquet":
-            pf = _parquet(path)
+            pf = _parquet(path, size)
             schema = pf.schema_arrow
             if text_column is not None and text_column not in schema.names:
                 raise UserError(
@@ -121,7 +220,7 @@ def describe(paths: list[Path], text_column: str | None) -> list[InputFile]:
             groups = tuple(pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups))
             if not sum(groups):
                 raise UserError(f"input {path} has no rows; remove it")
-        out.append(InputFile(path, kind, size, groups))
+        out.append(InputFile(path, kind, size, groups, checksum))
     return out
 
 
@@ -171,9 +270,13 @@ def _val_start(f: InputFile, cut: int, last: bool) -> int:
     """Where validation starts in a text or jsonl file cut at byte `cut`: the line start read_unit
     would move it to, but in the input's last file no later than its last line holding text (that
     line start, read_unit leaves as it is)."""
-    with open(f.path, "rb") as fh:
-        start = _line_start(fh, cut, f.size, f.kind == "jsonl")
-        return min(start, _last_line_start(fh, f.size)) if last else start
+
+    def find() -> int:
+        with open_binary(f.path, f.size) as fh:
+            start = _line_start(fh, cut, f.size, f.kind == "jsonl")
+            return min(start, _last_line_start(fh, f.size)) if last else start
+
+    return _retried(f.path, find)
 
 
 def _last_line_start(f: Any, size: int) -> int:
@@ -200,11 +303,11 @@ def _line_start(f: Any, pos: int, size: int, whole_lines: bool) -> int:
     if f.read(1) == b"\n":
         return pos
     at = pos
-    while block := f.read(_SCAN):
+    while block := f.read(_STEP):  # (an object reads a step's GET, not a whole 1 MiB, per line start)
         if (i := block.find(b"\n")) >= 0:
             return at + i + 1
         at += len(block)
-        if not whole_lines:
+        if not whole_lines and (at - pos >= _SCAN or at >= size):
             break
     else:
         return size
@@ -234,12 +337,21 @@ def read_unit(
     "" where the tokenizer frames documents with tokens)."""
     if file.kind == "parquet":
         return _read_rows(file, unit, text_column, doc_end)
-    with open(file.path, "rb") as f:
-        whole = file.kind == "jsonl"  # a JSON line cannot be cut
-        start = _line_start(f, unit.start, file.size, whole)
-        end = _line_start(f, unit.end, file.size, whole)
-        f.seek(start)
-        data = f.read(end - start)
+
+    def read() -> tuple[int, bytes]:
+        with open_binary(file.path, file.size) as f:
+            whole = file.kind == "jsonl"  # a JSON line cannot be cut
+            start = _line_start(f, unit.start, file.size, whole)
+            end = _line_start(f, unit.end, file.size, whole)
+            f.seek(start)
+            return start, f.read(end - start)
+
+    try:
+        start, data = _retried(file.path, read)
+    except Exception as e:
+        if not _remote(file.path):
+            raise
+        raise _unreadable(file.path, e, "text file") from None
     if file.kind == "txt":
         try:
             return _pieces(data.decode("utf-8"))
@@ -274,10 +386,10 @@ def read_unit(
 
 
 def _read_rows(file: InputFile, unit: Unit, text_column: str, doc_end: str) -> list[str]:
-    docs: list[str] = []
-    row = 0
-    try:
-        for batch in _parquet(file.path).iter_batches(
+    def read() -> list[str]:
+        docs: list[str] = []
+        row = 0
+        for batch in _parquet(file.path, file.size).iter_batches(
             batch_size=1024, row_groups=[unit.group], columns=[text_column]
         ):
             lo, hi = max(unit.start - row, 0), min(unit.end - row, batch.num_rows)
@@ -286,10 +398,11 @@ def _read_rows(file: InputFile, unit: Unit, text_column: str, doc_end: str) -> l
             row += batch.num_rows
             if row >= unit.end:
                 break
+        return docs
+
+    try:
+        return _retried(file.path, read)
     except UserError:
         raise
     except Exception as e:  # a corrupt page surfaces only when read
-        raise UserError(
-            f"{file.path} is not a readable parquet file ({str(e).splitlines()[0]}); re-create it"
-        ) from None
-    return docs
+        raise _unreadable(file.path, e, "parquet file") from None

@@ -6,22 +6,19 @@
 Without shard_tokens the outputs are train.bin and val.bin, flat nanoGPT files. Work units (see
 inputs.py) are tokenized by `workers` processes, at most two units each in flight, and written in
 order: the output is the same for any worker count and memory stays flat however large the input.
-Everything is written into a hidden folder inside out_dir and moved into place only once all of it
-succeeded, manifest.json last: a set without its manifest is incomplete.
+Everything is staged and moved into place only once all of it succeeded, manifest.json last: a set
+without its manifest is incomplete (output.py). Inputs and out_dir may be in a bucket (gs://,
+s3://): inputs are streamed by range, each shard is put into the bucket as soon as it is closed.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import hashlib
-import json
 import multiprocessing
 import os
-import shutil
 import time
-import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,27 +27,14 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from jaxtrain.cluster.lifeline import die_with_parent
-from jaxtrain.disk.files import require_writable, write_text
+from jaxtrain.disk import bucket
+from jaxtrain.disk.files import require_writable
 from jaxtrain.errors import UserError
 from jaxtrain.prepare import inputs
-from jaxtrain.text.format import (
-    HEADER_BYTES,
-    HEADER_MAGIC,
-    MANIFEST,
-    MANIFEST_FORMAT,
-    MASK_SUFFIX,
-    token_dtype_for,
-)
-from jaxtrain.tokenizer import (
-    CHAT_TEMPLATE_DIR,
-    CHAT_TEMPLATE_FILE,
-    TOKENIZER_CONFIG,
-    TOKENIZER_FILE,
-    BPETokenizer,
-    ByteTokenizer,
-    Framing,
-    find_tokenizer,
-)
+from jaxtrain.prepare.inputs import Location
+from jaxtrain.prepare.output import Staging, is_output, staged
+from jaxtrain.text.format import HEADER_BYTES, HEADER_MAGIC, MANIFEST, MASK_SUFFIX, token_dtype_for
+from jaxtrain.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer, Framing, find_tokenizer
 
 DEFAULT_GLOB = "*.txt,*.jsonl,*.parquet"
 
@@ -59,15 +43,15 @@ DEFAULT_GLOB = "*.txt,*.jsonl,*.parquet"
 class PreparedData:
     """What `prepare_corpus` wrote, and how fast it tokenized."""
 
-    manifest_path: Path
-    train_paths: list[Path]
-    val_paths: list[Path]
+    manifest_path: Location
+    train_paths: list[Location]
+    val_paths: list[Location]
     train_tokens: int
     val_tokens: int
     longest: dict[str, int]  # tokens of each split's longest file: windows of up to one less fit it
     vocab_size: int
     token_dtype: str
-    tokenizer_path: Path | None
+    tokenizer_path: Location | None
     tokenize_seconds: float
     workers: int
 
@@ -113,7 +97,7 @@ def _tokenize(unit: inputs.Unit) -> np.ndarray:
     )
 
 
-def sha256(path: Path) -> str:
+def sha256(path: Path) -> str:  # (a file on disk)
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(2**20):
@@ -151,10 +135,16 @@ class SplitWriter:
     masked: each shard's loss mask beside it (`.mask`, one uint8 per token)."""
 
     def __init__(
-        self, directory: Path, split: str, shard_tokens: int, dtype: np.dtype, masked: bool = False
+        self,
+        directory: Path,
+        split: str,
+        shard_tokens: int,
+        dtype: np.dtype,
+        masked: bool = False,
+        on_close: Callable[[list[str]], None] | None = None,
     ) -> None:
         self.directory, self.split, self.shard_tokens, self.dtype = directory, split, shard_tokens, dtype
-        self.masked = masked
+        self.masked, self.on_close = masked, on_close
         self.shards: list[dict[str, Any]] = []
         self.tokens = 0
         self._f: BinaryIO | None = None
@@ -207,64 +197,13 @@ class SplitWriter:
              "max_id": self._max, "sha256_tokens": self._hash.hexdigest()}
             | ({"mask": self._name.replace(".bin", MASK_SUFFIX)} if self.masked else {})
         )  # fmt: skip
+        if self.on_close is not None:  # (a bucket's staging puts the shard there now)
+            self.on_close([self._name, *([self.shards[-1]["mask"]] if self.masked else [])])
 
     def finish(self) -> list[dict[str, Any]]:
         if self._f is not None:
             self._close()
         return self.shards
-
-
-def _is_output(name: str) -> bool:
-    """Names this module writes into out_dir (so they are never inputs, and stale ones are removed)."""
-    stem = name.removesuffix(".bin").removesuffix(MASK_SUFFIX)
-    tokenizer = (TOKENIZER_FILE, TOKENIZER_CONFIG, CHAT_TEMPLATE_FILE, CHAT_TEMPLATE_DIR)
-    return name in (MANIFEST, *tokenizer) or (
-        name.endswith((".bin", MASK_SUFFIX))
-        and (stem in ("train", "val") or stem.split("_")[0] in ("train", "val"))
-    )
-
-
-@contextlib.contextmanager
-def staged(out_dir: Path) -> Iterator[Path]:
-    """A hidden folder inside out_dir to write a set into, whole or not at all: commit_outputs
-    moves what it holds into place; whatever is left (a failure's) is removed, and so are the
-    folders made for it (out_dir and its missing parents), where a failure left them empty."""
-    made = [d for d in (out_dir, *out_dir.parents) if not d.exists()]  # innermost first
-    out_dir.mkdir(parents=True, exist_ok=True)
-    staging = out_dir / f".prepare.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-    staging.mkdir()
-    done = False
-    try:
-        yield staging
-        done = True
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-        for folder in made if not done else []:
-            try:
-                folder.rmdir()  # only an empty one: never what anyone else put there meanwhile
-            except OSError:
-                break
-
-
-def commit_outputs(staging: Path, out_dir: Path, manifest: dict[str, Any]) -> None:
-    """Move the staged files into out_dir, dropping an earlier run's; the manifest (its format
-    and version put first) lands last."""
-    with contextlib.suppress(FileNotFoundError):
-        (out_dir / MANIFEST).unlink()  # from here until the new one lands, the set reads as incomplete
-    new = {p.name for p in staging.iterdir()}
-    for old in out_dir.iterdir():
-        if old.is_dir() and old.name == CHAT_TEMPLATE_DIR:  # a folder is replaced whole
-            shutil.rmtree(old)
-        elif old.is_file() and _is_output(old.name) and old.name not in new:
-            old.unlink()
-    for path in staging.rglob("*"):  # on disk before the manifest says the set is whole
-        if path.is_file():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-    for name in sorted(new):
-        os.replace(staging / name, out_dir / name)
-    manifest = {"format": MANIFEST_FORMAT, "version": 1} | manifest
-    write_text(out_dir / MANIFEST, json.dumps(manifest, indent=1) + "\n")
 
 
 # ---------------------------------------------------------------- the pipeline
@@ -295,15 +234,52 @@ def _tokenizer(
         )
         tok = BPETokenizer.train(texts, vocab_size)
         return tok, {"kind": "bpe", "vocab_size": tok.vocab_size, "file": TOKENIZER_FILE}
-    if find_tokenizer(kind) is None:
+    where = local_tokenizer(kind, "--tokenizer")
+    if where is None:
         raise UserError(
             f"--tokenizer must be byte, bpe, a tokenizer.json file or a folder holding one; {kind} is "
             "none of these"
         )
     if vocab_size:
         raise UserError(f"--vocab_size is taken from {kind}; leave it out")
-    tok = BPETokenizer.from_file(kind)
+    tok = BPETokenizer.from_file(where)
     return tok, {"kind": "file", "vocab_size": tok.vocab_size, "file": TOKENIZER_FILE, "from": str(kind)}
+
+
+def local_tokenizer(where: str, flag: str) -> Path | None:
+    """find_tokenizer(where), where a tokenizer in a bucket (a tokenizer.json object, or a prefix
+    holding one, as a Hugging Face folder does) is first copied with its companions into the cache."""
+    if bucket.is_url(where):
+        from jaxtrain.hf.remote import fetch_tokenizer
+
+        return fetch_tokenizer(where, flag)
+    return find_tokenizer(where)
+
+
+def out_location(out_dir: str | Path) -> Location:
+    """--out_dir as written to: a folder, or (gs://, s3://) a prefix in a bucket, checked: a bucket
+    that cannot be read or written is one line here, before any input is read."""
+    if bucket.is_url(str(out_dir)):
+        bucket.check(str(out_dir), "--out_dir", write=True)
+        return bucket.ObjectPath(str(out_dir))
+    require_writable(Path(out_dir), "--out_dir")
+    return Path(out_dir)
+
+
+def source_entry(f: inputs.InputFile, sha: str | None) -> dict[str, Any]:
+    """manifest.json's record of an input: its path, size and sha256; an object in a bucket, the
+    store's own checksum (CRC32C, MD5 or ETag), which asks for no second read of it."""
+    if isinstance(f.path, bucket.ObjectPath):
+        return {"path": str(f.path), "bytes": f.size, "checksum": f.checksum}
+    return {"path": str(f.path), "bytes": f.size, "sha256": sha}
+
+
+def source_hashes(files: list[inputs.InputFile], workers: int, init: tuple[Any, ...]) -> list[str | None]:
+    """The sha256 of each input on disk (None for objects: see source_entry), on `workers` processes."""
+    local = [f.path for f in files if isinstance(f.path, Path)]
+    workers = min(workers, len(local))
+    hashes = iter(_in_order(local, sha256, workers, init) if workers > 1 else map(sha256, local))
+    return [next(hashes) if isinstance(f.path, Path) else None for f in files]
 
 
 def prepare_corpus(
@@ -319,19 +295,19 @@ def prepare_corpus(
     text_key: str = "text",
     text_column: str = "text",
 ) -> PreparedData:
-    """Inputs (files, folders, globs) -> token files and manifest.json in out_dir; workers 0 = every core."""
-    out_dir = Path(out_dir)
+    """Inputs (files, folders, globs) -> token files and manifest.json in out_dir; workers 0 = every
+    core. Any input, and out_dir, may be in a bucket (gs://, s3://)."""
     if not 0 <= val_fraction < 1:
         raise UserError(f"--val_fraction must be in [0, 1), got {val_fraction}")
     if shard_tokens < 0 or workers < 0:
         raise UserError(f"--shard_tokens and --workers must be >= 0, got {shard_tokens} and {workers}")
-    require_writable(out_dir, "--out_dir")
-    existing = [n for n in (MANIFEST, "train.bin", "train_00000.bin") if (out_dir / n).exists()]
+    out = out_location(out_dir)
+    existing = [n for n in (MANIFEST, "train.bin", "train_00000.bin") if (out / n).exists()]
     if existing and not overwrite:
-        raise UserError(f"{out_dir / existing[0]} already exists; pass --overwrite or another --out_dir")
+        raise UserError(f"{out / existing[0]} already exists; pass --overwrite or another --out_dir")
     paths = [
         p for p in inputs.find_files([str(i) for i in inputs_], pattern)
-        if not (p.resolve().parent == out_dir.resolve() and _is_output(p.name))
+        if not (p.resolve().parent == out.resolve() and is_output(p.name))
     ]  # fmt: skip
     if not paths:
         raise UserError("the only inputs are this script's own outputs; pass text, jsonl or parquet files")
@@ -339,7 +315,7 @@ def prepare_corpus(
     units = inputs.plan(files, val_fraction)
     tok, tok_entry = _tokenizer(tokenizer, vocab_size, files, units, text_key, text_column)
     return prepare_files(
-        files, units, out_dir, tok, tok_entry,
+        files, units, out, tok, tok_entry,
         shard_tokens=shard_tokens, workers=workers or os.cpu_count() or 1,
         text_key=text_key, text_column=text_column, val_fraction=val_fraction,
     )  # fmt: skip
@@ -348,7 +324,7 @@ def prepare_corpus(
 def prepare_files(
     files: list[inputs.InputFile],
     units: list[inputs.Unit],
-    out_dir: Path,
+    out_dir: Location,
     tok: ByteTokenizer | BPETokenizer,
     tok_entry: dict[str, Any],
     shard_tokens: int,
@@ -372,8 +348,8 @@ def prepare_files(
         longest = {split: max((s["tokens"] for s in shards[split]), default=0) for split in shards}
         _check_splits(longest, val_fraction, shard_tokens)
         if isinstance(tok, BPETokenizer):  # its special tokens and chat template: for training, predict, chat
-            tok.save(staging)
-        hashes = list(_in_order([f.path for f in files], sha256, min(workers, len(files)), init))
+            tok.save(staging.folder)
+        hashes = source_hashes(files, workers, init)
         manifest = {
             "tokenizer": tok_entry,
             # Boundary tokens around each document (null, null: separated by text, inputs.DOC_END);
@@ -386,12 +362,9 @@ def prepare_files(
             "text_key": text_key,
             "text_column": text_column,
             "splits": {k: {"tokens": counts[k], "shards": shards[k]} for k in shards if counts[k]},
-            "sources": [
-                {"path": str(f.path), "bytes": f.size, "sha256": h}
-                for f, h in zip(files, hashes, strict=True)
-            ],
+            "sources": [source_entry(f, h) for f, h in zip(files, hashes, strict=True)],
         }
-        commit_outputs(staging, out_dir, manifest)
+        staging.commit(manifest)
     return PreparedData(
         manifest_path=out_dir / MANIFEST,
         train_paths=[out_dir / s["file"] for s in shards["train"]],
@@ -410,7 +383,7 @@ def prepare_files(
 def _write_splits(
     files: list[inputs.InputFile],
     units: list[inputs.Unit],
-    staging: Path,
+    staging: Staging,
     shard_tokens: int,
     dtype: np.dtype,
     workers: int,
@@ -418,7 +391,10 @@ def _write_splits(
 ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, int], float]:
     """Each unit tokenized and written to its split, in order: each split's shards, its tokens, and
     the seconds it took. An input that gave no tokens is refused."""
-    writers = {split: SplitWriter(staging, split, shard_tokens, dtype) for split in ("train", "val")}
+    writers = {
+        split: SplitWriter(staging.folder, split, shard_tokens, dtype, on_close=staging.closed)
+        for split in ("train", "val")
+    }
     per_file = [0] * len(files)
     t0 = time.perf_counter()
     for unit, ids in zip(units, _in_order(units, _tokenize, workers, init), strict=True):
