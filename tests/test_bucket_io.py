@@ -22,7 +22,9 @@ import pytest
 from stores import BUCKET, client
 
 from jaxtrain.cluster.shutdown import exit_on_user_error
+from jaxtrain.config import load_config
 from jaxtrain.data import sources
+from jaxtrain.data.framing import model_tokenizer
 from jaxtrain.errors import UserError
 from jaxtrain.prepare import cli as prepare_cli
 from jaxtrain.prepare.shards import prepare_corpus
@@ -218,6 +220,10 @@ def test_export_to_gcs_and_init_from_it_give_back_every_param(stores, checkpoint
     tokenizer = Path(source.read_meta(0)["config"]["tokenizer"])
     assert tokenizer.read_bytes() == on_disk["tokenizer.json"]
     assert tokenizer.is_relative_to(os.environ["XDG_CACHE_HOME"])
+    # train.py takes it (a bucket URL in init_from is read, not refused), and checks the data's
+    # framing against the tokenizer beside its weights in the bucket
+    cfg = load_config(["--config", "configs/tiny.yaml", "--init_from", f"hf:{url}"])
+    assert model_tokenizer(cfg).to_json() == on_disk["tokenizer.json"].decode()
 
     # An export that fails midway (after some files were put) puts nothing.
     get, calls = export_lib._Leaves.get, []

@@ -376,7 +376,7 @@ class Config:
 SOURCE_LISTS = ("train_data_path", "valid_data_path")  # a YAML list of sources is a mixture
 BUCKET_SCHEMES = ("gs://", "s3://")
 # The path keys that may name a bucket (docs/object_storage.md); any other URL is refused at load.
-BUCKET_KEYS = ("run_dir", "resume_from", *SOURCE_LISTS)
+BUCKET_KEYS = ("run_dir", "resume_from", "init_from", *SOURCE_LISTS)
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
