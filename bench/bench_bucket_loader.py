@@ -163,6 +163,10 @@ def main() -> None:
     if args.worker:
         _worker(args)
         return
+    # The commit and the machine's load as the run starts (others' commits and work may land meanwhile;
+    # on these shared cores the figures move with the load).
+    git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    commit, load_at_start = git.stdout.strip(), os.getloadavg()[0]
 
     def free_port() -> int:
         with socket.socket() as s:
@@ -250,13 +254,15 @@ def main() -> None:
     for side in ("s3", "gs"):
         ceiling = results[side]["server_ceiling"]["tokens_per_s"]
         ratios[f"{side}_server_ceiling_over_disk"] = round(ceiling / disk[key]["tokens_per_s"], 3)
-    git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    commit = git.stdout.strip()
     from importlib.metadata import version
 
     out = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "commit": commit,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "load_1min": [round(load_at_start, 1), round(os.getloadavg()[0], 1)],
+        },
         "versions": {p: version(p) for p in ("grain", "s3fs", "gcsfs", "fsspec", "moto", "numpy")},
         "args": {k: v for k, v in vars(args).items() if k not in ("worker", "rank", "path", "out")},
         "rule": f"bucket tokens/s >= 0.9 x disk at {args.procs} processes, with a {args.step_ms:g} ms step",
