@@ -215,6 +215,9 @@ def test_windows_in_a_bucket_are_read_by_merged_ranged_gets(monkeypatch: pytest.
     np.testing.assert_array_equal(got, tokens[starts[:, None] + np.arange(SEQ + 1)])
     rows = [(0, near + SEQ + 1), (far, far + SEQ + 1), (50_000, 50_000 + SEQ + 1)]  # tokens
     assert sorted(Store.gets) == [(header + 2 * lo, header + 2 * hi) for lo, hi in rows]
+    # Adjacent ranges (a safetensors file's tensors) merge only while a GET stays within `most` bytes.
+    merged = bucket.merge([0, 10, 20, 30], [10, 20, 30, 40], hole=0, most=20)
+    assert merged == ([0, 20], [20, 40], [0, 0, 1, 1])
 
 
 def test_glob_comma_list_and_set_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -42,10 +42,13 @@ RETRY_MAX_S = 8.0
 # median, ~300 GETs/s, what one process's 16 rows need at a 50 ms step with nothing to spare for
 # slower answers or bigger batches; 64 (connections open only as needed; gcsfs's pool allows 100).
 S3_CONNECTIONS = 64
-# Ranges of one object at most this far apart are read by one GET, the hole read and dropped
-# (Arrow's default hole for its merged reads): a few KiB cost far less than another request. Adjacent
-# windows overlap by a token, so a batch of consecutive windows (a small validation split) is one GET.
+# Ranges of one object at most MERGE_HOLE_BYTES apart are read by one GET of at most MERGE_MOST_BYTES,
+# the hole read and dropped (Arrow's defaults for its merged reads): a few KiB cost far less than
+# another request, and a long run of adjacent ranges (a safetensors file's tensors) stays many GETs
+# in flight together rather than one long one. Adjacent windows overlap by a token, so a batch of
+# consecutive windows (a small validation split) is one GET.
 MERGE_HOLE_BYTES = 8 * 2**10
+MERGE_MOST_BYTES = 32 * 2**20
 
 
 def is_url(path: str | os.PathLike[str] | None) -> bool:
@@ -331,15 +334,16 @@ def _tag(info: dict[str, Any]) -> str:
 
 
 def merge(
-    starts: list[int], ends: list[int], hole: int = MERGE_HOLE_BYTES
+    starts: list[int], ends: list[int], hole: int = MERGE_HOLE_BYTES, most: int = MERGE_MOST_BYTES
 ) -> tuple[list[int], list[int], list[int]]:
     """The GETs that read ranges [starts[i], ends[i]) of one object, ranges at most `hole` bytes
-    apart (or overlapping) merged: (the GETs' starts, their ends, the GET holding each range)."""
+    apart (or overlapping) merged while a GET stays within `most` bytes: (the GETs' starts, their
+    ends, the GET holding each range)."""
     lo: list[int] = []
     hi: list[int] = []
     which = [0] * len(starts)
     for i in sorted(range(len(starts)), key=starts.__getitem__):
-        if lo and starts[i] <= hi[-1] + hole:
+        if lo and starts[i] <= hi[-1] + hole and max(hi[-1], ends[i]) - lo[-1] <= most:
             hi[-1] = max(hi[-1], ends[i])
         else:
             lo.append(starts[i])
