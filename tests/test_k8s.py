@@ -2,8 +2,10 @@
 --mode create_k8s writes, checked against Kubernetes' own schemas (kubernetes-validate, strict) and
 JobSet's CRD (tests/k8s/jobset_v1alpha2.schema.json); each pod's place found from exactly the
 environment the manifest gives it (tests/pods.py fills it in as the controllers do); and four pods
-simulated as processes in network namespaces of their own, under their own hostnames, that train,
-lose one to kill -9, are all restarted as JobSet's failure policy does, and resume bitwise.
+simulated as processes in network namespaces of their own, under their own hostnames, that train
+with their run dir in a bucket (moto, an S3-API server at this machine's address on the pods'
+network, its endpoint and Secret given as the manifest gives them), lose one to kill -9, are all
+restarted as JobSet's failure policy does, and resume bitwise from the bucket.
 
     pytest tests/test_k8s.py      # the pods' test needs root (network namespaces)
 """
@@ -14,11 +16,14 @@ import contextlib
 import copy
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +31,9 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from pods import Pods, indexed_job_pods, jobset_pods, netns_works, stopped
-from processes import TINY, clean_env, logged_losses, ok, processes_marked, rank_pid
+from pods import HOST, Pods, indexed_job_pods, jobset_pods, netns_works, stopped
+from processes import TINY, clean_env, logged_losses, processes_marked, rank_pid
+from stores import answering, free_port
 
 from jaxtrain.cluster.detect import detect
 from jaxtrain.config import DistConfig
@@ -35,6 +41,7 @@ from jaxtrain.errors import UserError
 from jaxtrain.launch import cli, k8s
 
 REPO = Path(__file__).resolve().parent.parent
+BUCKET = "jaxtrain-pods"
 SCHEMA = json.loads((REPO / "tests/k8s/jobset_v1alpha2.schema.json").read_text())
 K8S_VERSION = "1.37.0"  # kubernetes-validate's newest schemas (constraints.txt pins the package)
 
@@ -162,35 +169,41 @@ def test_four_pods_train_lose_one_to_kill_9_restart_together_and_resume_bitwise(
     why = netns_works()
     if why:
         pytest.skip(why)
-    args = [*TINY, "--total_steps", "40", "--checkpoint_interval", "10"]
-    run_dir, logs = tmp_path / "run", tmp_path / "pods"
+    # The run dir in a bucket of an S3-API server outside the cluster, at this machine's address on
+    # the pods' network; its keys in a Secret the manifest names, its endpoint in the manifest, as
+    # a user points pods at an S3-compatible store. No run dir is shared: each pod has its own /tmp.
+    prefix, subnet = f"jk{os.getpid() % 10000}", f"10.214.{os.getpid() % 200 + 20}"
+    endpoint = f"http://{subnet}.{HOST}:{free_port()}"
+    keys = {"AWS_ACCESS_KEY_ID": f"pods-{uuid.uuid4().hex[:8]}", "AWS_SECRET_ACCESS_KEY": uuid.uuid4().hex}
+    args, run_dir = [*TINY, "--total_steps", "40", "--checkpoint_interval", "10"], f"s3://{BUCKET}/run"
+    store = ("--secret", "bucket-keys", "--env", f"AWS_ENDPOINT_URL={endpoint}")
+    store += ("--env", "AWS_REGION=us-east-1")
     (jobset,) = create(
-        tmp_path, "--num-nodes", "4", "--gpus-per-node", "8", script=(*args, "--run_dir", str(run_dir))
+        tmp_path, "--num-nodes", "4", "--gpus-per-node", "8", *store, script=(*args, "--run_dir", run_dir)
     )
     check_jobset(jobset)
+    assert pod_of(jobset)["containers"][0]["envFrom"] == [{"secretRef": {"name": "bucket-keys"}}]
+    assert keys["AWS_SECRET_ACCESS_KEY"] not in (tmp_path / "k8s.yaml").read_text()  # by reference only
     max_restarts = jobset["spec"]["failurePolicy"]["maxRestarts"]
     pod_grace = pod_of(jobset)["terminationGracePeriodSeconds"]
-    # The uninterrupted run: the same four processes, on this host.
-    reference = tmp_path / "reference"
-    ok(subprocess.run(
-        [sys.executable, "scripts/run_distributed.py", "--mode", "manual", "--world-size", "4", "--",
-         *args, "--run_dir", str(reference)],
-        cwd=REPO, env=clean_env(1), capture_output=True, text=True, timeout=300,
-    ))  # fmt: skip
+    secrets = {"bucket-keys": keys}  # the cluster's Secrets, which the kubelet reads
     marker = uuid.uuid4().hex
     image = {"python": sys.executable, "/app": str(REPO)}  # the image: this checkout and its python
-    base = clean_env(1, JAXTRAIN_TEST_MARK=marker)  # the image's own environment
+    base = clean_env(1, drop=("AWS_", "STORAGE_EMULATOR_HOST"), JAXTRAIN_TEST_MARK=marker)  # the image's
+    logs, disks = tmp_path / "pods", tmp_path / "disks"
     logs.mkdir()
-    prefix, subnet = f"jk{os.getpid() % 10000}", f"10.214.{os.getpid() % 200 + 20}"
+    first_log = logs / "attempt0-pod0.log"
     restarts = 0
-    with Pods(jobset_pods(jobset), prefix, subnet) as net:
-        with stopped(_start_all(net, net.pods, base, image, logs / "attempt0")) as procs:
+    pods = jobset_pods(jobset, secrets=secrets)
+    with Pods(pods, prefix, subnet) as net, _s3_server(endpoint, keys, tmp_path / "s3.log") as server:
+        server.ready()
+        with stopped(_start_all(net, net.pods, base, image, logs / "attempt0", disks)) as procs:
             deadline = time.monotonic() + 180
-            while not (run_dir / "checkpoints/10/checksums.json").exists() or max(_losses(run_dir)) < 13:
-                assert all(p.poll() is None for p in procs), (logs / "attempt0-pod0.log").read_text()[-3000:]
+            while _last_step(first_log) < 13 or server.get("run/checkpoints/10/checksums.json") is None:
+                assert all(p.poll() is None for p in procs), first_log.read_text()[-3000:]
                 assert time.monotonic() < deadline, "never got past the checkpoint of step 10"
                 time.sleep(0.1)
-            assert max(_losses(run_dir)) < 40, "the run ended before the kill"
+            assert _last_step(first_log) < 40, "the run ended before the kill"
             os.kill(rank_pid(marker, 2), signal.SIGKILL)
             # JobSet: the failed pod fails its Job; the controller deletes every Job (SIGTERM to each
             # pod, SIGKILL after its grace) and creates them again with the next restart attempt.
@@ -209,27 +222,102 @@ def test_four_pods_train_lose_one_to_kill_9_restart_together_and_resume_bitwise(
             stop_s = time.monotonic() - t0
         restarts += 1
         assert restarts <= max_restarts
-        again = jobset_pods(jobset, restart_attempt=restarts)
-        with stopped(_start_all(net, again, base, image, logs / "attempt1")) as procs:
+        # The uninterrupted run: the same four processes, on this host, its run dir on disk; beside
+        # the new pods (their start waits on the store's answers more than on the CPU).
+        reference = tmp_path / "reference"
+        with open(tmp_path / "reference.log", "w") as out:
+            unbroken = subprocess.Popen(
+                [sys.executable, "scripts/run_distributed.py", "--mode", "manual", "--world-size", "4", "--",
+                 *args, "--run_dir", str(reference)],
+                cwd=REPO, env=clean_env(1, JAXTRAIN_TEST_MARK=marker), stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        # New pods: new disks, the same Secret; all they find of the run is in the bucket.
+        again = jobset_pods(jobset, restart_attempt=restarts, secrets=secrets)
+        with (
+            stopped([unbroken]),
+            stopped(_start_all(net, again, base, image, logs / "attempt1", disks)) as procs,
+        ):
             codes = [p.wait(timeout=300) for p in procs]
-    said = (logs / "attempt1-pod0.log").read_text()
-    assert codes == [0, 0, 0, 0], said[-3000:]
+            assert unbroken.wait(timeout=300) == 0, (tmp_path / "reference.log").read_text()[-3000:]
+        said = (logs / "attempt1-pod0.log").read_text()
+        assert codes == [0, 0, 0, 0], said[-3000:]
+        metrics = server.get("run/metrics.jsonl")
+        assert server.get("run/job.lock") is None  # released at the end
     assert "jaxtrain launch: ranks 0..0 of 4, coordinator jaxtrain-workers-0-0.jaxtrain:29500" in said
     assert f"resumed from {run_dir}/checkpoints/" in said and "Kubernetes environment detected" not in said
-    assert _losses(run_dir) == _losses(reference)  # bit for bit, every step
+    assert metrics is not None and _losses(metrics.decode()) == logged_losses(reference)  # bit for bit
     assert processes_marked(marker) == [], "processes left behind"
+    assert not (REPO / "s3:").exists()  # nothing written locally under the URL's name
     print(f"the other pods stopped {stop_s:.1f} s after JobSet's SIGTERM")
 
 
-def _start_all(net: Pods, pods: list, base: dict, image: dict, log_prefix: Path) -> list[subprocess.Popen]:
-    """Every pod's container started, its output to LOG_PREFIX-pod<i>.log."""
+class _Store:
+    """The bucket BUCKET of an S3-API server, through boto3 with the pods' keys."""
+
+    def __init__(self, endpoint: str, keys: dict[str, str], server: subprocess.Popen) -> None:
+        self.endpoint, self.keys, self.server = endpoint, keys, server
+
+    def ready(self) -> None:
+        """Wait until the server answers, then create the bucket."""
+        import boto3
+
+        answering(self.endpoint, self.server)
+        self.s3 = boto3.client(
+            "s3", endpoint_url=self.endpoint, region_name="us-east-1",
+            aws_access_key_id=self.keys["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=self.keys["AWS_SECRET_ACCESS_KEY"],
+        )  # fmt: skip
+        self.s3.create_bucket(Bucket=BUCKET)
+
+    def get(self, key: str) -> bytes | None:
+        """The object's bytes, or None if there is none."""
+        try:
+            return self.s3.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+        except self.s3.exceptions.NoSuchKey:
+            return None
+
+
+@contextlib.contextmanager
+def _s3_server(endpoint: str, keys: dict[str, str], log_path: Path) -> Iterator[_Store]:
+    """moto in server mode at `endpoint`, started as tests/stores.py's fixture `s3` starts it but on
+    this machine's address on the pods' network (Pods.host), where the pods reach it (that fixture's
+    server, on 127.0.0.1, is out of their network namespaces' reach); stopped afterwards. Call
+    ready() before use."""
+    address = urllib.parse.urlsplit(endpoint)
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", str(address.hostname), "-p", str(address.port)],
+            stdout=log, stderr=log,
+        )  # fmt: skip
+        try:
+            yield _Store(endpoint, keys, server)
+        finally:
+            server.terminate()
+            server.wait(10)
+
+
+def _last_step(log: Path) -> int:
+    """The last step a pod's container output (kubectl logs) shows, 0 before the first."""
+    steps = re.findall(r"INFO step +(\d+) \| loss", log.read_text())
+    return int(steps[-1]) if steps else 0
+
+
+def _start_all(
+    net: Pods, pods: list, base: dict, image: dict, log_prefix: Path, disks: Path
+) -> list[subprocess.Popen]:
+    """Every pod's container started, its output to LOG_PREFIX-pod<i>.log, its /tmp (TMPDIR: where
+    a bucket run dir's records are kept before they go up) a fresh folder of its own under `disks`."""
     procs = []
     for i, pod in enumerate(pods):
+        disk = disks / f"{log_prefix.name}-pod{i}"
+        disk.mkdir(parents=True)
         with open(f"{log_prefix}-pod{i}.log", "w") as out:
-            procs.append(net.start(i, pod, base, image, stdout=out, stderr=subprocess.STDOUT))
+            env = {**base, "TMPDIR": str(disk)}
+            procs.append(net.start(i, pod, env, image, stdout=out, stderr=subprocess.STDOUT))
     return procs
 
 
-def _losses(run_dir: Path) -> dict[int, float]:
-    """The logged losses by step; {0: 0.0} before the first."""
-    return logged_losses(run_dir) if (run_dir / "metrics.jsonl").exists() else {0: 0.0}
+def _losses(text: str) -> dict[int, float]:
+    """The losses metrics.jsonl's text logs, by step."""
+    records = [json.loads(x) for x in text.splitlines() if x.strip()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
