@@ -71,6 +71,8 @@ MOE = {
     "deepseek_v3_671b_h100_128x8": "DeepSeek-V3-671B, as configured",
     "deepseek_v3_671b_h100_128x8_pipeline16_expert8": "the same, experts inside each host, pipeline 16 "
     "across the hosts (Megatron's rule), data 8 + ZeRO-1",
+    "deepseek_v3_671b_h100_128x8_expert64_node8": "the same, expert 64 inside fsdp 16, the exchange in "
+    "two hops (8 nodes of 8)",
     "qwen3_235b_a22b_h100_32x8": "Qwen3-235B-A22B, as shipped (experts inside each host, padded exchange)",
     "moe_tiny_dropless_h100x8": "moe_tiny, dropless (CI)",
     "deepseek_tiny_heads192_h100x8": "DeepSeek-style tiny, query heads of 192: cuDNN attention (CI)",

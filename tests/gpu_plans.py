@@ -268,6 +268,25 @@ CASES = {
         128,
         8,
     ),  # fmt: skip
+    # The two-hop exchange (mesh.expert_node): expert 64 laid inside fsdp 16, so each expert group
+    # is 8 hosts of 8, one of DeepSeek-V3's 8 routing groups on each: a token crosses to at most 4.
+    "deepseek_v3_671b_h100_128x8_expert64_node8": (
+        [
+            "--config",
+            "configs/deepseek_v3_671b.yaml",
+            "--mesh.expert",
+            "64",
+            "--mesh.fsdp",
+            "16",
+            "--mesh.expert_inner",
+            "true",
+            "--mesh.expert_node",
+            "8",
+        ],
+        "h100",
+        128,
+        8,
+    ),  # fmt: skip
     # Qwen3-235B-A22B as shipped (issue 60): experts inside each host, fsdp 32 across the hosts.
     "qwen3_235b_a22b_h100_32x8": (["--config", "configs/qwen3_235b_a22b.yaml"], "h100", 32, 8),
     "llama3_8b_h100_8x8_reduce_compute": (
