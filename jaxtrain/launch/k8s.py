@@ -8,7 +8,8 @@ of an Indexed Job. Pod i's hostname is <name>-workers-<i>-0; the coordinator is 
 <name>-workers-0-0.<name> (JobSet's spec.coordinator), reached through JobSet's headless Service.
 A pod that fails fails its Job (backoffLimit 0) and JobSet recreates every Job, at most
 --max-restarts times: the run resumes from its run dir, which every pod must reach (a bucket,
-gs:// or s3://, or a shared volume, --pvc). Credentials go in by reference only (--secret, --secret-file, --service-account).
+gs:// or s3://, or a shared volume, --pvc). Credentials go in by reference only (--secret,
+--secret-file, --service-account).
 The command line is jaxtrain/launch/cli.py. Never imports jax.
 """
 
