@@ -1,5 +1,5 @@
 """scripts/prepare_data.py, --init_from hf:DIR and scripts/export_hf.py with buckets (prepare/inputs.py,
-prepare/output.py, hf/store.py, hf/remote.py), against the real servers of tests/stores.py.
+prepare/output.py, hf/store.py, disk/remote.py), against the real servers of tests/stores.py.
 
 In-process, this process's environment pointed at the servers (as a user's would be at a store):
 jsonl, parquet and text objects in S3 prepared into S3 give the bytes the same files on disk give,
@@ -193,8 +193,8 @@ def checkpoint(tmp_path, stores):
 def test_export_to_gcs_and_init_from_it_give_back_every_param(stores, checkpoint, tmp_path, monkeypatch):
     import jax
 
+    from jaxtrain.disk import remote
     from jaxtrain.hf import export as export_lib
-    from jaxtrain.hf import remote
     from jaxtrain.hf.config import with_hf_model
     from jaxtrain.hf.load import HFCheckpoint
 

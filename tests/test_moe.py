@@ -97,10 +97,17 @@ def test_tokens_go_by_all_to_all_and_experts_stay_split(expert_parallel):
     # Per device and layer, this device's copies of its tokens (rows x T x k), a buffer for each
     # of the ep peers (XLA splits the exchange into one operand per peer): there and back, in the
     # forward and again in the backward.
-    copies = cfg.batch_size // (cfg.mesh.data * ep * fsdp) * cfg.model.seq_len * 2
-    buffers = f"f32[1,{copies},{cfg.model.d_model}]"
+    tokens, k, d = cfg.batch_size // (cfg.mesh.data * ep * fsdp) * cfg.model.seq_len, 2, cfg.model.d_model
+    node = cfg.mesh.expert_node
+    # Two hops (dropless): each token once to each of its nodes (at most k), a buffer for each node's
+    # device at our place; then, inside the node, each received row's k slots to the node's devices.
+    nodes = ep // node if node else ep
+    hops = (
+        [(tokens * k, nodes), (nodes * tokens * k * k, node)] if node else [(tokens * k, ep)]
+    )  # (rows a peer's buffer holds, peers)
     to_all = _collectives(hlo, "all-to-all")
-    assert sum(t.count(buffers) == ep for t in to_all) >= 4 * cfg.model.n_layer, to_all
+    for rows, peers in hops:
+        assert sum(t.count(f"f32[1,{rows},{d}]") == peers for t in to_all) >= 4 * cfg.model.n_layer, to_all
     # No all-gather holds tokens: its results are params (a d_model dim split over fsdp, and a
     # dense param's over expert too: the expert axis folds onto the dense part's shards).
     gathers = _collectives(hlo, "all-gather")

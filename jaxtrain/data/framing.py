@@ -14,12 +14,11 @@ import dataclasses
 from collections.abc import Sequence
 
 from jaxtrain.config import Config, ModelConfig
-from jaxtrain.config.origin import PREFIX
+from jaxtrain.config.origin import PREFIX, hf_dir, is_hf
 from jaxtrain.data.sources import Source
 from jaxtrain.disk import bucket
+from jaxtrain.disk.remote import fetch_tokenizer
 from jaxtrain.errors import DataError
-from jaxtrain.hf import hf_dir
-from jaxtrain.hf.remote import fetch_tokenizer
 from jaxtrain.text.chat_template import chat_framing
 from jaxtrain.tokenizer import BPETokenizer, Framing, find_tokenizer
 
@@ -27,10 +26,11 @@ from jaxtrain.tokenizer import BPETokenizer, Framing, find_tokenizer
 def model_tokenizer(cfg: Config) -> BPETokenizer | None:
     """The tokenizer of the model a run starts from, where it has its own (a Hugging Face dir's, in
     a bucket too: its tokenizer files copied to the local cache first)."""
-    directory = hf_dir(cfg.init_from or cfg.resume_from)
-    if isinstance(directory, str) and bucket.is_url(directory):
-        where = fetch_tokenizer(directory, "--init_from" if cfg.init_from else "--resume_from")
+    spec = cfg.init_from or cfg.resume_from
+    if is_hf(spec) and bucket.is_url(spec[len(PREFIX) :]):
+        where = fetch_tokenizer(spec[len(PREFIX) :], "--init_from" if cfg.init_from else "--resume_from")
     else:
+        directory = hf_dir(spec)
         where = find_tokenizer(directory) if directory is not None else None
     return BPETokenizer.from_file(where) if where is not None else None
 

@@ -8,7 +8,7 @@ mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 (moe.py).
 config.py maps architectures to ModelConfig and back (moe.py: the MoE families' keys), weights.py
 names every tensor (one table, read both ways), store.py reads and writes safetensors files,
 load.py and export.py use them. A dir may be a gs:// or s3:// prefix: its safetensors read by
-range (store.py), its tokenizer files fetched and whole dirs written complete-or-nothing (remote.py).
+range (store.py), its tokenizer files fetched and whole dirs written complete-or-nothing (disk/remote.py).
 """
 
 from pathlib import Path

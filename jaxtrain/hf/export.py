@@ -27,10 +27,10 @@ from jaxtrain.config.data import parse_spec
 from jaxtrain.data.default import given_paths, tokenizer_file
 from jaxtrain.disk import bucket
 from jaxtrain.disk import checkpoint as ckpt_lib
+from jaxtrain.disk.remote import Upload, fetch_tokenizer
 from jaxtrain.errors import UserError
 from jaxtrain.hf import config as hf_config
 from jaxtrain.hf import is_hf, weights
-from jaxtrain.hf.remote import Upload, fetch_tokenizer
 from jaxtrain.hf.store import Writer
 from jaxtrain.model.params import path_names
 from jaxtrain.text.chat_template import stop_tokens

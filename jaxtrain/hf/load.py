@@ -20,10 +20,10 @@ import jax
 import numpy as np
 
 from jaxtrain.disk import bucket
+from jaxtrain.disk.remote import fetch_tokenizer
 from jaxtrain.errors import UserError
 from jaxtrain.hf import PREFIX, weights
 from jaxtrain.hf import config as hf_config
-from jaxtrain.hf.remote import fetch_tokenizer
 from jaxtrain.hf.store import Reader
 from jaxtrain.model.params import path_names
 from jaxtrain.tokenizer import find_tokenizer

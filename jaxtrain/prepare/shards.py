@@ -250,7 +250,7 @@ def local_tokenizer(where: str, flag: str) -> Path | None:
     """find_tokenizer(where), where a tokenizer in a bucket (a tokenizer.json object, or a prefix
     holding one, as a Hugging Face folder does) is first copied with its companions into the cache."""
     if bucket.is_url(where):
-        from jaxtrain.hf.remote import fetch_tokenizer
+        from jaxtrain.disk.remote import fetch_tokenizer
 
         return fetch_tokenizer(where, flag)
     return find_tokenizer(where)
