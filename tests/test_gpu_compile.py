@@ -17,8 +17,12 @@ from processes import clean_env
 
 ROOT = Path(__file__).resolve().parent.parent
 # The first test waits for every compile: minutes on a loaded 2-core machine (CI: 1,553-1,608 s of
-# its niced wait beside the CPU suite, too near a 1,800 s limit; 4.6 min of CPU alone).
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(2700)]
+# its niced wait beside the CPU suite, too near a 1,800 s limit; 4.6 min of CPU alone). A guard
+# against a hang, not a speed rule: a fresh-clone .ci/run on a machine running at half its usual
+# speed (user CPU 83 min where it was 43; the CPU suite 48.5 min) waited past 2,700 s, so 3,600 s,
+# which keeps the whole run inside CI's 90 minutes there.
+WAIT_S = 3600
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(WAIT_S)]
 H100 = "gpt2_124m_h100x8_"
 MESHES = ["data8", "fsdp8", "fsdp4_tensor2_fp16", "zero1"]
 # Bytes of gpt2_124m's largest parameter (the 50304 x 768 float32 embedding), one fsdp-8 shard of it.
@@ -58,7 +62,7 @@ def plans_dir(tmp_path_factory):
         for cases in halves
     ]
     for proc in procs:
-        stdout, stderr = proc.communicate(timeout=2700)
+        stdout, stderr = proc.communicate(timeout=WAIT_S)
         assert proc.returncode == 0, stdout + stderr[-4000:]
     return out
 
