@@ -225,6 +225,13 @@ class Exchange(Placed):
         return jnp.where(plan.held.reshape(-1, *(1,) * (y.ndim - 1)), got, 0), got
 
 
+def _kind(wire: Wire) -> str:
+    """The exchange a wire runs, ragged or padded: settled where the job meets its devices
+    (run/kernels.py); `auto` outside a job is model/auto.py's rule for the platform the step
+    compiles for."""
+    return auto.exchange(mesh_lib.platform()) if wire.exchange == "auto" else wire.exchange
+
+
 def experts(
     rows: Pieces,
     gates: Pieces,
@@ -246,13 +253,9 @@ def experts(
         placed = Placed(wire.impl, wire.routed, wire.dispatch)
         outs = routed(recomputed)(placed, rows, gates, w_in, w_out, plans, fp8_weights)
         return outs, jnp.zeros((), jnp.float32)
-    # Settled where the job meets its devices (run/kernels.py); auto outside a job: model/auto.py's
-    # rule for the platform the step compiles for
-    named = wire.exchange
-    ragged = (auto.exchange(mesh_lib.platform()) if named == "auto" else named) == "ragged"
     return exchange(
-        rows, gates, experts, EXPERT_AXIS, ep, w_in, w_out, wire.impl, capacity_factor, ragged,
-        wire.dispatch, recomputed, fp8_weights,
+        rows, gates, experts, EXPERT_AXIS, ep, w_in, w_out, wire.impl, capacity_factor,
+        _kind(wire) == "ragged", wire.dispatch, recomputed, fp8_weights,
     )  # fmt: skip
 
 
@@ -364,8 +367,7 @@ def two_hops(
     nodes, local = ep // node, w_in.shape[0]
     per_node = local * node  # the experts a node holds
     inside, across = node_groups(ep, node)
-    named = wire.exchange
-    kind = (auto.exchange(mesh_lib.platform()) if named == "auto" else named) or "padded"
+    kind = _kind(wire)
     rows1 = n * reach
     bound1, pair1 = receive_bound(rows1, nodes, capacity_factor), pair_bound(rows1, nodes, capacity_factor)
     hop = Exchange(wire.impl, rows1, wire.dispatch, bound1, kind, EXPERT_AXIS, min(pair1, bound1), across)
