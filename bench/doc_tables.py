@@ -73,6 +73,8 @@ MOE = {
     "across the hosts (Megatron's rule), data 8 + ZeRO-1",
     "deepseek_v3_671b_h100_128x8_expert64_node8": "the same, expert 64 inside fsdp 16, the exchange in "
     "two hops (8 nodes of 8)",
+    "deepseek_v3_671b_h100_128x8_overlap2": "the same as configured, each device's 2 sequences in 2 groups "
+    "through every MoE block (`model.moe.overlap_groups 2`)",
     "qwen3_235b_a22b_h100_32x8": "Qwen3-235B-A22B, as shipped (experts inside each host, padded exchange)",
     "moe_tiny_dropless_h100x8": "moe_tiny, dropless (CI)",
     "deepseek_tiny_heads192_h100x8": "DeepSeek-style tiny, query heads of 192: cuDNN attention (CI)",

@@ -287,6 +287,14 @@ CASES = {
         128,
         8,
     ),  # fmt: skip
+    # Each device's 2 sequences in 2 groups through every MoE block (model.moe.overlap_groups): one
+    # group's exchange free to run beside the other's attention and experts.
+    "deepseek_v3_671b_h100_128x8_overlap2": (
+        ["--config", "configs/deepseek_v3_671b.yaml", "--model.moe.overlap_groups", "2"],
+        "h100",
+        128,
+        8,
+    ),
     # Qwen3-235B-A22B as shipped (issue 60): experts inside each host, fsdp 32 across the hosts.
     "qwen3_235b_a22b_h100_32x8": (["--config", "configs/qwen3_235b_a22b.yaml"], "h100", 32, 8),
     "llama3_8b_h100_8x8_reduce_compute": (

@@ -36,10 +36,11 @@ DOTS = ["--model.remat", "dots"]
 MESHES = {
     "expert4xdata2": ["--mesh.expert", "4", "--mesh.data", "2"],
     # expert laid inside fsdp (tests/test_deepseek.py trains the same sizes laid out as usual),
-    # under remat dots (the exchange's own backward, `_routed`): Qwen3-30B-A3B's settings
+    # under remat dots (the exchange's own backward, `_routed`): Qwen3-30B-A3B's settings; each
+    # device's 4 sequences in 2 groups through every block (model.moe.overlap_groups)
     "expert2_inside_fsdp2xtensor2": [
         "--mesh.expert", "2", "--mesh.fsdp", "2", "--mesh.tensor", "2", "--mesh.data", "1",
-        "--mesh.expert_inner", "true", *DOTS,
+        "--mesh.expert_inner", "true", *DOTS, "--model.moe.overlap_groups", "2",
     ],
     # 2 nodes of 4 (issue 60's fake hosts): the two-hop exchange (parallel/expert.py `two_hops`)
     "expert8_in_nodes_of_4": ["--mesh.expert", "8", "--mesh.data", "1", "--mesh.expert_node", "4"],

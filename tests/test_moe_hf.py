@@ -318,7 +318,7 @@ def test_a_shipped_qwen3_config_is_the_published_model(tmp_path, name):
     assert {k: v for k, v in to_dict(hub).items() if k not in training} == {
         k: v for k, v in to_dict(shipped).items() if k not in training
     }
-    routing = {"capacity_factor", "chunks", "grouped_matmul", "exchange", "dispatch_dtype"}
+    routing = {"capacity_factor", "chunks", "overlap_groups", "grouped_matmul", "exchange", "dispatch_dtype"}
     assert {k: v for k, v in to_dict(hub.moe).items() if k not in routing} == {
         k: v for k, v in to_dict(shipped.moe).items() if k not in routing
     }

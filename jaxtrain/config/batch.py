@@ -43,4 +43,10 @@ def batch_plan(cfg: Config, shards: int, n_devices: int) -> tuple[int, int]:
             f"microbatch {micro} (batch_size {batch} / gradient_accumulation_steps {accum}) is not "
             f"divisible by {shards} {where}; use a batch_size that is a multiple of {accum * shards}"
         )
+    groups, rows = cfg.model.moe.overlap_groups, micro // shards
+    if cfg.model.moe.n_experts and rows % groups:
+        raise ConfigError(
+            f"model.moe.overlap_groups {groups} does not divide a device's {rows} sequences a microbatch; "
+            f"use a device batch that is a multiple of {groups}, or model.moe.overlap_groups 1"
+        )
     return batch, accum

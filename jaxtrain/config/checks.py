@@ -51,7 +51,8 @@ _POSITIVE = (
     "model.vocab_size", "model.seq_len", "model.n_layer", "model.n_head", "model.d_model",
     "optim.matrix_lr", "max_new_tokens", "model.moe.experts_per_token", "model.moe.every",
     "model.moe.n_group", "model.moe.topk_group", "model.moe.routed_scale", "model.moe.chunks",
-    "optim.lr", "dist.init_timeout", "max_bad_steps", "preemption_check_interval", "lock_stale_s",
+    "model.moe.overlap_groups", "optim.lr", "dist.init_timeout", "max_bad_steps",
+    "preemption_check_interval", "lock_stale_s",
 )  # fmt: skip
 _NON_NEGATIVE = (
     "total_batch_size", "device_batch_size", "eval_interval", "gradient_clip_val", "top_k", "depth",

@@ -74,6 +74,11 @@ class MoeConfig:
     # by itself, one after another, so one piece's exchange runs beside another's experts; under
     # capacity_factor each piece's receivers keep its share
     chunks: int = 1
+    # Each MoE block runs a device's sequences in this many groups, each group through attention,
+    # router, exchange and experts by itself, so one group's exchange runs beside another's compute
+    # (Megatron's and DeepSeek's overlap of two microbatches, inside one step); must divide a
+    # device's sequences in a microbatch; 1 = off
+    overlap_groups: int = 1
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ the decode cache's index."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -114,8 +115,13 @@ def residual_std(cfg: ModelConfig) -> float:
 
 def norm(x: jax.Array, eps: float, name: str) -> jax.Array:
     """RMSNorm in float32 (a low-precision mean of squares is noisy), output in x's dtype."""
-    y = nn.RMSNorm(epsilon=eps, dtype=jnp.float32, param_dtype=jnp.float32, name=name)(x.astype(jnp.float32))
-    return y.astype(x.dtype)
+    return norm_layer(eps, name)(x)
+
+
+def norm_layer(eps: float, name: str) -> Callable[[jax.Array], jax.Array]:
+    """`norm` as one module that may run on several inputs (its params made once)."""
+    layer = nn.RMSNorm(epsilon=eps, dtype=jnp.float32, param_dtype=jnp.float32, name=name)
+    return lambda x: layer(x.astype(jnp.float32)).astype(x.dtype)
 
 
 def rope_frequencies(cfg: ModelConfig, h: int) -> jax.Array:

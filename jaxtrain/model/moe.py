@@ -604,15 +604,20 @@ class MoeMlp(nn.Module):
 
 def router_stats(collection: Any) -> dict[str, jax.Array]:
     """The "moe" collection as arrays over MoE layers, in layer order: load and probs [L, E], z and
-    dropped [L]."""
+    dropped [L]. A layer that ran its sequences in equal groups (model.moe.overlap_groups) sowed
+    each group's: their mean is the layer's."""
+
+    def mean(sown: tuple[jax.Array, ...]) -> jax.Array:
+        return sum(sown[1:], sown[0]) / len(sown)
+
     layers: list[tuple[int, Any]] = []
     for name, sub in collection.items():
         stats = sub["moe"]
         if name == "blocks":  # scanned: each sown value already stacks every layer
-            return {key: stats[key][0] for key in _STATS}
+            return {key: mean(stats[key]) for key in _STATS}
         layers.append((int(name.split("_")[1]), stats))
     layers.sort(key=lambda item: item[0])
-    return {key: jnp.stack([s[key][0] for _, s in layers]) for key in _STATS}
+    return {key: jnp.stack([mean(s[key]) for _, s in layers]) for key in _STATS}
 
 
 _STATS = ("load", "probs", "z", "dropped")

@@ -35,7 +35,7 @@ from jaxtrain.model import fp8
 from jaxtrain.model.attention import Attention
 from jaxtrain.model.documents import Documents, packed
 from jaxtrain.model.head import Embedding, token_losses
-from jaxtrain.model.layers import cache_index, constrain, norm
+from jaxtrain.model.layers import cache_index, constrain, norm, norm_layer
 from jaxtrain.model.mlp import Mlp
 from jaxtrain.model.moe import MoeMlp, is_moe_layer
 from jaxtrain.model.placement import LOCAL, Gather, Placement
@@ -43,7 +43,11 @@ from jaxtrain.text.format import TOKEN_BITS
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block."""
+    """Pre-norm transformer block. A MoE block under model.moe.overlap_groups g runs a device's
+    sequences in g groups, each through the whole block by itself: no group waits on another, so
+    XLA's scheduler may run one group's expert exchange beside another's attention and experts
+    (the exchange hidden behind compute: docs/moe.md). The math is each sequence's alone; only
+    what a capacity drops is each group's."""
 
     cfg: ModelConfig
     dtype: Any
@@ -55,16 +59,27 @@ class Block(nn.Module):
     def __call__(self, x: jax.Array, doc: Documents | None = None) -> tuple[jax.Array, None]:
         # (carry, input broadcast to every layer) -> (carry, per-layer output): what nn.scan needs.
         eps, placement = self.cfg.norm_eps, self.placement
-        x = x + Attention(self.cfg, self.dtype, self.decode, placement, name="attn")(
-            norm(x, eps, "ln_1"), doc
-        )
+        ln_1, ln_2 = norm_layer(eps, "ln_1"), norm_layer(eps, "ln_2")
+        attn = Attention(self.cfg, self.dtype, self.decode, placement, name="attn")
         mlp: nn.Module = (
             MoeMlp(self.cfg, self.dtype, placement, name="moe")
             if self.moe
             else Mlp(self.cfg, self.dtype, placement, name="mlp")
         )
-        x = x + mlp(norm(x, eps, "ln_2"))
-        return x, None
+
+        def block(x: jax.Array, doc: Documents | None) -> jax.Array:
+            x = x + attn(ln_1(x), doc)
+            return x + mlp(ln_2(x))
+
+        groups = self.cfg.moe.overlap_groups if self.moe and not self.decode else 1
+        if groups == 1 or x.shape[0] % groups:  # decoding's batch, or a pipeline's microbatch
+            return block(x, doc), None
+        # Strided groups (sequence i in group i % g): each is a slice of this device's rows as it
+        # holds them, so no group moves between devices where the batch is sharded.
+        split = lambda a: a.reshape(-1, groups, *a.shape[1:])  # noqa: E731
+        xs, docs = split(x), jax.tree.map(split, doc)
+        ys = [block(xs[:, g], jax.tree.map(lambda a, g=g: a[:, g], docs)) for g in range(groups)]
+        return jnp.stack(ys, axis=1).reshape(x.shape), None
 
 
 def _with_gather(

@@ -82,14 +82,15 @@ def padded_ragged_all_to_all(
 def one_exchange(cfg: Any, mesh: Any, itemsize: int) -> list:
     """One of a job's expert exchanges as the planner traces it (observe/links.py exchange_xfer):
     the copies a device routes in one piece (its tokens of a microbatch x experts_per_token /
-    moe.chunks) of d_model values, to the expert axis's devices, so many in one process, a slot for
-    each of a peer's experts. `cfg`: the job's Config; what run/build.py costs auto's pick by."""
+    moe.chunks / moe.overlap_groups) of d_model values, to the expert axis's devices, so many in
+    one process, a slot for each of a peer's experts. `cfg`: the job's Config; what run/build.py
+    costs auto's pick by."""
     shape = dict(mesh.shape)
     shards = shape[mesh_lib.DATA_AXIS] * shape[EXPERT_AXIS] * shape[mesh_lib.FSDP_AXIS]
     rows = cfg.batch_size // cfg.gradient_accumulation_steps // shards
     tokens = rows * cfg.model.seq_len // shape[mesh_lib.CONTEXT_AXIS]
     moe, ep = cfg.model.moe, shape[EXPERT_AXIS]
-    size = tokens * moe.experts_per_token // moe.chunks * cfg.model.d_model * itemsize
+    size = tokens * moe.experts_per_token // (moe.chunks * moe.overlap_groups) * cfg.model.d_model * itemsize
     return links.exchange_xfer(size, ep, mesh_lib.per_process(mesh, EXPERT_AXIS), moe.n_experts // ep)
 
 
