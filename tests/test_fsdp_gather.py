@@ -5,9 +5,12 @@ step compiles to, and in the losses."""
 import re
 
 import jax
+import jax.numpy as jnp
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from jaxtrain.config import load_config
+from jaxtrain.parallel.fsdp import reduce_scatter
 from jaxtrain.run.build import build
 from jaxtrain.run.job import Job
 
@@ -33,11 +36,21 @@ def test_bfloat16_gathers_bfloat16_params_and_reduces_float32_gradients():
     assert moved == {"all_gather": {"bf16"}, "reduce_scatter": {"f32"}}, moved
 
 
-def test_reduce_dtype_compute_asks_for_float32_on_cpu():
-    """On a CPU mesh compute is float32 (XLA:CPU widens collectives and aborts on a bf16
-    reduce-scatter); the GPU program reduces in bf16 (tests/test_gpu_compile.py)."""
+def test_reduce_dtype_compute_rounds_as_bfloat16_on_cpu():
+    """On a CPU mesh the reduce-scatter itself stays float32 (XLA:CPU widens collectives and aborts
+    on a bf16 reduce-scatter), with bfloat16's rounding written around it (parallel/fsdp.py
+    `reduce_scatter`): 8 addends of 1 + 2^-10 (bfloat16 rounds each to 1) sum to 8, not 8.0078125.
+    The GPU program reduces in bf16 (tests/test_gpu_compile.py)."""
     moved = _collectives(["--dtype", "bfloat16", "--mesh.reduce_dtype", "compute"])
     assert moved == {"all_gather": {"bf16"}, "reduce_scatter": {"f32"}}, moved
+    mesh = jax.make_mesh((8,), ("fsdp",))
+    g = jnp.full((8, 8), 1 + 2**-10, jnp.float32)
+    for dtype, want in ((jnp.float32, 8 + 8 * 2**-10), (jnp.bfloat16, 8.0)):
+        summed = jax.shard_map(
+            lambda x, dtype=dtype: reduce_scatter(x, dtype, "fsdp", 0),
+            mesh=mesh, in_specs=P(None), out_specs=P("fsdp"),
+        )  # fmt: skip
+        assert (jax.device_get(jax.jit(summed)(g)) == want).all(), dtype
 
 
 def test_float32_runs_gather_float32():

@@ -76,7 +76,7 @@ def gather_quantized(
         return gather(x, scale), scale
 
     def backward(scale: jax.Array, g: tuple[jax.Array, Any]) -> tuple[jax.Array, jax.Array]:
-        shard = jax.lax.psum_scatter(g[0].astype(reduce_dtype), axes, scatter_dimension=dim, tiled=True)
+        shard = reduce_scatter(g[0], reduce_dtype, axes, dim)
         return shard.astype(p.dtype), jnp.zeros_like(scale)
 
     gather.defvjp(forward, backward)
@@ -87,6 +87,19 @@ def gather_quantized(
     scale = jnp.float32(1) if fp8_scale is None else fp8_scale
     whole, quantized = gather(p, scale)
     return whole, jax.lax.stop_gradient(quantized), (jax.lax.stop_gradient(scale) if fp8_over else None)
+
+
+def reduce_scatter(g: jax.Array, dtype: Any, axes: Any, dim: int) -> jax.Array:
+    """The gradient `g` summed over the manual `axes` in `dtype`, this device's part of `dim` kept.
+    XLA:CPU sums every collective in float32, and its promotion of a bfloat16 reduce-scatter aborts
+    the compiler (a CHECK in AllReducePromotion, jax 0.10.2): there the promotion is written out,
+    the addends rounded to bfloat16, summed in float32, the sum rounded once more. What XLA's
+    promotion computes, so mesh.reduce_dtype compute rounds on CPU too (NCCL's ring on GPUs also
+    rounds each partial sum: more rounding than this)."""
+    if dtype == jnp.float32 or mesh_lib.platform() != "cpu":
+        return jax.lax.psum_scatter(g.astype(dtype), axes, scatter_dimension=dim, tiled=True)
+    promoted = g.astype(dtype).astype(jnp.float32)
+    return jax.lax.psum_scatter(promoted, axes, scatter_dimension=dim, tiled=True).astype(dtype)
 
 
 def whole_scale(amax: jax.Array, over: tuple[str, ...]) -> jax.Array:

@@ -200,10 +200,8 @@ def make_train_step(
     faults: FaultPlan = NO_FAULTS,
 ) -> Callable:
     """train_step(state, batch) -> (state, metrics); batch is int32 [global_batch, T+1]."""
-    # XLA:CPU runs every collective in float32 anyway, and its promotion of a bfloat16
-    # reduce-scatter aborts the compiler (CHECK in AllReducePromotion, jax 0.10.2): float32 there.
-    platform = mesh.devices.flat[0].platform
-    reduce_dtype = model.dtype if cfg.mesh.reduce_dtype == "compute" and platform != "cpu" else jnp.float32
+    # (on CPU the bfloat16 sums' rounding is written out: parallel/fsdp.py `reduce_scatter`)
+    reduce_dtype = model.dtype if cfg.mesh.reduce_dtype == "compute" else jnp.float32
     layout = Layout(mesh, param_specs, model.dtype, reduce_dtype, cfg.mesh.zero1, cfg.mesh.expert_node)
     model = layout.place(model)
     accum, schedule, clip = cfg.gradient_accumulation_steps, lr_schedule(cfg), cfg.gradient_clip_val
