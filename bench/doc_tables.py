@@ -75,6 +75,8 @@ MOE = {
     "two hops (8 nodes of 8)",
     "deepseek_v3_671b_h100_128x8_overlap2": "the same as configured, each device's 2 sequences in 2 groups "
     "through every MoE block (`model.moe.overlap_groups 2`)",
+    "deepseek_v3_671b_h100_128x8_chunks8": "the same as configured, each layer's tokens in 8 pieces "
+    "(`model.moe.chunks 8`), no groups",
     "qwen3_235b_a22b_h100_32x8": "Qwen3-235B-A22B, as shipped (experts inside each host, padded exchange)",
     "moe_tiny_dropless_h100x8": "moe_tiny, dropless (CI)",
     "deepseek_tiny_heads192_h100x8": "DeepSeek-style tiny, query heads of 192: cuDNN attention (CI)",

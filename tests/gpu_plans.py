@@ -295,6 +295,13 @@ CASES = {
         128,
         8,
     ),
+    # The same 8 exchange pieces a layer without the groups: what the groups' gain is made of.
+    "deepseek_v3_671b_h100_128x8_chunks8": (
+        ["--config", "configs/deepseek_v3_671b.yaml", "--model.moe.chunks", "8"],
+        "h100",
+        128,
+        8,
+    ),
     # Qwen3-235B-A22B as shipped (issue 60): experts inside each host, fsdp 32 across the hosts.
     "qwen3_235b_a22b_h100_32x8": (["--config", "configs/qwen3_235b_a22b.yaml"], "h100", 32, 8),
     "llama3_8b_h100_8x8_reduce_compute": (
