@@ -8,6 +8,7 @@ semantics (jax's docstring, by hand below) and jax's own transpose rule; tests/t
 checks that the GPU program uses it and moves the routed bytes.
 """
 
+import dataclasses
 import json
 import math
 import re
@@ -351,6 +352,12 @@ def test_auto_picks_the_exchange_the_plan_forecasts_faster():
     mesh = mesh_lib.make_mesh(list(job.devices), cfg.mesh)
     xfer = expert.one_exchange(cfg, mesh, 2)
     assert xfer == pytest.approx(forecast._largest_exchange(plan["schedule_trace"]))
+    # By hand: 32,768 copies of 2,048 bf16 values to 8 peers on one host, 16 experts each; in 2
+    # groups of sequences (model.moe.overlap_groups) each exchange carries half of them.
+    assert xfer == links.exchange_xfer(32768 * 2048 * 2, 8, 8, 16)
+    moe = dataclasses.replace(cfg.model.moe, overlap_groups=2)
+    groups = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe=moe))
+    assert expert.one_exchange(groups, mesh, 2) == links.exchange_xfer(32768 * 2048, 8, 8, 16)
     seconds = links.exchange_seconds(xfer, plan["forecast"]["expert_load"])
     assert auto.exchange("gpu", seconds) == plan["forecast"]["exchange"]["auto"] == "padded"
     assert auto.exchange("gpu") == "ragged" and auto.exchange("cpu", seconds) == "padded"
